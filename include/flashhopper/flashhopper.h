@@ -1,0 +1,144 @@
+/* FlashHopper public C ABI.
+ *
+ * Plain C so that any binding (ctypes, another language, a different C++ ABI) can call the
+ * library. The C++ API in flashhopper.hpp is a thin layer over these same structs.
+ *
+ * Conventions (see DESIGN.md): shapes and strides are in elements; a tensor whose `data` is
+ * NULL is "absent" (optional arguments). Masks are aligned at the bottom-right. LSE is the
+ * natural-log sum of exponentials, float32, -inf for rows that see no key.
+ */
+#ifndef FLASHHOPPER_FLASHHOPPER_H
+#define FLASHHOPPER_FLASHHOPPER_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Same type as cudaStream_t, declared here so that the header needs no CUDA include. */
+typedef struct CUstream_st* fh_stream_t;
+
+typedef enum fh_dtype {
+  FH_DTYPE_BF16 = 0,
+  FH_DTYPE_FP16 = 1,
+  FH_DTYPE_FP8_E4M3 = 2, /* forward inputs only */
+  FH_DTYPE_FP32 = 3,     /* lse, descale factors, split partials, CPU reference */
+  FH_DTYPE_INT32 = 4,    /* cu_seqlens, seqused, page tables */
+  FH_DTYPE_FP64 = 5      /* CPU reference only */
+} fh_dtype;
+
+typedef enum fh_status {
+  FH_SUCCESS = 0,
+  FH_ERROR_INVALID_ARGUMENT = 1, /* the message names the argument and the rule */
+  FH_ERROR_NOT_SUPPORTED = 2,    /* a valid request that this build cannot run (yet) */
+  FH_ERROR_NO_DEVICE = 3,        /* no sm_90 GPU, or the library was built without CUDA */
+  FH_ERROR_CUDA = 4,             /* a CUDA call failed; the message carries CUDA's text */
+  FH_ERROR_WORKSPACE = 5         /* workspace pointer or size does not satisfy the query */
+} fh_status;
+
+#define FH_MAX_DIMS 5
+
+/* A strided view of device (or, for the CPU reference, host) memory. */
+typedef struct fh_tensor {
+  void* data;                     /* NULL: absent */
+  int32_t dtype;                  /* fh_dtype */
+  int32_t ndim;
+  int64_t shape[FH_MAX_DIMS];
+  int64_t stride[FH_MAX_DIMS];    /* in elements */
+} fh_tensor;
+
+/* Forward pass.
+ * Dense:  q [B, sq, Hq, d], k [B, sk, Hkv, d], v [B, sk, Hkv, dv], out [B, sq, Hq, dv],
+ *         lse [B, Hq, sq].
+ * Varlen (cu_seqlens_q and cu_seqlens_k present): q [total_q, Hq, d], k [total_k, Hkv, d],
+ *         v [total_k, Hkv, dv], out [total_q, Hq, dv], lse [Hq, total_q].
+ * Paged KV (page_table present): k [num_pages, page_size, Hkv, d], v likewise with dv,
+ *         page_table [B, max_pages], cache_seqlens [B]; k_new/v_new [B, s_new, Hkv, d|dv]
+ *         are written into the cache at cache_seqlens before attending.
+ * Split-KV (num_splits > 1): partials out_partial [num_splits, B, Hq, sq, dv] and
+ *         lse_partial [num_splits, B, Hq, sq] in float32 live in the workspace, then combined. */
+typedef struct fh_forward_params {
+  fh_tensor q, k, v, out;
+  fh_tensor lse;                  /* optional, float32 */
+
+  fh_tensor cu_seqlens_q;         /* optional int32 [B+1] */
+  fh_tensor cu_seqlens_k;         /* optional int32 [B+1] */
+  fh_tensor seqused_q;            /* optional int32 [B] */
+  fh_tensor seqused_k;            /* optional int32 [B] */
+  int32_t max_seqlen_q;           /* varlen: upper bound of the per-sequence lengths */
+  int32_t max_seqlen_k;
+
+  fh_tensor page_table;           /* optional int32 [B, max_pages] */
+  fh_tensor cache_seqlens;        /* int32 [B], with page_table or k_new */
+  fh_tensor k_new, v_new;         /* optional [B, s_new, Hkv, d], [B, s_new, Hkv, dv] */
+
+  fh_tensor q_descale, k_descale, v_descale; /* fp8 only: float32 [B, Hkv] */
+
+  float softmax_scale;            /* 0: 1/sqrt(d) */
+  float softcap;                  /* 0: none */
+  int32_t causal;                 /* same as window (-1, 0) */
+  int32_t window_left;            /* -1: unbounded */
+  int32_t window_right;           /* -1: unbounded */
+  int32_t num_sink_tokens;        /* local windows only */
+  int32_t num_splits;             /* 1: no split */
+} fh_forward_params;
+
+/* Backward pass. Layouts as the forward; dq like q, dk like k, dv like v; lse from the
+ * forward. For GQA, dk/dv of a key head sum over its group of query heads. */
+typedef struct fh_backward_params {
+  fh_tensor q, k, v, out, dout, lse;
+  fh_tensor dq, dk, dv;
+
+  fh_tensor cu_seqlens_q, cu_seqlens_k;
+  fh_tensor seqused_q, seqused_k;
+  int32_t max_seqlen_q, max_seqlen_k;
+
+  float softmax_scale;
+  float softcap;
+  int32_t causal;
+  int32_t window_left, window_right;
+  int32_t num_sink_tokens;
+  int32_t deterministic;          /* 1: bit-identical results run to run */
+} fh_backward_params;
+
+/* Merge split-KV partials: out_partial [num_splits, B, Hq, sq, dv] and
+ * lse_partial [num_splits, B, Hq, sq] (float32) into out [B, sq, Hq, dv] and lse [B, Hq, sq]. */
+typedef struct fh_combine_params {
+  fh_tensor out_partial, lse_partial;
+  fh_tensor out, lse;
+} fh_combine_params;
+
+/* Defaults: every tensor absent, scale 0 (1/sqrt(d)), windows unbounded, one split. */
+void fh_forward_params_init(fh_forward_params* params);
+void fh_backward_params_init(fh_backward_params* params);
+void fh_combine_params_init(fh_combine_params* params);
+
+/* Argument checks only (no device needed): what forward/backward would refuse. */
+fh_status fh_forward_check(const fh_forward_params* params);
+fh_status fh_backward_check(const fh_backward_params* params);
+fh_status fh_combine_check(const fh_combine_params* params);
+
+/* Bytes of device workspace the call needs (may be 0). */
+fh_status fh_forward_workspace_size(const fh_forward_params* params, size_t* bytes);
+fh_status fh_backward_workspace_size(const fh_backward_params* params, size_t* bytes);
+
+/* Enqueue the pass on `stream`. No host synchronisation. Nothing is launched on an error. */
+fh_status fh_forward(const fh_forward_params* params, void* workspace, size_t workspace_bytes,
+                     fh_stream_t stream);
+fh_status fh_backward(const fh_backward_params* params, void* workspace, size_t workspace_bytes,
+                      fh_stream_t stream);
+fh_status fh_combine(const fh_combine_params* params, fh_stream_t stream);
+
+/* The message of the last failed call on this thread ("" after a success). */
+const char* fh_last_error(void);
+
+/* 1 when the library was built with its CUDA kernels. */
+int32_t fh_built_with_cuda(void);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* FLASHHOPPER_FLASHHOPPER_H */

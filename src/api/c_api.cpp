@@ -1,0 +1,80 @@
+// The C ABI: the C++ API with its status turned into a code plus a thread-local message.
+#include <string>
+
+#include "flashhopper/flashhopper.h"
+#include "flashhopper/flashhopper.hpp"
+
+#define FLASHHOPPER_EXPORT extern "C" __attribute__((visibility("default")))
+
+namespace {
+
+thread_local std::string last_error;
+
+fh_status record(const flashhopper::Status& status) {
+  last_error = status.message;
+  return status.code;
+}
+
+fh_status null_argument(const char* name) {
+  last_error = std::string(name) + ": must not be null";
+  return FH_ERROR_INVALID_ARGUMENT;
+}
+
+}  // namespace
+
+FLASHHOPPER_EXPORT void fh_forward_params_init(fh_forward_params* params) {
+  if (params) *params = flashhopper::default_forward_params();
+}
+FLASHHOPPER_EXPORT void fh_backward_params_init(fh_backward_params* params) {
+  if (params) *params = flashhopper::default_backward_params();
+}
+FLASHHOPPER_EXPORT void fh_combine_params_init(fh_combine_params* params) {
+  if (params) *params = fh_combine_params{};
+}
+
+FLASHHOPPER_EXPORT fh_status fh_forward_check(const fh_forward_params* params) {
+  if (!params) return null_argument("params");
+  return record(flashhopper::check(*params));
+}
+FLASHHOPPER_EXPORT fh_status fh_backward_check(const fh_backward_params* params) {
+  if (!params) return null_argument("params");
+  return record(flashhopper::check(*params));
+}
+FLASHHOPPER_EXPORT fh_status fh_combine_check(const fh_combine_params* params) {
+  if (!params) return null_argument("params");
+  return record(flashhopper::check(*params));
+}
+
+FLASHHOPPER_EXPORT fh_status fh_forward_workspace_size(const fh_forward_params* params, size_t* bytes) {
+  if (!params) return null_argument("params");
+  return record(flashhopper::workspace_size(*params, bytes));
+}
+FLASHHOPPER_EXPORT fh_status fh_backward_workspace_size(const fh_backward_params* params, size_t* bytes) {
+  if (!params) return null_argument("params");
+  return record(flashhopper::workspace_size(*params, bytes));
+}
+
+FLASHHOPPER_EXPORT fh_status fh_forward(const fh_forward_params* params, void* workspace,
+                                        size_t workspace_bytes, fh_stream_t stream) {
+  if (!params) return null_argument("params");
+  return record(flashhopper::forward(*params, workspace, workspace_bytes, stream));
+}
+FLASHHOPPER_EXPORT fh_status fh_backward(const fh_backward_params* params, void* workspace,
+                                         size_t workspace_bytes, fh_stream_t stream) {
+  if (!params) return null_argument("params");
+  return record(flashhopper::backward(*params, workspace, workspace_bytes, stream));
+}
+FLASHHOPPER_EXPORT fh_status fh_combine(const fh_combine_params* params, fh_stream_t stream) {
+  if (!params) return null_argument("params");
+  return record(flashhopper::combine(*params, stream));
+}
+
+FLASHHOPPER_EXPORT const char* fh_last_error(void) { return last_error.c_str(); }
+
+FLASHHOPPER_EXPORT int32_t fh_built_with_cuda(void) {
+#ifdef FLASHHOPPER_WITH_CUDA
+  return 1;
+#else
+  return 0;
+#endif
+}

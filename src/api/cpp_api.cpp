@@ -1,0 +1,201 @@
+// The C++ entry points: check the arguments, ask whether this build can run them, check the
+// device and workspace, then launch. Every refusal happens here, before anything is enqueued.
+#include <string>
+
+#include "api/problem_shape.hpp"
+#include "api/validate.hpp"
+#include "flashhopper/flashhopper.hpp"
+
+#ifdef FLASHHOPPER_WITH_CUDA
+#include <cuda_runtime_api.h>
+
+#include "launch/launch.hpp"
+#endif
+
+namespace flashhopper {
+namespace {
+
+Status error(fh_status code, std::string message) { return Status{code, std::move(message)}; }
+
+#ifdef FLASHHOPPER_WITH_CUDA
+Status cuda_error(const char* what, cudaError_t err) {
+  return error(FH_ERROR_CUDA, std::string(what) + ": " + cudaGetErrorName(err) + " (" +
+                                  cudaGetErrorString(err) + ")");
+}
+
+// The current device must be an sm_90 GPU (the kernels are built for sm_90a only).
+Status check_device() {
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) {
+    cudaGetLastError();  // clear, so the caller's next CUDA call does not see our failure
+    return error(FH_ERROR_NO_DEVICE, std::string("no CUDA device available: ") + cudaGetErrorString(err));
+  }
+  int major = 0, minor = 0;
+  if ((err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device)) != cudaSuccess ||
+      (err = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device)) != cudaSuccess) {
+    return cuda_error("cudaDeviceGetAttribute", err);
+  }
+  if (major != 9 || minor != 0) {
+    return error(FH_ERROR_NO_DEVICE, "device " + std::to_string(device) + " has compute capability " +
+                                         std::to_string(major) + "." + std::to_string(minor) +
+                                         "; FlashHopper's kernels need sm_90 (H100/H200)");
+  }
+  return {};
+}
+
+// A host pointer handed to a kernel would fault; refuse it with the argument's name.
+Status check_device_pointer(const Tensor& t, const char* name) {
+  if (t.data == nullptr) return {};
+  cudaPointerAttributes attributes{};
+  cudaError_t err = cudaPointerGetAttributes(&attributes, t.data);
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    return error(FH_ERROR_INVALID_ARGUMENT, std::string(name) + ": pointer is not known to CUDA (" +
+                                                cudaGetErrorString(err) + ")");
+  }
+  if (attributes.type != cudaMemoryTypeDevice && attributes.type != cudaMemoryTypeManaged) {
+    return error(FH_ERROR_INVALID_ARGUMENT, std::string(name) + ": must point to device memory");
+  }
+  return {};
+}
+#endif
+
+Status check_workspace(void* workspace, size_t workspace_bytes, size_t needed) {
+  if (workspace_bytes < needed) {
+    return error(FH_ERROR_WORKSPACE, "workspace_bytes: " + std::to_string(workspace_bytes) +
+                                         " given, the call needs " + std::to_string(needed) +
+                                         " (ask workspace_size)");
+  }
+  if (needed > 0 && workspace == nullptr) {
+    return error(FH_ERROR_WORKSPACE, "workspace: null, the call needs " + std::to_string(needed) + " bytes");
+  }
+  if (reinterpret_cast<uintptr_t>(workspace) % 256 != 0) {
+    return error(FH_ERROR_WORKSPACE, "workspace: must be 256-byte aligned");
+  }
+  return {};
+}
+
+const char* kNoCuda = "this FlashHopper build has no CUDA kernels (configured with FLASHHOPPER_CUDA=OFF)";
+
+}  // namespace
+
+size_t dtype_size(DType dtype) {
+  switch (dtype) {
+    case FH_DTYPE_BF16:
+    case FH_DTYPE_FP16: return 2;
+    case FH_DTYPE_FP8_E4M3: return 1;
+    case FH_DTYPE_FP32:
+    case FH_DTYPE_INT32: return 4;
+    case FH_DTYPE_FP64: return 8;
+  }
+  return 0;
+}
+
+Tensor make_tensor(void* data, DType dtype, std::initializer_list<int64_t> shape,
+                   std::initializer_list<int64_t> stride) {
+  Tensor t{};
+  t.data = data;
+  t.dtype = dtype;
+  t.ndim = static_cast<int32_t>(shape.size() < FH_MAX_DIMS ? shape.size() : FH_MAX_DIMS);
+  int i = 0;
+  for (int64_t extent : shape) {
+    if (i < FH_MAX_DIMS) t.shape[i++] = extent;
+  }
+  if (stride.size() == shape.size()) {
+    i = 0;
+    for (int64_t s : stride) {
+      if (i < FH_MAX_DIMS) t.stride[i++] = s;
+    }
+  } else {
+    int64_t running = 1;
+    for (i = t.ndim - 1; i >= 0; --i) {
+      t.stride[i] = running;
+      running *= t.shape[i];
+    }
+  }
+  return t;
+}
+
+ForwardParams default_forward_params() {
+  ForwardParams p{};
+  p.window_left = -1;
+  p.window_right = -1;
+  p.num_splits = 1;
+  return p;
+}
+
+BackwardParams default_backward_params() {
+  BackwardParams p{};
+  p.window_left = -1;
+  p.window_right = -1;
+  return p;
+}
+
+Status check(const ForwardParams& params) { return detail::validate(params, detail::Target::kKernel); }
+Status check(const BackwardParams& params) { return detail::validate(params, detail::Target::kKernel); }
+Status check(const CombineParams& params) { return detail::validate(params, detail::Target::kKernel); }
+
+Status workspace_size(const ForwardParams& params, size_t* bytes) {
+  if (bytes == nullptr) return error(FH_ERROR_INVALID_ARGUMENT, "bytes: must not be null");
+  *bytes = 0;
+  Status status = check(params);
+  if (!status.ok()) return status;
+#ifdef FLASHHOPPER_WITH_CUDA
+  *bytes = launch::forward_workspace_size(params, detail::forward_shape(params));
+#endif
+  return {};
+}
+
+Status workspace_size(const BackwardParams& params, size_t* bytes) {
+  if (bytes == nullptr) return error(FH_ERROR_INVALID_ARGUMENT, "bytes: must not be null");
+  *bytes = 0;
+  return check(params);
+}
+
+Status forward(const ForwardParams& params, void* workspace, size_t workspace_bytes,
+               fh_stream_t stream) {
+  Status status = check(params);
+  if (!status.ok()) return status;
+#ifdef FLASHHOPPER_WITH_CUDA
+  const detail::ProblemShape shape = detail::forward_shape(params);
+  if (const char* reason = launch::forward_unsupported_reason(params, shape)) {
+    return error(FH_ERROR_NOT_SUPPORTED, std::string("forward: not supported yet: ") + reason);
+  }
+  if (!(status = check_device()).ok()) return status;
+  const std::pair<const Tensor*, const char*> pointers[] = {
+      {&params.q, "q"}, {&params.k, "k"}, {&params.v, "v"}, {&params.out, "out"}, {&params.lse, "lse"}};
+  for (const auto& [tensor, name] : pointers) {
+    if (!(status = check_device_pointer(*tensor, name)).ok()) return status;
+  }
+  status = check_workspace(workspace, workspace_bytes, launch::forward_workspace_size(params, shape));
+  if (!status.ok()) return status;
+  const int err = launch::run_forward(params, shape, workspace, stream);
+  if (err != 0) return cuda_error("forward kernel launch", static_cast<cudaError_t>(err));
+  return {};
+#else
+  (void)workspace;
+  (void)workspace_bytes;
+  (void)stream;
+  return error(FH_ERROR_NO_DEVICE, kNoCuda);
+#endif
+}
+
+Status backward(const BackwardParams& params, void* workspace, size_t workspace_bytes,
+                fh_stream_t stream) {
+  (void)workspace;
+  (void)workspace_bytes;
+  (void)stream;
+  Status status = check(params);
+  if (!status.ok()) return status;
+  return error(FH_ERROR_NOT_SUPPORTED, "backward: not supported yet: the backward kernel is not built yet");
+}
+
+Status combine(const CombineParams& params, fh_stream_t stream) {
+  (void)stream;
+  Status status = check(params);
+  if (!status.ok()) return status;
+  return error(FH_ERROR_NOT_SUPPORTED, "combine: not supported yet: the split-KV combine kernel is not built yet");
+}
+
+}  // namespace flashhopper

@@ -1,0 +1,106 @@
+// The problem's static geometry, read off a parameter struct once so that the checks, the
+// dispatch and the CPU reference agree on what the tensors mean. Host code only.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "flashhopper/flashhopper.hpp"
+
+namespace flashhopper::detail {
+
+struct ProblemShape {
+  int64_t batch = 0;
+  int64_t seqlen_q = 0;       // dense: q.shape[1]; varlen: max_seqlen_q
+  int64_t seqlen_k = 0;       // dense: k.shape[1]; varlen: max_seqlen_k; paged: max_pages * page_size
+  int64_t total_q = 0;        // varlen: q.shape[0]
+  int64_t total_k = 0;        // varlen: k.shape[0]
+  int64_t heads_q = 0;
+  int64_t heads_kv = 0;
+  int64_t head_dim = 0;       // d
+  int64_t head_dim_v = 0;     // dv
+  int64_t page_size = 0;      // paged only
+  int64_t num_pages = 0;      // paged only
+  int64_t max_pages = 0;      // paged only: page_table.shape[1]
+  int64_t seqlen_new = 0;     // k_new.shape[1] when appending
+  bool varlen_q = false;
+  bool varlen_k = false;
+  bool paged = false;
+  bool append_kv = false;
+};
+
+// Window bounds after folding `causal` in: causal is (-1, 0). -1 means unbounded.
+struct MaskSpec {
+  int32_t window_left = -1;
+  int32_t window_right = -1;
+  int32_t num_sink_tokens = 0;
+  bool is_causal() const { return window_left < 0 && window_right == 0; }
+  bool is_local() const { return window_left >= 0 || (window_right >= 0 && !is_causal()); }
+  bool is_masked() const { return window_left >= 0 || window_right >= 0; }
+};
+
+inline bool present(const Tensor& t) { return t.data != nullptr; }
+
+// Assumes the rank checks passed (the validator calls it only then).
+inline ProblemShape forward_shape(const ForwardParams& p) {
+  ProblemShape s;
+  s.varlen_q = present(p.cu_seqlens_q);
+  s.varlen_k = present(p.cu_seqlens_k);
+  s.paged = present(p.page_table);
+  s.append_kv = present(p.k_new);
+  const int qo = s.varlen_q ? 0 : 1;  // offset of the head dim in q's shape
+  s.batch = s.varlen_q ? p.cu_seqlens_q.shape[0] - 1 : p.q.shape[0];
+  s.seqlen_q = s.varlen_q ? p.max_seqlen_q : p.q.shape[1];
+  s.total_q = s.varlen_q ? p.q.shape[0] : s.batch * s.seqlen_q;
+  s.heads_q = p.q.shape[qo + 1];
+  s.head_dim = p.q.shape[qo + 2];
+  const int ko = (s.varlen_k && !s.paged) ? 0 : 1;
+  s.heads_kv = p.k.shape[ko + 1];
+  s.head_dim_v = p.v.shape[ko + 2];
+  if (s.paged) {
+    s.num_pages = p.k.shape[0];
+    s.page_size = p.k.shape[1];
+    s.max_pages = p.page_table.shape[1];
+    s.seqlen_k = s.max_pages * s.page_size;
+  } else if (s.varlen_k) {
+    s.total_k = p.k.shape[0];
+    s.seqlen_k = p.max_seqlen_k;
+  } else {
+    s.seqlen_k = p.k.shape[1];
+    s.total_k = s.batch * s.seqlen_k;
+  }
+  if (s.append_kv) s.seqlen_new = p.k_new.shape[1];
+  return s;
+}
+
+inline ProblemShape backward_shape(const BackwardParams& p) {
+  ForwardParams f = default_forward_params();
+  f.q = p.q;
+  f.k = p.k;
+  f.v = p.v;
+  f.cu_seqlens_q = p.cu_seqlens_q;
+  f.cu_seqlens_k = p.cu_seqlens_k;
+  f.max_seqlen_q = p.max_seqlen_q;
+  f.max_seqlen_k = p.max_seqlen_k;
+  return forward_shape(f);
+}
+
+inline MaskSpec mask_spec(int32_t causal, int32_t window_left, int32_t window_right,
+                          int32_t num_sink_tokens) {
+  MaskSpec m;
+  if (causal) {
+    m.window_left = -1;
+    m.window_right = 0;
+  } else {
+    m.window_left = window_left;
+    m.window_right = window_right;
+  }
+  m.num_sink_tokens = num_sink_tokens;
+  return m;
+}
+
+inline double default_scale(float scale, int64_t head_dim) {
+  return scale != 0.f ? double(scale) : 1.0 / std::sqrt(double(head_dim));
+}
+
+}  // namespace flashhopper::detail

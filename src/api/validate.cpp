@@ -1,0 +1,797 @@
+// Every host-side rule of forward, backward and combine. Each check runs in stages, so that the
+// first failure reported is the most useful one: presence and combinations of arguments, ranks,
+// dtypes, extents, shape agreement, head-dim limits, strides and alignment, index-type sizes,
+// then the scalar parameters. A stage may rely on everything the stages before it checked (the
+// shape stages read dims that the rank stage made meaningful; the size stage multiplies extents
+// that the extent stage bounded).
+//
+// Pure argument checks: pointers are compared and aligned, never dereferenced.
+#include "api/validate.hpp"
+
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <initializer_list>
+#include <limits>
+#include <sstream>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "api/problem_shape.hpp"
+
+// Returns the Status of `expr` from the enclosing function when it is a failure.
+#define FLASHHOPPER_RETURN_IF_INVALID(expr) \
+  do {                                      \
+    Status status_ = (expr);                \
+    if (!status_.ok()) return status_;      \
+  } while (0)
+
+namespace flashhopper::detail {
+namespace {
+
+constexpr int64_t kMaxHeadDim = 256;        // largest compiled head dim (DESIGN.md, layouts)
+constexpr int64_t kMaxSplits = 256;         // split-KV partials the combine kernel merges
+constexpr int64_t kTileRows = 64;           // smallest query tile: bounds the scheduler's tile index
+constexpr int64_t kTmaAlignment = 16;       // bytes: TMA's granularity for base addresses and strides
+constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
+constexpr int64_t kInt64Max = std::numeric_limits<int64_t>::max();
+
+// Products of two int64 values, formed without overflow (a GCC/Clang extension).
+__extension__ typedef __int128 WideInt;
+
+const Tensor kAbsent{};  // stands in for arguments a pass does not have (the backward's page table)
+
+using NamedTensor = std::pair<const Tensor*, const char*>;
+using NamedTensors = std::initializer_list<NamedTensor>;
+
+// ---- Messages ---------------------------------------------------------------------------------
+
+// "name: <parts...>", the one format of every refusal.
+template <typename... Parts>
+Status invalid(const char* name, const Parts&... parts) {
+  std::ostringstream message;
+  message << name << ": ";
+  (message << ... << parts);
+  return Status{FH_ERROR_INVALID_ARGUMENT, message.str()};
+}
+
+std::string dtype_name(int32_t dtype) {
+  switch (dtype) {
+    case FH_DTYPE_BF16: return "bf16";
+    case FH_DTYPE_FP16: return "fp16";
+    case FH_DTYPE_FP8_E4M3: return "fp8_e4m3";
+    case FH_DTYPE_FP32: return "float32";
+    case FH_DTYPE_INT32: return "int32";
+    case FH_DTYPE_FP64: return "float64";
+  }
+  return "unknown (" + std::to_string(dtype) + ")";
+}
+
+// "bf16, fp16 or fp8_e4m3"
+std::string dtype_list(const std::vector<fh_dtype>& dtypes) {
+  std::string text;
+  for (size_t i = 0; i < dtypes.size(); ++i) {
+    if (i > 0) text += (i + 1 == dtypes.size()) ? " or " : ", ";
+    text += dtype_name(dtypes[i]);
+  }
+  return text;
+}
+
+// "[2, 128, 8, 128]": a tensor's shape or strides, for messages.
+std::string bracketed(const int64_t* values, int32_t count) {
+  std::string text = "[";
+  for (int32_t i = 0; i < count; ++i) text += (i ? ", " : "") + std::to_string(values[i]);
+  return text + "]";
+}
+
+int64_t element_bytes(const Tensor& t) { return static_cast<int64_t>(dtype_size(static_cast<DType>(t.dtype))); }
+
+// ---- Per-tensor rules, shared by every pass -----------------------------------------------------
+
+// How the kernels reach a tensor, which decides its stride and alignment rules.
+enum class Access {
+  kTma,      // bulk tensor copies: last dim contiguous, other strides and the base 16-byte aligned
+  kRows,     // element loads/stores along a contiguous last dim (lse, sequence lengths, page table)
+  kStrided,  // element loads at any stride (descale factors)
+};
+
+struct Arg {
+  const Tensor* tensor;
+  const char* name;
+  Access access;
+};
+
+// Which ranks a tensor may have, and how the message describes the expected layout.
+struct Layout {
+  int32_t rank;
+  std::string mode;  // "dense", "varlen (cu_seqlens_q given)", ... or empty when there is one layout
+  std::string dims;  // "[B, sq, Hq, d]"
+};
+
+// One expected extent of a tensor's shape; `value < 0` leaves that dim free.
+struct Extent {
+  int64_t value;
+  const char* what;    // "head dim"
+  const char* source;  // the argument the value was read from
+};
+constexpr Extent kFree{-1, "", ""};
+
+Status require_present(const Tensor& t, const char* name) {
+  if (!present(t)) return invalid(name, "is required (data is null)");
+  return {};
+}
+
+Status check_rank(const Tensor& t, const char* name, const Layout& layout) {
+  if (t.ndim == layout.rank) return {};
+  const std::string expected = layout.mode.empty() ? std::string(name) : layout.mode + " " + name;
+  return invalid(name, "ndim is ", t.ndim, " but ", expected, " must be ", layout.rank, "-d ", layout.dims);
+}
+
+Status check_dtype(const Tensor& t, const char* name, const std::vector<fh_dtype>& allowed,
+                   const char* reason = "") {
+  for (fh_dtype dtype : allowed) {
+    if (t.dtype == dtype) return {};
+  }
+  return invalid(name, "dtype is ", dtype_name(t.dtype), "; must be ", dtype_list(allowed), reason);
+}
+
+Status check_shape(const Tensor& t, const char* name, std::initializer_list<Extent> extents) {
+  int dim = 0;
+  for (const Extent& e : extents) {
+    if (e.value >= 0 && t.shape[dim] != e.value) {
+      return invalid(name, "shape[", dim, "] (", e.what, ") is ", t.shape[dim], " but ", e.source, "'s ", e.what,
+                     " is ", e.value, "; ", e.source, " and ", name, " must have the same ", e.what);
+    }
+    ++dim;
+  }
+  return {};
+}
+
+// A gradient has exactly the shape of the tensor it is the gradient of.
+Status check_same_shape(const Tensor& t, const char* name, const Tensor& like, const char* like_name) {
+  for (int dim = 0; dim < t.ndim; ++dim) {
+    if (t.shape[dim] != like.shape[dim]) {
+      return invalid(name, "shape[", dim, "] is ", t.shape[dim], " but ", like_name, "'s shape[", dim, "] is ",
+                     like.shape[dim], "; ", name, " must have the same shape as ", like_name, " ",
+                     bracketed(like.shape, like.ndim));
+    }
+  }
+  return {};
+}
+
+// Every extent at least 1; for the kernels also within int32, the type they index sizes with.
+// The element count fits int64 for every target, so that sizes derived from extents (total
+// tokens = batch x seqlen) can be formed in int64.
+Status check_extents(const Arg& arg, Target target) {
+  const Tensor& t = *arg.tensor;
+  WideInt elements = 1;
+  for (int dim = 0; dim < t.ndim; ++dim) {
+    if (t.shape[dim] < 1) {
+      return invalid(arg.name, "shape[", dim, "] is ", t.shape[dim], "; every extent must be at least 1");
+    }
+    if (target == Target::kKernel && t.shape[dim] > kInt32Max) {
+      return invalid(arg.name, "shape[", dim, "] is ", t.shape[dim], ", more than INT32_MAX (", kInt32Max,
+                     "); the kernels index sizes with 32-bit integers");
+    }
+    elements *= t.shape[dim];
+    if (elements > kInt64Max) {
+      return invalid(arg.name, "shape ", bracketed(t.shape, t.ndim), " holds more elements than int64 can count");
+    }
+  }
+  return {};
+}
+
+// Strides never negative; for the kernels, the contiguity and alignment their loads need.
+Status check_strides_and_alignment(const Arg& arg, Target target) {
+  const Tensor& t = *arg.tensor;
+  const int last = t.ndim - 1;
+  for (int dim = 0; dim < t.ndim; ++dim) {
+    if (t.stride[dim] < 0) {
+      return invalid(arg.name, "stride[", dim, "] is ", t.stride[dim], "; negative strides are not supported");
+    }
+  }
+  if (target != Target::kKernel) return {};  // the CPU reference reads any layout
+
+  const int64_t bytes = element_bytes(t);
+  if (arg.access != Access::kStrided && t.stride[last] != 1) {
+    return invalid(arg.name, "stride[", last, "] is ", t.stride[last],
+                   " but the last dim must be contiguous (stride 1) for the kernels");
+  }
+  if (arg.access == Access::kTma) {
+    // Element sizes divide 16, so "stride * bytes is a multiple of 16" is this, without overflow.
+    const int64_t granule = kTmaAlignment / bytes;
+    for (int dim = 0; dim < last; ++dim) {
+      if (t.stride[dim] % granule != 0) {
+        return invalid(arg.name, "stride[", dim, "] is ", t.stride[dim], ", not a multiple of ", granule,
+                       " elements (16 bytes of ", dtype_name(t.dtype), "); TMA needs 16-byte aligned strides");
+      }
+    }
+  }
+  const int64_t alignment = arg.access == Access::kTma ? kTmaAlignment : bytes;
+  const auto address = reinterpret_cast<uintptr_t>(t.data);
+  if (address % static_cast<uintptr_t>(alignment) != 0) {
+    std::ostringstream hex;
+    hex << std::hex << "0x" << address;
+    return invalid(arg.name, "data pointer ", hex.str(), " is not ", alignment, "-byte aligned",
+                   arg.access == Access::kTma ? "; TMA needs 16-byte aligned base addresses" : "");
+  }
+  return {};
+}
+
+// The byte just past the tensor's last element must be addressable with int64 offsets. Extents
+// and strides are int64 each, so their products are formed in 128 bits.
+Status check_offset_range(const Arg& arg) {
+  const Tensor& t = *arg.tensor;
+  WideInt end = 1;  // in elements: the largest offset, plus one
+  for (int dim = 0; dim < t.ndim; ++dim) {
+    end += static_cast<WideInt>(t.shape[dim] - 1) * t.stride[dim];
+    if (end > kInt64Max) break;  // stop before the sum itself could overflow
+  }
+  if (end * element_bytes(t) > kInt64Max) {
+    return invalid(arg.name, "shape ", bracketed(t.shape, t.ndim), " with stride ", bracketed(t.stride, t.ndim),
+                   " reaches past the int64 range of byte offsets");
+  }
+  return {};
+}
+
+// Runs `rule` on each present argument, stopping at the first failure.
+template <typename Rule>
+Status for_each_present(const std::vector<Arg>& args, Rule rule) {
+  for (const Arg& arg : args) {
+    if (present(*arg.tensor)) FLASHHOPPER_RETURN_IF_INVALID(rule(arg));
+  }
+  return {};
+}
+
+Status check_tensors_extents(const std::vector<Arg>& args, Target target) {
+  return for_each_present(args, [&](const Arg& arg) { return check_extents(arg, target); });
+}
+
+Status check_tensors_layout(const std::vector<Arg>& args, Target target) {
+  FLASHHOPPER_RETURN_IF_INVALID(
+      for_each_present(args, [&](const Arg& arg) { return check_strides_and_alignment(arg, target); }));
+  return for_each_present(args, [](const Arg& arg) { return check_offset_range(arg); });
+}
+
+Status check_int32_index(const Tensor& t, const char* name) {
+  if (!present(t)) return {};
+  return check_dtype(t, name, {FH_DTYPE_INT32});
+}
+
+// ---- The attention problem, shared by forward and backward -------------------------------------
+
+// The arguments the forward and the backward have in common, read off either struct.
+struct AttentionArgs {
+  const Tensor& q;
+  const Tensor& k;
+  const Tensor& v;
+  const Tensor& out;
+  const Tensor& lse;
+  const Tensor& cu_seqlens_q;
+  const Tensor& cu_seqlens_k;
+  const Tensor& seqused_q;
+  const Tensor& seqused_k;
+  const Tensor& page_table;  // absent in the backward
+  int32_t max_seqlen_q;
+  int32_t max_seqlen_k;
+  float softmax_scale;
+  float softcap;
+  int32_t causal;
+  int32_t window_left;
+  int32_t window_right;
+  int32_t num_sink_tokens;
+
+  bool varlen_q() const { return present(cu_seqlens_q); }
+  bool varlen_k() const { return present(cu_seqlens_k); }
+  bool paged() const { return present(page_table); }
+  // Where the batch size is read from: q's first dim, or the number of prefix sums.
+  const char* batch_source() const { return varlen_q() ? "cu_seqlens_q" : "q"; }
+};
+
+AttentionArgs attention_args(const ForwardParams& p) {
+  return {p.q,           p.k,           p.v,           p.out,         p.lse,
+          p.cu_seqlens_q, p.cu_seqlens_k, p.seqused_q,   p.seqused_k,   p.page_table,
+          p.max_seqlen_q, p.max_seqlen_k, p.softmax_scale, p.softcap,   p.causal,
+          p.window_left,  p.window_right, p.num_sink_tokens};
+}
+
+AttentionArgs attention_args(const BackwardParams& p) {
+  return {p.q,           p.k,           p.v,           p.out,         p.lse,
+          p.cu_seqlens_q, p.cu_seqlens_k, p.seqused_q,   p.seqused_k,   kAbsent,
+          p.max_seqlen_q, p.max_seqlen_k, p.softmax_scale, p.softcap,   p.causal,
+          p.window_left,  p.window_right, p.num_sink_tokens};
+}
+
+// Layouts on the query side (q, out, their gradients) and the key side (k, v, theirs).
+// `last` names the last dim: "d" or "dv".
+Layout query_layout(const AttentionArgs& a, const char* last) {
+  if (a.varlen_q()) return {3, "varlen (cu_seqlens_q given)", std::string("[total_q, Hq, ") + last + "]"};
+  return {4, "dense", std::string("[B, sq, Hq, ") + last + "]"};
+}
+
+Layout key_layout(const AttentionArgs& a, const char* last) {
+  if (a.paged()) return {4, "paged (page_table given)", std::string("[num_pages, page_size, Hkv, ") + last + "]"};
+  if (a.varlen_k()) return {3, "varlen (cu_seqlens_k given)", std::string("[total_k, Hkv, ") + last + "]"};
+  return {4, "dense", std::string("[B, sk, Hkv, ") + last + "]"};
+}
+
+Layout lse_layout(const AttentionArgs& a) {
+  if (a.varlen_q()) return {2, "varlen (cu_seqlens_q given)", "[Hq, total_q]"};
+  return {3, "dense", "[B, Hq, sq]"};
+}
+
+const Layout kSequenceLengths{1, "", "[B]"};
+const Layout kPrefixSums{1, "", "[B + 1]"};
+
+Status check_attention_combinations(const AttentionArgs& a) {
+  if (a.paged() && a.varlen_k()) {
+    return invalid("page_table", "cannot be combined with cu_seqlens_k; a paged KV cache is addressed through "
+                                 "the page table and cache_seqlens");
+  }
+  return {};
+}
+
+Status check_attention_ranks(const AttentionArgs& a) {
+  FLASHHOPPER_RETURN_IF_INVALID(check_rank(a.q, "q", query_layout(a, "d")));
+  FLASHHOPPER_RETURN_IF_INVALID(check_rank(a.k, "k", key_layout(a, "d")));
+  FLASHHOPPER_RETURN_IF_INVALID(check_rank(a.v, "v", key_layout(a, "dv")));
+  if (present(a.out)) FLASHHOPPER_RETURN_IF_INVALID(check_rank(a.out, "out", query_layout(a, "dv")));
+  if (present(a.lse)) FLASHHOPPER_RETURN_IF_INVALID(check_rank(a.lse, "lse", lse_layout(a)));
+  if (a.varlen_q()) FLASHHOPPER_RETURN_IF_INVALID(check_rank(a.cu_seqlens_q, "cu_seqlens_q", kPrefixSums));
+  if (a.varlen_k()) FLASHHOPPER_RETURN_IF_INVALID(check_rank(a.cu_seqlens_k, "cu_seqlens_k", kPrefixSums));
+  if (present(a.seqused_q)) FLASHHOPPER_RETURN_IF_INVALID(check_rank(a.seqused_q, "seqused_q", kSequenceLengths));
+  if (present(a.seqused_k)) FLASHHOPPER_RETURN_IF_INVALID(check_rank(a.seqused_k, "seqused_k", kSequenceLengths));
+  return {};
+}
+
+// Outputs (and, in the backward, the gradients) have q's dtype; the CPU reference may also
+// write float32/float64 whatever the inputs.
+std::vector<fh_dtype> output_dtypes(fh_dtype input, Target target) {
+  std::vector<fh_dtype> allowed{input};
+  if (target == Target::kHostReference) {
+    if (input != FH_DTYPE_FP32) allowed.push_back(FH_DTYPE_FP32);
+    if (input != FH_DTYPE_FP64) allowed.push_back(FH_DTYPE_FP64);
+  }
+  return allowed;
+}
+
+Status check_attention_dtypes(const AttentionArgs& a, Target target, bool fp8_allowed) {
+  std::vector<fh_dtype> inputs{FH_DTYPE_BF16, FH_DTYPE_FP16};
+  if (fp8_allowed) inputs.push_back(FH_DTYPE_FP8_E4M3);
+  if (target == Target::kHostReference) {
+    inputs.push_back(FH_DTYPE_FP32);
+    inputs.push_back(FH_DTYPE_FP64);
+  }
+  FLASHHOPPER_RETURN_IF_INVALID(
+      check_dtype(a.q, "q", inputs, fp8_allowed ? "" : " (the backward takes no fp8)"));
+  const auto input = static_cast<fh_dtype>(a.q.dtype);
+  for (const auto& [tensor, name] : NamedTensors{{&a.k, "k"}, {&a.v, "v"}}) {
+    if (tensor->dtype != input) {
+      return invalid(name, "dtype is ", dtype_name(tensor->dtype), " but q's is ", dtype_name(input),
+                     "; q, k and v must have the same dtype");
+    }
+  }
+  if (present(a.out)) {
+    // fp8 attention writes bf16: an fp8 output would lose too much of what float32 accumulated.
+    const fh_dtype out_dtype = input == FH_DTYPE_FP8_E4M3 ? FH_DTYPE_BF16 : input;
+    FLASHHOPPER_RETURN_IF_INVALID(check_dtype(a.out, "out", output_dtypes(out_dtype, target),
+                                              input == FH_DTYPE_FP8_E4M3 ? " (fp8 inputs give a bf16 output)"
+                                                                          : " (the dtype of q)"));
+  }
+  if (present(a.lse)) {
+    std::vector<fh_dtype> lse_dtypes{FH_DTYPE_FP32};
+    if (target == Target::kHostReference) lse_dtypes.push_back(FH_DTYPE_FP64);
+    FLASHHOPPER_RETURN_IF_INVALID(check_dtype(a.lse, "lse", lse_dtypes));
+  }
+  FLASHHOPPER_RETURN_IF_INVALID(check_int32_index(a.cu_seqlens_q, "cu_seqlens_q"));
+  FLASHHOPPER_RETURN_IF_INVALID(check_int32_index(a.cu_seqlens_k, "cu_seqlens_k"));
+  FLASHHOPPER_RETURN_IF_INVALID(check_int32_index(a.seqused_q, "seqused_q"));
+  FLASHHOPPER_RETURN_IF_INVALID(check_int32_index(a.seqused_k, "seqused_k"));
+  return {};
+}
+
+// out [B, sq, Hq, dv] or [total_q, Hq, dv]; also the shape of dout.
+Status check_out_shape(const Tensor& t, const char* name, const AttentionArgs& a, const ProblemShape& s) {
+  const Extent heads{s.heads_q, "number of query heads", "q"};
+  const Extent head_dim_v{s.head_dim_v, "value head dim", "v"};
+  if (a.varlen_q()) return check_shape(t, name, {{s.total_q, "total query tokens", "q"}, heads, head_dim_v});
+  return check_shape(t, name, {{s.batch, "batch size", a.batch_source()},
+                               {s.seqlen_q, "query sequence length", "q"}, heads, head_dim_v});
+}
+
+// Varlen: `cu_seqlens_*` holds batch + 1 prefix sums and `max_seqlen_*` bounds the lengths.
+Status check_prefix_sums(const Tensor& cu_seqlens, const char* name, int32_t max_seqlen, const char* max_name,
+                         const AttentionArgs& a, const ProblemShape& s) {
+  if (cu_seqlens.shape[0] - 1 != s.batch) {  // shape[0] >= 1 and batch <= INT64_MAX: no overflow either way
+    return invalid(name, "shape[0] is ", cu_seqlens.shape[0], " but must be batch size + 1 = ",
+                   static_cast<uint64_t>(s.batch) + 1, " (batch size ", s.batch, " from ", a.batch_source(), ")");
+  }
+  if (max_seqlen < 1) {
+    return invalid(max_name, "is ", max_seqlen, "; varlen (", name, " given) needs ", max_name, " >= 1");
+  }
+  return {};
+}
+
+Status check_attention_shapes(const AttentionArgs& a, const ProblemShape& s) {
+  if (a.varlen_q() && a.cu_seqlens_q.shape[0] < 2) {
+    return invalid("cu_seqlens_q", "shape[0] is ", a.cu_seqlens_q.shape[0],
+                   "; it holds batch size + 1 prefix sums, so the batch size would be less than 1");
+  }
+  const Extent batch{s.batch, "batch size", a.batch_source()};
+  const Extent head_dim{s.head_dim, "head dim", "q"};
+  const Extent heads_kv{s.heads_kv, "number of key/value heads", "k"};
+  if (a.paged()) {
+    FLASHHOPPER_RETURN_IF_INVALID(check_shape(a.k, "k", {kFree, kFree, kFree, head_dim}));
+    FLASHHOPPER_RETURN_IF_INVALID(check_shape(
+        a.v, "v", {{s.num_pages, "number of pages", "k"}, {s.page_size, "page size", "k"}, heads_kv, kFree}));
+  } else if (a.varlen_k()) {
+    FLASHHOPPER_RETURN_IF_INVALID(check_shape(a.k, "k", {kFree, kFree, head_dim}));
+    FLASHHOPPER_RETURN_IF_INVALID(check_shape(a.v, "v", {{s.total_k, "total key tokens", "k"}, heads_kv, kFree}));
+  } else {
+    FLASHHOPPER_RETURN_IF_INVALID(check_shape(a.k, "k", {batch, kFree, kFree, head_dim}));
+    FLASHHOPPER_RETURN_IF_INVALID(
+        check_shape(a.v, "v", {batch, {s.seqlen_k, "key sequence length", "k"}, heads_kv, kFree}));
+  }
+  if (present(a.out)) FLASHHOPPER_RETURN_IF_INVALID(check_out_shape(a.out, "out", a, s));
+  if (present(a.lse)) {
+    const Extent heads{s.heads_q, "number of query heads", "q"};
+    FLASHHOPPER_RETURN_IF_INVALID(
+        a.varlen_q() ? check_shape(a.lse, "lse", {heads, {s.total_q, "total query tokens", "q"}})
+                     : check_shape(a.lse, "lse", {batch, heads, {s.seqlen_q, "query sequence length", "q"}}));
+  }
+  if (a.varlen_q()) {
+    FLASHHOPPER_RETURN_IF_INVALID(
+        check_prefix_sums(a.cu_seqlens_q, "cu_seqlens_q", a.max_seqlen_q, "max_seqlen_q", a, s));
+  }
+  if (a.varlen_k()) {
+    FLASHHOPPER_RETURN_IF_INVALID(
+        check_prefix_sums(a.cu_seqlens_k, "cu_seqlens_k", a.max_seqlen_k, "max_seqlen_k", a, s));
+  }
+  if (present(a.seqused_q)) FLASHHOPPER_RETURN_IF_INVALID(check_shape(a.seqused_q, "seqused_q", {batch}));
+  if (present(a.seqused_k)) FLASHHOPPER_RETURN_IF_INVALID(check_shape(a.seqused_k, "seqused_k", {batch}));
+  return {};
+}
+
+Status check_head_dims(const AttentionArgs& a, const ProblemShape& s, Target target) {
+  const int q_head_dim = a.q.ndim - 1;
+  const int v_head_dim = a.v.ndim - 1;
+  if (s.head_dim > kMaxHeadDim) {
+    return invalid("q", "shape[", q_head_dim, "] (head dim) is ", s.head_dim, "; head dims up to ", kMaxHeadDim,
+                   " are supported");
+  }
+  if (s.head_dim_v > kMaxHeadDim) {
+    return invalid("v", "shape[", v_head_dim, "] (value head dim) is ", s.head_dim_v, "; value head dims up to ",
+                   kMaxHeadDim, " are supported");
+  }
+  if (s.heads_q % s.heads_kv != 0) {
+    return invalid("k", "shape[", a.k.ndim - 2, "] (number of key/value heads) is ", s.heads_kv,
+                   ", which does not divide q's number of query heads ", s.heads_q,
+                   "; Hq % Hkv must be 0 (each key/value head serves a whole group of query heads)");
+  }
+  if (target == Target::kKernel) {
+    // A row of q/k (d) or of v (dv) is one TMA box row: a whole number of 16-byte chunks.
+    const int64_t bytes = element_bytes(a.q);
+    const int64_t granule = kTmaAlignment / bytes;
+    if (s.head_dim % granule != 0) {
+      return invalid("q", "shape[", q_head_dim, "] (head dim) is ", s.head_dim, ", not a multiple of ", granule,
+                     " (16 bytes of ", dtype_name(a.q.dtype), "), as the kernels need");
+    }
+    if (s.head_dim_v % granule != 0) {
+      return invalid("v", "shape[", v_head_dim, "] (value head dim) is ", s.head_dim_v, ", not a multiple of ",
+                     granule, " (16 bytes of ", dtype_name(a.v.dtype), "), as the kernels need");
+    }
+  }
+  return {};
+}
+
+// The schedulers number (row tile, head, batch) work items with int32. Extents are already
+// within int32 (kernel target), so the product fits 128 bits.
+Status check_tile_count(const ProblemShape& s, const char* name, int64_t seqlen, const char* seqlen_what) {
+  const WideInt tiles =
+      static_cast<WideInt>(s.batch) * s.heads_q * ((seqlen + kTileRows - 1) / kTileRows);
+  if (tiles > kInt32Max) {
+    return invalid(name, "batch ", s.batch, " x ", s.heads_q, " query heads x ceil(", seqlen_what, " ", seqlen,
+                   " / ", kTileRows, ") row tiles exceeds INT32_MAX (", kInt32Max,
+                   "); the kernels' tile index is 32-bit");
+  }
+  return {};
+}
+
+Status check_mask_and_scale(const AttentionArgs& a) {
+  if (!std::isfinite(a.softmax_scale) || a.softmax_scale < 0.f) {
+    return invalid("softmax_scale", "is ", a.softmax_scale, "; must be finite and >= 0 (0 selects 1/sqrt(d))");
+  }
+  if (!std::isfinite(a.softcap) || a.softcap < 0.f) {
+    return invalid("softcap", "is ", a.softcap, "; must be finite and >= 0 (0 disables it)");
+  }
+  for (const auto& [value, name] :
+       {std::pair{a.window_left, "window_left"}, std::pair{a.window_right, "window_right"}}) {
+    if (value < -1) return invalid(name, "is ", value, "; must be >= -1 (-1 means unbounded)");
+  }
+  const bool window_unset = a.window_left == -1 && a.window_right == -1;
+  const bool window_causal = a.window_left == -1 && a.window_right == 0;
+  if (a.causal && !window_unset && !window_causal) {
+    return invalid("causal", "is set together with window_left/window_right (", a.window_left, ", ",
+                   a.window_right, "); causal is the window (-1, 0): give one or the other");
+  }
+  if (a.num_sink_tokens < 0) return invalid("num_sink_tokens", "is ", a.num_sink_tokens, "; must be >= 0");
+  const MaskSpec mask = mask_spec(a.causal, a.window_left, a.window_right, a.num_sink_tokens);
+  if (a.num_sink_tokens > 0 && mask.window_left < 0) {
+    return invalid("num_sink_tokens", "is ", a.num_sink_tokens, " but window_left is ", mask.window_left,
+                   "; sink tokens need a local window (window_left >= 0)");
+  }
+  return {};
+}
+
+// ---- Forward ------------------------------------------------------------------------------------
+
+// forward_shape() forms a paged cache's key length as max_pages x page_size. The kernels' int32
+// extents keep that small; the CPU reference's int64 extents need this bound first.
+Status check_paged_capacity(const ForwardParams& p) {
+  if (!present(p.page_table)) return {};
+  const int64_t max_pages = p.page_table.shape[1];
+  const int64_t page_size = p.k.shape[1];
+  if (static_cast<WideInt>(max_pages) * page_size > kInt64Max) {
+    return invalid("page_table", "shape[1] (max_pages) ", max_pages, " x k's page size ", page_size,
+                   " tokens overflows int64");
+  }
+  return {};
+}
+
+std::array<NamedTensor, 3> descale_factors(const ForwardParams& p) {
+  return {{{&p.q_descale, "q_descale"}, {&p.k_descale, "k_descale"}, {&p.v_descale, "v_descale"}}};
+}
+
+Status check_forward_presence(const ForwardParams& p, const AttentionArgs& a) {
+  for (const auto& [tensor, name] : NamedTensors{{&p.q, "q"}, {&p.k, "k"}, {&p.v, "v"}, {&p.out, "out"}}) {
+    FLASHHOPPER_RETURN_IF_INVALID(require_present(*tensor, name));
+  }
+  FLASHHOPPER_RETURN_IF_INVALID(check_attention_combinations(a));
+  if (a.paged() && !present(p.cache_seqlens)) {
+    return invalid("cache_seqlens", "is required with page_table (the number of cached tokens per sequence)");
+  }
+  if (present(p.k_new) != present(p.v_new)) {
+    return present(p.k_new) ? invalid("v_new", "is required together with k_new")
+                            : invalid("k_new", "is required together with v_new");
+  }
+  if (present(p.k_new) && !present(p.cache_seqlens)) {
+    return invalid("cache_seqlens", "is required with k_new/v_new (where to append them in the cache)");
+  }
+  return {};
+}
+
+Status check_forward_ranks(const ForwardParams& p, const AttentionArgs& a) {
+  FLASHHOPPER_RETURN_IF_INVALID(check_attention_ranks(a));
+  if (a.paged()) FLASHHOPPER_RETURN_IF_INVALID(check_rank(p.page_table, "page_table", {2, "", "[B, max_pages]"}));
+  if (present(p.cache_seqlens)) {
+    FLASHHOPPER_RETURN_IF_INVALID(check_rank(p.cache_seqlens, "cache_seqlens", kSequenceLengths));
+  }
+  if (present(p.k_new)) {
+    FLASHHOPPER_RETURN_IF_INVALID(check_rank(p.k_new, "k_new", {4, "", "[B, s_new, Hkv, d]"}));
+    FLASHHOPPER_RETURN_IF_INVALID(check_rank(p.v_new, "v_new", {4, "", "[B, s_new, Hkv, dv]"}));
+  }
+  for (const auto& [tensor, name] : descale_factors(p)) {
+    if (present(*tensor)) FLASHHOPPER_RETURN_IF_INVALID(check_rank(*tensor, name, {2, "", "[B, Hkv]"}));
+  }
+  return {};
+}
+
+Status check_forward_dtypes(const ForwardParams& p, const AttentionArgs& a, Target target) {
+  FLASHHOPPER_RETURN_IF_INVALID(check_attention_dtypes(a, target, /*fp8_allowed=*/true));
+  FLASHHOPPER_RETURN_IF_INVALID(check_int32_index(p.page_table, "page_table"));
+  FLASHHOPPER_RETURN_IF_INVALID(check_int32_index(p.cache_seqlens, "cache_seqlens"));
+  for (const auto& [tensor, name] : NamedTensors{{&p.k_new, "k_new"}, {&p.v_new, "v_new"}}) {
+    if (present(*tensor) && tensor->dtype != p.k.dtype) {
+      return invalid(name, "dtype is ", dtype_name(tensor->dtype), " but k's is ", dtype_name(p.k.dtype),
+                     "; appended keys/values must have the cache's dtype");
+    }
+  }
+  for (const auto& [tensor, name] : descale_factors(p)) {
+    if (!present(*tensor)) continue;
+    if (p.q.dtype != FH_DTYPE_FP8_E4M3) {
+      return invalid(name, "is given but q is ", dtype_name(p.q.dtype),
+                     "; descale factors apply to fp8_e4m3 inputs only");
+    }
+    FLASHHOPPER_RETURN_IF_INVALID(check_dtype(*tensor, name, {FH_DTYPE_FP32}));
+  }
+  return {};
+}
+
+Status check_forward_shapes(const ForwardParams& p, const AttentionArgs& a, const ProblemShape& s) {
+  FLASHHOPPER_RETURN_IF_INVALID(check_attention_shapes(a, s));
+  const Extent batch{s.batch, "batch size", a.batch_source()};
+  const Extent heads_kv{s.heads_kv, "number of key/value heads", "k"};
+  if (a.paged()) FLASHHOPPER_RETURN_IF_INVALID(check_shape(p.page_table, "page_table", {batch, kFree}));
+  if (present(p.cache_seqlens)) FLASHHOPPER_RETURN_IF_INVALID(check_shape(p.cache_seqlens, "cache_seqlens", {batch}));
+  if (present(p.k_new)) {
+    FLASHHOPPER_RETURN_IF_INVALID(
+        check_shape(p.k_new, "k_new", {batch, kFree, heads_kv, {s.head_dim, "head dim", "q"}}));
+    FLASHHOPPER_RETURN_IF_INVALID(check_shape(
+        p.v_new, "v_new",
+        {batch, {s.seqlen_new, "number of new tokens", "k_new"}, heads_kv, {s.head_dim_v, "value head dim", "v"}}));
+  }
+  for (const auto& [tensor, name] : descale_factors(p)) {
+    if (present(*tensor)) FLASHHOPPER_RETURN_IF_INVALID(check_shape(*tensor, name, {batch, heads_kv}));
+  }
+  return {};
+}
+
+Status check_forward_scalars(const ForwardParams& p, const AttentionArgs& a) {
+  FLASHHOPPER_RETURN_IF_INVALID(check_mask_and_scale(a));
+  if (p.num_splits < 1 || p.num_splits > kMaxSplits) {
+    return invalid("num_splits", "is ", p.num_splits, "; must be in [1, ", kMaxSplits, "]");
+  }
+  return {};
+}
+
+// ---- Backward -----------------------------------------------------------------------------------
+
+Status check_backward_presence(const BackwardParams& p, const AttentionArgs& a, Target target) {
+  // The CPU reference recomputes the forward itself, so it needs neither out nor lse.
+  const bool needs_forward_outputs = target == Target::kKernel;
+  const NamedTensor required[] = {
+      {&p.q, "q"}, {&p.k, "k"}, {&p.v, "v"}, {&p.out, "out"}, {&p.dout, "dout"},
+      {&p.lse, "lse"}, {&p.dq, "dq"}, {&p.dk, "dk"}, {&p.dv, "dv"}};
+  for (const auto& [tensor, name] : required) {
+    const bool forward_output = tensor == &p.out || tensor == &p.lse;
+    if (forward_output && !needs_forward_outputs) continue;
+    FLASHHOPPER_RETURN_IF_INVALID(require_present(*tensor, name));
+  }
+  return check_attention_combinations(a);
+}
+
+Status check_backward_ranks(const BackwardParams& p, const AttentionArgs& a) {
+  FLASHHOPPER_RETURN_IF_INVALID(check_attention_ranks(a));
+  FLASHHOPPER_RETURN_IF_INVALID(check_rank(p.dout, "dout", query_layout(a, "dv")));
+  FLASHHOPPER_RETURN_IF_INVALID(check_rank(p.dq, "dq", query_layout(a, "d")));
+  FLASHHOPPER_RETURN_IF_INVALID(check_rank(p.dk, "dk", key_layout(a, "d")));
+  return check_rank(p.dv, "dv", key_layout(a, "dv"));
+}
+
+Status check_backward_dtypes(const BackwardParams& p, const AttentionArgs& a, Target target) {
+  FLASHHOPPER_RETURN_IF_INVALID(check_attention_dtypes(a, target, /*fp8_allowed=*/false));
+  const std::vector<fh_dtype> allowed = output_dtypes(static_cast<fh_dtype>(p.q.dtype), target);
+  for (const auto& [tensor, name] : NamedTensors{{&p.dout, "dout"}, {&p.dq, "dq"}, {&p.dk, "dk"}, {&p.dv, "dv"}}) {
+    FLASHHOPPER_RETURN_IF_INVALID(check_dtype(*tensor, name, allowed, " (the dtype of q)"));
+  }
+  return {};
+}
+
+Status check_backward_shapes(const BackwardParams& p, const AttentionArgs& a, const ProblemShape& s) {
+  FLASHHOPPER_RETURN_IF_INVALID(check_attention_shapes(a, s));
+  FLASHHOPPER_RETURN_IF_INVALID(check_out_shape(p.dout, "dout", a, s));
+  FLASHHOPPER_RETURN_IF_INVALID(check_same_shape(p.dq, "dq", p.q, "q"));
+  FLASHHOPPER_RETURN_IF_INVALID(check_same_shape(p.dk, "dk", p.k, "k"));
+  return check_same_shape(p.dv, "dv", p.v, "v");
+}
+
+Status check_backward_scalars(const BackwardParams& p, const AttentionArgs& a) {
+  FLASHHOPPER_RETURN_IF_INVALID(check_mask_and_scale(a));
+  if (p.deterministic != 0 && p.deterministic != 1) {
+    return invalid("deterministic", "is ", p.deterministic, "; must be 0 or 1");
+  }
+  return {};
+}
+
+}  // namespace
+
+// ---- Entry points -------------------------------------------------------------------------------
+
+Status validate(const ForwardParams& p, Target target) {
+  const AttentionArgs a = attention_args(p);
+  FLASHHOPPER_RETURN_IF_INVALID(check_forward_presence(p, a));
+  FLASHHOPPER_RETURN_IF_INVALID(check_forward_ranks(p, a));
+  FLASHHOPPER_RETURN_IF_INVALID(check_forward_dtypes(p, a, target));
+  const std::vector<Arg> tensors{
+      {&p.q, "q", Access::kTma},
+      {&p.k, "k", Access::kTma},
+      {&p.v, "v", Access::kTma},
+      {&p.out, "out", Access::kTma},
+      {&p.lse, "lse", Access::kRows},
+      {&p.cu_seqlens_q, "cu_seqlens_q", Access::kRows},
+      {&p.cu_seqlens_k, "cu_seqlens_k", Access::kRows},
+      {&p.seqused_q, "seqused_q", Access::kRows},
+      {&p.seqused_k, "seqused_k", Access::kRows},
+      {&p.page_table, "page_table", Access::kRows},
+      {&p.cache_seqlens, "cache_seqlens", Access::kRows},
+      {&p.k_new, "k_new", Access::kTma},
+      {&p.v_new, "v_new", Access::kTma},
+      {&p.q_descale, "q_descale", Access::kStrided},
+      {&p.k_descale, "k_descale", Access::kStrided},
+      {&p.v_descale, "v_descale", Access::kStrided},
+  };
+  FLASHHOPPER_RETURN_IF_INVALID(check_tensors_extents(tensors, target));
+  FLASHHOPPER_RETURN_IF_INVALID(check_paged_capacity(p));
+  const ProblemShape shape = forward_shape(p);
+  FLASHHOPPER_RETURN_IF_INVALID(check_forward_shapes(p, a, shape));
+  FLASHHOPPER_RETURN_IF_INVALID(check_head_dims(a, shape, target));
+  FLASHHOPPER_RETURN_IF_INVALID(check_tensors_layout(tensors, target));
+  if (target == Target::kKernel) {
+    FLASHHOPPER_RETURN_IF_INVALID(check_tile_count(shape, "q", shape.seqlen_q, "query sequence length"));
+  }
+  return check_forward_scalars(p, a);
+}
+
+Status validate(const BackwardParams& p, Target target) {
+  const AttentionArgs a = attention_args(p);
+  FLASHHOPPER_RETURN_IF_INVALID(check_backward_presence(p, a, target));
+  FLASHHOPPER_RETURN_IF_INVALID(check_backward_ranks(p, a));
+  FLASHHOPPER_RETURN_IF_INVALID(check_backward_dtypes(p, a, target));
+  const std::vector<Arg> tensors{
+      {&p.q, "q", Access::kTma},
+      {&p.k, "k", Access::kTma},
+      {&p.v, "v", Access::kTma},
+      {&p.out, "out", Access::kTma},
+      {&p.dout, "dout", Access::kTma},
+      {&p.lse, "lse", Access::kRows},
+      {&p.dq, "dq", Access::kTma},
+      {&p.dk, "dk", Access::kTma},
+      {&p.dv, "dv", Access::kTma},
+      {&p.cu_seqlens_q, "cu_seqlens_q", Access::kRows},
+      {&p.cu_seqlens_k, "cu_seqlens_k", Access::kRows},
+      {&p.seqused_q, "seqused_q", Access::kRows},
+      {&p.seqused_k, "seqused_k", Access::kRows},
+  };
+  FLASHHOPPER_RETURN_IF_INVALID(check_tensors_extents(tensors, target));
+  const ProblemShape shape = backward_shape(p);
+  FLASHHOPPER_RETURN_IF_INVALID(check_backward_shapes(p, a, shape));
+  FLASHHOPPER_RETURN_IF_INVALID(check_head_dims(a, shape, target));
+  FLASHHOPPER_RETURN_IF_INVALID(check_tensors_layout(tensors, target));
+  if (target == Target::kKernel) {
+    // The backward's main kernel walks key-row tiles; its pre/postprocessing walks query-row tiles.
+    FLASHHOPPER_RETURN_IF_INVALID(check_tile_count(shape, "q", shape.seqlen_q, "query sequence length"));
+    FLASHHOPPER_RETURN_IF_INVALID(check_tile_count(shape, "k", shape.seqlen_k, "key sequence length"));
+  }
+  return check_backward_scalars(p, a);
+}
+
+Status validate(const CombineParams& p, Target target) {
+  const NamedTensor required[] = {
+      {&p.out_partial, "out_partial"}, {&p.lse_partial, "lse_partial"}, {&p.out, "out"}};
+  for (const auto& [tensor, name] : required) FLASHHOPPER_RETURN_IF_INVALID(require_present(*tensor, name));
+
+  FLASHHOPPER_RETURN_IF_INVALID(check_rank(p.out_partial, "out_partial", {5, "", "[num_splits, B, Hq, sq, dv]"}));
+  FLASHHOPPER_RETURN_IF_INVALID(check_rank(p.lse_partial, "lse_partial", {4, "", "[num_splits, B, Hq, sq]"}));
+  FLASHHOPPER_RETURN_IF_INVALID(check_rank(p.out, "out", {4, "", "[B, sq, Hq, dv]"}));
+  if (present(p.lse)) FLASHHOPPER_RETURN_IF_INVALID(check_rank(p.lse, "lse", {3, "", "[B, Hq, sq]"}));
+
+  const bool host = target == Target::kHostReference;
+  FLASHHOPPER_RETURN_IF_INVALID(check_dtype(p.out_partial, "out_partial", {FH_DTYPE_FP32}));
+  FLASHHOPPER_RETURN_IF_INVALID(check_dtype(p.lse_partial, "lse_partial", {FH_DTYPE_FP32}));
+  std::vector<fh_dtype> out_dtypes{FH_DTYPE_BF16, FH_DTYPE_FP16, FH_DTYPE_FP32};
+  std::vector<fh_dtype> lse_dtypes{FH_DTYPE_FP32};
+  if (host) {
+    out_dtypes.push_back(FH_DTYPE_FP64);
+    lse_dtypes.push_back(FH_DTYPE_FP64);
+  }
+  FLASHHOPPER_RETURN_IF_INVALID(check_dtype(p.out, "out", out_dtypes));
+  if (present(p.lse)) FLASHHOPPER_RETURN_IF_INVALID(check_dtype(p.lse, "lse", lse_dtypes));
+
+  const std::vector<Arg> tensors{
+      {&p.out_partial, "out_partial", Access::kTma},
+      {&p.lse_partial, "lse_partial", Access::kRows},
+      {&p.out, "out", Access::kTma},
+      {&p.lse, "lse", Access::kRows},
+  };
+  FLASHHOPPER_RETURN_IF_INVALID(check_tensors_extents(tensors, target));
+
+  // Everything is measured against out_partial [num_splits, B, Hq, sq, dv].
+  const int64_t* dims = p.out_partial.shape;
+  const Extent splits{dims[0], "number of splits", "out_partial"};
+  const Extent batch{dims[1], "batch size", "out_partial"};
+  const Extent heads{dims[2], "number of query heads", "out_partial"};
+  const Extent seqlen{dims[3], "query sequence length", "out_partial"};
+  const Extent head_dim_v{dims[4], "value head dim", "out_partial"};
+  FLASHHOPPER_RETURN_IF_INVALID(check_shape(p.lse_partial, "lse_partial", {splits, batch, heads, seqlen}));
+  FLASHHOPPER_RETURN_IF_INVALID(check_shape(p.out, "out", {batch, seqlen, heads, head_dim_v}));
+  if (present(p.lse)) FLASHHOPPER_RETURN_IF_INVALID(check_shape(p.lse, "lse", {batch, heads, seqlen}));
+  if (dims[0] > kMaxSplits) {
+    return invalid("out_partial", "shape[0] (number of splits) is ", dims[0], "; must be in [1, ", kMaxSplits, "]");
+  }
+  return check_tensors_layout(tensors, target);
+}
+
+}  // namespace flashhopper::detail
+
+#undef FLASHHOPPER_RETURN_IF_INVALID

@@ -1,0 +1,288 @@
+// Forward mainloop: the producer's TMA loads (Q once per tile, K and V through a ring of
+// kStages buffers) and the consumers' loop S = Q K^T -> online softmax -> O += P V.
+//
+// Consumer warpgroups each own 64 rows of the tile. Two overlaps keep the tensor cores busy:
+// - intra-warpgroup: the next block's Q K^T and the current block's P V are issued together,
+//   and the softmax of the new S runs while P V is still in flight;
+// - ping-pong: a ring of named barriers lets one warpgroup issue its GEMMs while the other does
+//   its softmax.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/cutlass.h>
+#include <cutlass/fast_math.h>
+#include <cutlass/gemm/collective/builders/sm90_common.inl>
+#include <cutlass/pipeline/pipeline.hpp>
+
+#include "hopper/common/mask.hpp"
+#include "hopper/common/named_barrier.hpp"
+#include "hopper/common/softmax.hpp"
+#include "hopper/common/tile_scheduler.hpp"
+#include "hopper/common/utils.hpp"
+
+namespace flashhopper::hopper {
+
+using namespace cute;
+
+template <class Element_, int kBlockM_, int kBlockN_, int kHeadDim_, int kStages_, bool kCausal_>
+struct ForwardMainloop {
+  using Element = Element_;
+  static constexpr int kBlockM = kBlockM_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kStages = kStages_;
+  static constexpr bool kCausal = kCausal_;
+  static constexpr int kNumMmaWarpGroups = kBlockM / 64;
+  static constexpr int kNumMmaThreads = kNumMmaWarpGroups * cutlass::NumThreadsPerWarpGroup;
+
+  using TileShapeQK = Shape<Int<kBlockM>, Int<kBlockN>, Int<kHeadDim>>;  // (M, N, d)
+  using TileShapePV = Shape<Int<kBlockM>, Int<kHeadDim>, Int<kBlockN>>;  // (M, dv, N)
+
+  // One 64-row WGMMA atom per consumer warpgroup, stacked along M.
+  using WarpGroupLayout = Layout<Shape<Int<kNumMmaWarpGroups>, _1, _1>>;
+  using TiledMmaQK = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kBlockN>, Int<kHeadDim>>>(),
+      WarpGroupLayout{}));
+  using TiledMmaPV = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim>, Int<kBlockN>>,
+                           GMMA::Major::K, GMMA::Major::MN>(),
+      WarpGroupLayout{}));
+
+  // Q and K are K-major (d contiguous). V is stored as Vt (dv, N): dv contiguous, which is the
+  // MN-major B operand of P V, so the TMA writes it straight into the layout the MMA reads.
+  using SmemLayoutQ = decltype(tile_to_shape(
+      cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element, Int<kBlockM>, Int<kHeadDim>>(),
+      Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  using SmemLayoutK = decltype(tile_to_shape(
+      cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element, Int<kBlockN>, Int<kHeadDim>>(),
+      Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
+  using SmemLayoutVt = decltype(tile_to_shape(
+      cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::MN, Element, Int<kHeadDim>, Int<kBlockN>>(),
+      Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{}, Step<_2, _1, _3>{}));
+
+  // Global tensors as (seqlen, d, head, batch); Vt as (dv, seqlen, head, batch).
+  using ShapeQKV = Shape<int32_t, int32_t, int32_t, int32_t>;
+  using StrideQK = Stride<int64_t, _1, int64_t, int64_t>;
+  using StrideVt = Stride<_1, int64_t, int64_t, int64_t>;
+
+  using TmaQ = decltype(make_tma_copy(
+      SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), ShapeQKV{}, StrideQK{}),
+      SmemLayoutQ{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{}));
+  using TmaK = decltype(make_tma_copy(
+      SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), ShapeQKV{}, StrideQK{}),
+      take<0, 2>(SmemLayoutK{}), Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
+  using TmaVt = decltype(make_tma_copy(
+      SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), ShapeQKV{}, StrideVt{}),
+      take<0, 2>(SmemLayoutVt{}), Shape<Int<kHeadDim>, Int<kBlockN>>{}, _1{}));
+
+  using Pipeline = cutlass::PipelineTmaAsync<kStages>;
+  using PipelineState = cutlass::PipelineState<kStages>;
+
+  static constexpr uint32_t kTmaBytesQ = cosize_v<SmemLayoutQ> * sizeof(Element);
+  static constexpr uint32_t kTmaBytesK = size(take<0, 2>(SmemLayoutK{})) * sizeof(Element);
+  static constexpr uint32_t kTmaBytesV = size(take<0, 2>(SmemLayoutVt{})) * sizeof(Element);
+
+  struct SharedStorageKV {
+    cute::array_aligned<Element, cosize_v<SmemLayoutK>, 1024> smem_k;
+    cute::array_aligned<Element, cosize_v<SmemLayoutVt>, 1024> smem_v;
+  };
+
+  struct Arguments {
+    Element const* ptr_q;
+    ShapeQKV shape_q;  // (seqlen_q, d, heads_q, batch)
+    StrideQK stride_q;
+    Element const* ptr_k;
+    ShapeQKV shape_k;  // (seqlen_k, d, heads_kv, batch)
+    StrideQK stride_k;
+    Element const* ptr_v;
+    ShapeQKV shape_vt;  // (dv, seqlen_k, heads_kv, batch)
+    StrideVt stride_vt;
+    float softmax_scale;
+  };
+
+  struct Params {
+    ShapeQKV shape_q;
+    ShapeQKV shape_k;
+    ShapeQKV shape_vt;
+    TmaQ tma_q;
+    TmaK tma_k;
+    TmaVt tma_vt;
+    float softmax_scale;
+    float softmax_scale_log2;
+    cutlass::FastDivmod heads_per_kv_head;
+  };
+
+  static Params to_underlying_arguments(Arguments const& args) {
+    Tensor mQ = make_tensor(make_gmem_ptr(args.ptr_q), args.shape_q, args.stride_q);
+    Tensor mK = make_tensor(make_gmem_ptr(args.ptr_k), args.shape_k, args.stride_k);
+    Tensor mVt = make_tensor(make_gmem_ptr(args.ptr_v), args.shape_vt, args.stride_vt);
+    TmaQ tma_q = make_tma_copy(SM90_TMA_LOAD{}, mQ, SmemLayoutQ{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{});
+    TmaK tma_k = make_tma_copy(SM90_TMA_LOAD{}, mK, take<0, 2>(SmemLayoutK{}),
+                               Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{});
+    TmaVt tma_vt = make_tma_copy(SM90_TMA_LOAD{}, mVt, take<0, 2>(SmemLayoutVt{}),
+                                 Shape<Int<kHeadDim>, Int<kBlockN>>{}, _1{});
+    const int heads_per_kv_head = get<2>(args.shape_q) / get<2>(args.shape_k);
+    return {args.shape_q,
+            args.shape_k,
+            args.shape_vt,
+            tma_q,
+            tma_k,
+            tma_vt,
+            args.softmax_scale,
+            float(args.softmax_scale * M_LOG2E),
+            cutlass::FastDivmod(heads_per_kv_head)};
+  }
+
+  CUTLASS_DEVICE static void prefetch_tma_descriptors(Params const& params) {
+    cute::prefetch_tma_descriptor(params.tma_q.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(params.tma_k.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(params.tma_vt.get_tma_descriptor());
+  }
+
+  CUTLASS_DEVICE static int seqlen_q(Params const& params) { return get<0>(params.shape_q); }
+  CUTLASS_DEVICE static int seqlen_k(Params const& params) { return get<0>(params.shape_k); }
+
+  // Producer: called by one thread. Loads Q, then K/V blocks from the last (the one that may
+  // need masking) down, interleaved as K[n], V[n+1] in the order the consumers use them.
+  CUTLASS_DEVICE static void load(Params const& params, Pipeline& pipeline_k, Pipeline& pipeline_v,
+                                  PipelineState& pipe_k_write, PipelineState& pipe_v_write,
+                                  cutlass::arch::ClusterTransactionBarrier& barrier_q_full, Element* smem_q,
+                                  SharedStorageKV& storage, WorkTile const& work, int n_block_min,
+                                  int n_block_max) {
+    Tensor sQ = make_tensor(make_smem_ptr(smem_q), SmemLayoutQ{});
+    Tensor sK = make_tensor(make_smem_ptr(storage.smem_k.data()), SmemLayoutK{});
+    Tensor sVt = make_tensor(make_smem_ptr(storage.smem_v.data()), SmemLayoutVt{});
+    const int head_kv = params.heads_per_kv_head.divide(work.head);
+
+    Tensor mQ = params.tma_q.get_tma_tensor(params.shape_q)(_, _, work.head, work.batch);        // (sq, d)
+    Tensor mK = params.tma_k.get_tma_tensor(params.shape_k)(_, _, head_kv, work.batch);          // (sk, d)
+    Tensor mVt = params.tma_vt.get_tma_tensor(params.shape_vt)(_, _, head_kv, work.batch);       // (dv, sk)
+    Tensor gQ = local_tile(mQ, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(work.m_block, _0{}));  // (M, d)
+    Tensor gK = local_tile(mK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, _0{}));  // (N, d, n)
+    Tensor gVt = local_tile(mVt, Shape<Int<kHeadDim>, Int<kBlockN>>{}, make_coord(_0{}, _));  // (dv, N, n)
+
+    auto [tQgQ, tQsQ] = tma_partition(params.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
+    auto tma_k_parts = tma_partition(params.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+    auto tma_v_parts =
+        tma_partition(params.tma_vt, _0{}, Layout<_1>{}, group_modes<0, 2>(sVt), group_modes<0, 2>(gVt));
+
+    // Plain tensors rather than structured bindings: lambdas capture them (C++17).
+    Tensor tKgK = get<0>(tma_k_parts);  // (TMA, n)
+    Tensor tKsK = get<1>(tma_k_parts);  // (TMA, PIPE)
+    Tensor tVgVt = get<0>(tma_v_parts);
+    Tensor tVsVt = get<1>(tma_v_parts);
+
+    barrier_q_full.arrive_and_expect_tx(kTmaBytesQ);
+    copy(params.tma_q.with(reinterpret_cast<uint64_t&>(barrier_q_full)), tQgQ, tQsQ);
+
+    auto load_k = [&](int n_block) {
+      pipeline_k.producer_acquire(pipe_k_write);
+      copy(params.tma_k.with(*pipeline_k.producer_get_barrier(pipe_k_write)), tKgK(_, n_block),
+           tKsK(_, pipe_k_write.index()));
+      ++pipe_k_write;
+    };
+    auto load_v = [&](int n_block) {
+      pipeline_v.producer_acquire(pipe_v_write);
+      copy(params.tma_vt.with(*pipeline_v.producer_get_barrier(pipe_v_write)), tVgVt(_, n_block),
+           tVsVt(_, pipe_v_write.index()));
+      ++pipe_v_write;
+    };
+    load_k(n_block_max - 1);
+    for (int n_block = n_block_max - 2; n_block >= n_block_min; --n_block) {
+      load_k(n_block);
+      load_v(n_block + 1);
+    }
+    load_v(n_block_min);
+  }
+
+  // Consumer: one 64-row slice per warpgroup. On return tOrO holds the unnormalised O and
+  // `softmax` the row statistics.
+  template <class TensorO, class Softmax>
+  CUTLASS_DEVICE static void mma(Params const& params, Pipeline& pipeline_k, Pipeline& pipeline_v,
+                                 PipelineState& pipe_k_read, PipelineState& pipe_v_read,
+                                 cutlass::arch::ClusterTransactionBarrier& barrier_q_full, int& q_full_phase,
+                                 Element* smem_q, SharedStorageKV& storage, TensorO& tOrO, Softmax& softmax,
+                                 int thread_idx, WorkTile const& work, int n_block_min, int n_block_max) {
+    Tensor sQ = make_tensor(make_smem_ptr(smem_q), SmemLayoutQ{});
+    Tensor sK = make_tensor(make_smem_ptr(storage.smem_k.data()), SmemLayoutK{});
+    Tensor sVt = make_tensor(make_smem_ptr(storage.smem_v.data()), SmemLayoutVt{});
+
+    TiledMmaQK tiled_mma_qk;
+    TiledMmaPV tiled_mma_pv;
+    auto thr_mma_qk = tiled_mma_qk.get_thread_slice(thread_idx);
+    auto thr_mma_pv = tiled_mma_pv.get_thread_slice(thread_idx);
+    Tensor tSrQ = thr_mma_qk.partition_fragment_A(sQ);    // (MMA, MMA_M, MMA_K)
+    Tensor tSrK = thr_mma_qk.partition_fragment_B(sK);    // (MMA, MMA_N, MMA_K, PIPE)
+    Tensor tOrVt = thr_mma_pv.partition_fragment_B(sVt);  // (MMA, MMA_N, MMA_K, PIPE)
+
+    Tensor tSrS = partition_fragment_C(tiled_mma_qk, select<0, 1>(TileShapeQK{}));  // (MMA, MMA_M, MMA_N)
+    Tensor tOrP = make_tensor<Element>(accumulator_as_a_operand(tSrS.layout()));
+    Tensor scores = make_tensor(tSrS.data(), accumulator_rowcol(tSrS.layout()));     // (rows, cols)
+    Tensor tScS = thr_mma_qk.partition_C(make_identity_tensor(select<0, 1>(TileShapeQK{})));
+    Tensor coords = make_tensor(tScS.data(), accumulator_rowcol(tScS.layout()));
+    Tensor o_rowcol = make_tensor(tOrO.data(), accumulator_rowcol(tOrO.layout()));
+    constexpr int kRows = decltype(size<0>(scores))::value;
+    float o_scale[kRows];
+
+    const AttentionMask<kBlockM, kBlockN, kCausal> mask{seqlen_q(params), seqlen_k(params)};
+    const int warp_group = thread_idx / cutlass::NumThreadsPerWarpGroup;
+    // Ping-pong: wait for this warpgroup's turn at the tensor cores, then pass it on.
+    auto take_turn = [&] {
+      if constexpr (kNumMmaWarpGroups > 1)
+        named_barrier_sync(2 * cutlass::NumThreadsPerWarpGroup, FwdBarrier::kWarpScheduler0, warp_group);
+    };
+    auto pass_turn = [&] {
+      if constexpr (kNumMmaWarpGroups > 1)
+        named_barrier_arrive(2 * cutlass::NumThreadsPerWarpGroup, FwdBarrier::kWarpScheduler0,
+                             (warp_group + 1) % kNumMmaWarpGroups);
+    };
+
+    barrier_q_full.wait(q_full_phase);
+    q_full_phase ^= 1;
+
+    // First block: S only.
+    int n_block = n_block_max - 1;
+    pipeline_k.consumer_wait(pipe_k_read);
+    take_turn();
+    warpgroup_gemm</*kZeroInit=*/true, /*kWait=*/-1>(tiled_mma_qk, tSrQ, tSrK(_, _, _, pipe_k_read.index()), tSrS);
+    pass_turn();
+    warpgroup_wait<0>();
+    pipeline_k.consumer_release(pipe_k_read);
+    ++pipe_k_read;
+    if (mask.crosses_boundary(work.m_block, n_block)) mask.apply(scores, coords, work.m_block, n_block);
+    softmax.template update</*kFirst=*/true>(scores, o_scale);
+    convert_into(tSrS, tOrP);
+    clear(tOrO);
+
+    for (--n_block; n_block >= n_block_min; --n_block) {
+      pipeline_k.consumer_wait(pipe_k_read);
+      take_turn();
+      warpgroup_gemm<true, -1>(tiled_mma_qk, tSrQ, tSrK(_, _, _, pipe_k_read.index()), tSrS);
+      pipeline_v.consumer_wait(pipe_v_read);
+      warpgroup_gemm<false, -1>(tiled_mma_pv, tOrP, tOrVt(_, _, _, pipe_v_read.index()), tOrO);
+      pass_turn();
+      warpgroup_wait<1>();  // S is ready; P V may still run
+      pipeline_k.consumer_release(pipe_k_read);
+      ++pipe_k_read;
+      if (mask.crosses_boundary(work.m_block, n_block)) mask.apply(scores, coords, work.m_block, n_block);
+      softmax.template update</*kFirst=*/false>(scores, o_scale);
+      warpgroup_wait<0>();
+      pipeline_v.consumer_release(pipe_v_read);
+      ++pipe_v_read;
+      scale_rows(o_rowcol, o_scale);
+      convert_into(tSrS, tOrP);
+    }
+
+    // Last block: P V only.
+    pipeline_v.consumer_wait(pipe_v_read);
+    take_turn();
+    warpgroup_gemm<false, -1>(tiled_mma_pv, tOrP, tOrVt(_, _, _, pipe_v_read.index()), tOrO);
+    pass_turn();
+    warpgroup_wait<0>();
+    pipeline_v.consumer_release(pipe_v_read);
+    ++pipe_v_read;
+  }
+};
+
+}  // namespace flashhopper::hopper

@@ -1,0 +1,23 @@
+// Named barriers of the forward kernel, numbered past CUTLASS's reserved ids.
+#pragma once
+
+#include <cutlass/arch/barrier.h>
+
+namespace flashhopper::hopper {
+
+enum class FwdBarrier : uint32_t {
+  kEpilogue = 0,          // all consumer warpgroups: done with sQ before O overwrites it
+  kWarpScheduler0 = 1,    // ping-pong turn of consumer warpgroup 0; 1 and 2 follow
+};
+
+template <class Barrier>
+CUTLASS_DEVICE void named_barrier_sync(int num_threads, Barrier barrier, int offset = 0) {
+  cutlass::arch::NamedBarrier::sync(num_threads, static_cast<uint32_t>(barrier) + offset);
+}
+
+template <class Barrier>
+CUTLASS_DEVICE void named_barrier_arrive(int num_threads, Barrier barrier, int offset = 0) {
+  cutlass::arch::NamedBarrier::arrive(num_threads, static_cast<uint32_t>(barrier) + offset);
+}
+
+}  // namespace flashhopper::hopper

@@ -1,0 +1,82 @@
+// Online softmax over the rows of a WGMMA accumulator held in registers.
+// Scores stay raw (unscaled) until the exponent: p = exp2(s * scale_log2 - max * scale_log2), one
+// FFMA per element. The running sum is kept per thread and reduced over the quad only at the end.
+#pragma once
+
+#include <cmath>
+
+#include <cute/tensor.hpp>
+
+#include "hopper/common/utils.hpp"
+
+namespace flashhopper::hopper {
+
+using namespace cute;
+
+template <int kRows>
+struct OnlineSoftmax {
+  float row_max[kRows];
+  float row_sum[kRows];
+  float scale_log2;  // softmax_scale * log2(e)
+
+  CUTLASS_DEVICE explicit OnlineSoftmax(float scale_log2_) : scale_log2(scale_log2_) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int m = 0; m < kRows; ++m) {
+      row_max[m] = -INFINITY;
+      row_sum[m] = 0.f;
+    }
+  }
+
+  // Folds the block of scores `s` (rows, cols) in: s becomes P (unnormalised), and `o_scale`
+  // receives the factor by which the rows of O must shrink because the maximum moved.
+  template <bool kFirst, class TensorS>
+  CUTLASS_DEVICE void update(TensorS& s, float (&o_scale)[kRows]) {
+    static_assert(decltype(size<0>(s))::value == kRows);
+    CUTLASS_PRAGMA_UNROLL
+    for (int m = 0; m < kRows; ++m) {
+      float block_max = row_max[m];
+      CUTLASS_PRAGMA_UNROLL
+      for (int n = 0; n < size<1>(s); ++n) block_max = fmaxf(block_max, s(m, n));
+      block_max = quad_allreduce(block_max, [](float a, float b) { return fmaxf(a, b); });
+      // A row that has seen only masked keys keeps max -inf; use 0 so no (-inf) - (-inf) arises.
+      const float max_scaled = block_max == -INFINITY ? 0.f : block_max * scale_log2;
+      if constexpr (kFirst) {
+        o_scale[m] = 1.f;
+      } else {
+        o_scale[m] = row_max[m] == -INFINITY ? 0.f : exp2f(row_max[m] * scale_log2 - max_scaled);
+      }
+      row_max[m] = block_max;
+      float sum = 0.f;
+      CUTLASS_PRAGMA_UNROLL
+      for (int n = 0; n < size<1>(s); ++n) {
+        s(m, n) = exp2f(s(m, n) * scale_log2 - max_scaled);
+        sum += s(m, n);
+      }
+      row_sum[m] = row_sum[m] * o_scale[m] + sum;
+    }
+  }
+
+  // Normalisation factor 1/sum per row (0 for rows that saw no key) and the natural-log LSE
+  // (-inf for those rows). `softmax_scale` is the unscaled-to-logit factor.
+  CUTLASS_DEVICE void finalize(float softmax_scale, float (&o_scale)[kRows], float (&lse)[kRows]) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int m = 0; m < kRows; ++m) {
+      const float sum = quad_allreduce(row_sum[m], [](float a, float b) { return a + b; });
+      const bool empty = sum == 0.f || sum != sum;
+      o_scale[m] = empty ? 0.f : 1.f / sum;
+      lse[m] = empty ? -INFINITY : row_max[m] * softmax_scale + logf(sum);
+    }
+  }
+};
+
+// O's rows scaled in place: o (rows, cols) *= o_scale[row].
+template <int kRows, class TensorO>
+CUTLASS_DEVICE void scale_rows(TensorO& o, float const (&o_scale)[kRows]) {
+  CUTLASS_PRAGMA_UNROLL
+  for (int m = 0; m < kRows; ++m) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int n = 0; n < size<1>(o); ++n) o(m, n) *= o_scale[m];
+  }
+}
+
+}  // namespace flashhopper::hopper

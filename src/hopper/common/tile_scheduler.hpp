@@ -1,0 +1,61 @@
+// Persistent tile scheduler: CTAs stride over the output tiles (m_block, head, batch). With
+// causal masking the tiles are handed out longest first (highest m_block first), so that the
+// short diagonal tiles fill the last wave instead of one long tile trailing alone.
+#pragma once
+
+#include <cutlass/cutlass.h>
+#include <cutlass/fast_math.h>
+
+namespace flashhopper::hopper {
+
+struct WorkTile {
+  int m_block;
+  int head;
+  int batch;
+  bool valid;
+};
+
+template <bool kLongestFirst>
+struct StaticPersistentScheduler {
+  struct Params {
+    int num_m_blocks;
+    int num_heads;
+    int num_tiles;
+    cutlass::FastDivmod m_block_divmod;  // over num_m_blocks
+    cutlass::FastDivmod head_divmod;     // over num_heads
+  };
+
+  static Params make_params(int num_m_blocks, int num_heads, int num_batch) {
+    const int num_tiles = num_m_blocks * num_heads * num_batch;
+    return {num_m_blocks, num_heads, num_tiles, cutlass::FastDivmod(num_m_blocks),
+            cutlass::FastDivmod(num_heads)};
+  }
+
+  static int grid_size(Params const& params, int num_sms) {
+    return params.num_tiles < num_sms ? params.num_tiles : num_sms;
+  }
+
+  CUTLASS_DEVICE static WorkTile decode(Params const& params, int tile) {
+    WorkTile work;
+    work.valid = tile < params.num_tiles;
+    int m_block, rest;
+    if constexpr (kLongestFirst) {
+      // tile = (m from the last) * (heads * batch) + (batch * heads + head)
+      const int heads_batch = params.num_tiles / params.num_m_blocks;
+      const int m_rank = tile / heads_batch;
+      rest = tile - m_rank * heads_batch;
+      m_block = params.num_m_blocks - 1 - m_rank;
+    } else {
+      // m_block fastest, so the CTAs running together share a head's K and V in L2.
+      params.m_block_divmod(rest, m_block, tile);
+    }
+    params.head_divmod(work.batch, work.head, rest);
+    work.m_block = m_block;
+    return work;
+  }
+
+  CUTLASS_DEVICE static int first_tile() { return blockIdx.x; }
+  CUTLASS_DEVICE static int next_tile(int tile) { return tile + gridDim.x; }
+};
+
+}  // namespace flashhopper::hopper

@@ -1,0 +1,36 @@
+// The forward's tunables per head dim, in one table. Shared memory must hold Q (reused for O),
+// kStages K tiles and kStages V tiles: (kBlockM + 2 * kStages * kBlockN) * d * 2 bytes <= 227 KiB.
+// Registers: each consumer warpgroup owns 64 rows, so O takes d/2 and S kBlockN/2 floats a thread.
+#pragma once
+
+namespace flashhopper::hopper {
+
+template <int kHeadDim, bool kCausal>
+struct ForwardTileSize;
+
+// hdim 64: three consumer warpgroups (192 rows) amortise each K/V tile over more rows.
+template <bool kCausal>
+struct ForwardTileSize<64, kCausal> {
+  static constexpr int kBlockM = 192;
+  static constexpr int kBlockN = 128;  // 192 spills: S, P and O exceed 160 registers
+  static constexpr int kStages = 2;
+};
+
+// hdim 128: 176 key columns fill shared memory (2 stages, 208 KiB) for non-causal; causal keeps
+// 128 so the diagonal blocks waste less.
+template <bool kCausal>
+struct ForwardTileSize<128, kCausal> {
+  static constexpr int kBlockM = 128;
+  static constexpr int kBlockN = kCausal ? 128 : 176;
+  static constexpr int kStages = 2;
+};
+
+// hdim 256: O alone is 128 registers a thread; 80 key columns keep S small and fit 224 KiB.
+template <bool kCausal>
+struct ForwardTileSize<256, kCausal> {
+  static constexpr int kBlockM = 128;
+  static constexpr int kBlockN = 80;
+  static constexpr int kStages = 2;
+};
+
+}  // namespace flashhopper::hopper

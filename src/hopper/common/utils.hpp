@@ -1,0 +1,70 @@
+// Small CuTe helpers shared by the Hopper kernels: WGMMA issue, accumulator views, conversion.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/numeric_conversion.h>
+
+namespace flashhopper::hopper {
+
+using namespace cute;
+
+// Issue one warpgroup GEMM C (+)= A B over the K mode. kWait >= 0 waits until at most kWait
+// batches are in flight; -1 returns at once so the caller can overlap other work.
+template <bool kZeroInit, int kWait = 0, class TiledMma, class TensorA, class TensorB, class TensorC>
+CUTLASS_DEVICE void warpgroup_gemm(TiledMma& tiled_mma, TensorA const& tCrA, TensorB const& tCrB,
+                                   TensorC& tCrC) {
+  constexpr bool kAInRegisters =
+      !cute::is_same_v<typename TensorA::engine_type::iterator, GMMA::DescriptorIterator>;
+  if constexpr (kAInRegisters) warpgroup_fence_operand(const_cast<TensorA&>(tCrA));
+  warpgroup_fence_operand(tCrC);
+  warpgroup_arrive();
+  if constexpr (kZeroInit) tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
+  CUTLASS_PRAGMA_UNROLL
+  for (int k = 0; k < size<2>(tCrA); ++k) {
+    cute::gemm(tiled_mma, tCrA(_, _, k), tCrB(_, _, k), tCrC);
+    tiled_mma.accumulate_ = GMMA::ScaleOut::One;
+  }
+  warpgroup_commit_batch();
+  if constexpr (kWait >= 0) warpgroup_wait<kWait>();
+  warpgroup_fence_operand(tCrC);
+  if constexpr (kAInRegisters) warpgroup_fence_operand(const_cast<TensorA&>(tCrA));
+}
+
+// A WGMMA accumulator ((2, 2, N/8), MMA_M, MMA_N) viewed as (rows, cols):
+// ((2, MMA_M), (2, N/8, MMA_N)). Mode 0,1 is the row +8 half, mode 0,0 the column pair.
+template <class Layout>
+CUTLASS_DEVICE auto accumulator_rowcol(Layout acc) {
+  static_assert(decltype(rank<0>(acc))::value == 3);
+  return make_layout(make_layout(get<0, 1>(acc), get<1>(acc)),
+                     make_layout(get<0, 0>(acc), get<0, 2>(acc), get<2>(acc)));
+}
+
+// The accumulator of S = Q K^T reused as the register A operand of O += P V:
+// ((2, 2, N/8), MMA_M, 1) -> ((2, 2, 2), MMA_M, N/16). Two n8 column chunks make one k16 slice.
+template <class Layout>
+CUTLASS_DEVICE auto accumulator_as_a_operand(Layout acc) {
+  auto chunks = logical_divide(get<0>(acc), Shape<Underscore, Underscore, _2>{});  // (2, 2, (2, N/16))
+  return make_layout(make_layout(get<0>(chunks), get<1>(chunks), get<2, 0>(chunks)), get<1>(acc),
+                     coalesce(make_layout(get<2, 1>(chunks), get<2>(acc))));
+}
+
+// Elementwise conversion between register tensors of the same size, packed (cvt.rn.bf16x2.f32).
+template <class TensorSrc, class TensorDst>
+CUTLASS_DEVICE void convert_into(TensorSrc const& src, TensorDst& dst) {
+  using From = typename TensorSrc::value_type;
+  using To = typename TensorDst::value_type;
+  constexpr int kNumel = decltype(size(src))::value;
+  static_assert(kNumel == decltype(size(dst))::value);
+  cutlass::NumericArrayConverter<To, From, kNumel> convert;
+  *reinterpret_cast<cutlass::Array<To, kNumel>*>(dst.data()) =
+      convert(*reinterpret_cast<cutlass::Array<From, kNumel> const*>(src.data()));
+}
+
+// Reduction over the 4 threads of a quad, which share the rows of a WGMMA accumulator.
+template <class Op>
+CUTLASS_DEVICE float quad_allreduce(float x, Op op) {
+  x = op(x, __shfl_xor_sync(0xffffffff, x, 2));
+  return op(x, __shfl_xor_sync(0xffffffff, x, 1));
+}
+
+}  // namespace flashhopper::hopper

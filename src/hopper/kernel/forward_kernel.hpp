@@ -1,0 +1,148 @@
+// The forward kernel: warp roles, register split, shared storage and the persistent tile loop.
+// Warpgroup 0 is the producer (one thread issues every TMA load); warpgroups 1.. are consumers
+// that run the mainloop and the epilogue on the same tile, 64 rows each.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/cutlass.h>
+#include <cutlass/pipeline/pipeline.hpp>
+
+#include "hopper/common/mask.hpp"
+#include "hopper/common/named_barrier.hpp"
+#include "hopper/common/softmax.hpp"
+#include "hopper/common/tile_scheduler.hpp"
+
+namespace flashhopper::hopper {
+
+using namespace cute;
+
+template <class Mainloop_, class Epilogue_, class Scheduler_>
+struct ForwardKernel {
+  using Mainloop = Mainloop_;
+  using Epilogue = Epilogue_;
+  using Scheduler = Scheduler_;
+  using Element = typename Mainloop::Element;
+
+  static constexpr int kNumMmaWarpGroups = Mainloop::kNumMmaWarpGroups;
+  static constexpr int kNumMmaThreads = Mainloop::kNumMmaThreads;
+  static constexpr int kNumThreads = kNumMmaThreads + cutlass::NumThreadsPerWarpGroup;
+  // 64K registers a CTA: the producer keeps the minimum, the consumers take the rest.
+  static constexpr int kProducerRegisters = kNumMmaWarpGroups == 2 ? 24 : 32;
+  static constexpr int kConsumerRegisters = kNumMmaWarpGroups == 2 ? 240 : 160;
+  static_assert(kNumMmaWarpGroups == 2 || kNumMmaWarpGroups == 3);
+
+  static_assert(cosize_v<typename Mainloop::SmemLayoutQ> == cosize_v<typename Epilogue::SmemLayoutO>,
+                "O reuses Q's shared memory");
+
+  struct SharedStorage {
+    // O is written once the tile's last Q K^T is done, so it takes Q's place.
+    cute::array_aligned<Element, cosize_v<typename Mainloop::SmemLayoutQ>, 1024> smem_q_or_o;
+    typename Mainloop::SharedStorageKV kv;
+    cutlass::arch::ClusterTransactionBarrier barrier_q_full;
+    cutlass::arch::ClusterBarrier barrier_q_empty;
+    typename Mainloop::Pipeline::SharedStorage pipeline_k;
+    typename Mainloop::Pipeline::SharedStorage pipeline_v;
+  };
+  static constexpr int kSharedStorageSize = sizeof(SharedStorage);
+
+  struct Params {
+    typename Mainloop::Params mainloop;
+    typename Epilogue::Params epilogue;
+    typename Scheduler::Params scheduler;
+  };
+
+  CUTLASS_DEVICE void operator()(Params const& params, char* smem_buf) {
+    SharedStorage& storage = *reinterpret_cast<SharedStorage*>(smem_buf);
+    const int warp_group = cutlass::canonical_warp_group_idx();
+
+    if (threadIdx.x == 0) {
+      Mainloop::prefetch_tma_descriptors(params.mainloop);
+      Epilogue::prefetch_tma_descriptors(params.epilogue);
+      storage.barrier_q_full.init(/*arrive_count=*/1);
+      storage.barrier_q_empty.init(/*arrive_count=*/1);
+    }
+
+    using Pipeline = typename Mainloop::Pipeline;
+    typename Pipeline::Params pipeline_params;
+    pipeline_params.role = warp_group == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
+    pipeline_params.is_leader = threadIdx.x == 0;
+    pipeline_params.num_consumers = kNumMmaThreads;
+    pipeline_params.transaction_bytes = Mainloop::kTmaBytesK;
+    Pipeline pipeline_k(storage.pipeline_k, pipeline_params, Shape<_1, _1, _1>{});
+    pipeline_params.transaction_bytes = Mainloop::kTmaBytesV;
+    Pipeline pipeline_v(storage.pipeline_v, pipeline_params, Shape<_1, _1, _1>{});
+
+    cutlass::arch::fence_barrier_init();
+    __syncthreads();
+
+    const int seqlen_q = Mainloop::seqlen_q(params.mainloop);
+    const int seqlen_k = Mainloop::seqlen_k(params.mainloop);
+    auto block_range = [&](WorkTile const& work, int& n_block_min, int& n_block_max) {
+      key_block_range<Mainloop::kBlockM, Mainloop::kBlockN, Mainloop::kCausal>(seqlen_q, seqlen_k, work.m_block,
+                                                                               n_block_min, n_block_max);
+    };
+
+    if (warp_group == 0) {  // producer
+      cutlass::arch::warpgroup_reg_dealloc<kProducerRegisters>();
+      if (threadIdx.x != 0) return;
+      auto pipe_k_write = cutlass::make_producer_start_state<Pipeline>();
+      auto pipe_v_write = cutlass::make_producer_start_state<Pipeline>();
+      int q_empty_phase = 1;  // the buffer starts empty: the first wait passes
+      for (int tile = Scheduler::first_tile();; tile = Scheduler::next_tile(tile)) {
+        const WorkTile work = Scheduler::decode(params.scheduler, tile);
+        if (!work.valid) break;
+        int n_block_min, n_block_max;
+        block_range(work, n_block_min, n_block_max);
+        if (n_block_min >= n_block_max) continue;  // consumers write zeros; nothing to load
+        storage.barrier_q_empty.wait(q_empty_phase);
+        q_empty_phase ^= 1;
+        Mainloop::load(params.mainloop, pipeline_k, pipeline_v, pipe_k_write, pipe_v_write, storage.barrier_q_full,
+                       storage.smem_q_or_o.data(), storage.kv, work, n_block_min, n_block_max);
+      }
+    } else {  // consumers
+      cutlass::arch::warpgroup_reg_alloc<kConsumerRegisters>();
+      const int thread_idx = threadIdx.x - cutlass::NumThreadsPerWarpGroup;
+      const int mma_warp_group = warp_group - 1;
+      // Hand the first ping-pong turn to warpgroup 0.
+      if (mma_warp_group == kNumMmaWarpGroups - 1)
+        named_barrier_arrive(2 * cutlass::NumThreadsPerWarpGroup, FwdBarrier::kWarpScheduler0, 0);
+
+      typename Mainloop::PipelineState pipe_k_read, pipe_v_read;
+      int q_full_phase = 0;
+      typename Mainloop::TiledMmaPV tiled_mma_pv;
+      for (int tile = Scheduler::first_tile();; tile = Scheduler::next_tile(tile)) {
+        const WorkTile work = Scheduler::decode(params.scheduler, tile);
+        if (!work.valid) break;
+        int n_block_min, n_block_max;
+        block_range(work, n_block_min, n_block_max);
+        if (n_block_min >= n_block_max) {
+          Epilogue::store_empty(params.epilogue, thread_idx, work);
+          continue;
+        }
+        Tensor tOrO = partition_fragment_C(tiled_mma_pv, select<0, 1>(typename Mainloop::TileShapePV{}));
+        constexpr int kRows = 2;  // rows of the accumulator a thread holds
+        OnlineSoftmax<kRows> softmax(params.mainloop.softmax_scale_log2);
+        Mainloop::mma(params.mainloop, pipeline_k, pipeline_v, pipe_k_read, pipe_v_read, storage.barrier_q_full,
+                      q_full_phase, storage.smem_q_or_o.data(), storage.kv, tOrO, softmax, thread_idx, work,
+                      n_block_min, n_block_max);
+        float o_scale[kRows], lse[kRows];
+        softmax.finalize(params.mainloop.softmax_scale, o_scale, lse);
+        Tensor o_rowcol = make_tensor(tOrO.data(), accumulator_rowcol(tOrO.layout()));
+        scale_rows(o_rowcol, o_scale);
+        Epilogue::store(params.epilogue, tOrO, lse, storage.smem_q_or_o.data(), thread_idx, work);
+        if (thread_idx == 0) storage.barrier_q_empty.arrive();  // the store has read sO
+      }
+    }
+  }
+};
+
+template <class Kernel>
+__global__ void __launch_bounds__(Kernel::kNumThreads, 1)
+    forward_kernel_entry(CUTE_GRID_CONSTANT typename Kernel::Params const params) {
+  extern __shared__ char smem_buf[];
+  Kernel{}(params, smem_buf);
+}
+
+}  // namespace flashhopper::hopper

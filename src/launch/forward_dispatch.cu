@@ -1,0 +1,93 @@
+// Forward dispatch: what this build can run, and the switch to the compiled instantiation.
+#include "launch/forward_launch.hpp"
+#include "launch/launch.hpp"
+
+namespace flashhopper::launch {
+namespace {
+
+constexpr bool compiled_dtype(fh_dtype dtype) {
+  switch (dtype) {
+#ifdef FLASHHOPPER_FWD_BF16
+    case FH_DTYPE_BF16: return true;
+#endif
+#ifdef FLASHHOPPER_FWD_FP16
+    case FH_DTYPE_FP16: return true;
+#endif
+    default: return false;
+  }
+}
+
+constexpr bool compiled_head_dim(int64_t head_dim) {
+  switch (head_dim) {
+#ifdef FLASHHOPPER_FWD_HDIM64
+    case 64: return true;
+#endif
+#ifdef FLASHHOPPER_FWD_HDIM128
+    case 128: return true;
+#endif
+#ifdef FLASHHOPPER_FWD_HDIM256
+    case 256: return true;
+#endif
+    default: return false;
+  }
+}
+
+template <fh_dtype kDType, bool kCausal>
+cudaError_t run_head_dim(const ForwardParams& p, const detail::ProblemShape& s, cudaStream_t stream) {
+  switch (s.head_dim) {
+#ifdef FLASHHOPPER_FWD_HDIM64
+    case 64: return run_forward_hdim<kDType, 64, kCausal>(p, s, stream);
+#endif
+#ifdef FLASHHOPPER_FWD_HDIM128
+    case 128: return run_forward_hdim<kDType, 128, kCausal>(p, s, stream);
+#endif
+#ifdef FLASHHOPPER_FWD_HDIM256
+    case 256: return run_forward_hdim<kDType, 256, kCausal>(p, s, stream);
+#endif
+    default: return cudaErrorInvalidValue;  // refused earlier by forward_unsupported_reason
+  }
+}
+
+template <fh_dtype kDType>
+cudaError_t run_dtype(const ForwardParams& p, const detail::ProblemShape& s, bool causal, cudaStream_t stream) {
+  return causal ? run_head_dim<kDType, true>(p, s, stream) : run_head_dim<kDType, false>(p, s, stream);
+}
+
+}  // namespace
+
+const char* forward_unsupported_reason(const ForwardParams& p, const detail::ProblemShape& s) {
+  const detail::MaskSpec mask = detail::mask_spec(p.causal, p.window_left, p.window_right, p.num_sink_tokens);
+  if (s.varlen_q || s.varlen_k) return "varlen (cu_seqlens_q/cu_seqlens_k)";
+  if (detail::present(p.seqused_q) || detail::present(p.seqused_k)) return "seqused_q/seqused_k";
+  if (s.paged || s.append_kv) return "paged KV cache / appending k_new, v_new";
+  if (p.q.dtype == FH_DTYPE_FP8_E4M3) return "fp8 e4m3 inputs";
+  if (p.softcap != 0.f) return "softcap";
+  if (mask.is_masked() && !mask.is_causal()) return "local (sliding window) attention";
+  if (p.num_splits > 1) return "split-KV (num_splits > 1)";
+  if (s.head_dim != s.head_dim_v) return "head_dim_v different from head_dim";
+  if (s.head_dim != 64 && s.head_dim != 128 && s.head_dim != 256)
+    return "head dims other than 64, 128 and 256";
+  if (!compiled_dtype(static_cast<fh_dtype>(p.q.dtype)))
+    return "this dtype: its kernels were not compiled in this build (FLASHHOPPER_KERNELS=dev?)";
+  if (!compiled_head_dim(s.head_dim))
+    return "this head dim: its kernels were not compiled in this build (FLASHHOPPER_KERNELS=dev?)";
+  return nullptr;
+}
+
+size_t forward_workspace_size(const ForwardParams&, const detail::ProblemShape&) { return 0; }
+
+int run_forward(const ForwardParams& params, const detail::ProblemShape& shape, void*, fh_stream_t stream) {
+  const bool causal = detail::mask_spec(params.causal, params.window_left, params.window_right,
+                                        params.num_sink_tokens).is_causal();
+  switch (params.q.dtype) {
+#ifdef FLASHHOPPER_FWD_BF16
+    case FH_DTYPE_BF16: return run_dtype<FH_DTYPE_BF16>(params, shape, causal, stream);
+#endif
+#ifdef FLASHHOPPER_FWD_FP16
+    case FH_DTYPE_FP16: return run_dtype<FH_DTYPE_FP16>(params, shape, causal, stream);
+#endif
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace flashhopper::launch

@@ -1,0 +1,21 @@
+// The boundary between the host API (g++) and the kernels (nvcc): what the dispatch may ask of
+// the compiled instantiations. Plain types only; no CuTe.
+#pragma once
+
+#include <cstddef>
+
+#include "api/problem_shape.hpp"
+
+namespace flashhopper::launch {
+
+// Empty when this build can run the forward on `params`, else why not (for the "not supported
+// yet" message). Argument validity is checked before this is asked.
+const char* forward_unsupported_reason(const ForwardParams& params, const detail::ProblemShape& shape);
+
+size_t forward_workspace_size(const ForwardParams& params, const detail::ProblemShape& shape);
+
+// Enqueues the forward. Returns the CUDA error of the launch (0 on success).
+int run_forward(const ForwardParams& params, const detail::ProblemShape& shape, void* workspace,
+                fh_stream_t stream);
+
+}  // namespace flashhopper::launch

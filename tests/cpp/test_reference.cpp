@@ -1,0 +1,955 @@
+// The CPU reference on its own: its backward against finite differences of its forward, and
+// the identities that tie the features together (masks, GQA, varlen, seqused, paged KV,
+// appending, split-KV). Inputs are random (fixed seeds, one per test) and fp64 unless a test
+// is about low precision.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <random>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "flashhopper/flashhopper.hpp"
+#include "reference/reference.hpp"
+#include "test_util.hpp"
+
+namespace {
+
+namespace fh = flashhopper;
+namespace ref = flashhopper::reference;
+using fh::test::HostTensor;
+using fh::test::int32_tensor;
+using fh::test::max_abs;
+using fh::test::max_abs_diff;
+using fh::test::narrow;
+using fh::test::random_tensor;
+using fh::test::round_to_bf16;
+using fh::test::round_to_fp16;
+using fh::test::sequence_view;
+using fh::test::unsqueeze;
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+constexpr double kSameMaths = 1e-12;  // two routes to the same double-precision result
+
+ref::Options one_thread() {
+  ref::Options options;
+  options.num_threads = 1;
+  return options;
+}
+
+#define EXPECT_OK(expr)                           \
+  do {                                            \
+    const fh::Status status_ = (expr);            \
+    EXPECT_TRUE(status_.ok()) << status_.message; \
+  } while (0)
+#define ASSERT_OK(expr)                           \
+  do {                                            \
+    const fh::Status status_ = (expr);            \
+    ASSERT_TRUE(status_.ok()) << status_.message; \
+  } while (0)
+
+struct Mask {
+  int causal = 0;
+  int window_left = -1, window_right = -1;
+  int sinks = 0;
+  float softcap = 0;
+  float scale = 0;
+};
+
+template <class Params>
+void apply(const Mask& m, Params* p) {
+  p->causal = m.causal;
+  p->window_left = m.window_left;
+  p->window_right = m.window_right;
+  p->num_sink_tokens = m.sinks;
+  p->softcap = m.softcap;
+  p->softmax_scale = m.scale;
+}
+
+struct Dims {
+  int64_t batch = 2, sq = 5, sk = 7, hq = 2, hkv = 2, d = 4, dv = 4;
+};
+
+// Dense q [B, sq, Hq, d], k/v [B, sk, Hkv, d|dv] with unit-normal entries, dO likewise, and
+// fp64 outputs.
+struct DenseCase {
+  Dims n;
+  HostTensor q, k, v, dout, out, lse, dq, dk, dv;
+
+  DenseCase(const Dims& dims, uint32_t seed, int32_t dtype = FH_DTYPE_FP64)
+      : n(dims),
+        q(random_tensor(dtype, {n.batch, n.sq, n.hq, n.d}, seed)),
+        k(random_tensor(dtype, {n.batch, n.sk, n.hkv, n.d}, seed + 1)),
+        v(random_tensor(dtype, {n.batch, n.sk, n.hkv, n.dv}, seed + 2)),
+        dout(random_tensor(FH_DTYPE_FP64, {n.batch, n.sq, n.hq, n.dv}, seed + 3)),
+        out(FH_DTYPE_FP64, {n.batch, n.sq, n.hq, n.dv}),
+        lse(FH_DTYPE_FP64, {n.batch, n.hq, n.sq}),
+        dq(FH_DTYPE_FP64, {n.batch, n.sq, n.hq, n.d}),
+        dk(FH_DTYPE_FP64, {n.batch, n.sk, n.hkv, n.d}),
+        dv(FH_DTYPE_FP64, {n.batch, n.sk, n.hkv, n.dv}) {}
+
+  fh::ForwardParams forward(const Mask& m = {}) const {
+    fh::ForwardParams p = fh::default_forward_params();
+    p.q = q.view();
+    p.k = k.view();
+    p.v = v.view();
+    p.out = out.view();
+    p.lse = lse.view();
+    apply(m, &p);
+    return p;
+  }
+  fh::BackwardParams backward(const Mask& m = {}) const {
+    fh::BackwardParams p = fh::default_backward_params();
+    p.q = q.view();
+    p.k = k.view();
+    p.v = v.view();
+    p.dout = dout.view();
+    p.dq = dq.view();
+    p.dk = dk.view();
+    p.dv = dv.view();
+    apply(m, &p);
+    return p;
+  }
+};
+
+// Packed q [total_q, Hq, d], k/v [total_k, Hkv, d|dv] with cu_seqlens.
+struct VarlenCase {
+  std::vector<int32_t> cu_q, cu_k;
+  int64_t hq, hkv, d, dv_dim;
+  HostTensor cu_q_tensor, cu_k_tensor, q, k, v, dout, out, lse, dq, dk, dv;
+
+  VarlenCase(std::vector<int32_t> cu_seqlens_q, std::vector<int32_t> cu_seqlens_k, int64_t heads_q,
+             int64_t heads_kv, int64_t head_dim, int64_t head_dim_v, uint32_t seed)
+      : cu_q(std::move(cu_seqlens_q)),
+        cu_k(std::move(cu_seqlens_k)),
+        hq(heads_q),
+        hkv(heads_kv),
+        d(head_dim),
+        dv_dim(head_dim_v),
+        cu_q_tensor(int32_tensor(cu_q)),
+        cu_k_tensor(int32_tensor(cu_k)),
+        q(random_tensor(FH_DTYPE_FP64, {cu_q.back(), hq, d}, seed)),
+        k(random_tensor(FH_DTYPE_FP64, {cu_k.back(), hkv, d}, seed + 1)),
+        v(random_tensor(FH_DTYPE_FP64, {cu_k.back(), hkv, dv_dim}, seed + 2)),
+        dout(random_tensor(FH_DTYPE_FP64, {cu_q.back(), hq, dv_dim}, seed + 3)),
+        out(FH_DTYPE_FP64, {cu_q.back(), hq, dv_dim}),
+        lse(FH_DTYPE_FP64, {hq, cu_q.back()}),
+        dq(FH_DTYPE_FP64, {cu_q.back(), hq, d}),
+        dk(FH_DTYPE_FP64, {cu_k.back(), hkv, d}),
+        dv(FH_DTYPE_FP64, {cu_k.back(), hkv, dv_dim}) {}
+
+  int64_t batch() const { return int64_t(cu_q.size()) - 1; }
+  int32_t max_len(const std::vector<int32_t>& cu) const {
+    int32_t m = 0;
+    for (size_t b = 0; b + 1 < cu.size(); ++b) m = std::max(m, cu[b + 1] - cu[b]);
+    return m;
+  }
+
+  fh::ForwardParams forward(const Mask& m = {}) const {
+    fh::ForwardParams p = fh::default_forward_params();
+    p.q = q.view();
+    p.k = k.view();
+    p.v = v.view();
+    p.out = out.view();
+    p.lse = lse.view();
+    p.cu_seqlens_q = cu_q_tensor.view();
+    p.cu_seqlens_k = cu_k_tensor.view();
+    p.max_seqlen_q = max_len(cu_q);
+    p.max_seqlen_k = max_len(cu_k);
+    apply(m, &p);
+    return p;
+  }
+  fh::BackwardParams backward(const Mask& m = {}) const {
+    fh::BackwardParams p = fh::default_backward_params();
+    p.q = q.view();
+    p.k = k.view();
+    p.v = v.view();
+    p.dout = dout.view();
+    p.dq = dq.view();
+    p.dk = dk.view();
+    p.dv = dv.view();
+    p.cu_seqlens_q = cu_q_tensor.view();
+    p.cu_seqlens_k = cu_k_tensor.view();
+    p.max_seqlen_q = max_len(cu_q);
+    p.max_seqlen_k = max_len(cu_k);
+    apply(m, &p);
+    return p;
+  }
+};
+
+// ---- finite differences --------------------------------------------------------------------
+
+// loss = sum(O * dO) of the forward `params` (whose out is `out`).
+double loss(const fh::ForwardParams& params, const fh::Tensor& dout) {
+  const fh::Status status = ref::forward(params, one_thread());
+  EXPECT_TRUE(status.ok()) << status.message;
+  double sum = 0;
+  fh::test::for_each_index(fh::test::shape_of(params.out), [&](const std::vector<int64_t>& i) {
+    sum += fh::test::read(params.out, i) * fh::test::read(dout, i);
+  });
+  return sum;
+}
+
+// Every element of dq, dk, dv against the central difference of the loss in q, k, v.
+void expect_backward_matches_finite_differences(const fh::ForwardParams& forward,
+                                                const fh::BackwardParams& backward,
+                                                const std::vector<HostTensor*>& inputs,
+                                                const fh::Tensor& dout) {
+  ASSERT_OK(ref::backward(backward, one_thread()));
+  const fh::Tensor grads[3] = {backward.dq, backward.dk, backward.dv};
+  const char* names[3] = {"dq", "dk", "dv"};
+  constexpr double h = 1e-5;
+  for (int t = 0; t < 3; ++t) {
+    HostTensor& x = *inputs[t];
+    double worst = 0;
+    fh::test::for_each_index(x.shape(), [&](const std::vector<int64_t>& i) {
+      const double x0 = x.get(i);
+      x.set(i, x0 + h);
+      const double up = loss(forward, dout);
+      x.set(i, x0 - h);
+      const double down = loss(forward, dout);
+      x.set(i, x0);
+      const double numeric = (up - down) / (2 * h);
+      const double analytic = fh::test::read(grads[t], i);
+      worst = std::max(worst, std::fabs(numeric - analytic) / (1 + std::fabs(numeric)));
+    });
+    EXPECT_LT(worst, 1e-7) << names[t];
+    EXPECT_GT(max_abs(grads[t]), 1e-2) << names[t] << " is (nearly) all zero: nothing was tested";
+    EXPECT_FALSE(fh::test::has_nan(grads[t])) << names[t];
+  }
+}
+
+void check_dense_gradients(const Dims& dims, const Mask& mask, uint32_t seed) {
+  DenseCase c(dims, seed);
+  expect_backward_matches_finite_differences(c.forward(mask), c.backward(mask), {&c.q, &c.k, &c.v},
+                                             c.dout.view());
+}
+
+TEST(ReferenceGradients, Plain) { check_dense_gradients(Dims{}, Mask{}, 101); }
+
+TEST(ReferenceGradients, CausalMoreKeysThanQueries) {
+  check_dense_gradients(Dims{2, 4, 7, 2, 2, 4, 4}, Mask{1}, 111);
+}
+
+TEST(ReferenceGradients, CausalMoreQueriesThanKeys) {  // the first rows see no key
+  check_dense_gradients(Dims{2, 7, 4, 2, 2, 4, 4}, Mask{1}, 121);
+}
+
+TEST(ReferenceGradients, LocalWindowWithSinks) {
+  Mask mask;
+  mask.window_left = 2;
+  mask.window_right = 1;
+  mask.sinks = 2;
+  check_dense_gradients(Dims{2, 6, 9, 2, 2, 4, 4}, mask, 131);
+}
+
+TEST(ReferenceGradients, Softcap) {
+  Mask mask;
+  mask.softcap = 1.5f;
+  mask.scale = 1.0f;  // scores of a few units, so tanh is far from linear
+  check_dense_gradients(Dims{}, mask, 141);
+}
+
+TEST(ReferenceGradients, GroupedQueryAttention) {
+  check_dense_gradients(Dims{2, 5, 6, 6, 2, 4, 4}, Mask{1}, 151);
+}
+
+TEST(ReferenceGradients, HeadDimVDiffersFromHeadDim) {
+  check_dense_gradients(Dims{2, 5, 7, 2, 1, 4, 6}, Mask{}, 161);
+}
+
+TEST(ReferenceGradients, Varlen) {
+  VarlenCase c({0, 3, 7, 12}, {0, 5, 6, 13}, 4, 2, 4, 5, 171);
+  Mask mask;
+  mask.causal = 1;
+  expect_backward_matches_finite_differences(c.forward(mask), c.backward(mask), {&c.q, &c.k, &c.v},
+                                             c.dout.view());
+}
+
+// ---- identities ----------------------------------------------------------------------------
+
+TEST(ReferenceIdentities, CausalIsWindowMinusOneZero) {
+  for (Dims dims : {Dims{2, 5, 9, 2, 1, 8, 8}, Dims{2, 9, 5, 2, 1, 8, 8}}) {
+    DenseCase a(dims, 201), b(dims, 201);
+    Mask causal;
+    causal.causal = 1;
+    Mask window;
+    window.window_left = -1;
+    window.window_right = 0;
+    ASSERT_OK(ref::forward(a.forward(causal)));
+    ASSERT_OK(ref::forward(b.forward(window)));
+    EXPECT_EQ(max_abs_diff(a.out.view(), b.out.view()), 0);
+    EXPECT_EQ(max_abs_diff(a.lse.view(), b.lse.view()), 0);
+    ASSERT_OK(ref::backward(a.backward(causal)));
+    ASSERT_OK(ref::backward(b.backward(window)));
+    EXPECT_EQ(max_abs_diff(a.dq.view(), b.dq.view()), 0);
+    EXPECT_EQ(max_abs_diff(a.dk.view(), b.dk.view()), 0);
+    EXPECT_EQ(max_abs_diff(a.dv.view(), b.dv.view()), 0);
+  }
+}
+
+// GQA equals plain multi-head attention with each K/V head repeated for its group; dK/dV of a
+// key head are the sums of the repeated heads' gradients.
+TEST(ReferenceIdentities, GroupedQueryAttentionIsRepeatedHeads) {
+  const Dims gqa{2, 6, 8, 6, 2, 8, 5};
+  Dims mha = gqa;
+  mha.hkv = gqa.hq;
+  const int64_t group = gqa.hq / gqa.hkv;
+  DenseCase g(gqa, 211), m(mha, 211);
+  for (int64_t b = 0; b < gqa.batch; ++b)
+    for (int64_t j = 0; j < gqa.sk; ++j)
+      for (int64_t h = 0; h < gqa.hq; ++h) {
+        for (int64_t c = 0; c < gqa.d; ++c) m.k.set({b, j, h, c}, g.k.get({b, j, h / group, c}));
+        for (int64_t c = 0; c < gqa.dv; ++c) m.v.set({b, j, h, c}, g.v.get({b, j, h / group, c}));
+      }
+  Mask mask;
+  mask.window_left = 3;
+  mask.window_right = 1;
+  ASSERT_OK(ref::forward(g.forward(mask)));
+  ASSERT_OK(ref::forward(m.forward(mask)));
+  EXPECT_LE(max_abs_diff(g.out.view(), m.out.view()), kSameMaths);
+  EXPECT_LE(max_abs_diff(g.lse.view(), m.lse.view()), kSameMaths);
+  ASSERT_OK(ref::backward(g.backward(mask)));
+  ASSERT_OK(ref::backward(m.backward(mask)));
+  EXPECT_LE(max_abs_diff(g.dq.view(), m.dq.view()), kSameMaths);
+  HostTensor dk_sum(FH_DTYPE_FP64, {gqa.batch, gqa.sk, gqa.hkv, gqa.d});
+  HostTensor dv_sum(FH_DTYPE_FP64, {gqa.batch, gqa.sk, gqa.hkv, gqa.dv});
+  for (int64_t b = 0; b < gqa.batch; ++b)
+    for (int64_t j = 0; j < gqa.sk; ++j)
+      for (int64_t h = 0; h < gqa.hq; ++h) {
+        for (int64_t c = 0; c < gqa.d; ++c)
+          dk_sum.set({b, j, h / group, c},
+                     dk_sum.get({b, j, h / group, c}) + m.dk.get({b, j, h, c}));
+        for (int64_t c = 0; c < gqa.dv; ++c)
+          dv_sum.set({b, j, h / group, c},
+                     dv_sum.get({b, j, h / group, c}) + m.dv.get({b, j, h, c}));
+      }
+  EXPECT_LE(max_abs_diff(g.dk.view(), dk_sum.view()), kSameMaths);
+  EXPECT_LE(max_abs_diff(g.dv.view(), dv_sum.view()), kSameMaths);
+}
+
+// A packed batch equals one dense call per sequence on views of the same memory.
+TEST(ReferenceIdentities, VarlenIsDensePerSequence) {
+  VarlenCase c({0, 4, 4, 11, 14}, {0, 6, 9, 12, 20}, 4, 2, 8, 6, 221);
+  Mask mask;
+  mask.window_left = 2;
+  mask.window_right = 0;
+  mask.sinks = 1;
+  ASSERT_OK(ref::forward(c.forward(mask)));
+  ASSERT_OK(ref::backward(c.backward(mask)));
+  for (int64_t b = 0; b < c.batch(); ++b) {
+    const int64_t q0 = c.cu_q[b], sq = c.cu_q[b + 1] - q0;
+    const int64_t k0 = c.cu_k[b], sk = c.cu_k[b + 1] - k0;
+    HostTensor out(FH_DTYPE_FP64, {1, sq, c.hq, c.dv_dim}), lse(FH_DTYPE_FP64, {1, c.hq, sq});
+    HostTensor dq(FH_DTYPE_FP64, {1, sq, c.hq, c.d}), dk(FH_DTYPE_FP64, {1, sk, c.hkv, c.d});
+    HostTensor dv(FH_DTYPE_FP64, {1, sk, c.hkv, c.dv_dim});
+    fh::ForwardParams f = fh::default_forward_params();
+    f.q = sequence_view(c.q.view(), q0, sq);
+    f.k = sequence_view(c.k.view(), k0, sk);
+    f.v = sequence_view(c.v.view(), k0, sk);
+    f.out = out.view();
+    f.lse = lse.view();
+    apply(mask, &f);
+    ASSERT_OK(ref::forward(f));
+    EXPECT_EQ(max_abs_diff(out.view(), sequence_view(c.out.view(), q0, sq)), 0) << "sequence " << b;
+    EXPECT_EQ(max_abs_diff(lse.view(), unsqueeze(narrow(c.lse.view(), 1, q0, sq), 0)), 0);
+    fh::BackwardParams g = fh::default_backward_params();
+    g.q = f.q;
+    g.k = f.k;
+    g.v = f.v;
+    g.dout = sequence_view(c.dout.view(), q0, sq);
+    g.dq = dq.view();
+    g.dk = dk.view();
+    g.dv = dv.view();
+    apply(mask, &g);
+    ASSERT_OK(ref::backward(g));
+    EXPECT_EQ(max_abs_diff(dq.view(), sequence_view(c.dq.view(), q0, sq)), 0) << "sequence " << b;
+    EXPECT_EQ(max_abs_diff(dk.view(), sequence_view(c.dk.view(), k0, sk)), 0) << "sequence " << b;
+    EXPECT_EQ(max_abs_diff(dv.view(), sequence_view(c.dv.view(), k0, sk)), 0) << "sequence " << b;
+  }
+}
+
+// seqused_q/k equal a call on the truncated sequences; rows and keys past them stay untouched.
+TEST(ReferenceIdentities, SequsedIsTruncatedCall) {
+  const Dims dims{3, 6, 8, 2, 1, 8, 8};
+  DenseCase c(dims, 231);
+  const std::vector<int32_t> used_q = {6, 3, 4}, used_k = {8, 5, 0};
+  const HostTensor seqused_q = int32_tensor(used_q), seqused_k = int32_tensor(used_k);
+  constexpr double kSentinel = 42;
+  for (HostTensor* t : {&c.out, &c.lse, &c.dq, &c.dk, &c.dv}) t->fill(kSentinel);
+  Mask mask;
+  mask.causal = 1;
+  fh::ForwardParams f = c.forward(mask);
+  f.seqused_q = seqused_q.view();
+  f.seqused_k = seqused_k.view();
+  ASSERT_OK(ref::forward(f));
+  fh::BackwardParams g = c.backward(mask);
+  g.seqused_q = seqused_q.view();
+  g.seqused_k = seqused_k.view();
+  ASSERT_OK(ref::backward(g));
+
+  for (int64_t b = 0; b < dims.batch; ++b) {
+    const int64_t sq = used_q[b], sk = used_k[b];
+    auto rows = [&](const HostTensor& t, int64_t n) {
+      return narrow(narrow(t.view(), 0, b, 1), 1, 0, n);
+    };
+    auto rows_after = [&](const HostTensor& t, int64_t n, int64_t extent) {
+      return narrow(narrow(t.view(), 0, b, 1), 1, n, extent - n);
+    };
+    HostTensor out(FH_DTYPE_FP64, {1, sq, dims.hq, dims.dv}), lse(FH_DTYPE_FP64, {1, dims.hq, sq});
+    HostTensor dq(FH_DTYPE_FP64, {1, sq, dims.hq, dims.d}),
+        dk(FH_DTYPE_FP64, {1, sk, dims.hkv, dims.d});
+    HostTensor dv(FH_DTYPE_FP64, {1, sk, dims.hkv, dims.dv});
+    fh::ForwardParams fb = fh::default_forward_params();
+    fb.q = rows(c.q, sq);
+    fb.k = rows(c.k, sk);
+    fb.v = rows(c.v, sk);
+    fb.out = out.view();
+    fb.lse = lse.view();
+    apply(mask, &fb);
+    ASSERT_OK(ref::forward(fb));
+    EXPECT_EQ(max_abs_diff(out.view(), rows(c.out, sq)), 0) << "sequence " << b;
+    EXPECT_EQ(max_abs_diff(lse.view(), narrow(narrow(c.lse.view(), 0, b, 1), 2, 0, sq)), 0);
+    EXPECT_EQ(max_abs(rows_after(c.out, sq, dims.sq)), sq < dims.sq ? kSentinel : 0) << "untouched";
+    fh::BackwardParams gb = fh::default_backward_params();
+    gb.q = fb.q;
+    gb.k = fb.k;
+    gb.v = fb.v;
+    gb.dout = rows(c.dout, sq);
+    gb.dq = dq.view();
+    gb.dk = dk.view();
+    gb.dv = dv.view();
+    apply(mask, &gb);
+    ASSERT_OK(ref::backward(gb));
+    EXPECT_EQ(max_abs_diff(dq.view(), rows(c.dq, sq)), 0) << "sequence " << b;
+    EXPECT_EQ(max_abs_diff(dk.view(), rows(c.dk, sk)), 0) << "sequence " << b;
+    EXPECT_EQ(max_abs_diff(dv.view(), rows(c.dv, sk)), 0) << "sequence " << b;
+    EXPECT_EQ(max_abs(rows_after(c.dq, sq, dims.sq)), sq < dims.sq ? kSentinel : 0);
+    EXPECT_EQ(max_abs(rows_after(c.dk, sk, dims.sk)), sk < dims.sk ? kSentinel : 0);
+  }
+  // Sequence 2 has no keys: its rows see nothing.
+  EXPECT_EQ(max_abs(narrow(narrow(c.out.view(), 0, 2, 1), 1, 0, 4)), 0);
+  EXPECT_EQ(c.lse.get({2, 0, 0}), -kInf);
+}
+
+// A paged cache [num_pages, page_size, Hkv, d]: copies a dense cache [B, max_pages*page_size,
+// Hkv, d] page by page into randomly permuted pages; entries past a sequence's pages are -1.
+struct PagedCache {
+  HostTensor k, v, page_table;
+  PagedCache(const HostTensor& dense_k, const HostTensor& dense_v,
+             const std::vector<int32_t>& lengths, int64_t page_size, int64_t num_pages,
+             uint32_t seed) {
+    const std::vector<int64_t>& ks = dense_k.shape();
+    const int64_t batch = ks[0], max_pages = ks[1] / page_size, heads = ks[2];
+    const int64_t d = ks[3], dv = dense_v.shape()[3];
+    k = random_tensor(dense_k.dtype(), {num_pages, page_size, heads, d},
+                      seed);  // unused pages: noise
+    v = random_tensor(dense_v.dtype(), {num_pages, page_size, heads, dv}, seed + 1);
+    std::vector<int32_t> pages(num_pages);
+    std::iota(pages.begin(), pages.end(), 0);
+    std::shuffle(pages.begin(), pages.end(), std::mt19937(seed + 2));
+    std::vector<int32_t> table(batch * max_pages, -1);
+    int next = 0;
+    for (int64_t b = 0; b < batch; ++b) {
+      const int64_t used_pages = (lengths[b] + page_size - 1) / page_size;
+      for (int64_t p = 0; p < used_pages; ++p) {
+        const int32_t page = pages[next++];
+        table[b * max_pages + p] = page;
+        for (int64_t t = 0; t < page_size; ++t)
+          for (int64_t h = 0; h < heads; ++h) {
+            for (int64_t c = 0; c < d; ++c)
+              k.set({page, t, h, c}, dense_k.get({b, p * page_size + t, h, c}));
+            for (int64_t c = 0; c < dv; ++c)
+              v.set({page, t, h, c}, dense_v.get({b, p * page_size + t, h, c}));
+          }
+      }
+    }
+    page_table = int32_tensor(table, {batch, max_pages});
+  }
+};
+
+TEST(ReferenceIdentities, PagedIsContiguous) {
+  const Dims dims{2, 3, 12, 4, 2, 8, 6};
+  DenseCase dense(dims, 241), paged(dims, 241);
+  const std::vector<int32_t> lengths = {9, 5};
+  const HostTensor cache_seqlens = int32_tensor(lengths);
+  const PagedCache cache(dense.k, dense.v, lengths, /*page_size=*/4, /*num_pages=*/8, 245);
+  Mask mask;
+  mask.causal = 1;
+  fh::ForwardParams f = dense.forward(mask);
+  f.seqused_k = cache_seqlens.view();
+  ASSERT_OK(ref::forward(f));
+  fh::ForwardParams p = paged.forward(mask);
+  p.k = cache.k.view();
+  p.v = cache.v.view();
+  p.page_table = cache.page_table.view();
+  p.cache_seqlens = cache_seqlens.view();
+  ASSERT_OK(ref::forward(p));
+  EXPECT_EQ(max_abs_diff(dense.out.view(), paged.out.view()), 0);
+  EXPECT_EQ(max_abs_diff(dense.lse.view(), paged.lse.view()), 0);
+}
+
+// Appending k_new/v_new at cache_seqlens, into a dense or a paged cache, equals attending over
+// a contiguous copy with the new keys written after each sequence's cached ones; and the cache
+// holds them afterwards.
+TEST(ReferenceIdentities, AppendIsConcatenation) {
+  const Dims dims{2, 3, 12, 4, 2, 8, 6};
+  const int64_t s_new = dims.sq;
+  const std::vector<int32_t> cached = {4, 9};
+  std::vector<int32_t> total(cached.size());
+  for (size_t b = 0; b < cached.size(); ++b) total[b] = cached[b] + int32_t(s_new);
+  const HostTensor cache_seqlens = int32_tensor(cached), seqused_k = int32_tensor(total);
+  const HostTensor k_new = random_tensor(FH_DTYPE_FP64, {dims.batch, s_new, dims.hkv, dims.d}, 251);
+  const HostTensor v_new =
+      random_tensor(FH_DTYPE_FP64, {dims.batch, s_new, dims.hkv, dims.dv}, 252);
+  Mask mask;
+  mask.causal = 1;
+
+  // Expected: the new keys written by hand, then a plain call over seqused_k = cached + new.
+  DenseCase expected(dims, 253);
+  for (int64_t b = 0; b < dims.batch; ++b)
+    for (int64_t t = 0; t < s_new; ++t)
+      for (int64_t h = 0; h < dims.hkv; ++h) {
+        for (int64_t c = 0; c < dims.d; ++c)
+          expected.k.set({b, cached[b] + t, h, c}, k_new.get({b, t, h, c}));
+        for (int64_t c = 0; c < dims.dv; ++c)
+          expected.v.set({b, cached[b] + t, h, c}, v_new.get({b, t, h, c}));
+      }
+  fh::ForwardParams e = expected.forward(mask);
+  e.seqused_k = seqused_k.view();
+  ASSERT_OK(ref::forward(e));
+
+  {  // dense cache
+    DenseCase c(dims, 253);
+    fh::ForwardParams p = c.forward(mask);
+    p.k_new = k_new.view();
+    p.v_new = v_new.view();
+    p.cache_seqlens = cache_seqlens.view();
+    ASSERT_OK(ref::forward(p));
+    EXPECT_EQ(max_abs_diff(c.out.view(), expected.out.view()), 0);
+    EXPECT_EQ(max_abs_diff(c.lse.view(), expected.lse.view()), 0);
+    EXPECT_EQ(max_abs_diff(c.k.view(), expected.k.view()), 0) << "the cache holds the new keys";
+    EXPECT_EQ(max_abs_diff(c.v.view(), expected.v.view()), 0);
+  }
+  {  // paged cache, built from the cache before appending
+    DenseCase c(dims, 253);
+    PagedCache cache(c.k, c.v, total, /*page_size=*/4, /*num_pages=*/9, 255);
+    fh::ForwardParams p = c.forward(mask);
+    p.k = cache.k.view();
+    p.v = cache.v.view();
+    p.page_table = cache.page_table.view();
+    p.k_new = k_new.view();
+    p.v_new = v_new.view();
+    p.cache_seqlens = cache_seqlens.view();
+    ASSERT_OK(ref::forward(p));
+    EXPECT_EQ(max_abs_diff(c.out.view(), expected.out.view()), 0);
+    EXPECT_EQ(max_abs_diff(c.lse.view(), expected.lse.view()), 0);
+    const PagedCache expected_cache(expected.k, expected.v, total, 4, 9, 255);
+    for (int64_t b = 0; b < dims.batch; ++b)
+      for (int64_t j = 0; j < total[b]; ++j) {
+        const int64_t page = int64_t(cache.page_table.get({b, j / 4}));
+        for (int64_t c2 = 0; c2 < dims.d; ++c2)
+          ASSERT_EQ(cache.k.get({page, j % 4, 0, c2}), expected.k.get({b, j, 0, c2}))
+              << b << " " << j;
+      }
+  }
+}
+
+// Split-KV partials combined equal the unsplit result, including splits that see no key for
+// some rows (causal) and an empty last split.
+TEST(ReferenceIdentities, CombinedSplitsAreUnsplit) {
+  const Dims dims{2, 6, 11, 4, 2, 8, 6};
+  for (int num_splits : {2, 3, 5}) {
+    DenseCase whole(dims, 261), parts(dims, 261);
+    Mask mask;
+    mask.causal = 1;
+    ASSERT_OK(ref::forward(whole.forward(mask)));
+    HostTensor out_partial(FH_DTYPE_FP64, {num_splits, dims.batch, dims.hq, dims.sq, dims.dv});
+    HostTensor lse_partial(FH_DTYPE_FP64, {num_splits, dims.batch, dims.hq, dims.sq});
+    fh::ForwardParams p = parts.forward(mask);
+    p.num_splits = num_splits;
+    const fh::Tensor op = out_partial.view(), lp = lse_partial.view();
+    ASSERT_OK(ref::forward(p, {}, &op, &lp));
+    EXPECT_EQ(max_abs(parts.out.view()), 0) << "out is left to the combine";
+    fh::CombineParams c{};
+    c.out_partial = op;
+    c.lse_partial = lp;
+    c.out = parts.out.view();
+    c.lse = parts.lse.view();
+    ASSERT_OK(ref::combine(c));
+    EXPECT_LE(max_abs_diff(parts.out.view(), whole.out.view()), kSameMaths) << num_splits;
+    EXPECT_LE(max_abs_diff(parts.lse.view(), whole.lse.view()), kSameMaths) << num_splits;
+  }
+  {  // varlen: partials [S, Hq, total_q, dv]
+    VarlenCase whole({0, 5, 7}, {0, 9, 19}, 2, 1, 8, 8, 265),
+        parts({0, 5, 7}, {0, 9, 19}, 2, 1, 8, 8, 265);
+    ASSERT_OK(ref::forward(whole.forward()));
+    const int64_t S = 3, total_q = 7;
+    HostTensor out_partial(FH_DTYPE_FP64, {S, 2, total_q, 8}),
+        lse_partial(FH_DTYPE_FP64, {S, 2, total_q});
+    fh::ForwardParams p = parts.forward();
+    p.num_splits = S;
+    const fh::Tensor op = out_partial.view(), lp = lse_partial.view();
+    ASSERT_OK(ref::forward(p, {}, &op, &lp));
+    fh::CombineParams c{};
+    c.out_partial = op;
+    c.lse_partial = lp;
+    c.out = parts.out.view();
+    c.lse = parts.lse.view();
+    ASSERT_OK(ref::combine(c));
+    EXPECT_LE(max_abs_diff(parts.out.view(), whole.out.view()), kSameMaths);
+    EXPECT_LE(max_abs_diff(parts.lse.view(), whole.lse.view()), kSameMaths);
+  }
+}
+
+TEST(ReferenceIdentities, HugeSoftcapIsNoSoftcap) {
+  const Dims dims{2, 6, 9, 4, 2, 8, 8};
+  DenseCase capped(dims, 271), plain(dims, 271);
+  Mask mask;
+  mask.softcap = 1e30f;
+  ASSERT_OK(ref::forward(capped.forward(mask)));
+  ASSERT_OK(ref::forward(plain.forward()));
+  EXPECT_LE(max_abs_diff(capped.out.view(), plain.out.view()), kSameMaths);
+  EXPECT_LE(max_abs_diff(capped.lse.view(), plain.lse.view()), kSameMaths);
+  ASSERT_OK(ref::backward(capped.backward(mask)));
+  ASSERT_OK(ref::backward(plain.backward()));
+  EXPECT_LE(max_abs_diff(capped.dq.view(), plain.dq.view()), kSameMaths);
+  EXPECT_LE(max_abs_diff(capped.dk.view(), plain.dk.view()), kSameMaths);
+  EXPECT_LE(max_abs_diff(capped.dv.view(), plain.dv.view()), kSameMaths);
+}
+
+// Rows that see no key: O = 0, LSE = -inf, no gradient; keys no row sees: dK = dV = 0.
+TEST(ReferenceIdentities, FullyMaskedRowsAreZero) {
+  {  // causal with sq > sk: rows i < sq - sk see nothing
+    const Dims dims{2, 7, 4, 2, 1, 8, 8};
+    DenseCase c(dims, 281);
+    Mask mask;
+    mask.causal = 1;
+    ASSERT_OK(ref::forward(c.forward(mask)));
+    ASSERT_OK(ref::backward(c.backward(mask)));
+    for (const HostTensor* t : {&c.out, &c.lse, &c.dq, &c.dk, &c.dv})
+      EXPECT_FALSE(fh::test::has_nan(t->view()));
+    const int64_t blind = dims.sq - dims.sk;
+    EXPECT_EQ(max_abs(narrow(c.out.view(), 1, 0, blind)), 0);
+    EXPECT_EQ(max_abs(narrow(c.dq.view(), 1, 0, blind)), 0);
+    EXPECT_GT(max_abs(narrow(c.dq.view(), 1, blind, dims.sq - blind)), 0);
+    for (int64_t b = 0; b < dims.batch; ++b)
+      for (int64_t h = 0; h < dims.hq; ++h) {
+        for (int64_t i = 0; i < blind; ++i) EXPECT_EQ(c.lse.get({b, h, i}), -kInf);
+        EXPECT_TRUE(std::isfinite(c.lse.get({b, h, blind})));
+      }
+  }
+  {  // window (0, 0) with sk > sq: keys before the first diagonal are seen by no row
+    const Dims dims{1, 3, 8, 2, 2, 8, 8};
+    DenseCase c(dims, 283);
+    Mask mask;
+    mask.window_left = 0;
+    mask.window_right = 0;
+    ASSERT_OK(ref::backward(c.backward(mask)));
+    EXPECT_EQ(max_abs(narrow(c.dk.view(), 1, 0, 5)), 0);
+    EXPECT_EQ(max_abs(narrow(c.dv.view(), 1, 0, 5)), 0);
+    EXPECT_GT(max_abs(narrow(c.dv.view(), 1, 5, 3)), 0);
+  }
+  {  // no key at all in any sequence (seqused_k = 0), with splits and combine too
+    const Dims dims{2, 4, 6, 2, 1, 8, 8};
+    DenseCase c(dims, 285);
+    const HostTensor none = int32_tensor({0, 0});
+    fh::ForwardParams f = c.forward();
+    f.seqused_k = none.view();
+    ASSERT_OK(ref::forward(f));
+    EXPECT_EQ(max_abs(c.out.view()), 0);
+    for (int64_t i = 0; i < dims.sq; ++i) EXPECT_EQ(c.lse.get({1, 1, i}), -kInf);
+    fh::BackwardParams g = c.backward();
+    g.seqused_k = none.view();
+    c.dq.fill(7);
+    ASSERT_OK(ref::backward(g));
+    EXPECT_EQ(max_abs(c.dq.view()), 0);
+    HostTensor op(FH_DTYPE_FP32, {3, dims.batch, dims.hq, dims.sq, dims.dv});
+    HostTensor lp(FH_DTYPE_FP32, {3, dims.batch, dims.hq, dims.sq});
+    f.num_splits = 3;
+    const fh::Tensor opv = op.view(), lpv = lp.view();
+    ASSERT_OK(ref::forward(f, {}, &opv, &lpv));
+    c.out.fill(7);
+    c.lse.fill(7);
+    fh::CombineParams comb{};
+    comb.out_partial = opv;
+    comb.lse_partial = lpv;
+    comb.out = c.out.view();
+    comb.lse = c.lse.view();
+    ASSERT_OK(ref::combine(comb));
+    EXPECT_EQ(max_abs(c.out.view()), 0);
+    EXPECT_EQ(c.lse.get({0, 1, 2}), -kInf);
+  }
+}
+
+// O and LSE against DESIGN.md's definition written out literally (visibility, softcap,
+// softmax, log-sum-exp), for each kind of mask with sq < sk and sq > sk.
+TEST(ReferenceIdentities, MatchesDirectDefinition) {
+  struct Config {
+    Dims dims;
+    Mask mask;
+  };
+  std::vector<Config> configs;
+  for (Dims dims : {Dims{2, 5, 9, 4, 2, 8, 6}, Dims{2, 9, 5, 4, 2, 8, 6}}) {
+    configs.push_back({dims, Mask{0, -1, -1, 0, 0, 0.3f}});  // none, explicit scale
+    configs.push_back({dims, Mask{1}});                      // causal
+    configs.push_back({dims, Mask{0, 2, 1, 2}});             // local with sinks
+    configs.push_back({dims, Mask{0, 0, 0, 1}});             // diagonal only, one sink
+    configs.push_back({dims, Mask{0, -1, 2}});               // right bound only
+    configs.push_back({dims, Mask{0, 3, -1, 0, 2.0f}});      // left bound only, softcap
+  }
+  uint32_t seed = 291;
+  for (const Config& config : configs) {
+    const Dims& n = config.dims;
+    const Mask& m = config.mask;
+    DenseCase c(n, seed += 10);
+    ASSERT_OK(ref::forward(c.forward(m)));
+    const double scale = m.scale > 0 ? double(m.scale) : 1 / std::sqrt(double(n.d));
+    const int64_t off = n.sk - n.sq;
+    auto visible = [&](int64_t i, int64_t j) {
+      const bool right_ok = m.window_right < 0 || j <= i + off + m.window_right;
+      const bool left_ok = m.window_left < 0 || j >= i + off - m.window_left;
+      return (m.causal ? j <= i + off : right_ok && (left_ok || j < m.sinks));
+    };
+    double worst = 0;
+    for (int64_t b = 0; b < n.batch; ++b)
+      for (int64_t h = 0; h < n.hq; ++h)
+        for (int64_t i = 0; i < n.sq; ++i) {
+          const int64_t hk = h / (n.hq / n.hkv);
+          std::vector<double> e(n.sk, 0.0);
+          double sum = 0;
+          for (int64_t j = 0; j < n.sk; ++j) {
+            if (!visible(i, j)) continue;
+            double s = 0;
+            for (int64_t x = 0; x < n.d; ++x) s += c.q.get({b, i, h, x}) * c.k.get({b, j, hk, x});
+            s *= scale;
+            if (m.softcap > 0) s = m.softcap * std::tanh(s / m.softcap);
+            e[j] = std::exp(s);
+            sum += e[j];
+          }
+          const double lse = sum > 0 ? std::log(sum) : -kInf;
+          const double got_lse = c.lse.get({b, h, i});
+          worst = std::max(worst, lse == got_lse ? 0.0 : std::fabs(lse - got_lse));
+          for (int64_t x = 0; x < n.dv; ++x) {
+            double o = 0;
+            for (int64_t j = 0; j < n.sk; ++j)
+              if (e[j] > 0) o += e[j] / sum * c.v.get({b, j, hk, x});
+            worst = std::max(worst, std::fabs(o - c.out.get({b, i, h, x})));
+          }
+        }
+    EXPECT_LE(worst, kSameMaths) << "sq " << n.sq << " sk " << n.sk << " causal " << m.causal
+                                 << " window (" << m.window_left << ", " << m.window_right
+                                 << ") sinks " << m.sinks << " softcap " << m.softcap;
+  }
+}
+
+// Any strides (padded, permuted, last dim not contiguous) equal contiguous tensors.
+TEST(ReferenceIdentities, StridedIsContiguous) {
+  const Dims dims{2, 5, 7, 4, 2, 8, 6};
+  DenseCase c(dims, 301);
+  // q stored [B, Hq, sq, d]; k padded; v stored [B, dv, sk, Hkv] so its last dim is strided.
+  HostTensor q_bhsd(FH_DTYPE_FP64, {dims.batch, dims.hq, dims.sq, dims.d});
+  HostTensor k_padded(FH_DTYPE_FP64, {dims.batch, dims.sk, dims.hkv, dims.d},
+                      {dims.batch, dims.sk + 2, dims.hkv + 1, dims.d + 8});
+  HostTensor v_bdsh(FH_DTYPE_FP64, {dims.batch, dims.dv, dims.sk, dims.hkv});
+  const fh::Tensor q = fh::test::permute(q_bhsd.view(), {0, 2, 1, 3});
+  const fh::Tensor k = k_padded.view();
+  const fh::Tensor v = fh::test::permute(v_bdsh.view(), {0, 2, 3, 1});
+  fh::test::for_each_index(
+      c.q.shape(), [&](const std::vector<int64_t>& i) { fh::test::write(q, i, c.q.get(i)); });
+  fh::test::for_each_index(
+      c.k.shape(), [&](const std::vector<int64_t>& i) { fh::test::write(k, i, c.k.get(i)); });
+  fh::test::for_each_index(
+      c.v.shape(), [&](const std::vector<int64_t>& i) { fh::test::write(v, i, c.v.get(i)); });
+  HostTensor out(FH_DTYPE_FP64, {dims.batch, dims.sq, dims.hq, dims.dv},
+                 {dims.batch, dims.sq + 1, dims.hq, dims.dv + 2});
+  HostTensor dq(FH_DTYPE_FP64, {dims.batch, dims.sq, dims.hq, dims.d},
+                {dims.batch + 1, dims.sq, dims.hq + 3, dims.d});
+  HostTensor dk_bhsd(FH_DTYPE_FP64, {dims.batch, dims.hkv, dims.sk, dims.d});
+  HostTensor dv(FH_DTYPE_FP64, {dims.batch, dims.sk, dims.hkv, dims.dv},
+                {dims.batch, dims.sk, dims.hkv, dims.dv + 5});
+  Mask mask;
+  mask.window_left = 3;
+  mask.window_right = 2;
+  ASSERT_OK(ref::forward(c.forward(mask)));
+  ASSERT_OK(ref::backward(c.backward(mask)));
+  fh::ForwardParams f = c.forward(mask);
+  f.q = q;
+  f.k = k;
+  f.v = v;
+  f.out = out.view();
+  ASSERT_OK(ref::forward(f));
+  EXPECT_EQ(max_abs_diff(out.view(), c.out.view()), 0);
+  fh::BackwardParams g = c.backward(mask);
+  g.q = q;
+  g.k = k;
+  g.v = v;
+  g.dq = dq.view();
+  g.dk = fh::test::permute(dk_bhsd.view(), {0, 2, 1, 3});
+  g.dv = dv.view();
+  ASSERT_OK(ref::backward(g));
+  EXPECT_EQ(max_abs_diff(dq.view(), c.dq.view()), 0);
+  EXPECT_EQ(max_abs_diff(g.dk, c.dk.view()), 0);
+  EXPECT_EQ(max_abs_diff(dv.view(), c.dv.view()), 0);
+}
+
+// The backward's GQA sums do not depend on how many threads run it: same bits.
+TEST(ReferenceIdentities, ThreadCountDoesNotChangeBits) {
+  const Dims dims{2, 37, 41, 8, 2, 16, 16};
+  DenseCase a(dims, 311), b(dims, 311);
+  Mask mask;
+  mask.causal = 1;
+  ref::Options many;
+  many.num_threads = 5;
+  ASSERT_OK(ref::forward(a.forward(mask), one_thread()));
+  ASSERT_OK(ref::forward(b.forward(mask), many));
+  ASSERT_OK(ref::backward(a.backward(mask), one_thread()));
+  ASSERT_OK(ref::backward(b.backward(mask), many));
+  const std::vector<std::pair<HostTensor*, HostTensor*>> results = {
+      {&a.out, &b.out}, {&a.lse, &b.lse}, {&a.dq, &b.dq}, {&a.dk, &b.dk}, {&a.dv, &b.dv}};
+  for (const auto& [x, y] : results) EXPECT_EQ(std::memcmp(x->data(), y->data(), x->bytes()), 0);
+}
+
+// ---- low precision -------------------------------------------------------------------------
+
+TEST(ReferenceLowPrecision, EmulationErrorIsPlausible) {
+  const Dims dims{1, 256, 256, 2, 2, 64, 64};
+  for (int32_t dtype : {FH_DTYPE_BF16, FH_DTYPE_FP16}) {
+    DenseCase exact(dims, 321, dtype), plain(dims, 321, dtype);
+    ref::Options emulate;
+    emulate.emulate_low_precision = true;
+    ASSERT_OK(ref::forward(exact.forward()));
+    ASSERT_OK(ref::forward(plain.forward(), emulate));
+    ASSERT_OK(ref::backward(exact.backward()));
+    ASSERT_OK(ref::backward(plain.backward(), emulate));
+    const double out_error = max_abs_diff(exact.out.view(), plain.out.view());
+    const double lse_error = max_abs_diff(exact.lse.view(), plain.lse.view());
+    const double dq_error =
+        max_abs_diff(exact.dq.view(), plain.dq.view()) / max_abs(exact.dq.view());
+    const double dk_error =
+        max_abs_diff(exact.dk.view(), plain.dk.view()) / max_abs(exact.dk.view());
+    const double dv_error =
+        max_abs_diff(exact.dv.view(), plain.dv.view()) / max_abs(exact.dv.view());
+    std::printf(
+        "[ emulation %s ] max |plain - exact|: O %.3g, LSE %.3g; relative to max |grad|: dQ %.3g, "
+        "dK %.3g, dV %.3g\n",
+        dtype == FH_DTYPE_BF16 ? "bf16" : "fp16", out_error, lse_error, dq_error, dk_error,
+        dv_error);
+    const double low = dtype == FH_DTYPE_BF16 ? 1e-4 : 1e-5;
+    const double high = dtype == FH_DTYPE_BF16 ? 5e-2 : 1e-2;
+    for (double error : {out_error, dq_error, dk_error, dv_error}) {
+      EXPECT_GT(error, low);
+      EXPECT_LT(error, high);
+    }
+    EXPECT_LT(lse_error, high);
+  }
+}
+
+TEST(ReferenceLowPrecision, OutputsInBf16AndFp16AreRoundedExactResults) {
+  const Dims dims{1, 8, 8, 2, 2, 8, 8};
+  DenseCase c(dims, 331);
+  ASSERT_OK(ref::forward(c.forward()));
+  for (int32_t dtype : {FH_DTYPE_BF16, FH_DTYPE_FP16, FH_DTYPE_FP32}) {
+    HostTensor out(dtype, {dims.batch, dims.sq, dims.hq, dims.dv});
+    fh::ForwardParams f = c.forward();
+    f.out = out.view();
+    ASSERT_OK(ref::forward(f));
+    fh::test::for_each_index(out.shape(), [&](const std::vector<int64_t>& i) {
+      const double exact = c.out.get(i);
+      const double expected = dtype == FH_DTYPE_BF16   ? round_to_bf16(exact)
+                              : dtype == FH_DTYPE_FP16 ? round_to_fp16(exact)
+                                                       : double(float(exact));
+      ASSERT_EQ(out.get(i), expected);
+    });
+  }
+}
+
+TEST(ReferenceHostDtype, RoundToNearestEven) {
+  using namespace fh::test;
+  EXPECT_EQ(float_to_bf16_bits(1.0f), 0x3F80);
+  EXPECT_EQ(float_to_bf16_bits(1.0f + std::ldexp(1.0f, -8)), 0x3F80);      // tie: to even
+  EXPECT_EQ(float_to_bf16_bits(1.0f + 3 * std::ldexp(1.0f, -8)), 0x3F82);  // tie: to even
+  EXPECT_EQ(float_to_bf16_bits(-2.0f), 0xC000);
+  EXPECT_EQ(float_to_bf16_bits(3.4e38f), 0x7F80);  // overflow: inf
+  EXPECT_TRUE(std::isnan(bf16_bits_to_float(float_to_bf16_bits(NAN))));
+  EXPECT_EQ(float_to_fp16_bits(1.0f), 0x3C00);
+  EXPECT_EQ(float_to_fp16_bits(-2.0f), 0xC000);
+  EXPECT_EQ(float_to_fp16_bits(65504.f), 0x7BFF);
+  EXPECT_EQ(float_to_fp16_bits(65519.f), 0x7BFF);
+  EXPECT_EQ(float_to_fp16_bits(65520.f), 0x7C00);                       // tie past max: inf
+  EXPECT_EQ(float_to_fp16_bits(std::ldexp(1.0f, -24)), 0x0001);         // smallest subnormal
+  EXPECT_EQ(float_to_fp16_bits(std::ldexp(1.0f, -25)), 0x0000);         // tie: to even (0)
+  EXPECT_EQ(float_to_fp16_bits(3 * std::ldexp(1.0f, -25)), 0x0002);     // tie: to even
+  EXPECT_EQ(float_to_fp16_bits(1.0f + std::ldexp(1.0f, -11)), 0x3C00);  // tie: to even
+  EXPECT_TRUE(std::isnan(fp16_bits_to_float(float_to_fp16_bits(NAN))));
+  // Every finite pattern survives bits -> float -> bits.
+  for (uint32_t bits = 0; bits < 0x10000; ++bits) {
+    const float b = bf16_bits_to_float(uint16_t(bits)), h = fp16_bits_to_float(uint16_t(bits));
+    if (!std::isnan(b)) {
+      ASSERT_EQ(float_to_bf16_bits(b), bits) << std::hex << bits;
+    }
+    if (!std::isnan(h)) {
+      ASSERT_EQ(float_to_fp16_bits(h), bits) << std::hex << bits;
+    }
+  }
+}
+
+// ---- refusals ------------------------------------------------------------------------------
+
+TEST(ReferenceRefusals, Fp8AndBadMetadataAreRefusedWithAMessage) {
+  DenseCase c(Dims{}, 341);
+  fh::ForwardParams f = c.forward();
+  f.q.dtype = FH_DTYPE_FP8_E4M3;
+  fh::Status status = ref::forward(f);
+  EXPECT_EQ(status.code, FH_ERROR_NOT_SUPPORTED);
+  EXPECT_NE(status.message.find("fp8"), std::string::npos) << status.message;
+
+  ref::Options emulate;
+  emulate.emulate_low_precision = true;
+  status = ref::forward(c.forward(), emulate);  // fp64 q: nothing to emulate
+  EXPECT_EQ(status.code, FH_ERROR_NOT_SUPPORTED) << status.message;
+
+  const HostTensor too_long = int32_tensor({3, 99});
+  f = c.forward();
+  f.seqused_k = too_long.view();
+  status = ref::forward(f);
+  EXPECT_EQ(status.code, FH_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(status.message.find("sequence 1"), std::string::npos) << status.message;
+}
+
+// ---- speed ---------------------------------------------------------------------------------
+
+TEST(ReferenceSpeed, Forward2kBy2k16HeadsHeadDim128) {
+  const Dims dims{1, 2048, 2048, 16, 16, 128, 128};
+  const HostTensor q = random_tensor(FH_DTYPE_BF16, {1, 2048, 16, 128}, 351);
+  const HostTensor k = random_tensor(FH_DTYPE_BF16, {1, 2048, 16, 128}, 352);
+  const HostTensor v = random_tensor(FH_DTYPE_BF16, {1, 2048, 16, 128}, 353);
+  HostTensor out(FH_DTYPE_FP32, {1, 2048, 16, 128}), lse(FH_DTYPE_FP32, {1, 16, 2048});
+  fh::ForwardParams f = fh::default_forward_params();
+  f.q = q.view();
+  f.k = k.view();
+  f.v = v.view();
+  f.out = out.view();
+  f.lse = lse.view();
+  for (bool emulate : {false, true}) {
+    ref::Options options;
+    options.emulate_low_precision = emulate;
+    const auto start = std::chrono::steady_clock::now();
+    ASSERT_OK(ref::forward(f, options));
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    std::printf("[ speed ] reference forward %s, B=1 sq=sk=2048 H=16 d=128, %u threads: %.2f s\n",
+                emulate ? "emulated bf16" : "exact", std::thread::hardware_concurrency(), seconds);
+  }
+  (void)dims;
+}
+
+}  // namespace

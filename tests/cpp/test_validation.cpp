@@ -1,0 +1,1105 @@
+// The host-side argument checks: each valid kind of call passes, and each rule refuses one
+// mutated field with FH_ERROR_INVALID_ARGUMENT and a message that opens with the argument's name
+// and says the rule. Runs without a GPU: the tensors point at fake, aligned addresses that the
+// checks must never dereference.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <string>
+
+#include "api/validate.hpp"
+#include "flashhopper/flashhopper.h"
+#include "flashhopper/flashhopper.hpp"
+
+namespace {
+
+namespace fh = flashhopper;
+using fh::detail::Target;
+using ::testing::HasSubstr;
+using ::testing::StartsWith;
+
+// Distinct, 64 KiB-apart, 16-byte aligned addresses; never dereferenced.
+void* fake_pointer(int index) { return reinterpret_cast<void*>(uintptr_t{0x10000} * uintptr_t(index + 1)); }
+
+void* misaligned(void* pointer, uintptr_t by) {
+  return reinterpret_cast<void*>(reinterpret_cast<uintptr_t>(pointer) + by);
+}
+
+constexpr int64_t kBatch = 2, kSeqQ = 128, kSeqK = 256, kHeadsQ = 8, kHeadsKV = 2, kDim = 128, kDimV = 128;
+
+// ---- Valid calls, one per kind ----------------------------------------------------------------
+
+fh::ForwardParams dense_forward(fh::DType dtype = FH_DTYPE_BF16) {
+  fh::ForwardParams p = fh::default_forward_params();
+  p.q = fh::make_tensor(fake_pointer(0), dtype, {kBatch, kSeqQ, kHeadsQ, kDim});
+  p.k = fh::make_tensor(fake_pointer(1), dtype, {kBatch, kSeqK, kHeadsKV, kDim});
+  p.v = fh::make_tensor(fake_pointer(2), dtype, {kBatch, kSeqK, kHeadsKV, kDimV});
+  p.out = fh::make_tensor(fake_pointer(3), dtype, {kBatch, kSeqQ, kHeadsQ, kDimV});
+  p.lse = fh::make_tensor(fake_pointer(4), FH_DTYPE_FP32, {kBatch, kHeadsQ, kSeqQ});
+  return p;
+}
+
+// Three sequences packed into 300 query and 500 key tokens.
+constexpr int64_t kVarlenBatch = 3, kTotalQ = 300, kTotalK = 500;
+
+fh::ForwardParams varlen_forward() {
+  fh::ForwardParams p = fh::default_forward_params();
+  p.q = fh::make_tensor(fake_pointer(0), FH_DTYPE_BF16, {kTotalQ, kHeadsQ, kDim});
+  p.k = fh::make_tensor(fake_pointer(1), FH_DTYPE_BF16, {kTotalK, kHeadsKV, kDim});
+  p.v = fh::make_tensor(fake_pointer(2), FH_DTYPE_BF16, {kTotalK, kHeadsKV, kDimV});
+  p.out = fh::make_tensor(fake_pointer(3), FH_DTYPE_BF16, {kTotalQ, kHeadsQ, kDimV});
+  p.lse = fh::make_tensor(fake_pointer(4), FH_DTYPE_FP32, {kHeadsQ, kTotalQ});
+  p.cu_seqlens_q = fh::make_tensor(fake_pointer(5), FH_DTYPE_INT32, {kVarlenBatch + 1});
+  p.cu_seqlens_k = fh::make_tensor(fake_pointer(6), FH_DTYPE_INT32, {kVarlenBatch + 1});
+  p.seqused_k = fh::make_tensor(fake_pointer(7), FH_DTYPE_INT32, {kVarlenBatch});
+  p.max_seqlen_q = 128;
+  p.max_seqlen_k = 256;
+  return p;
+}
+
+// Decoding one token per sequence against a paged cache, appending one new key/value.
+constexpr int64_t kPages = 64, kPageSize = 64, kMaxPages = 16;
+
+fh::ForwardParams paged_forward() {
+  fh::ForwardParams p = fh::default_forward_params();
+  p.q = fh::make_tensor(fake_pointer(0), FH_DTYPE_BF16, {kBatch, 1, kHeadsQ, kDim});
+  p.k = fh::make_tensor(fake_pointer(1), FH_DTYPE_BF16, {kPages, kPageSize, kHeadsKV, kDim});
+  p.v = fh::make_tensor(fake_pointer(2), FH_DTYPE_BF16, {kPages, kPageSize, kHeadsKV, kDimV});
+  p.out = fh::make_tensor(fake_pointer(3), FH_DTYPE_BF16, {kBatch, 1, kHeadsQ, kDimV});
+  p.lse = fh::make_tensor(fake_pointer(4), FH_DTYPE_FP32, {kBatch, kHeadsQ, 1});
+  p.page_table = fh::make_tensor(fake_pointer(5), FH_DTYPE_INT32, {kBatch, kMaxPages});
+  p.cache_seqlens = fh::make_tensor(fake_pointer(6), FH_DTYPE_INT32, {kBatch});
+  p.k_new = fh::make_tensor(fake_pointer(7), FH_DTYPE_BF16, {kBatch, 1, kHeadsKV, kDim});
+  p.v_new = fh::make_tensor(fake_pointer(8), FH_DTYPE_BF16, {kBatch, 1, kHeadsKV, kDimV});
+  return p;
+}
+
+fh::ForwardParams fp8_forward() {
+  fh::ForwardParams p = dense_forward(FH_DTYPE_FP8_E4M3);
+  p.out.dtype = FH_DTYPE_BF16;
+  p.q_descale = fh::make_tensor(fake_pointer(10), FH_DTYPE_FP32, {kBatch, kHeadsKV});
+  p.k_descale = fh::make_tensor(fake_pointer(11), FH_DTYPE_FP32, {kBatch, kHeadsKV});
+  p.v_descale = fh::make_tensor(fake_pointer(12), FH_DTYPE_FP32, {kBatch, kHeadsKV});
+  return p;
+}
+
+fh::BackwardParams dense_backward() {
+  const fh::ForwardParams f = dense_forward();
+  fh::BackwardParams p = fh::default_backward_params();
+  p.q = f.q;
+  p.k = f.k;
+  p.v = f.v;
+  p.out = f.out;
+  p.lse = f.lse;
+  p.dout = fh::make_tensor(fake_pointer(5), FH_DTYPE_BF16, {kBatch, kSeqQ, kHeadsQ, kDimV});
+  p.dq = fh::make_tensor(fake_pointer(6), FH_DTYPE_BF16, {kBatch, kSeqQ, kHeadsQ, kDim});
+  p.dk = fh::make_tensor(fake_pointer(7), FH_DTYPE_BF16, {kBatch, kSeqK, kHeadsKV, kDim});
+  p.dv = fh::make_tensor(fake_pointer(8), FH_DTYPE_BF16, {kBatch, kSeqK, kHeadsKV, kDimV});
+  return p;
+}
+
+fh::BackwardParams varlen_backward() {
+  const fh::ForwardParams f = varlen_forward();
+  fh::BackwardParams p = fh::default_backward_params();
+  p.q = f.q;
+  p.k = f.k;
+  p.v = f.v;
+  p.out = f.out;
+  p.lse = f.lse;
+  p.cu_seqlens_q = f.cu_seqlens_q;
+  p.cu_seqlens_k = f.cu_seqlens_k;
+  p.max_seqlen_q = f.max_seqlen_q;
+  p.max_seqlen_k = f.max_seqlen_k;
+  p.dout = fh::make_tensor(fake_pointer(8), FH_DTYPE_BF16, {kTotalQ, kHeadsQ, kDimV});
+  p.dq = fh::make_tensor(fake_pointer(9), FH_DTYPE_BF16, {kTotalQ, kHeadsQ, kDim});
+  p.dk = fh::make_tensor(fake_pointer(10), FH_DTYPE_BF16, {kTotalK, kHeadsKV, kDim});
+  p.dv = fh::make_tensor(fake_pointer(11), FH_DTYPE_BF16, {kTotalK, kHeadsKV, kDimV});
+  return p;
+}
+
+constexpr int64_t kSplits = 4;
+
+fh::CombineParams combine_call() {
+  fh::CombineParams p{};
+  p.out_partial = fh::make_tensor(fake_pointer(0), FH_DTYPE_FP32, {kSplits, kBatch, kHeadsQ, 1, kDimV});
+  p.lse_partial = fh::make_tensor(fake_pointer(1), FH_DTYPE_FP32, {kSplits, kBatch, kHeadsQ, 1});
+  p.out = fh::make_tensor(fake_pointer(2), FH_DTYPE_BF16, {kBatch, 1, kHeadsQ, kDimV});
+  p.lse = fh::make_tensor(fake_pointer(3), FH_DTYPE_FP32, {kBatch, kHeadsQ, 1});
+  return p;
+}
+
+template <typename Params>
+fh::Status check_for_reference(const Params& p) {
+  return fh::detail::validate(p, Target::kHostReference);
+}
+
+// The refusal every rule gives: the code, the message opening with "name: ", and the rule's word.
+::testing::AssertionResult refused(const fh::Status& status, const std::string& name, const std::string& keyword) {
+  if (status.code != FH_ERROR_INVALID_ARGUMENT) {
+    return ::testing::AssertionFailure() << "status " << status.code << " (\"" << status.message
+                                         << "\"), expected FH_ERROR_INVALID_ARGUMENT";
+  }
+  if (status.message.rfind(name + ": ", 0) != 0) {
+    return ::testing::AssertionFailure() << "message \"" << status.message << "\" does not start with \"" << name
+                                         << ": \"";
+  }
+  if (status.message.find(keyword) == std::string::npos) {
+    return ::testing::AssertionFailure() << "message \"" << status.message << "\" lacks \"" << keyword << "\"";
+  }
+  return ::testing::AssertionSuccess() << status.message;
+}
+
+#define EXPECT_REFUSED(status, name, keyword) EXPECT_TRUE(refused((status), (name), (keyword)))
+#define EXPECT_PASSES(status)                                   \
+  do {                                                          \
+    const fh::Status status_ = (status);                        \
+    EXPECT_EQ(status_.code, FH_SUCCESS) << status_.message;     \
+  } while (0)
+
+// ---- Valid calls pass -------------------------------------------------------------------------
+
+TEST(ValidCalls, Pass) {
+  EXPECT_PASSES(fh::check(dense_forward()));
+  EXPECT_PASSES(fh::check(dense_forward(FH_DTYPE_FP16)));
+  EXPECT_PASSES(fh::check(varlen_forward()));
+  EXPECT_PASSES(fh::check(paged_forward()));
+  EXPECT_PASSES(fh::check(fp8_forward()));
+  EXPECT_PASSES(fh::check(dense_backward()));
+  EXPECT_PASSES(fh::check(varlen_backward()));
+  EXPECT_PASSES(fh::check(combine_call()));
+}
+
+TEST(ValidCalls, PassForTheHostReferenceToo) {
+  EXPECT_PASSES(check_for_reference(dense_forward()));
+  EXPECT_PASSES(check_for_reference(varlen_forward()));
+  EXPECT_PASSES(check_for_reference(paged_forward()));
+  EXPECT_PASSES(check_for_reference(fp8_forward()));
+  EXPECT_PASSES(check_for_reference(dense_backward()));
+  EXPECT_PASSES(check_for_reference(combine_call()));
+}
+
+TEST(ValidCalls, OptionalArgumentsMayBeAbsent) {
+  fh::ForwardParams forward = dense_forward();
+  forward.lse = {};
+  EXPECT_PASSES(fh::check(forward));
+  fh::ForwardParams fp8 = fp8_forward();
+  fp8.q_descale = fp8.k_descale = fp8.v_descale = {};
+  EXPECT_PASSES(fh::check(fp8));
+  fh::CombineParams combine = combine_call();
+  combine.lse = {};
+  EXPECT_PASSES(fh::check(combine));
+}
+
+TEST(ValidCalls, ValueHeadDimMayDifferFromHeadDim) {
+  fh::ForwardParams p = dense_forward();
+  p.q = fh::make_tensor(p.q.data, FH_DTYPE_BF16, {kBatch, kSeqQ, kHeadsQ, 192});
+  p.k = fh::make_tensor(p.k.data, FH_DTYPE_BF16, {kBatch, kSeqK, kHeadsKV, 192});
+  EXPECT_PASSES(fh::check(p));
+}
+
+TEST(ValidCalls, OuterStridesMayBePadded) {
+  // Strides beyond the contiguous ones, e.g. q sliced out of a packed qkv tensor.
+  fh::ForwardParams p = dense_forward();
+  const int64_t qkv_row = 3 * kHeadsQ * kDim;
+  p.q = fh::make_tensor(p.q.data, FH_DTYPE_BF16, {kBatch, kSeqQ, kHeadsQ, kDim},
+                        {kSeqQ * qkv_row, qkv_row, kDim, 1});
+  EXPECT_PASSES(fh::check(p));
+}
+
+// ---- Presence and combinations ----------------------------------------------------------------
+
+TEST(ForwardPresence, QKVAndOutAreRequired) {
+  const char* names[] = {"q", "k", "v", "out"};
+  for (int i = 0; i < 4; ++i) {
+    SCOPED_TRACE(names[i]);
+    fh::ForwardParams p = dense_forward();
+    fh::Tensor* tensors[] = {&p.q, &p.k, &p.v, &p.out};
+    tensors[i]->data = nullptr;
+    EXPECT_REFUSED(fh::check(p), names[i], "required");
+  }
+}
+
+TEST(ForwardPresence, PageTableExcludesCuSeqlensK) {
+  fh::ForwardParams p = paged_forward();
+  p.cu_seqlens_k = fh::make_tensor(fake_pointer(20), FH_DTYPE_INT32, {kBatch + 1});
+  p.max_seqlen_k = 64;
+  EXPECT_REFUSED(fh::check(p), "page_table", "cu_seqlens_k");
+}
+
+TEST(ForwardPresence, PageTableNeedsCacheSeqlens) {
+  fh::ForwardParams p = paged_forward();
+  p.k_new = p.v_new = {};
+  p.cache_seqlens = {};
+  EXPECT_REFUSED(fh::check(p), "cache_seqlens", "required with page_table");
+}
+
+TEST(ForwardPresence, KNewAndVNewComeTogether) {
+  fh::ForwardParams p = paged_forward();
+  p.v_new = {};
+  EXPECT_REFUSED(fh::check(p), "v_new", "together with k_new");
+  p = paged_forward();
+  p.k_new = {};
+  EXPECT_REFUSED(fh::check(p), "k_new", "together with v_new");
+}
+
+TEST(ForwardPresence, KNewNeedsCacheSeqlens) {
+  // Appending into a dense cache: where to append is cache_seqlens.
+  fh::ForwardParams p = dense_forward();
+  p.k_new = fh::make_tensor(fake_pointer(20), FH_DTYPE_BF16, {kBatch, 1, kHeadsKV, kDim});
+  p.v_new = fh::make_tensor(fake_pointer(21), FH_DTYPE_BF16, {kBatch, 1, kHeadsKV, kDimV});
+  EXPECT_REFUSED(fh::check(p), "cache_seqlens", "k_new");
+  p.cache_seqlens = fh::make_tensor(fake_pointer(22), FH_DTYPE_INT32, {kBatch});
+  EXPECT_PASSES(fh::check(p));
+}
+
+// ---- Ranks ------------------------------------------------------------------------------------
+
+TEST(ForwardRank, DenseQIsFourDimensional) {
+  fh::ForwardParams p = dense_forward();
+  p.q = fh::make_tensor(p.q.data, FH_DTYPE_BF16, {kBatch * kSeqQ, kHeadsQ, kDim});
+  EXPECT_REFUSED(fh::check(p), "q", "dense q must be 4-d [B, sq, Hq, d]");
+}
+
+TEST(ForwardRank, VarlenQIsThreeDimensional) {
+  fh::ForwardParams p = varlen_forward();
+  p.q = fh::make_tensor(p.q.data, FH_DTYPE_BF16, {1, kTotalQ, kHeadsQ, kDim});
+  EXPECT_REFUSED(fh::check(p), "q", "varlen (cu_seqlens_q given) q must be 3-d");
+}
+
+TEST(ForwardRank, OutFollowsQ) {
+  fh::ForwardParams p = dense_forward();
+  p.out = fh::make_tensor(p.out.data, FH_DTYPE_BF16, {kBatch * kSeqQ, kHeadsQ, kDimV});
+  EXPECT_REFUSED(fh::check(p), "out", "4-d");
+}
+
+TEST(ForwardRank, DenseKVAreFourDimensional) {
+  fh::ForwardParams p = dense_forward();
+  p.k = fh::make_tensor(p.k.data, FH_DTYPE_BF16, {kBatch * kSeqK, kHeadsKV, kDim});
+  EXPECT_REFUSED(fh::check(p), "k", "dense k must be 4-d [B, sk, Hkv, d]");
+  p = dense_forward();
+  p.v = fh::make_tensor(p.v.data, FH_DTYPE_BF16, {kBatch * kSeqK, kHeadsKV, kDimV});
+  EXPECT_REFUSED(fh::check(p), "v", "4-d");
+}
+
+TEST(ForwardRank, VarlenKVAreThreeDimensional) {
+  fh::ForwardParams p = varlen_forward();
+  p.k = fh::make_tensor(p.k.data, FH_DTYPE_BF16, {1, kTotalK, kHeadsKV, kDim});
+  EXPECT_REFUSED(fh::check(p), "k", "varlen (cu_seqlens_k given) k must be 3-d");
+}
+
+TEST(ForwardRank, PagedKVAreFourDimensional) {
+  fh::ForwardParams p = paged_forward();
+  p.k = fh::make_tensor(p.k.data, FH_DTYPE_BF16, {kPages * kPageSize, kHeadsKV, kDim});
+  EXPECT_REFUSED(fh::check(p), "k", "paged (page_table given) k must be 4-d [num_pages, page_size, Hkv, d]");
+}
+
+TEST(ForwardRank, LseIsThreeDimensionalDenseAndTwoVarlen) {
+  fh::ForwardParams p = dense_forward();
+  p.lse = fh::make_tensor(p.lse.data, FH_DTYPE_FP32, {kHeadsQ, kBatch * kSeqQ});
+  EXPECT_REFUSED(fh::check(p), "lse", "3-d [B, Hq, sq]");
+  p = varlen_forward();
+  p.lse = fh::make_tensor(p.lse.data, FH_DTYPE_FP32, {1, kHeadsQ, kTotalQ});
+  EXPECT_REFUSED(fh::check(p), "lse", "2-d [Hq, total_q]");
+}
+
+TEST(ForwardRank, OptionalTensorsHaveTheirRanks) {
+  fh::ForwardParams p = varlen_forward();
+  p.cu_seqlens_q = fh::make_tensor(p.cu_seqlens_q.data, FH_DTYPE_INT32, {1, kVarlenBatch + 1});
+  EXPECT_REFUSED(fh::check(p), "cu_seqlens_q", "1-d [B + 1]");
+  p = varlen_forward();
+  p.seqused_k = fh::make_tensor(p.seqused_k.data, FH_DTYPE_INT32, {kVarlenBatch, 1});
+  EXPECT_REFUSED(fh::check(p), "seqused_k", "1-d [B]");
+  p = paged_forward();
+  p.page_table = fh::make_tensor(p.page_table.data, FH_DTYPE_INT32, {kBatch * kMaxPages});
+  EXPECT_REFUSED(fh::check(p), "page_table", "2-d [B, max_pages]");
+  p = paged_forward();
+  p.cache_seqlens = fh::make_tensor(p.cache_seqlens.data, FH_DTYPE_INT32, {kBatch, 1});
+  EXPECT_REFUSED(fh::check(p), "cache_seqlens", "1-d");
+  p = paged_forward();
+  p.v_new = fh::make_tensor(p.v_new.data, FH_DTYPE_BF16, {kBatch, kHeadsKV, kDimV});
+  EXPECT_REFUSED(fh::check(p), "v_new", "4-d");
+  p = fp8_forward();
+  p.v_descale = fh::make_tensor(p.v_descale.data, FH_DTYPE_FP32, {kBatch * kHeadsKV});
+  EXPECT_REFUSED(fh::check(p), "v_descale", "2-d [B, Hkv]");
+}
+
+// ---- Dtypes -----------------------------------------------------------------------------------
+
+TEST(ForwardDtype, InputsAreBf16Fp16OrFp8) {
+  fh::ForwardParams p = dense_forward();
+  p.q.dtype = p.k.dtype = p.v.dtype = p.out.dtype = FH_DTYPE_INT32;
+  EXPECT_REFUSED(fh::check(p), "q", "dtype is int32; must be bf16, fp16 or fp8_e4m3");
+  p.q.dtype = p.k.dtype = p.v.dtype = p.out.dtype = FH_DTYPE_FP32;
+  EXPECT_REFUSED(fh::check(p), "q", "dtype is float32");
+}
+
+TEST(ForwardDtype, UnknownDtypeValueIsNamed) {
+  fh::ForwardParams p = dense_forward();
+  p.q.dtype = 42;
+  EXPECT_REFUSED(fh::check(p), "q", "unknown (42)");
+}
+
+TEST(ForwardDtype, QKVShareOneDtype) {
+  fh::ForwardParams p = dense_forward();
+  p.k.dtype = FH_DTYPE_FP16;
+  EXPECT_REFUSED(fh::check(p), "k", "q, k and v must have the same dtype");
+  p = dense_forward();
+  p.v.dtype = FH_DTYPE_FP8_E4M3;
+  EXPECT_REFUSED(fh::check(p), "v", "same dtype");
+}
+
+TEST(ForwardDtype, OutHasQsDtype) {
+  fh::ForwardParams p = dense_forward();
+  p.out.dtype = FH_DTYPE_FP16;
+  EXPECT_REFUSED(fh::check(p), "out", "dtype is fp16; must be bf16");
+}
+
+TEST(ForwardDtype, Fp8InputsNeedBf16Out) {
+  fh::ForwardParams p = fp8_forward();
+  p.out.dtype = FH_DTYPE_FP8_E4M3;
+  EXPECT_REFUSED(fh::check(p), "out", "fp8 inputs give a bf16 output");
+  p.out.dtype = FH_DTYPE_FP16;
+  EXPECT_REFUSED(fh::check(p), "out", "bf16");
+}
+
+TEST(ForwardDtype, LseIsFloat32) {
+  fh::ForwardParams p = dense_forward();
+  p.lse.dtype = FH_DTYPE_BF16;
+  EXPECT_REFUSED(fh::check(p), "lse", "must be float32");
+  p.lse.dtype = FH_DTYPE_FP64;
+  EXPECT_REFUSED(fh::check(p), "lse", "float32");
+}
+
+TEST(ForwardDtype, IndexTensorsAreInt32) {
+  fh::ForwardParams p = varlen_forward();
+  p.cu_seqlens_q.dtype = FH_DTYPE_FP32;
+  EXPECT_REFUSED(fh::check(p), "cu_seqlens_q", "must be int32");
+  p = varlen_forward();
+  p.cu_seqlens_k.dtype = FH_DTYPE_FP64;
+  EXPECT_REFUSED(fh::check(p), "cu_seqlens_k", "int32");
+  p = varlen_forward();
+  p.seqused_k.dtype = FH_DTYPE_BF16;
+  EXPECT_REFUSED(fh::check(p), "seqused_k", "int32");
+  p = paged_forward();
+  p.page_table.dtype = FH_DTYPE_FP32;
+  EXPECT_REFUSED(fh::check(p), "page_table", "int32");
+  p = paged_forward();
+  p.cache_seqlens.dtype = FH_DTYPE_FP16;
+  EXPECT_REFUSED(fh::check(p), "cache_seqlens", "int32");
+}
+
+TEST(ForwardDtype, AppendedKVHaveTheCachesDtype) {
+  fh::ForwardParams p = paged_forward();
+  p.k_new.dtype = FH_DTYPE_FP16;
+  EXPECT_REFUSED(fh::check(p), "k_new", "cache's dtype");
+}
+
+TEST(ForwardDtype, DescaleIsFloat32) {
+  fh::ForwardParams p = fp8_forward();
+  p.q_descale.dtype = FH_DTYPE_BF16;
+  EXPECT_REFUSED(fh::check(p), "q_descale", "must be float32");
+}
+
+TEST(ForwardDtype, DescaleOnlyWithFp8) {
+  fh::ForwardParams p = dense_forward();
+  p.k_descale = fh::make_tensor(fake_pointer(20), FH_DTYPE_FP32, {kBatch, kHeadsKV});
+  EXPECT_REFUSED(fh::check(p), "k_descale", "fp8_e4m3 inputs only");
+}
+
+TEST(ForwardDtype, HostReferenceAcceptsFloat32AndFloat64) {
+  fh::ForwardParams p = dense_forward(FH_DTYPE_FP64);
+  p.lse.dtype = FH_DTYPE_FP64;
+  EXPECT_PASSES(check_for_reference(p));
+  EXPECT_REFUSED(fh::check(p), "q", "dtype");
+  p = dense_forward(FH_DTYPE_FP32);
+  EXPECT_PASSES(check_for_reference(p));
+  // Whatever the inputs, the reference may write float32/float64 out.
+  p = dense_forward(FH_DTYPE_BF16);
+  p.out.dtype = FH_DTYPE_FP64;
+  EXPECT_PASSES(check_for_reference(p));
+  EXPECT_REFUSED(fh::check(p), "out", "dtype");
+  p = fp8_forward();
+  p.out.dtype = FH_DTYPE_FP32;
+  EXPECT_PASSES(check_for_reference(p));
+  // Still one dtype for q, k and v.
+  p = dense_forward(FH_DTYPE_FP32);
+  p.v.dtype = FH_DTYPE_FP64;
+  EXPECT_REFUSED(check_for_reference(p), "v", "same dtype");
+}
+
+// ---- Extents ----------------------------------------------------------------------------------
+
+TEST(ForwardExtent, EveryExtentAtLeastOne) {
+  fh::ForwardParams p = dense_forward();
+  p.q.shape[1] = 0;
+  EXPECT_REFUSED(fh::check(p), "q", "shape[1] is 0; every extent must be at least 1");
+  p = dense_forward();
+  p.v.shape[2] = -3;
+  EXPECT_REFUSED(fh::check(p), "v", "at least 1");
+  p = paged_forward();
+  p.page_table.shape[1] = 0;
+  EXPECT_REFUSED(check_for_reference(p), "page_table", "at least 1");
+}
+
+TEST(ForwardExtent, CuSeqlensHoldsAtLeastOneSequence) {
+  fh::ForwardParams p = varlen_forward();
+  p.cu_seqlens_q.shape[0] = 1;
+  EXPECT_REFUSED(fh::check(p), "cu_seqlens_q", "batch size would be less than 1");
+}
+
+TEST(ForwardExtent, KernelExtentsFitInt32) {
+  fh::ForwardParams p = dense_forward();
+  p.q.shape[1] = int64_t{1} << 31;
+  EXPECT_REFUSED(fh::check(p), "q", "INT32_MAX");
+}
+
+// ---- Shape agreement --------------------------------------------------------------------------
+
+TEST(ForwardShape, BatchAgrees) {
+  fh::ForwardParams p = dense_forward();
+  p.k.shape[0] = 3;
+  EXPECT_REFUSED(fh::check(p), "k", "shape[0] (batch size) is 3 but q's batch size is 2");
+  p = dense_forward();
+  p.v.shape[0] = 3;
+  EXPECT_REFUSED(fh::check(p), "v", "batch size");
+  p = dense_forward();
+  p.out.shape[0] = 3;
+  EXPECT_REFUSED(fh::check(p), "out", "batch size");
+  p = dense_forward();
+  p.lse.shape[0] = 3;
+  EXPECT_REFUSED(fh::check(p), "lse", "batch size");
+}
+
+TEST(ForwardShape, KeySequenceLengthAgrees) {
+  fh::ForwardParams p = dense_forward();
+  p.v.shape[1] = kSeqK / 2;
+  EXPECT_REFUSED(fh::check(p), "v", "key sequence length");
+  p = varlen_forward();
+  p.v.shape[0] = kTotalK - 1;
+  EXPECT_REFUSED(fh::check(p), "v", "total key tokens");
+}
+
+TEST(ForwardShape, QueryHeadsAgree) {
+  fh::ForwardParams p = dense_forward();
+  p.out.shape[2] = kHeadsQ / 2;
+  EXPECT_REFUSED(fh::check(p), "out", "number of query heads");
+  p = dense_forward();
+  p.lse.shape[1] = kHeadsQ * 2;
+  EXPECT_REFUSED(fh::check(p), "lse", "number of query heads");
+}
+
+TEST(ForwardShape, KeyValueHeadsAgree) {
+  fh::ForwardParams p = dense_forward();
+  p.v.shape[2] = 1;
+  EXPECT_REFUSED(fh::check(p), "v", "number of key/value heads");
+}
+
+TEST(ForwardShape, HeadDimAgrees) {
+  fh::ForwardParams p = dense_forward();
+  p.k = fh::make_tensor(p.k.data, FH_DTYPE_BF16, {kBatch, kSeqK, kHeadsKV, 96});
+  const fh::Status status = fh::check(p);
+  EXPECT_EQ(status.code, FH_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(status.message,
+            "k: shape[3] (head dim) is 96 but q's head dim is 128; q and k must have the same head dim");
+}
+
+TEST(ForwardShape, ValueHeadDimAgrees) {
+  fh::ForwardParams p = dense_forward();
+  p.out = fh::make_tensor(p.out.data, FH_DTYPE_BF16, {kBatch, kSeqQ, kHeadsQ, 64});
+  EXPECT_REFUSED(fh::check(p), "out", "value head dim");
+}
+
+TEST(ForwardShape, QuerySequenceLengthAgrees) {
+  fh::ForwardParams p = dense_forward();
+  p.out.shape[1] = kSeqQ + 1;
+  EXPECT_REFUSED(fh::check(p), "out", "query sequence length");
+  p = dense_forward();
+  p.lse.shape[2] = kSeqQ + 1;
+  EXPECT_REFUSED(fh::check(p), "lse", "query sequence length");
+}
+
+TEST(ForwardShape, VarlenLseIsHeadsByTotalTokens) {
+  fh::ForwardParams p = varlen_forward();
+  p.lse = fh::make_tensor(p.lse.data, FH_DTYPE_FP32, {kHeadsQ, kTotalQ - 1});
+  EXPECT_REFUSED(fh::check(p), "lse", "total query tokens");
+  p = varlen_forward();
+  p.out.shape[0] = kTotalQ + 1;
+  EXPECT_REFUSED(fh::check(p), "out", "total query tokens");
+}
+
+TEST(ForwardShape, HeadDimAtMost256) {
+  fh::ForwardParams p = dense_forward();
+  p.q = fh::make_tensor(p.q.data, FH_DTYPE_BF16, {kBatch, kSeqQ, kHeadsQ, 320});
+  p.k = fh::make_tensor(p.k.data, FH_DTYPE_BF16, {kBatch, kSeqK, kHeadsKV, 320});
+  EXPECT_REFUSED(fh::check(p), "q", "head dims up to 256");
+  EXPECT_REFUSED(check_for_reference(p), "q", "256");
+}
+
+TEST(ForwardShape, ValueHeadDimAtMost256) {
+  fh::ForwardParams p = dense_forward();
+  p.v = fh::make_tensor(p.v.data, FH_DTYPE_BF16, {kBatch, kSeqK, kHeadsKV, 512});
+  p.out = fh::make_tensor(p.out.data, FH_DTYPE_BF16, {kBatch, kSeqQ, kHeadsQ, 512});
+  EXPECT_REFUSED(fh::check(p), "v", "value head dims up to 256");
+}
+
+TEST(ForwardShape, QueryHeadsAreAMultipleOfKeyValueHeads) {
+  fh::ForwardParams p = dense_forward();
+  p.k.shape[2] = p.v.shape[2] = 3;
+  const fh::Status status = fh::check(p);
+  EXPECT_REFUSED(status, "k", "Hq % Hkv");
+  EXPECT_THAT(status.message, HasSubstr("is 3"));
+  EXPECT_THAT(status.message, HasSubstr("query heads 8"));
+}
+
+// ---- Kernel layout: strides, alignment, head-dim granularity ----------------------------------
+
+TEST(ForwardLayout, LastDimContiguous) {
+  fh::ForwardParams p = dense_forward();
+  p.q.stride[3] = 2;
+  EXPECT_REFUSED(fh::check(p), "q", "last dim must be contiguous (stride 1)");
+  EXPECT_PASSES(check_for_reference(p));
+  p = paged_forward();
+  p.v_new.stride[3] = 2;
+  EXPECT_REFUSED(fh::check(p), "v_new", "contiguous");
+}
+
+TEST(ForwardLayout, StridesAreMultiplesOf16Bytes) {
+  fh::ForwardParams p = dense_forward();
+  p.k.stride[1] = kHeadsKV * kDim + 4;
+  EXPECT_REFUSED(fh::check(p), "k", "not a multiple of 8 elements (16 bytes of bf16)");
+  EXPECT_PASSES(check_for_reference(p));
+  p = fp8_forward();
+  p.k.stride[1] = kHeadsKV * kDim + 8;  // 8 bytes of fp8
+  EXPECT_REFUSED(fh::check(p), "k", "not a multiple of 16 elements (16 bytes of fp8_e4m3)");
+}
+
+TEST(ForwardLayout, BaseAddressIs16ByteAligned) {
+  fh::ForwardParams p = dense_forward();
+  p.v.data = misaligned(p.v.data, 8);
+  EXPECT_REFUSED(fh::check(p), "v", "is not 16-byte aligned");
+  EXPECT_PASSES(check_for_reference(p));
+}
+
+TEST(ForwardLayout, ElementTensorsAreElementAligned) {
+  fh::ForwardParams p = dense_forward();
+  p.lse.data = misaligned(p.lse.data, 4);  // 4-byte aligned is enough for float32 rows
+  EXPECT_PASSES(fh::check(p));
+  p.lse.data = misaligned(p.lse.data, 2);
+  EXPECT_REFUSED(fh::check(p), "lse", "4-byte aligned");
+}
+
+TEST(ForwardLayout, HeadDimsAreMultiplesOf16Bytes) {
+  fh::ForwardParams p = dense_forward();
+  p.q = fh::make_tensor(p.q.data, FH_DTYPE_BF16, {kBatch, kSeqQ, kHeadsQ, 100});
+  p.k = fh::make_tensor(p.k.data, FH_DTYPE_BF16, {kBatch, kSeqK, kHeadsKV, 100});
+  EXPECT_REFUSED(fh::check(p), "q", "not a multiple of 8");
+  EXPECT_PASSES(check_for_reference(p));
+  p = dense_forward();
+  p.v = fh::make_tensor(p.v.data, FH_DTYPE_BF16, {kBatch, kSeqK, kHeadsKV, 60});
+  p.out = fh::make_tensor(p.out.data, FH_DTYPE_BF16, {kBatch, kSeqQ, kHeadsQ, 60});
+  EXPECT_REFUSED(fh::check(p), "v", "value head dim");
+  p = fp8_forward();
+  p.q = fh::make_tensor(p.q.data, FH_DTYPE_FP8_E4M3, {kBatch, kSeqQ, kHeadsQ, 72});
+  p.k = fh::make_tensor(p.k.data, FH_DTYPE_FP8_E4M3, {kBatch, kSeqK, kHeadsKV, 72});
+  EXPECT_REFUSED(fh::check(p), "q", "not a multiple of 16");
+}
+
+TEST(ForwardLayout, LseLastDimContiguous) {
+  fh::ForwardParams p = dense_forward();
+  p.lse.stride[2] = kHeadsQ;
+  EXPECT_REFUSED(fh::check(p), "lse", "contiguous");
+}
+
+TEST(ForwardLayout, IndexArraysContiguous) {
+  fh::ForwardParams p = varlen_forward();
+  p.cu_seqlens_k.stride[0] = 2;
+  EXPECT_REFUSED(fh::check(p), "cu_seqlens_k", "contiguous");
+  EXPECT_PASSES(check_for_reference(p));
+}
+
+TEST(ForwardLayout, DescaleFactorsMayBeStrided) {
+  fh::ForwardParams p = fp8_forward();
+  p.k_descale = fh::make_tensor(p.k_descale.data, FH_DTYPE_FP32, {kBatch, kHeadsKV}, {1, kBatch});
+  EXPECT_PASSES(fh::check(p));
+}
+
+TEST(ForwardLayout, NegativeStridesRefused) {
+  fh::ForwardParams p = dense_forward();
+  p.out.stride[1] = -kHeadsQ * kDimV;
+  EXPECT_REFUSED(fh::check(p), "out", "negative strides");
+  EXPECT_REFUSED(check_for_reference(p), "out", "negative strides");
+}
+
+// ---- Sizes within the kernels' index types ----------------------------------------------------
+
+TEST(ForwardSize, TileCountFitsInt32) {
+  // 4096 sequences x 8 heads x 65536 row tiles = 2^31 tiles, though each extent fits int32.
+  const int64_t batch = 4096, seqlen = int64_t{1} << 22;
+  fh::ForwardParams p = fh::default_forward_params();
+  p.q = fh::make_tensor(fake_pointer(0), FH_DTYPE_BF16, {batch, seqlen, kHeadsQ, kDim});
+  p.k = fh::make_tensor(fake_pointer(1), FH_DTYPE_BF16, {batch, 64, kHeadsKV, kDim});
+  p.v = fh::make_tensor(fake_pointer(2), FH_DTYPE_BF16, {batch, 64, kHeadsKV, kDimV});
+  p.out = fh::make_tensor(fake_pointer(3), FH_DTYPE_BF16, {batch, seqlen, kHeadsQ, kDimV});
+  EXPECT_REFUSED(fh::check(p), "q", "row tiles exceeds INT32_MAX");
+  EXPECT_PASSES(check_for_reference(p));  // the CPU reference has no tile index
+  p.q.shape[0] = p.k.shape[0] = p.v.shape[0] = p.out.shape[0] = batch / 2;
+  EXPECT_PASSES(fh::check(p));
+}
+
+TEST(ForwardSize, ElementCountsFitInt64) {
+  // Sizes derived from extents (batch x seqlen) are formed in int64, for the reference too.
+  fh::ForwardParams p = dense_forward();
+  p.q.shape[0] = p.k.shape[0] = p.v.shape[0] = p.out.shape[0] = int64_t{1} << 40;
+  p.q.shape[1] = p.out.shape[1] = int64_t{1} << 40;
+  EXPECT_REFUSED(check_for_reference(p), "q", "more elements than int64 can count");
+  p = paged_forward();
+  p.page_table.shape[1] = p.k.shape[1] = p.v.shape[1] = int64_t{1} << 40;
+  EXPECT_REFUSED(check_for_reference(p), "page_table", "overflows int64");
+}
+
+TEST(ForwardSize, ElementOffsetsFitInt64) {
+  fh::ForwardParams p = dense_forward();
+  p.q.stride[0] = int64_t{1} << 62;  // a multiple of 8; byte offset 2^63 overflows
+  EXPECT_REFUSED(fh::check(p), "q", "int64 range");
+  EXPECT_REFUSED(check_for_reference(p), "q", "int64 range");
+  p.q.stride[0] = int64_t{1} << 60;
+  EXPECT_PASSES(fh::check(p));
+  // Extent x stride products beyond 2^64 must not wrap around into a small, accepted offset.
+  p.q.stride[0] = p.q.stride[1] = p.q.stride[2] = std::numeric_limits<int64_t>::max() - 7;
+  EXPECT_REFUSED(check_for_reference(p), "q", "int64 range");
+}
+
+// ---- Varlen -----------------------------------------------------------------------------------
+
+TEST(ForwardVarlen, CuSeqlensKHasBatchPlusOneEntries) {
+  fh::ForwardParams p = varlen_forward();
+  p.cu_seqlens_k.shape[0] = kVarlenBatch;
+  EXPECT_REFUSED(fh::check(p), "cu_seqlens_k", "must be batch size + 1 = 4");
+}
+
+TEST(ForwardVarlen, MaxSeqlenQGivenWithCuSeqlensQ) {
+  fh::ForwardParams p = varlen_forward();
+  p.max_seqlen_q = 0;
+  EXPECT_REFUSED(fh::check(p), "max_seqlen_q", "needs max_seqlen_q >= 1");
+}
+
+TEST(ForwardVarlen, MaxSeqlenKGivenWithCuSeqlensK) {
+  fh::ForwardParams p = varlen_forward();
+  p.max_seqlen_k = -1;
+  EXPECT_REFUSED(fh::check(p), "max_seqlen_k", ">= 1");
+}
+
+TEST(ForwardVarlen, SequsedHasBatchEntries) {
+  fh::ForwardParams p = varlen_forward();
+  p.seqused_k.shape[0] = kVarlenBatch + 1;
+  EXPECT_REFUSED(fh::check(p), "seqused_k", "batch size");
+  p = dense_forward();
+  p.seqused_q = fh::make_tensor(fake_pointer(20), FH_DTYPE_INT32, {kBatch});
+  EXPECT_PASSES(fh::check(p));
+  p.seqused_q.shape[0] = kBatch + 1;
+  EXPECT_REFUSED(fh::check(p), "seqused_q", "q's batch size is 2");
+}
+
+TEST(ForwardVarlen, CuSeqlensKAloneTakesTheBatchFromQ) {
+  fh::ForwardParams p = dense_forward();
+  p.k = fh::make_tensor(p.k.data, FH_DTYPE_BF16, {kTotalK, kHeadsKV, kDim});
+  p.v = fh::make_tensor(p.v.data, FH_DTYPE_BF16, {kTotalK, kHeadsKV, kDimV});
+  p.cu_seqlens_k = fh::make_tensor(fake_pointer(20), FH_DTYPE_INT32, {kBatch + 1});
+  p.max_seqlen_k = 256;
+  EXPECT_PASSES(fh::check(p));
+  p.cu_seqlens_k.shape[0] = kBatch + 2;
+  EXPECT_REFUSED(fh::check(p), "cu_seqlens_k", "batch size 2 from q");
+}
+
+// ---- Paged KV cache ---------------------------------------------------------------------------
+
+TEST(ForwardPaged, PageTableRowsAreTheBatch) {
+  fh::ForwardParams p = paged_forward();
+  p.page_table = fh::make_tensor(p.page_table.data, FH_DTYPE_INT32, {kBatch + 1, kMaxPages});
+  EXPECT_REFUSED(fh::check(p), "page_table", "batch size");
+}
+
+TEST(ForwardPaged, KAndVShareTheirPages) {
+  fh::ForwardParams p = paged_forward();
+  p.v.shape[0] = kPages - 1;
+  EXPECT_REFUSED(fh::check(p), "v", "number of pages");
+  p = paged_forward();
+  p.v = fh::make_tensor(p.v.data, FH_DTYPE_BF16, {kPages, kPageSize / 2, kHeadsKV, kDimV});
+  EXPECT_REFUSED(fh::check(p), "v", "page size");
+}
+
+TEST(ForwardPaged, CacheSeqlensHasBatchEntries) {
+  fh::ForwardParams p = paged_forward();
+  p.cache_seqlens.shape[0] = kBatch + 1;
+  EXPECT_REFUSED(fh::check(p), "cache_seqlens", "batch size");
+}
+
+TEST(ForwardPaged, NewKeysValuesMatchTheCache) {
+  fh::ForwardParams p = paged_forward();
+  p.k_new.shape[2] = kHeadsKV + 1;
+  EXPECT_REFUSED(fh::check(p), "k_new", "number of key/value heads");
+  p = paged_forward();
+  p.k_new = fh::make_tensor(p.k_new.data, FH_DTYPE_BF16, {kBatch, 1, kHeadsKV, 64});
+  EXPECT_REFUSED(fh::check(p), "k_new", "head dim");
+  p = paged_forward();
+  p.v_new.shape[1] = 2;
+  EXPECT_REFUSED(fh::check(p), "v_new", "number of new tokens");
+  p = paged_forward();
+  p.v_new.shape[0] = kBatch + 1;
+  EXPECT_REFUSED(fh::check(p), "v_new", "batch size");
+}
+
+// ---- fp8 --------------------------------------------------------------------------------------
+
+TEST(ForwardFp8, DescaleIsBatchByKeyValueHeads) {
+  fh::ForwardParams p = fp8_forward();
+  p.k_descale.shape[1] = kHeadsQ;
+  EXPECT_REFUSED(fh::check(p), "k_descale", "number of key/value heads");
+  p = fp8_forward();
+  p.q_descale.shape[0] = kBatch + 1;
+  EXPECT_REFUSED(fh::check(p), "q_descale", "batch size");
+}
+
+// ---- Scalars ----------------------------------------------------------------------------------
+
+TEST(ForwardScalar, SoftmaxScaleFiniteAndNonNegative) {
+  for (float scale : {std::nanf(""), std::numeric_limits<float>::infinity(), -0.5f}) {
+    SCOPED_TRACE(scale);
+    fh::ForwardParams p = dense_forward();
+    p.softmax_scale = scale;
+    EXPECT_REFUSED(fh::check(p), "softmax_scale", "finite and >= 0");
+  }
+  fh::ForwardParams p = dense_forward();
+  p.softmax_scale = 0.125f;
+  EXPECT_PASSES(fh::check(p));
+}
+
+TEST(ForwardScalar, SoftcapFiniteAndNonNegative) {
+  for (float softcap : {std::nanf(""), -std::numeric_limits<float>::infinity(), -1.f}) {
+    SCOPED_TRACE(softcap);
+    fh::ForwardParams p = dense_forward();
+    p.softcap = softcap;
+    EXPECT_REFUSED(fh::check(p), "softcap", "finite and >= 0");
+  }
+  fh::ForwardParams p = dense_forward();
+  p.softcap = 30.f;
+  EXPECT_PASSES(fh::check(p));
+}
+
+TEST(ForwardScalar, WindowBoundsAtLeastMinusOne) {
+  fh::ForwardParams p = dense_forward();
+  p.window_left = -2;
+  EXPECT_REFUSED(fh::check(p), "window_left", ">= -1");
+  p = dense_forward();
+  p.window_right = -7;
+  EXPECT_REFUSED(fh::check(p), "window_right", ">= -1");
+  p = dense_forward();
+  p.window_left = 128;
+  p.window_right = 0;
+  EXPECT_PASSES(fh::check(p));
+}
+
+TEST(ForwardScalar, CausalExcludesOtherWindows) {
+  fh::ForwardParams p = dense_forward();
+  p.causal = 1;
+  EXPECT_PASSES(fh::check(p));  // window (-1, -1)
+  p.window_right = 0;
+  EXPECT_PASSES(fh::check(p));  // window (-1, 0) is causal itself
+  p.window_left = 4;
+  const fh::Status status = fh::check(p);
+  EXPECT_REFUSED(status, "causal", "window_left/window_right (4, 0)");
+}
+
+TEST(ForwardScalar, SinkTokensNonNegative) {
+  fh::ForwardParams p = dense_forward();
+  p.window_left = 64;
+  p.num_sink_tokens = -1;
+  EXPECT_REFUSED(fh::check(p), "num_sink_tokens", ">= 0");
+}
+
+TEST(ForwardScalar, SinkTokensNeedALocalWindow) {
+  fh::ForwardParams p = dense_forward();
+  p.num_sink_tokens = 4;
+  EXPECT_REFUSED(fh::check(p), "num_sink_tokens", "local window");
+  p.causal = 1;
+  EXPECT_REFUSED(fh::check(p), "num_sink_tokens", "local window");
+  p.causal = 0;
+  p.window_left = 64;
+  p.window_right = 0;
+  EXPECT_PASSES(fh::check(p));
+}
+
+TEST(ForwardScalar, NumSplitsInRange) {
+  for (int32_t splits : {0, -1, 257}) {
+    SCOPED_TRACE(splits);
+    fh::ForwardParams p = dense_forward();
+    p.num_splits = splits;
+    EXPECT_REFUSED(fh::check(p), "num_splits", "[1, 256]");
+  }
+  fh::ForwardParams p = dense_forward();
+  p.num_splits = 256;
+  EXPECT_PASSES(fh::check(p));
+}
+
+// ---- Order: the first failure is the most useful one ------------------------------------------
+
+TEST(ForwardOrder, PresenceThenRankThenShapeThenStride) {
+  fh::ForwardParams p = dense_forward();
+  p.q.stride[3] = 2;   // a stride rule
+  p.out.shape[2] = 1;  // a shape rule
+  p.k = fh::make_tensor(p.k.data, FH_DTYPE_BF16, {kBatch * kSeqK, kHeadsKV, kDim});  // a rank rule
+  p.v.data = nullptr;  // a presence rule
+  EXPECT_REFUSED(fh::check(p), "v", "required");
+  p.v = dense_forward().v;
+  EXPECT_REFUSED(fh::check(p), "k", "4-d");
+  p.k = dense_forward().k;
+  EXPECT_REFUSED(fh::check(p), "out", "number of query heads");
+  p.out = dense_forward().out;
+  EXPECT_REFUSED(fh::check(p), "q", "contiguous");
+}
+
+// ---- Backward ---------------------------------------------------------------------------------
+
+TEST(Backward, AllTensorsRequired) {
+  const char* names[] = {"q", "k", "v", "out", "dout", "lse", "dq", "dk", "dv"};
+  for (int i = 0; i < 9; ++i) {
+    SCOPED_TRACE(names[i]);
+    fh::BackwardParams p = dense_backward();
+    fh::Tensor* tensors[] = {&p.q, &p.k, &p.v, &p.out, &p.dout, &p.lse, &p.dq, &p.dk, &p.dv};
+    tensors[i]->data = nullptr;
+    EXPECT_REFUSED(fh::check(p), names[i], "required");
+  }
+}
+
+TEST(Backward, HostReferenceNeedsNeitherOutNorLse) {
+  // The CPU reference recomputes the forward, so out and lse are optional there.
+  fh::BackwardParams p = dense_backward();
+  p.out = p.lse = {};
+  EXPECT_PASSES(check_for_reference(p));
+  p.dout = {};
+  EXPECT_REFUSED(check_for_reference(p), "dout", "required");
+}
+
+TEST(Backward, NoFp8) {
+  fh::BackwardParams p = dense_backward();
+  for (fh::Tensor* t : {&p.q, &p.k, &p.v, &p.out, &p.dout, &p.dq, &p.dk, &p.dv}) t->dtype = FH_DTYPE_FP8_E4M3;
+  EXPECT_REFUSED(fh::check(p), "q", "the backward takes no fp8");
+}
+
+TEST(Backward, GradientRanksFollowTheirTensors) {
+  fh::BackwardParams p = dense_backward();
+  p.dq = fh::make_tensor(p.dq.data, FH_DTYPE_BF16, {kBatch * kSeqQ, kHeadsQ, kDim});
+  EXPECT_REFUSED(fh::check(p), "dq", "4-d");
+  p = varlen_backward();
+  p.dk = fh::make_tensor(p.dk.data, FH_DTYPE_BF16, {1, kTotalK, kHeadsKV, kDim});
+  EXPECT_REFUSED(fh::check(p), "dk", "varlen (cu_seqlens_k given) dk must be 3-d");
+  p = dense_backward();
+  p.dout = fh::make_tensor(p.dout.data, FH_DTYPE_BF16, {kBatch * kSeqQ, kHeadsQ, kDimV});
+  EXPECT_REFUSED(fh::check(p), "dout", "4-d");
+}
+
+TEST(Backward, GradientShapesMatchTheirTensors) {
+  fh::BackwardParams p = dense_backward();
+  p.dq.shape[2] = kHeadsQ / 2;
+  EXPECT_REFUSED(fh::check(p), "dq", "must have the same shape as q");
+  p = dense_backward();
+  p.dk.shape[1] = kSeqK / 2;
+  EXPECT_REFUSED(fh::check(p), "dk", "same shape as k");
+  p = dense_backward();
+  p.dv = fh::make_tensor(p.dv.data, FH_DTYPE_BF16, {kBatch, kSeqK, kHeadsKV, 64});
+  EXPECT_REFUSED(fh::check(p), "dv", "same shape as v");
+  p = dense_backward();
+  p.dout.shape[1] = kSeqQ * 2;
+  EXPECT_REFUSED(fh::check(p), "dout", "query sequence length");
+}
+
+TEST(Backward, GradientDtypesAreQs) {
+  const char* names[] = {"dout", "dq", "dk", "dv"};
+  for (int i = 0; i < 4; ++i) {
+    SCOPED_TRACE(names[i]);
+    fh::BackwardParams p = dense_backward();
+    fh::Tensor* tensors[] = {&p.dout, &p.dq, &p.dk, &p.dv};
+    tensors[i]->dtype = FH_DTYPE_FP16;
+    EXPECT_REFUSED(fh::check(p), names[i], "the dtype of q");
+  }
+  fh::BackwardParams p = dense_backward();
+  p.dq.dtype = p.dk.dtype = p.dv.dtype = FH_DTYPE_FP64;  // the reference may write float64
+  EXPECT_PASSES(check_for_reference(p));
+}
+
+TEST(Backward, LseIsFloat32) {
+  fh::BackwardParams p = dense_backward();
+  p.lse.dtype = FH_DTYPE_FP16;
+  EXPECT_REFUSED(fh::check(p), "lse", "float32");
+}
+
+TEST(Backward, VarlenShapes) {
+  fh::BackwardParams p = varlen_backward();
+  p.lse = fh::make_tensor(p.lse.data, FH_DTYPE_FP32, {kHeadsQ, kTotalQ + 8});
+  EXPECT_REFUSED(fh::check(p), "lse", "total query tokens");
+  p = varlen_backward();
+  p.max_seqlen_k = 0;
+  EXPECT_REFUSED(fh::check(p), "max_seqlen_k", ">= 1");
+}
+
+TEST(Backward, DeterministicIsZeroOrOne) {
+  fh::BackwardParams p = dense_backward();
+  p.deterministic = 1;
+  EXPECT_PASSES(fh::check(p));
+  p.deterministic = 2;
+  EXPECT_REFUSED(fh::check(p), "deterministic", "0 or 1");
+}
+
+TEST(Backward, SharesTheForwardsRules) {
+  fh::BackwardParams p = dense_backward();
+  p.causal = 1;
+  p.window_left = 16;
+  EXPECT_REFUSED(fh::check(p), "causal", "window");
+  p = dense_backward();
+  p.softmax_scale = std::nanf("");
+  EXPECT_REFUSED(fh::check(p), "softmax_scale", "finite");
+  p = dense_backward();
+  p.k.shape[2] = p.v.shape[2] = p.dk.shape[2] = p.dv.shape[2] = 3;
+  EXPECT_REFUSED(fh::check(p), "k", "Hq % Hkv");
+  p = dense_backward();
+  p.dq.stride[3] = 2;
+  EXPECT_REFUSED(fh::check(p), "dq", "contiguous");
+  p = dense_backward();
+  p.dk.data = misaligned(p.dk.data, 2);
+  EXPECT_REFUSED(fh::check(p), "dk", "16-byte aligned");
+  p = dense_backward();
+  p.num_sink_tokens = 2;
+  EXPECT_REFUSED(fh::check(p), "num_sink_tokens", "local window");
+}
+
+// ---- Combine ----------------------------------------------------------------------------------
+
+TEST(Combine, PartialsAndOutRequired) {
+  const char* names[] = {"out_partial", "lse_partial", "out"};
+  for (int i = 0; i < 3; ++i) {
+    SCOPED_TRACE(names[i]);
+    fh::CombineParams p = combine_call();
+    fh::Tensor* tensors[] = {&p.out_partial, &p.lse_partial, &p.out};
+    tensors[i]->data = nullptr;
+    EXPECT_REFUSED(fh::check(p), names[i], "required");
+  }
+}
+
+TEST(Combine, Ranks) {
+  fh::CombineParams p = combine_call();
+  p.out_partial = fh::make_tensor(p.out_partial.data, FH_DTYPE_FP32, {kSplits, kBatch, kHeadsQ, kDimV});
+  EXPECT_REFUSED(fh::check(p), "out_partial", "5-d [num_splits, B, Hq, sq, dv]");
+  p = combine_call();
+  p.lse_partial = fh::make_tensor(p.lse_partial.data, FH_DTYPE_FP32, {kSplits, kBatch, kHeadsQ});
+  EXPECT_REFUSED(fh::check(p), "lse_partial", "4-d");
+  p = combine_call();
+  p.lse = fh::make_tensor(p.lse.data, FH_DTYPE_FP32, {kBatch, kHeadsQ});
+  EXPECT_REFUSED(fh::check(p), "lse", "3-d");
+}
+
+TEST(Combine, PartialsAreFloat32) {
+  fh::CombineParams p = combine_call();
+  p.out_partial.dtype = FH_DTYPE_BF16;
+  EXPECT_REFUSED(fh::check(p), "out_partial", "float32");
+  p = combine_call();
+  p.lse_partial.dtype = FH_DTYPE_FP64;
+  EXPECT_REFUSED(check_for_reference(p), "lse_partial", "float32");
+}
+
+TEST(Combine, OutIsBf16Fp16OrFloat32) {
+  fh::CombineParams p = combine_call();
+  p.out.dtype = FH_DTYPE_FP32;
+  EXPECT_PASSES(fh::check(p));
+  p.out.dtype = FH_DTYPE_FP8_E4M3;
+  EXPECT_REFUSED(fh::check(p), "out", "bf16, fp16 or float32");
+  p.out.dtype = FH_DTYPE_FP64;
+  EXPECT_REFUSED(fh::check(p), "out", "dtype");
+  EXPECT_PASSES(check_for_reference(p));
+  p = combine_call();
+  p.lse.dtype = FH_DTYPE_BF16;
+  EXPECT_REFUSED(fh::check(p), "lse", "float32");
+}
+
+TEST(Combine, ShapesAgree) {
+  fh::CombineParams p = combine_call();
+  p.lse_partial.shape[0] = kSplits - 1;
+  EXPECT_REFUSED(fh::check(p), "lse_partial", "number of splits");
+  p = combine_call();
+  p.out.shape[2] = kHeadsQ + 1;
+  EXPECT_REFUSED(fh::check(p), "out", "number of query heads");
+  p = combine_call();
+  p.out.shape[3] = kDimV / 2;
+  EXPECT_REFUSED(fh::check(p), "out", "value head dim");
+  p = combine_call();
+  p.lse.shape[0] = kBatch + 1;
+  EXPECT_REFUSED(fh::check(p), "lse", "batch size");
+}
+
+TEST(Combine, SplitsInRange) {
+  fh::CombineParams p = combine_call();
+  p.out_partial.shape[0] = p.lse_partial.shape[0] = 257;
+  EXPECT_REFUSED(fh::check(p), "out_partial", "[1, 256]");
+  p.out_partial.shape[0] = p.lse_partial.shape[0] = 256;
+  EXPECT_PASSES(fh::check(p));
+  p.out_partial.shape[0] = p.lse_partial.shape[0] = 0;
+  EXPECT_REFUSED(fh::check(p), "out_partial", "at least 1");
+}
+
+TEST(Combine, Layout) {
+  fh::CombineParams p = combine_call();
+  p.out.stride[3] = 2;
+  EXPECT_REFUSED(fh::check(p), "out", "contiguous");
+  p = combine_call();
+  p.lse_partial.stride[1] = -1;
+  EXPECT_REFUSED(fh::check(p), "lse_partial", "negative");
+}
+
+// ---- The C ABI --------------------------------------------------------------------------------
+
+TEST(CAbi, CheckReportsThroughLastError) {
+  fh_forward_params p;
+  fh_forward_params_init(&p);
+  EXPECT_EQ(fh_forward_check(&p), FH_ERROR_INVALID_ARGUMENT);
+  EXPECT_THAT(std::string(fh_last_error()), StartsWith("q: is required"));
+
+  p = dense_forward();
+  EXPECT_EQ(fh_forward_check(&p), FH_SUCCESS);
+  EXPECT_STREQ(fh_last_error(), "");
+
+  p.num_splits = 0;
+  EXPECT_EQ(fh_forward_check(&p), FH_ERROR_INVALID_ARGUMENT);
+  EXPECT_THAT(std::string(fh_last_error()), HasSubstr("num_splits: is 0"));
+
+  const fh_backward_params backward = dense_backward();
+  EXPECT_EQ(fh_backward_check(&backward), FH_SUCCESS);
+  const fh_combine_params combine = combine_call();
+  EXPECT_EQ(fh_combine_check(&combine), FH_SUCCESS);
+}
+
+TEST(CAbi, NullParamsRefused) {
+  EXPECT_EQ(fh_forward_check(nullptr), FH_ERROR_INVALID_ARGUMENT);
+  EXPECT_THAT(std::string(fh_last_error()), StartsWith("params: "));
+  EXPECT_EQ(fh_backward_check(nullptr), FH_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(fh_combine_check(nullptr), FH_ERROR_INVALID_ARGUMENT);
+  EXPECT_THAT(std::string(fh_last_error()), StartsWith("params: "));
+}
+
+// ---- Running never succeeds on fake pointers, and never crashes -------------------------------
+
+TEST(Forward, FakePointersNeverRun) {
+  // Without CUDA (or without a GPU) the answer is NO_DEVICE or NOT_SUPPORTED; with a GPU the
+  // pointer check refuses the fake addresses. Either way nothing is launched.
+  const fh::Status status = fh::forward(dense_forward(), nullptr, 0, nullptr);
+  EXPECT_NE(status.code, FH_SUCCESS);
+  EXPECT_FALSE(status.message.empty());
+  if (!fh_built_with_cuda()) {
+    EXPECT_TRUE(status.code == FH_ERROR_NO_DEVICE || status.code == FH_ERROR_NOT_SUPPORTED) << status.message;
+  }
+  const fh::Status invalid = fh::forward(fh::default_forward_params(), nullptr, 0, nullptr);
+  EXPECT_REFUSED(invalid, "q", "required");  // argument errors come first, before any device question
+}
+
+}  // namespace
