@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: GPU tests, compute-sanitizer on small cases, the demo, and the
+# side-by-side benchmark; prints a short summary last. Build here first (cmake --build build)
+# and carry the build folder. Usage: scripts/device_check.sh [tests|sanitize|demo|bench]...
+set -uo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+build="${BUILD:-$root/build}"
+out="${OUT:-/tmp/flashhopper_out}"
+mkdir -p "$out"
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(tests sanitize demo bench)
+summary=()
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv,noheader || true
+
+for step in "${steps[@]}"; do
+  case "$step" in
+    tests)
+      timeout 420 "$build/tests/cpp/test_forward_gpu" --gtest_brief=1 >"$out/gpu_tests.log" 2>&1
+      rc=$?
+      grep -E "FAILED|Failure|error|PASSED|SKIPPED" "$out/gpu_tests.log" | head -40
+      summary+=("gpu tests: rc=$rc, $(grep -E '^\[  PASSED  \]|^\[  FAILED  \]' "$out/gpu_tests.log" | tr '\n' ' ')")
+      ;;
+    sanitize)
+      small='Grid/ForwardGpuTest.MatchesReference/*_b1_sq113_sk200_h4_hkv2:Grid/ForwardGpuTest.MatchesReference/*_b3_sq128_sk128_h2_hkv2'
+      for tool in memcheck racecheck; do
+        timeout 300 compute-sanitizer --tool "$tool" --error-exitcode 9 "$build/tests/cpp/test_forward_gpu" \
+          --gtest_brief=1 --gtest_filter="$small" >"$out/sanitizer_$tool.log" 2>&1
+        rc=$?
+        tail -3 "$out/sanitizer_$tool.log"
+        summary+=("compute-sanitizer $tool: rc=$rc, $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/sanitizer_$tool.log" | tail -1)")
+      done
+      ;;
+    demo)
+      timeout 300 "$build/examples/flashhopper_demo" 2048 128 2>&1 | tee "$out/demo.log"
+      summary+=("demo: $(grep -c PASS "$out/demo.log") pass, $(grep -c FAIL "$out/demo.log") fail")
+      ;;
+    bench)
+      PYTHONUNBUFFERED=1 FLASHHOPPER_LIBRARY="$build/libflashhopper.so" PYTHONPATH="$root/python" \
+        timeout 420 python3 "$root/bench/benchmark_attention.py" --out "$out" 2>&1 | tail -60
+      summary+=("bench: see $out/bench_*.csv")
+      ;;
+  esac
+done
+echo "==== summary ===="
+printf '%s\n' "${summary[@]}"
