@@ -7,6 +7,7 @@ root="$(cd "$(dirname "$0")/.." && pwd)"
 build="${BUILD:-$root/build}"
 out="${OUT:-/tmp/flashhopper_out}"
 mkdir -p "$out"
+export LD_LIBRARY_PATH="$build:${LD_LIBRARY_PATH:-}"  # the build's rpath names this machine's paths
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(tests sanitize demo bench)
 summary=()
