@@ -574,7 +574,7 @@ void run_forward(const ForwardPlan& plan, int num_threads) {
   const bool split = plan.num_splits > 1;
 
   parallel_for(shape.batch * shape.heads_q, num_threads, [&](int64_t item) {
-    const int64_t b = item / shape.heads_q, h = item % shape.heads_q, hk = h % shape.heads_kv;
+    const int64_t b = item / shape.heads_q, h = item % shape.heads_q, hk = h / group;
     const Sequence& seq = plan.sequences[b];
     HeadData<Acc> head;
     head.rows = seq.rows;
@@ -668,7 +668,7 @@ void run_backward(const BackwardPlan& plan, int num_threads) {
   // Items are (b, h) in increasing order, so a group's heads are handed out in head order: the
   // head a thread waits for has been taken already and never waits for a later one.
   parallel_for(shape.batch * shape.heads_q, num_threads, [&](int64_t item) {
-    const int64_t b = item / shape.heads_q, h = item % shape.heads_q, hk = h % shape.heads_kv;
+    const int64_t b = item / shape.heads_q, h = item % shape.heads_q, hk = h / group;
     const Sequence& seq = plan.sequences[b];
     HeadData<Acc> head;
     head.rows = seq.rows;

@@ -1,0 +1,96 @@
+"""ctypes mirror of include/flashhopper/flashhopper.h: the C ABI, nothing else.
+
+The library is found through FLASHHOPPER_LIBRARY, else next to this file, else on the loader's
+path. No PyTorch here: this layer speaks pointers, shapes and strides."""
+import ctypes
+import os
+import pathlib
+
+MAX_DIMS = 5
+
+DTYPE_BF16, DTYPE_FP16, DTYPE_FP8_E4M3, DTYPE_FP32, DTYPE_INT32, DTYPE_FP64 = range(6)
+
+STATUS_NAMES = {
+    0: "success",
+    1: "invalid argument",
+    2: "not supported",
+    3: "no device",
+    4: "CUDA error",
+    5: "workspace",
+}
+
+
+class Tensor(ctypes.Structure):
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("dtype", ctypes.c_int32),
+        ("ndim", ctypes.c_int32),
+        ("shape", ctypes.c_int64 * MAX_DIMS),
+        ("stride", ctypes.c_int64 * MAX_DIMS),
+    ]
+
+
+class ForwardParams(ctypes.Structure):
+    _fields_ = [
+        ("q", Tensor), ("k", Tensor), ("v", Tensor), ("out", Tensor), ("lse", Tensor),
+        ("cu_seqlens_q", Tensor), ("cu_seqlens_k", Tensor), ("seqused_q", Tensor), ("seqused_k", Tensor),
+        ("max_seqlen_q", ctypes.c_int32), ("max_seqlen_k", ctypes.c_int32),
+        ("page_table", Tensor), ("cache_seqlens", Tensor), ("k_new", Tensor), ("v_new", Tensor),
+        ("q_descale", Tensor), ("k_descale", Tensor), ("v_descale", Tensor),
+        ("softmax_scale", ctypes.c_float), ("softcap", ctypes.c_float),
+        ("causal", ctypes.c_int32), ("window_left", ctypes.c_int32), ("window_right", ctypes.c_int32),
+        ("num_sink_tokens", ctypes.c_int32), ("num_splits", ctypes.c_int32),
+    ]
+
+
+class FlashHopperError(RuntimeError):
+    """A call the library refused or that failed; `status` names the kind."""
+
+    def __init__(self, status: int, message: str):
+        self.status = STATUS_NAMES.get(status, str(status))
+        super().__init__(f"flashhopper ({self.status}): {message}")
+
+
+def _find_library() -> str:
+    explicit = os.environ.get("FLASHHOPPER_LIBRARY")
+    if explicit:
+        return explicit
+    here = pathlib.Path(__file__).resolve().parent / "libflashhopper.so"
+    return str(here) if here.exists() else "libflashhopper.so"
+
+
+_lib = None
+
+
+def lib() -> ctypes.CDLL:
+    global _lib
+    if _lib is None:
+        handle = ctypes.CDLL(_find_library())
+        handle.fh_forward_params_init.argtypes = [ctypes.POINTER(ForwardParams)]
+        handle.fh_forward_params_init.restype = None
+        handle.fh_forward_workspace_size.argtypes = [ctypes.POINTER(ForwardParams), ctypes.POINTER(ctypes.c_size_t)]
+        handle.fh_forward_workspace_size.restype = ctypes.c_int
+        handle.fh_forward.argtypes = [ctypes.POINTER(ForwardParams), ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        handle.fh_forward.restype = ctypes.c_int
+        handle.fh_last_error.argtypes = []
+        handle.fh_last_error.restype = ctypes.c_char_p
+        handle.fh_built_with_cuda.argtypes = []
+        handle.fh_built_with_cuda.restype = ctypes.c_int32
+        _lib = handle
+    return _lib
+
+
+def check(status: int) -> None:
+    if status != 0:
+        raise FlashHopperError(status, lib().fh_last_error().decode())
+
+
+def make_tensor(data_ptr: int, dtype: int, shape, stride) -> Tensor:
+    t = Tensor()
+    t.data = data_ptr
+    t.dtype = dtype
+    t.ndim = len(shape)
+    for i, (extent, step) in enumerate(zip(shape, stride)):
+        t.shape[i] = extent
+        t.stride[i] = step
+    return t
