@@ -143,13 +143,15 @@ struct ForwardMainloop {
   CUTLASS_DEVICE static int seqlen_q(Params const& params) { return get<0>(params.shape_q); }
   CUTLASS_DEVICE static int seqlen_k(Params const& params) { return get<0>(params.shape_k); }
 
-  // Producer: called by one thread. Loads Q, then K/V blocks from the last (the one that may
-  // need masking) down, interleaved as K[n], V[n+1] in the order the consumers use them.
+  // Producer: called by one thread. Loads K/V blocks from the last (the one that may need
+  // masking) down, interleaved as K[n], V[n+1] in the order the consumers use them, and Q once
+  // its buffer is free (the previous tile's O, which shares it, has been stored).
   CUTLASS_DEVICE static void load(Params const& params, Pipeline& pipeline_k, Pipeline& pipeline_v,
                                   PipelineState& pipe_k_write, PipelineState& pipe_v_write,
-                                  cutlass::arch::ClusterTransactionBarrier& barrier_q_full, Element* smem_q,
-                                  SharedStorageKV& storage, WorkTile const& work, int n_block_min,
-                                  int n_block_max) {
+                                  cutlass::arch::ClusterTransactionBarrier& barrier_q_full,
+                                  cutlass::arch::ClusterBarrier& barrier_q_empty, int& q_empty_phase,
+                                  Element* smem_q, SharedStorageKV& storage, WorkTile const& work,
+                                  int n_block_min, int n_block_max) {
     Tensor sQ = make_tensor(make_smem_ptr(smem_q), SmemLayoutQ{});
     Tensor sK = make_tensor(make_smem_ptr(storage.smem_k.data()), SmemLayoutK{});
     Tensor sVt = make_tensor(make_smem_ptr(storage.smem_v.data()), SmemLayoutVt{});
@@ -173,9 +175,6 @@ struct ForwardMainloop {
     Tensor tVgVt = get<0>(tma_v_parts);
     Tensor tVsVt = get<1>(tma_v_parts);
 
-    barrier_q_full.arrive_and_expect_tx(kTmaBytesQ);
-    copy(params.tma_q.with(reinterpret_cast<uint64_t&>(barrier_q_full)), tQgQ, tQsQ);
-
     auto load_k = [&](int n_block) {
       pipeline_k.producer_acquire(pipe_k_write);
       copy(params.tma_k.with(*pipeline_k.producer_get_barrier(pipe_k_write)), tKgK(_, n_block),
@@ -188,7 +187,12 @@ struct ForwardMainloop {
            tVsVt(_, pipe_v_write.index()));
       ++pipe_v_write;
     };
+    // The first K block goes out while the previous tile's epilogue may still hold Q's buffer.
     load_k(n_block_max - 1);
+    barrier_q_empty.wait(q_empty_phase);
+    q_empty_phase ^= 1;
+    barrier_q_full.arrive_and_expect_tx(kTmaBytesQ);
+    copy(params.tma_q.with(reinterpret_cast<uint64_t&>(barrier_q_full)), tQgQ, tQsQ);
     for (int n_block = n_block_max - 2; n_block >= n_block_min; --n_block) {
       load_k(n_block);
       load_v(n_block + 1);
@@ -259,6 +263,8 @@ struct ForwardMainloop {
       pipeline_k.consumer_wait(pipe_k_read);
       take_turn();
       warpgroup_gemm<true, -1>(tiled_mma_qk, tSrQ, tSrK(_, _, _, pipe_k_read.index()), tSrS);
+      // O shrinks for the previous block's maximum while Q K^T runs, before P V adds to it.
+      scale_rows(o_rowcol, o_scale);
       pipeline_v.consumer_wait(pipe_v_read);
       warpgroup_gemm<false, -1>(tiled_mma_pv, tOrP, tOrVt(_, _, _, pipe_v_read.index()), tOrO);
       pass_turn();
@@ -267,14 +273,14 @@ struct ForwardMainloop {
       ++pipe_k_read;
       if (mask.crosses_boundary(work.m_block, n_block)) mask.apply(scores, coords, work.m_block, n_block);
       softmax.template update</*kFirst=*/false>(scores, o_scale);
-      warpgroup_wait<0>();
+      warpgroup_wait<0>();  // P V done: its A operand (tOrP) may be overwritten
       pipeline_v.consumer_release(pipe_v_read);
       ++pipe_v_read;
-      scale_rows(o_rowcol, o_scale);
       convert_into(tSrS, tOrP);
     }
 
     // Last block: P V only.
+    scale_rows(o_rowcol, o_scale);
     pipeline_v.consumer_wait(pipe_v_read);
     take_turn();
     warpgroup_gemm<false, -1>(tiled_mma_pv, tOrP, tOrVt(_, _, _, pipe_v_read.index()), tOrO);

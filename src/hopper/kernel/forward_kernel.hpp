@@ -96,10 +96,9 @@ struct ForwardKernel {
         int n_block_min, n_block_max;
         block_range(work, n_block_min, n_block_max);
         if (n_block_min >= n_block_max) continue;  // consumers write zeros; nothing to load
-        storage.barrier_q_empty.wait(q_empty_phase);
-        q_empty_phase ^= 1;
         Mainloop::load(params.mainloop, pipeline_k, pipeline_v, pipe_k_write, pipe_v_write, storage.barrier_q_full,
-                       storage.smem_q_or_o.data(), storage.kv, work, n_block_min, n_block_max);
+                       storage.barrier_q_empty, q_empty_phase, storage.smem_q_or_o.data(), storage.kv, work,
+                       n_block_min, n_block_max);
       }
     } else {  // consumers
       cutlass::arch::warpgroup_reg_alloc<kConsumerRegisters>();
