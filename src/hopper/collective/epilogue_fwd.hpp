@@ -86,9 +86,8 @@ struct ForwardEpilogue {
     }
   }
 
-  // O already normalised, in float32 registers. smem_o aliases Q's buffer: every consumer
-  // warpgroup must be done reading Q, hence the first barrier. On return, thread 0 has seen the
-  // TMA store finish reading shared memory, so the buffer may take the next Q.
+  // O already normalised, in float32 registers. The store is left in flight: the next store
+  // waits for it before overwriting sO, and so must anyone who reuses sO (wait_for_store).
   template <int kRows, class TensorO>
   CUTLASS_DEVICE static void store(Params const& params, TensorO const& tOrO, float const (&lse)[kRows],
                                    Element* smem_o, int thread_idx, WorkTile const& work) {
@@ -102,6 +101,9 @@ struct ForwardEpilogue {
     Tensor taccOrO = smem_thr_copy_o.retile_S(tOrO_out);
     Tensor taccOsO = smem_thr_copy_o.partition_D(sO);
 
+    // The previous tile's store has read sO, and (when sO is Q's buffer) every warpgroup is
+    // done reading Q.
+    if (thread_idx == 0) wait_for_store();
     named_barrier_sync(kNumMmaThreads, FwdBarrier::kEpilogue);
     copy(smem_tiled_copy_o, taccOrO, taccOsO);
     cutlass::arch::fence_view_async_shared();  // make the stmatrix writes visible to the TMA unit
@@ -114,9 +116,11 @@ struct ForwardEpilogue {
           tma_partition(params.tma_o, _0{}, Layout<_1>{}, group_modes<0, 2>(sO), group_modes<0, 2>(gO));
       copy(params.tma_o, tOsO, tOgO);
       tma_store_arrive();
-      tma_store_wait<0>();
     }
   }
+
+  // Called by the thread that issued the stores: returns once they have read shared memory.
+  CUTLASS_DEVICE static void wait_for_store() { tma_store_wait<0>(); }
 
   // A tile whose rows see no key: O = 0 and LSE = -inf, by predicated 16-byte stores.
   CUTLASS_DEVICE static void store_empty(Params const& params, int thread_idx, WorkTile const& work) {

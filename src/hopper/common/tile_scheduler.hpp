@@ -1,6 +1,9 @@
 // Persistent tile scheduler: CTAs stride over the output tiles (m_block, head, batch). With
 // causal masking the tiles are handed out longest first (highest m_block first), so that the
-// short diagonal tiles fill the last wave instead of one long tile trailing alone.
+// short diagonal tiles fill the last wave instead of one long tile trailing alone, and in a
+// snake order (odd waves run backwards over the CTAs), so that the CTA that got the longest tile
+// of one wave gets the shortest of the next: a plain stride would give CTA 0 the longest tile of
+// every wave, about 12% more work than the last CTA at 8k tokens.
 #pragma once
 
 #include <cutlass/cutlass.h>
@@ -40,7 +43,11 @@ struct StaticPersistentScheduler {
     work.valid = tile < params.num_tiles;
     int m_block, rest;
     if constexpr (kLongestFirst) {
-      // tile = (m from the last) * (heads * batch) + (batch * heads + head)
+      const int wave = tile / int(gridDim.x);
+      const int wave_start = wave * int(gridDim.x);
+      const int wave_size = min(int(gridDim.x), params.num_tiles - wave_start);  // the last is partial
+      if ((wave & 1) && work.valid) tile = wave_start + wave_size - 1 - (tile - wave_start);
+      // rank = (m from the last) * (heads * batch) + (batch * heads + head)
       const int heads_batch = params.num_tiles / params.num_m_blocks;
       const int m_rank = tile / heads_batch;
       rest = tile - m_rank * heads_batch;

@@ -1,5 +1,6 @@
-// The forward's tunables per head dim, in one table. Shared memory must hold Q (reused for O),
-// kStages K tiles and kStages V tiles: (kBlockM + 2 * kStages * kBlockN) * d * 2 bytes <= 227 KiB.
+// The forward's tunables per head dim, in one table. Shared memory holds Q, kStages K tiles and
+// kStages V tiles, (kBlockM + 2 * kStages * kBlockN) * d * 2 bytes, plus O's kBlockM * d * 2
+// unless O must reuse Q's buffer to fit 227 KiB (the kernel decides: ForwardKernel::kOSharesQBuffer).
 // Registers: each consumer warpgroup owns 64 rows, so O takes d/2 and S kBlockN/2 floats a thread.
 #pragma once
 
@@ -16,8 +17,9 @@ struct ForwardTileSize<64, kCausal> {
   static constexpr int kStages = 2;
 };
 
-// hdim 128: 176 key columns fill shared memory (2 stages, 208 KiB) for non-causal; causal keeps
-// 128 so the diagonal blocks waste less.
+// hdim 128: 176 key columns fill shared memory (2 stages, 208 KiB, O in Q's buffer) for
+// non-causal: 613 TFLOP/s at 16k on the H200 (bench/RESULTS.md). Causal keeps 128, so the diagonal
+// blocks waste less and O gets its own buffer (192 KiB).
 template <bool kCausal>
 struct ForwardTileSize<128, kCausal> {
   static constexpr int kBlockM = 128;
@@ -25,7 +27,8 @@ struct ForwardTileSize<128, kCausal> {
   static constexpr int kStages = 2;
 };
 
-// hdim 256: O alone is 128 registers a thread; 80 key columns keep S small and fit 224 KiB.
+// hdim 256: O alone is 128 registers a thread; 80 key columns keep S small and fit 224 KiB
+// (O in Q's buffer).
 template <bool kCausal>
 struct ForwardTileSize<256, kCausal> {
   static constexpr int kBlockM = 128;

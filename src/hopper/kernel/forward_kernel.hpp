@@ -34,17 +34,37 @@ struct ForwardKernel {
   static_assert(kNumMmaWarpGroups == 2 || kNumMmaWarpGroups == 3);
 
   static_assert(cosize_v<typename Mainloop::SmemLayoutQ> == cosize_v<typename Epilogue::SmemLayoutO>,
-                "O reuses Q's shared memory");
+                "O may reuse Q's shared memory");
+  static constexpr int kTileBytes = cosize_v<typename Mainloop::SmemLayoutQ> * sizeof(Element);
+  static constexpr int kSmemLimit = 227 * 1024;
+  // O gets its own buffer when it fits: then the next tile's Q loads while this tile's O is
+  // stored. Otherwise O takes Q's place once the tile's last Q K^T is done.
+  static constexpr bool kOSharesQBuffer =
+      2 * kTileBytes + int(sizeof(typename Mainloop::SharedStorageKV)) + 1024 > kSmemLimit;
 
-  struct SharedStorage {
-    // O is written once the tile's last Q K^T is done, so it takes Q's place.
-    cute::array_aligned<Element, cosize_v<typename Mainloop::SmemLayoutQ>, 1024> smem_q_or_o;
-    typename Mainloop::SharedStorageKV kv;
-    cutlass::arch::ClusterTransactionBarrier barrier_q_full;
-    cutlass::arch::ClusterBarrier barrier_q_empty;
+  struct Barriers {
+    cutlass::arch::ClusterTransactionBarrier q_full;
+    cutlass::arch::ClusterBarrier q_empty;
     typename Mainloop::Pipeline::SharedStorage pipeline_k;
     typename Mainloop::Pipeline::SharedStorage pipeline_v;
   };
+  struct SharedStorageSeparateO {
+    cute::array_aligned<Element, cosize_v<typename Mainloop::SmemLayoutQ>, 1024> smem_q;
+    cute::array_aligned<Element, cosize_v<typename Epilogue::SmemLayoutO>, 1024> smem_o;
+    typename Mainloop::SharedStorageKV kv;
+    Barriers barriers;
+    CUTLASS_DEVICE Element* q() { return smem_q.data(); }
+    CUTLASS_DEVICE Element* o() { return smem_o.data(); }
+  };
+  struct SharedStorageSharedO {
+    cute::array_aligned<Element, cosize_v<typename Mainloop::SmemLayoutQ>, 1024> smem_q_or_o;
+    typename Mainloop::SharedStorageKV kv;
+    Barriers barriers;
+    CUTLASS_DEVICE Element* q() { return smem_q_or_o.data(); }
+    CUTLASS_DEVICE Element* o() { return smem_q_or_o.data(); }
+  };
+  using SharedStorage = cute::conditional_t<kOSharesQBuffer, SharedStorageSharedO, SharedStorageSeparateO>;
+  static_assert(sizeof(SharedStorage) <= kSmemLimit, "shared memory over the sm_90 limit: shrink the tile");
   static constexpr int kSharedStorageSize = sizeof(SharedStorage);
 
   struct Params {
@@ -60,8 +80,10 @@ struct ForwardKernel {
     if (threadIdx.x == 0) {
       Mainloop::prefetch_tma_descriptors(params.mainloop);
       Epilogue::prefetch_tma_descriptors(params.epilogue);
-      storage.barrier_q_full.init(/*arrive_count=*/1);
-      storage.barrier_q_empty.init(/*arrive_count=*/1);
+      storage.barriers.q_full.init(/*arrive_count=*/1);
+      // Q's buffer is released by the thread that saw O's store leave it, or else by every
+      // consumer thread once its last Q K^T is done.
+      storage.barriers.q_empty.init(kOSharesQBuffer ? 1 : kNumMmaThreads);
     }
 
     using Pipeline = typename Mainloop::Pipeline;
@@ -70,9 +92,9 @@ struct ForwardKernel {
     pipeline_params.is_leader = threadIdx.x == 0;
     pipeline_params.num_consumers = kNumMmaThreads;
     pipeline_params.transaction_bytes = Mainloop::kTmaBytesK;
-    Pipeline pipeline_k(storage.pipeline_k, pipeline_params, Shape<_1, _1, _1>{});
+    Pipeline pipeline_k(storage.barriers.pipeline_k, pipeline_params, Shape<_1, _1, _1>{});
     pipeline_params.transaction_bytes = Mainloop::kTmaBytesV;
-    Pipeline pipeline_v(storage.pipeline_v, pipeline_params, Shape<_1, _1, _1>{});
+    Pipeline pipeline_v(storage.barriers.pipeline_v, pipeline_params, Shape<_1, _1, _1>{});
 
     cutlass::arch::fence_barrier_init();
     __syncthreads();
@@ -96,8 +118,8 @@ struct ForwardKernel {
         int n_block_min, n_block_max;
         block_range(work, n_block_min, n_block_max);
         if (n_block_min >= n_block_max) continue;  // consumers write zeros; nothing to load
-        Mainloop::load(params.mainloop, pipeline_k, pipeline_v, pipe_k_write, pipe_v_write, storage.barrier_q_full,
-                       storage.barrier_q_empty, q_empty_phase, storage.smem_q_or_o.data(), storage.kv, work,
+        Mainloop::load(params.mainloop, pipeline_k, pipeline_v, pipe_k_write, pipe_v_write, storage.barriers.q_full,
+                       storage.barriers.q_empty, q_empty_phase, storage.q(), storage.kv, work,
                        n_block_min, n_block_max);
       }
     } else {  // consumers
@@ -123,16 +145,23 @@ struct ForwardKernel {
         Tensor tOrO = partition_fragment_C(tiled_mma_pv, select<0, 1>(typename Mainloop::TileShapePV{}));
         constexpr int kRows = 2;  // rows of the accumulator a thread holds
         OnlineSoftmax<kRows> softmax(params.mainloop.softmax_scale_log2);
-        Mainloop::mma(params.mainloop, pipeline_k, pipeline_v, pipe_k_read, pipe_v_read, storage.barrier_q_full,
-                      q_full_phase, storage.smem_q_or_o.data(), storage.kv, tOrO, softmax, thread_idx, work,
-                      n_block_min, n_block_max);
+        Mainloop::mma(params.mainloop, pipeline_k, pipeline_v, pipe_k_read, pipe_v_read, storage.barriers.q_full,
+                      q_full_phase, storage.q(), storage.kv, tOrO, softmax, thread_idx, work, n_block_min,
+                      n_block_max);
+        if constexpr (!kOSharesQBuffer) storage.barriers.q_empty.arrive();  // every GEMM has read Q
         float o_scale[kRows], lse[kRows];
         softmax.finalize(params.mainloop.softmax_scale, o_scale, lse);
         Tensor o_rowcol = make_tensor(tOrO.data(), accumulator_rowcol(tOrO.layout()));
         scale_rows(o_rowcol, o_scale);
-        Epilogue::store(params.epilogue, tOrO, lse, storage.smem_q_or_o.data(), thread_idx, work);
-        if (thread_idx == 0) storage.barrier_q_empty.arrive();  // the store has read sO
+        Epilogue::store(params.epilogue, tOrO, lse, storage.o(), thread_idx, work);
+        if constexpr (kOSharesQBuffer) {
+          if (thread_idx == 0) {
+            Epilogue::wait_for_store();
+            storage.barriers.q_empty.arrive();  // the store has read sO, which is Q's buffer
+          }
+        }
       }
+      if (thread_idx == 0) Epilogue::wait_for_store();  // shared memory must outlive the last store
     }
   }
 };
