@@ -4,11 +4,5 @@
 # Usage: scripts/demo.sh [seqlen] [head_dim]
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
-cd "$root"
-./scripts/setup_deps.sh
-generator=()
-command -v ninja >/dev/null && generator=(-G Ninja)
-build="${BUILD_DIR:-build}"
-cmake -S . -B "$build" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release
-cmake --build "$build" -j "$(nproc)" --target flashhopper_demo
-"$build/examples/flashhopper_demo" "$@"
+BUILD_TARGET=flashhopper_demo "$root/scripts/build.sh"
+"$root/${BUILD_DIR:-build}/examples/flashhopper_demo" "$@"

@@ -57,15 +57,17 @@ cudaError_t run_forward_hdim(const ForwardParams& p, const detail::ProblemShape&
       static_cast<float*>(p.lse.data),
       make_stride(_1{}, p.lse.data ? p.lse.stride[1] : 0, p.lse.data ? p.lse.stride[0] : 0)};
 
-  int device = 0, num_sms = 0;
+  int device = 0, num_sms = 0, l2_bytes = 0;
   cudaError_t err = cudaGetDevice(&device);
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, device);
   if (err != cudaSuccess) return err;
 
   const int num_m_blocks = (seqlen_q + Tile::kBlockM - 1) / Tile::kBlockM;
   typename Kernel::Params params{Mainloop::to_underlying_arguments(mainloop_args),
                                  Epilogue::to_underlying_arguments(epilogue_args),
-                                 Scheduler::make_params(num_m_blocks, heads_q, batch)};
+                                 Scheduler::make_params(num_m_blocks, heads_q, batch,
+                                                        int64_t(seqlen_k) * 2 * kHeadDim * sizeof(Element), l2_bytes)};
 
   auto kernel = forward_kernel_entry<Kernel>;
   constexpr int kSmemBytes = Kernel::kSharedStorageSize;

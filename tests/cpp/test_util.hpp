@@ -29,15 +29,9 @@ using reference::round_to_bf16;
 using reference::round_to_fp16;
 
 inline size_t element_bytes(int32_t dtype) {
-  switch (dtype) {
-    case FH_DTYPE_BF16:
-    case FH_DTYPE_FP16: return 2;
-    case FH_DTYPE_FP8_E4M3: return 1;
-    case FH_DTYPE_FP32:
-    case FH_DTYPE_INT32: return 4;
-    case FH_DTYPE_FP64: return 8;
-    default: throw std::invalid_argument("unknown dtype");
-  }
+  const size_t bytes = dtype_size(static_cast<DType>(dtype));
+  if (bytes == 0) throw std::invalid_argument("unknown dtype");
+  return bytes;
 }
 
 inline int64_t element_offset(const Tensor& t, const std::vector<int64_t>& index) {

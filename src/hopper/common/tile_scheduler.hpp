@@ -3,7 +3,10 @@
 // short diagonal tiles fill the last wave instead of one long tile trailing alone, and in a
 // snake order (odd waves run backwards over the CTAs), so that the CTA that got the longest tile
 // of one wave gets the shortest of the next: a plain stride would give CTA 0 the longest tile of
-// every wave, about 12% more work than the last CTA at 8k tokens.
+// every wave, about 12% more work than the last CTA at 8k tokens. Longest-first alone would run
+// 132 different heads at once and their K/V would not fit L2 (ncu: DRAM 78% busy at hdim 128,
+// 2k, causal), so the (batch, head) pairs go in sections whose K/V fit half the L2, and the
+// longest-first order holds within a section.
 #pragma once
 
 #include <cutlass/cutlass.h>
@@ -24,14 +27,20 @@ struct StaticPersistentScheduler {
     int num_m_blocks;
     int num_heads;
     int num_tiles;
+    int num_head_batch;     // heads * batch
+    int heads_per_section;  // (batch, head) pairs whose K/V share the L2 (longest-first only)
     cutlass::FastDivmod m_block_divmod;  // over num_m_blocks
     cutlass::FastDivmod head_divmod;     // over num_heads
   };
 
-  static Params make_params(int num_m_blocks, int num_heads, int num_batch) {
+  // kv_bytes_per_head: one (batch, kv head)'s K and V; l2_bytes: the device's L2 size.
+  static Params make_params(int num_m_blocks, int num_heads, int num_batch, int64_t kv_bytes_per_head,
+                            int64_t l2_bytes) {
     const int num_tiles = num_m_blocks * num_heads * num_batch;
-    return {num_m_blocks, num_heads, num_tiles, cutlass::FastDivmod(num_m_blocks),
-            cutlass::FastDivmod(num_heads)};
+    const int64_t fitting = (l2_bytes / 2) / (kv_bytes_per_head > 0 ? kv_bytes_per_head : 1);
+    const int heads_per_section = int(fitting < 1 ? 1 : (fitting > num_heads * num_batch ? num_heads * num_batch : fitting));
+    return {num_m_blocks, num_heads, num_tiles, num_heads * num_batch, heads_per_section,
+            cutlass::FastDivmod(num_m_blocks), cutlass::FastDivmod(num_heads)};
   }
 
   static int grid_size(Params const& params, int num_sms) {
@@ -47,10 +56,13 @@ struct StaticPersistentScheduler {
       const int wave_start = wave * int(gridDim.x);
       const int wave_size = min(int(gridDim.x), params.num_tiles - wave_start);  // the last is partial
       if ((wave & 1) && work.valid) tile = wave_start + wave_size - 1 - (tile - wave_start);
-      // rank = (m from the last) * (heads * batch) + (batch * heads + head)
-      const int heads_batch = params.num_tiles / params.num_m_blocks;
-      const int m_rank = tile / heads_batch;
-      rest = tile - m_rank * heads_batch;
+      // rank = section * (heads_per_section * num_m_blocks) + (m from the last) * heads_here + pair
+      const int section_tiles = params.heads_per_section * params.num_m_blocks;
+      const int section = tile / section_tiles;
+      const int within = tile - section * section_tiles;
+      const int heads_here = min(params.heads_per_section, params.num_head_batch - section * params.heads_per_section);
+      const int m_rank = within / heads_here;
+      rest = section * params.heads_per_section + (within - m_rank * heads_here);
       m_block = params.num_m_blocks - 1 - m_rank;
     } else {
       // m_block fastest, so the CTAs running together share a head's K and V in L2.
