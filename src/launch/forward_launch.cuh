@@ -67,7 +67,8 @@ cudaError_t run_forward_hdim(const ForwardParams& p, const detail::ProblemShape&
   typename Kernel::Params params{Mainloop::to_underlying_arguments(mainloop_args),
                                  Epilogue::to_underlying_arguments(epilogue_args),
                                  Scheduler::make_params(num_m_blocks, heads_q, batch,
-                                                        int64_t(seqlen_k) * 2 * kHeadDim * sizeof(Element), l2_bytes)};
+                                                        int64_t(seqlen_k) * 2 * kHeadDim * sizeof(Element), l2_bytes,
+                                                        num_sms)};
 
   auto kernel = forward_kernel_entry<Kernel>;
   constexpr int kSmemBytes = Kernel::kSharedStorageSize;

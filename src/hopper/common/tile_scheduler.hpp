@@ -6,8 +6,12 @@
 // every wave, about 12% more work than the last CTA at 8k tokens. Longest-first alone would run
 // 132 different heads at once and their K/V would not fit L2 (ncu: DRAM 78% busy at hdim 128,
 // 2k, causal), so the (batch, head) pairs go in sections whose K/V fit half the L2, and the
-// longest-first order holds within a section.
+// longest-first order holds within a section. A section also spans at least 4 waves of tiles:
+// with fewer, one wave mixes the longest and shortest tiles of a head and the balance is lost
+// (hdim 256, 16k, causal: 0.78 of cuDNN with one-head sections, 1.10 with one global order).
 #pragma once
+
+#include <algorithm>
 
 #include <cutlass/cutlass.h>
 #include <cutlass/fast_math.h>
@@ -35,10 +39,12 @@ struct StaticPersistentScheduler {
 
   // kv_bytes_per_head: one (batch, kv head)'s K and V; l2_bytes: the device's L2 size.
   static Params make_params(int num_m_blocks, int num_heads, int num_batch, int64_t kv_bytes_per_head,
-                            int64_t l2_bytes) {
+                            int64_t l2_bytes, int num_sms) {
     const int num_tiles = num_m_blocks * num_heads * num_batch;
-    const int64_t fitting = (l2_bytes / 2) / (kv_bytes_per_head > 0 ? kv_bytes_per_head : 1);
-    const int heads_per_section = int(fitting < 1 ? 1 : (fitting > num_heads * num_batch ? num_heads * num_batch : fitting));
+    const int64_t fitting_l2 = (l2_bytes / 2) / (kv_bytes_per_head > 0 ? kv_bytes_per_head : 1);
+    const int64_t four_waves = (4 * int64_t(num_sms) + num_m_blocks - 1) / num_m_blocks;
+    const int64_t pairs = std::min<int64_t>(std::max<int64_t>({fitting_l2, four_waves, 1}), num_heads * num_batch);
+    const int heads_per_section = int(pairs);
     return {num_m_blocks, num_heads, num_tiles, num_heads * num_batch, heads_per_section,
             cutlass::FastDivmod(num_m_blocks), cutlass::FastDivmod(num_heads)};
   }
