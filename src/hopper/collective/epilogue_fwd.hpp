@@ -101,8 +101,7 @@ struct ForwardEpilogue {
     Tensor taccOrO = smem_thr_copy_o.retile_S(tOrO_out);
     Tensor taccOsO = smem_thr_copy_o.partition_D(sO);
 
-    // The previous tile's store has read sO, and (when sO is Q's buffer) every warpgroup is
-    // done reading Q.
+    // The previous tile's store has read sO.
     if (thread_idx == 0) wait_for_store();
     named_barrier_sync(kNumMmaThreads, FwdBarrier::kEpilogue);
     copy(smem_tiled_copy_o, taccOrO, taccOsO);
@@ -116,6 +115,32 @@ struct ForwardEpilogue {
           tma_partition(params.tma_o, _0{}, Layout<_1>{}, group_modes<0, 2>(sO), group_modes<0, 2>(gO));
       copy(params.tma_o, tOsO, tOgO);
       tma_store_arrive();
+    }
+  }
+
+  // O straight from registers: each thread writes its column pairs as 4-byte stores, rows past
+  // the sequence end skipped. For when sO does not fit in shared memory.
+  template <int kRows, class TensorO>
+  CUTLASS_DEVICE static void store_direct(Params const& params, TensorO const& tOrO, float const (&lse)[kRows],
+                                          int thread_idx, WorkTile const& work) {
+    write_lse(params, tOrO, lse, thread_idx, work);
+    Tensor tOrO_out = make_tensor_like<Element>(tOrO);
+    convert_into(tOrO, tOrO_out);
+    auto thr_mma = TiledMmaPV{}.get_thread_slice(thread_idx);
+    Tensor tOcO = thr_mma.partition_C(make_identity_tensor(TileShapeO{}));
+    Tensor out = make_tensor(tOrO_out.data(), accumulator_rowcol(tOrO_out.layout()));  // (rows, cols)
+    Tensor coords = make_tensor(tOcO.data(), accumulator_rowcol(tOcO.layout()));
+    Tensor mO = make_tensor(make_gmem_ptr(params.ptr_o), params.shape_o, params.stride_o)(_, _, work.head, work.batch);
+    const int seqlen_q = get<0>(params.shape_o);
+    CUTLASS_PRAGMA_UNROLL
+    for (int m = 0; m < size<0>(out); ++m) {
+      const int row = work.m_block * kBlockM + get<0>(coords(m, 0));
+      if (row >= seqlen_q) continue;
+      CUTLASS_PRAGMA_UNROLL
+      for (int n = 0; n < size<1>(out); n += 2) {  // columns n, n + 1 are adjacent
+        Element pair[2] = {out(m, n), out(m, n + 1)};
+        *reinterpret_cast<uint32_t*>(&mO(row, get<1>(coords(m, n)))) = *reinterpret_cast<uint32_t*>(pair);
+      }
     }
   }
 

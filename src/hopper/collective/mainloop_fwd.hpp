@@ -145,7 +145,7 @@ struct ForwardMainloop {
 
   // Producer: called by one thread. Loads K/V blocks from the last (the one that may need
   // masking) down, interleaved as K[n], V[n+1] in the order the consumers use them, and Q once
-  // its buffer is free (the previous tile's O, which shares it, has been stored).
+  // its buffer is free (every consumer is done with the previous tile's GEMMs).
   CUTLASS_DEVICE static void load(Params const& params, Pipeline& pipeline_k, Pipeline& pipeline_v,
                                   PipelineState& pipe_k_write, PipelineState& pipe_v_write,
                                   cutlass::arch::ClusterTransactionBarrier& barrier_q_full,
@@ -187,7 +187,7 @@ struct ForwardMainloop {
            tVsVt(_, pipe_v_write.index()));
       ++pipe_v_write;
     };
-    // The first K block goes out while the previous tile's epilogue may still hold Q's buffer.
+    // The first K block goes out while the previous tile's last GEMMs may still read Q.
     load_k(n_block_max - 1);
     barrier_q_empty.wait(q_empty_phase);
     q_empty_phase ^= 1;

@@ -1,6 +1,6 @@
 // The forward's tunables per head dim, in one table. Shared memory holds Q, kStages K tiles and
-// kStages V tiles, (kBlockM + 2 * kStages * kBlockN) * d * 2 bytes, plus O's kBlockM * d * 2
-// unless O must reuse Q's buffer to fit 227 KiB (the kernel decides: ForwardKernel::kOSharesQBuffer).
+// kStages V tiles, (kBlockM + 2 * kStages * kBlockN) * d * 2 bytes, plus O's kBlockM * d * 2 where
+// that still fits 227 KiB; otherwise O is stored from registers (ForwardKernel::kOStagedInSmem).
 // Registers: each consumer warpgroup owns 64 rows, so O takes d/2 and S kBlockN/2 floats a thread.
 #pragma once
 
@@ -17,9 +17,9 @@ struct ForwardTileSize<64, kCausal> {
   static constexpr int kStages = 2;
 };
 
-// hdim 128: 176 key columns fill shared memory (2 stages, 208 KiB, O in Q's buffer) for
+// hdim 128: 176 key columns fill shared memory (2 stages, 208 KiB, O from registers) for
 // non-causal: 613 TFLOP/s at 16k on the H200 (bench/RESULTS.md). Causal keeps 128, so the diagonal
-// blocks waste less and O gets its own buffer (192 KiB); 176 measured the same within noise.
+// blocks waste less and O is staged in shared memory (192 KiB); 176 measured the same within noise.
 template <bool kCausal>
 struct ForwardTileSize<128, kCausal> {
   static constexpr int kBlockM = 128;
@@ -28,7 +28,7 @@ struct ForwardTileSize<128, kCausal> {
 };
 
 // hdim 256: O alone is 128 registers a thread; 80 key columns keep S small and fit 224 KiB
-// (O in Q's buffer).
+// (O from registers).
 template <bool kCausal>
 struct ForwardTileSize<256, kCausal> {
   static constexpr int kBlockM = 128;

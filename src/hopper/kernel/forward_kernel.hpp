@@ -33,14 +33,16 @@ struct ForwardKernel {
   static constexpr int kConsumerRegisters = kNumMmaWarpGroups == 2 ? 240 : 160;
   static_assert(kNumMmaWarpGroups == 2 || kNumMmaWarpGroups == 3);
 
-  static_assert(cosize_v<typename Mainloop::SmemLayoutQ> == cosize_v<typename Epilogue::SmemLayoutO>,
-                "O may reuse Q's shared memory");
-  static constexpr int kTileBytes = cosize_v<typename Mainloop::SmemLayoutQ> * sizeof(Element);
   static constexpr int kSmemLimit = 227 * 1024;
-  // O gets its own buffer when it fits: then the next tile's Q loads while this tile's O is
-  // stored. Otherwise O takes Q's place once the tile's last Q K^T is done.
-  static constexpr bool kOSharesQBuffer =
-      2 * kTileBytes + int(sizeof(typename Mainloop::SharedStorageKV)) + 1024 > kSmemLimit;
+  static constexpr int kOBytes = cosize_v<typename Epilogue::SmemLayoutO> * sizeof(Element);
+  static constexpr int kQKVBytes = cosize_v<typename Mainloop::SmemLayoutQ> * sizeof(Element) +
+                                   int(sizeof(typename Mainloop::SharedStorageKV));
+  // O goes registers -> shared memory -> TMA store when its buffer fits beside Q, K and V;
+  // otherwise (hdim 256, hdim 128 with 176 key columns) straight from registers to global memory.
+  // Either way Q's buffer is free once the tile's GEMMs are done, so the next tile's Q loads
+  // during the epilogue. (Reusing Q's buffer for O instead made every tile wait for its store
+  // before the next Q could load.)
+  static constexpr bool kOStagedInSmem = kQKVBytes + kOBytes + 1024 <= kSmemLimit;
 
   struct Barriers {
     cutlass::arch::ClusterTransactionBarrier q_full;
@@ -48,22 +50,18 @@ struct ForwardKernel {
     typename Mainloop::Pipeline::SharedStorage pipeline_k;
     typename Mainloop::Pipeline::SharedStorage pipeline_v;
   };
-  struct SharedStorageSeparateO {
+  struct SharedStorageWithO {
     cute::array_aligned<Element, cosize_v<typename Mainloop::SmemLayoutQ>, 1024> smem_q;
     cute::array_aligned<Element, cosize_v<typename Epilogue::SmemLayoutO>, 1024> smem_o;
     typename Mainloop::SharedStorageKV kv;
     Barriers barriers;
-    CUTLASS_DEVICE Element* q() { return smem_q.data(); }
-    CUTLASS_DEVICE Element* o() { return smem_o.data(); }
   };
-  struct SharedStorageSharedO {
-    cute::array_aligned<Element, cosize_v<typename Mainloop::SmemLayoutQ>, 1024> smem_q_or_o;
+  struct SharedStorageWithoutO {
+    cute::array_aligned<Element, cosize_v<typename Mainloop::SmemLayoutQ>, 1024> smem_q;
     typename Mainloop::SharedStorageKV kv;
     Barriers barriers;
-    CUTLASS_DEVICE Element* q() { return smem_q_or_o.data(); }
-    CUTLASS_DEVICE Element* o() { return smem_q_or_o.data(); }
   };
-  using SharedStorage = cute::conditional_t<kOSharesQBuffer, SharedStorageSharedO, SharedStorageSeparateO>;
+  using SharedStorage = cute::conditional_t<kOStagedInSmem, SharedStorageWithO, SharedStorageWithoutO>;
   static_assert(sizeof(SharedStorage) <= kSmemLimit, "shared memory over the sm_90 limit: shrink the tile");
   static constexpr int kSharedStorageSize = sizeof(SharedStorage);
 
@@ -81,9 +79,7 @@ struct ForwardKernel {
       Mainloop::prefetch_tma_descriptors(params.mainloop);
       Epilogue::prefetch_tma_descriptors(params.epilogue);
       storage.barriers.q_full.init(/*arrive_count=*/1);
-      // Q's buffer is released by the thread that saw O's store leave it, or else by every
-      // consumer thread once its last Q K^T is done.
-      storage.barriers.q_empty.init(kOSharesQBuffer ? 1 : kNumMmaThreads);
+      storage.barriers.q_empty.init(kNumMmaThreads);  // every consumer thread, after its last GEMM
     }
 
     using Pipeline = typename Mainloop::Pipeline;
@@ -119,7 +115,7 @@ struct ForwardKernel {
         block_range(work, n_block_min, n_block_max);
         if (n_block_min >= n_block_max) continue;  // consumers write zeros; nothing to load
         Mainloop::load(params.mainloop, pipeline_k, pipeline_v, pipe_k_write, pipe_v_write, storage.barriers.q_full,
-                       storage.barriers.q_empty, q_empty_phase, storage.q(), storage.kv, work,
+                       storage.barriers.q_empty, q_empty_phase, storage.smem_q.data(), storage.kv, work,
                        n_block_min, n_block_max);
       }
     } else {  // consumers
@@ -146,22 +142,23 @@ struct ForwardKernel {
         constexpr int kRows = 2;  // rows of the accumulator a thread holds
         OnlineSoftmax<kRows> softmax(params.mainloop.softmax_scale_log2);
         Mainloop::mma(params.mainloop, pipeline_k, pipeline_v, pipe_k_read, pipe_v_read, storage.barriers.q_full,
-                      q_full_phase, storage.q(), storage.kv, tOrO, softmax, thread_idx, work, n_block_min,
+                      q_full_phase, storage.smem_q.data(), storage.kv, tOrO, softmax, thread_idx, work, n_block_min,
                       n_block_max);
-        if constexpr (!kOSharesQBuffer) storage.barriers.q_empty.arrive();  // every GEMM has read Q
+        storage.barriers.q_empty.arrive();  // every GEMM of this tile has read Q
         float o_scale[kRows], lse[kRows];
         softmax.finalize(params.mainloop.softmax_scale, o_scale, lse);
         Tensor o_rowcol = make_tensor(tOrO.data(), accumulator_rowcol(tOrO.layout()));
         scale_rows(o_rowcol, o_scale);
-        Epilogue::store(params.epilogue, tOrO, lse, storage.o(), thread_idx, work);
-        if constexpr (kOSharesQBuffer) {
-          if (thread_idx == 0) {
-            Epilogue::wait_for_store();
-            storage.barriers.q_empty.arrive();  // the store has read sO, which is Q's buffer
-          }
+        if constexpr (kOStagedInSmem) {
+          Epilogue::store(params.epilogue, tOrO, lse, storage.smem_o.data(), thread_idx, work);
+        } else {
+          Epilogue::store_direct(params.epilogue, tOrO, lse, thread_idx, work);
         }
       }
-      if (thread_idx == 0) Epilogue::wait_for_store();  // shared memory must outlive the last store
+      // Shared memory must outlive the last TMA store.
+      if constexpr (kOStagedInSmem) {
+        if (thread_idx == 0) Epilogue::wait_for_store();
+      }
     }
   }
 };
