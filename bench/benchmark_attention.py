@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Side-by-side attention speed: FlashHopper vs PyTorch SDPA (cuDNN and FLASH backends), same
 GPU, same run, random bf16 inputs. TFLOP/s with FlashAttention's FLOP counts (forward
-4*B*H*sq*sk*d, halved when causal), median of many timed runs after warm-up. Writes a CSV and a
+4*B*H*sq*sk*d, halved when causal), median of 15 interleaved rounds of 10 back-to-back calls. Writes a CSV and a
 PNG plot and prints a table with the ratio to cuDNN.
 
     PYTHONPATH=python FLASHHOPPER_LIBRARY=build/libflashhopper.so python3 bench/benchmark_attention.py
@@ -23,20 +23,26 @@ def flops(batch, heads, seqlen, head_dim, causal):
     return 4.0 * batch * heads * seqlen * seqlen * head_dim * (0.5 if causal else 1.0)
 
 
-def time_ms(fn, warmup=10, iters=50):
-    """Median of `iters` event-timed calls after `warmup` calls."""
-    for _ in range(warmup):
-        fn()
+def time_all_ms(fns, warmup=10, rounds=15, calls=10):
+    """Median per backend of `rounds` timings, each the mean of `calls` back-to-back calls, after
+    `warmup` calls. Rounds interleave the backends (A, B, C, A, B, C, ...) so that clock and power
+    drift during the run falls on all of them alike; back-to-back calls let each backend's host
+    launch cost overlap its previous call's GPU work, as in a model's forward."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop))
-    return statistics.median(times)
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(calls):
+                fn()
+            stop.record()
+            stop.synchronize()
+            times[name].append(start.elapsed_time(stop) / calls)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def main():
@@ -69,14 +75,17 @@ def main():
                     "cudnn": lambda: _sdpa(SDPBackend.CUDNN_ATTENTION, qt, kt, vt, causal),
                     "flash": lambda: _sdpa(SDPBackend.FLASH_ATTENTION, qt, kt, vt, causal),
                 }
+                runnable = {}
                 for name, fn in candidates.items():
                     try:
-                        ms = time_ms(fn)
-                        result[f"{name}_ms"] = ms
-                        result[f"{name}_tflops"] = fl / ms * 1e-9
+                        fn()
+                        runnable[name] = fn
                     except Exception as error:  # a backend that cannot run this shape
                         result[f"{name}_ms"] = result[f"{name}_tflops"] = float("nan")
                         print(f"  {name} hdim={head_dim} causal={causal} seqlen={seqlen}: {error}".splitlines()[0])
+                for name, ms in time_all_ms(runnable).items():
+                    result[f"{name}_ms"] = ms
+                    result[f"{name}_tflops"] = fl / ms * 1e-9
                 with torch.no_grad():
                     ours = flashhopper.forward(q, k, v, causal=bool(causal)).float()
                     ref = _sdpa(SDPBackend.CUDNN_ATTENTION, qt, kt, vt, causal).transpose(1, 2).float()

@@ -145,7 +145,7 @@ struct ForwardMainloop {
 
   // Producer: called by one thread. Loads K/V blocks from the last (the one that may need
   // masking) down, interleaved as K[n], V[n+1] in the order the consumers use them, and Q once
-  // its buffer is free (every consumer is done with the previous tile's GEMMs).
+  // its buffer is free (every consumer is done with the previous tile's Q K^T).
   CUTLASS_DEVICE static void load(Params const& params, Pipeline& pipeline_k, Pipeline& pipeline_v,
                                   PipelineState& pipe_k_write, PipelineState& pipe_v_write,
                                   cutlass::arch::ClusterTransactionBarrier& barrier_q_full,
@@ -206,7 +206,8 @@ struct ForwardMainloop {
   CUTLASS_DEVICE static void mma(Params const& params, Pipeline& pipeline_k, Pipeline& pipeline_v,
                                  PipelineState& pipe_k_read, PipelineState& pipe_v_read,
                                  cutlass::arch::ClusterTransactionBarrier& barrier_q_full, int& q_full_phase,
-                                 Element* smem_q, SharedStorageKV& storage, TensorO& tOrO, Softmax& softmax,
+                                 cutlass::arch::ClusterBarrier& barrier_q_empty, Element* smem_q,
+                                 SharedStorageKV& storage, TensorO& tOrO, Softmax& softmax,
                                  int thread_idx, WorkTile const& work, int n_block_min, int n_block_max) {
     Tensor sQ = make_tensor(make_smem_ptr(smem_q), SmemLayoutQ{});
     Tensor sK = make_tensor(make_smem_ptr(storage.smem_k.data()), SmemLayoutK{});
@@ -254,6 +255,8 @@ struct ForwardMainloop {
     warpgroup_wait<0>();
     pipeline_k.consumer_release(pipe_k_read);
     ++pipe_k_read;
+    // Q is free once the tile's last Q K^T is done: the next tile's Q loads during the rest.
+    if (n_block == n_block_min) barrier_q_empty.arrive();
     if (mask.crosses_boundary(work.m_block, n_block)) mask.apply(scores, coords, work.m_block, n_block);
     softmax.template update</*kFirst=*/true>(scores, o_scale);
     convert_into(tSrS, tOrP);
@@ -271,6 +274,7 @@ struct ForwardMainloop {
       warpgroup_wait<1>();  // S is ready; P V may still run
       pipeline_k.consumer_release(pipe_k_read);
       ++pipe_k_read;
+      if (n_block == n_block_min) barrier_q_empty.arrive();
       if (mask.crosses_boundary(work.m_block, n_block)) mask.apply(scores, coords, work.m_block, n_block);
       softmax.template update</*kFirst=*/false>(scores, o_scale);
       warpgroup_wait<0>();  // P V done: its A operand (tOrP) may be overwritten

@@ -39,8 +39,8 @@ struct ForwardKernel {
                                    int(sizeof(typename Mainloop::SharedStorageKV));
   // O goes registers -> shared memory -> TMA store when its buffer fits beside Q, K and V;
   // otherwise (hdim 256, hdim 128 with 176 key columns) straight from registers to global memory.
-  // Either way Q's buffer is free once the tile's GEMMs are done, so the next tile's Q loads
-  // during the epilogue. (Reusing Q's buffer for O instead made every tile wait for its store
+  // Either way Q's buffer is free once the tile's last Q K^T is done, so the next tile's Q loads
+  // during the last P V and the epilogue. (Reusing Q's buffer for O instead made every tile wait for its store
   // before the next Q could load.)
   static constexpr bool kOStagedInSmem = kQKVBytes + kOBytes + 1024 <= kSmemLimit;
 
@@ -79,7 +79,7 @@ struct ForwardKernel {
       Mainloop::prefetch_tma_descriptors(params.mainloop);
       Epilogue::prefetch_tma_descriptors(params.epilogue);
       storage.barriers.q_full.init(/*arrive_count=*/1);
-      storage.barriers.q_empty.init(kNumMmaThreads);  // every consumer thread, after its last GEMM
+      storage.barriers.q_empty.init(kNumMmaThreads);  // every consumer thread, after its last Q K^T
     }
 
     using Pipeline = typename Mainloop::Pipeline;
@@ -142,9 +142,8 @@ struct ForwardKernel {
         constexpr int kRows = 2;  // rows of the accumulator a thread holds
         OnlineSoftmax<kRows> softmax(params.mainloop.softmax_scale_log2);
         Mainloop::mma(params.mainloop, pipeline_k, pipeline_v, pipe_k_read, pipe_v_read, storage.barriers.q_full,
-                      q_full_phase, storage.smem_q.data(), storage.kv, tOrO, softmax, thread_idx, work, n_block_min,
-                      n_block_max);
-        storage.barriers.q_empty.arrive();  // every GEMM of this tile has read Q
+                      q_full_phase, storage.barriers.q_empty, storage.smem_q.data(), storage.kv, tOrO, softmax,
+                      thread_idx, work, n_block_min, n_block_max);
         float o_scale[kRows], lse[kRows];
         softmax.finalize(params.mainloop.softmax_scale, o_scale, lse);
         Tensor o_rowcol = make_tensor(tOrO.data(), accumulator_rowcol(tOrO.layout()));
