@@ -160,7 +160,7 @@ Status forward(const ForwardParams& params, void* workspace, size_t workspace_by
 #ifdef FLASHHOPPER_WITH_CUDA
   const detail::ProblemShape shape = detail::forward_shape(params);
   if (const char* reason = launch::forward_unsupported_reason(params, shape)) {
-    return error(FH_ERROR_NOT_SUPPORTED, std::string("forward: not supported yet: ") + reason);
+    return error(FH_ERROR_NOT_SUPPORTED, std::string("forward: ") + reason);
   }
   if (!(status = check_device()).ok()) return status;
   const std::pair<const Tensor*, const char*> pointers[] = {
@@ -188,14 +188,14 @@ Status backward(const BackwardParams& params, void* workspace, size_t workspace_
   (void)stream;
   Status status = check(params);
   if (!status.ok()) return status;
-  return error(FH_ERROR_NOT_SUPPORTED, "backward: not supported yet: the backward kernel is not built yet");
+  return error(FH_ERROR_NOT_SUPPORTED, "backward: the backward pass is not supported yet");
 }
 
 Status combine(const CombineParams& params, fh_stream_t stream) {
   (void)stream;
   Status status = check(params);
   if (!status.ok()) return status;
-  return error(FH_ERROR_NOT_SUPPORTED, "combine: not supported yet: the split-KV combine kernel is not built yet");
+  return error(FH_ERROR_NOT_SUPPORTED, "combine: the split-KV combine is not supported yet");
 }
 
 }  // namespace flashhopper

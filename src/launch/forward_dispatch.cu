@@ -57,20 +57,20 @@ cudaError_t run_dtype(const ForwardParams& p, const detail::ProblemShape& s, boo
 
 const char* forward_unsupported_reason(const ForwardParams& p, const detail::ProblemShape& s) {
   const detail::MaskSpec mask = detail::mask_spec(p.causal, p.window_left, p.window_right, p.num_sink_tokens);
-  if (s.varlen_q || s.varlen_k) return "varlen (cu_seqlens_q/cu_seqlens_k)";
-  if (detail::present(p.seqused_q) || detail::present(p.seqused_k)) return "seqused_q/seqused_k";
-  if (s.paged || s.append_kv) return "paged KV cache / appending k_new, v_new";
-  if (p.q.dtype == FH_DTYPE_FP8_E4M3) return "fp8 e4m3 inputs";
-  if (p.softcap != 0.f) return "softcap";
-  if (mask.is_masked() && !mask.is_causal()) return "local (sliding window) attention";
-  if (p.num_splits > 1) return "split-KV (num_splits > 1)";
-  if (s.head_dim != s.head_dim_v) return "head_dim_v different from head_dim";
+  if (s.varlen_q || s.varlen_k) return "varlen (cu_seqlens_q/cu_seqlens_k) is not supported yet";
+  if (detail::present(p.seqused_q) || detail::present(p.seqused_k)) return "seqused_q/seqused_k are not supported yet";
+  if (s.paged || s.append_kv) return "the paged KV cache and k_new/v_new are not supported yet";
+  if (p.q.dtype == FH_DTYPE_FP8_E4M3) return "fp8 e4m3 inputs are not supported yet";
+  if (p.softcap != 0.f) return "softcap is not supported yet";
+  if (mask.is_masked() && !mask.is_causal()) return "local (sliding window) attention is not supported yet";
+  if (p.num_splits > 1) return "split-KV (num_splits > 1) is not supported yet";
+  if (s.head_dim != s.head_dim_v) return "head_dim_v different from head_dim is not supported yet";
   if (s.head_dim != 64 && s.head_dim != 128 && s.head_dim != 256)
-    return "head dims other than 64, 128 and 256";
+    return "head dims other than 64, 128 and 256 are not supported yet";
   if (!compiled_dtype(static_cast<fh_dtype>(p.q.dtype)))
-    return "this dtype: its kernels were not compiled in this build (FLASHHOPPER_KERNELS=dev?)";
+    return "this dtype's kernels are not in this build (configure with -DFLASHHOPPER_KERNELS=full)";
   if (!compiled_head_dim(s.head_dim))
-    return "this head dim: its kernels were not compiled in this build (FLASHHOPPER_KERNELS=dev?)";
+    return "this head dim's kernels are not in this build (configure with -DFLASHHOPPER_KERNELS=full)";
   return nullptr;
 }
 

@@ -8,8 +8,8 @@
 
 namespace flashhopper::launch {
 
-// Empty when this build can run the forward on `params`, else why not (for the "not supported
-// yet" message). Argument validity is checked before this is asked.
+// Null when this build can run the forward on `params`, else a sentence saying why not.
+// Argument validity is checked before this is asked.
 const char* forward_unsupported_reason(const ForwardParams& params, const detail::ProblemShape& shape);
 
 size_t forward_workspace_size(const ForwardParams& params, const detail::ProblemShape& shape);
