@@ -104,7 +104,9 @@ typedef struct fh_backward_params {
 } fh_backward_params;
 
 /* Merge split-KV partials: out_partial [num_splits, B, Hq, sq, dv] and
- * lse_partial [num_splits, B, Hq, sq] (float32) into out [B, sq, Hq, dv] and lse [B, Hq, sq]. */
+ * lse_partial [num_splits, B, Hq, sq] (float32) into out [B, sq, Hq, dv] and lse [B, Hq, sq].
+ * Varlen (out of rank 3): out_partial [num_splits, Hq, total_q, dv], lse_partial
+ * [num_splits, Hq, total_q] into out [total_q, Hq, dv] and lse [Hq, total_q]. */
 typedef struct fh_combine_params {
   fh_tensor out_partial, lse_partial;
   fh_tensor out, lse;

@@ -751,10 +751,22 @@ Status validate(const CombineParams& p, Target target) {
       {&p.out_partial, "out_partial"}, {&p.lse_partial, "lse_partial"}, {&p.out, "out"}};
   for (const auto& [tensor, name] : required) FLASHHOPPER_RETURN_IF_INVALID(require_present(*tensor, name));
 
-  FLASHHOPPER_RETURN_IF_INVALID(check_rank(p.out_partial, "out_partial", {5, "", "[num_splits, B, Hq, sq, dv]"}));
-  FLASHHOPPER_RETURN_IF_INVALID(check_rank(p.lse_partial, "lse_partial", {4, "", "[num_splits, B, Hq, sq]"}));
-  FLASHHOPPER_RETURN_IF_INVALID(check_rank(p.out, "out", {4, "", "[B, sq, Hq, dv]"}));
-  if (present(p.lse)) FLASHHOPPER_RETURN_IF_INVALID(check_rank(p.lse, "lse", {3, "", "[B, Hq, sq]"}));
+  // Dense: out [B, sq, Hq, dv]. Varlen (out of rank 3): out [total_q, Hq, dv], and the partials
+  // drop the batch dim: out_partial [num_splits, Hq, total_q, dv], lse_partial
+  // [num_splits, Hq, total_q], lse [Hq, total_q].
+  const bool varlen = p.out.ndim == 3;
+  if (varlen) {
+    const std::string mode = "varlen (out of rank 3)";
+    FLASHHOPPER_RETURN_IF_INVALID(
+        check_rank(p.out_partial, "out_partial", {4, mode, "[num_splits, Hq, total_q, dv]"}));
+    FLASHHOPPER_RETURN_IF_INVALID(check_rank(p.lse_partial, "lse_partial", {3, mode, "[num_splits, Hq, total_q]"}));
+    if (present(p.lse)) FLASHHOPPER_RETURN_IF_INVALID(check_rank(p.lse, "lse", {2, mode, "[Hq, total_q]"}));
+  } else {
+    FLASHHOPPER_RETURN_IF_INVALID(check_rank(p.out, "out", {4, "", "[B, sq, Hq, dv] (or varlen [total_q, Hq, dv])"}));
+    FLASHHOPPER_RETURN_IF_INVALID(check_rank(p.out_partial, "out_partial", {5, "", "[num_splits, B, Hq, sq, dv]"}));
+    FLASHHOPPER_RETURN_IF_INVALID(check_rank(p.lse_partial, "lse_partial", {4, "", "[num_splits, B, Hq, sq]"}));
+    if (present(p.lse)) FLASHHOPPER_RETURN_IF_INVALID(check_rank(p.lse, "lse", {3, "", "[B, Hq, sq]"}));
+  }
 
   const bool host = target == Target::kHostReference;
   FLASHHOPPER_RETURN_IF_INVALID(check_dtype(p.out_partial, "out_partial", {FH_DTYPE_FP32}));
@@ -776,16 +788,23 @@ Status validate(const CombineParams& p, Target target) {
   };
   FLASHHOPPER_RETURN_IF_INVALID(check_tensors_extents(tensors, target));
 
-  // Everything is measured against out_partial [num_splits, B, Hq, sq, dv].
+  // Everything is measured against out_partial [num_splits, B, Hq, sq, dv] (varlen: no B).
   const int64_t* dims = p.out_partial.shape;
+  const int d = varlen ? -1 : 0;  // varlen shifts every dim after num_splits down by one
   const Extent splits{dims[0], "number of splits", "out_partial"};
-  const Extent batch{dims[1], "batch size", "out_partial"};
-  const Extent heads{dims[2], "number of query heads", "out_partial"};
-  const Extent seqlen{dims[3], "query sequence length", "out_partial"};
-  const Extent head_dim_v{dims[4], "value head dim", "out_partial"};
-  FLASHHOPPER_RETURN_IF_INVALID(check_shape(p.lse_partial, "lse_partial", {splits, batch, heads, seqlen}));
-  FLASHHOPPER_RETURN_IF_INVALID(check_shape(p.out, "out", {batch, seqlen, heads, head_dim_v}));
-  if (present(p.lse)) FLASHHOPPER_RETURN_IF_INVALID(check_shape(p.lse, "lse", {batch, heads, seqlen}));
+  const Extent batch{varlen ? -1 : dims[1], "batch size", "out_partial"};
+  const Extent heads{dims[2 + d], "number of query heads", "out_partial"};
+  const Extent seqlen{dims[3 + d], varlen ? "total query tokens" : "query sequence length", "out_partial"};
+  const Extent head_dim_v{dims[4 + d], "value head dim", "out_partial"};
+  if (varlen) {
+    FLASHHOPPER_RETURN_IF_INVALID(check_shape(p.lse_partial, "lse_partial", {splits, heads, seqlen}));
+    FLASHHOPPER_RETURN_IF_INVALID(check_shape(p.out, "out", {seqlen, heads, head_dim_v}));
+    if (present(p.lse)) FLASHHOPPER_RETURN_IF_INVALID(check_shape(p.lse, "lse", {heads, seqlen}));
+  } else {
+    FLASHHOPPER_RETURN_IF_INVALID(check_shape(p.lse_partial, "lse_partial", {splits, batch, heads, seqlen}));
+    FLASHHOPPER_RETURN_IF_INVALID(check_shape(p.out, "out", {batch, seqlen, heads, head_dim_v}));
+    if (present(p.lse)) FLASHHOPPER_RETURN_IF_INVALID(check_shape(p.lse, "lse", {batch, heads, seqlen}));
+  }
   if (dims[0] > kMaxSplits) {
     return invalid("out_partial", "shape[0] (number of splits) is ", dims[0], "; must be in [1, ", kMaxSplits, "]");
   }

@@ -1000,6 +1000,23 @@ TEST(Combine, Ranks) {
   EXPECT_REFUSED(fh::check(p), "lse", "3-d");
 }
 
+// Varlen (out of rank 3): the partials drop the batch dim, as the CPU reference writes them.
+TEST(Combine, VarlenLayout) {
+  constexpr int64_t kTotalQ = 37;
+  fh::CombineParams p{};
+  p.out_partial = fh::make_tensor(fake_pointer(0), FH_DTYPE_FP32, {kSplits, kHeadsQ, kTotalQ, kDimV});
+  p.lse_partial = fh::make_tensor(fake_pointer(1), FH_DTYPE_FP32, {kSplits, kHeadsQ, kTotalQ});
+  p.out = fh::make_tensor(fake_pointer(2), FH_DTYPE_BF16, {kTotalQ, kHeadsQ, kDimV});
+  p.lse = fh::make_tensor(fake_pointer(3), FH_DTYPE_FP32, {kHeadsQ, kTotalQ});
+  EXPECT_TRUE(fh::check(p).ok()) << fh::check(p).message;
+  fh::CombineParams bad = p;
+  bad.out_partial = fh::make_tensor(fake_pointer(0), FH_DTYPE_FP32, {kSplits, 1, kHeadsQ, kTotalQ, kDimV});
+  EXPECT_REFUSED(fh::check(bad), "out_partial", "4-d");
+  bad = p;
+  bad.lse = fh::make_tensor(fake_pointer(3), FH_DTYPE_FP32, {kHeadsQ, kTotalQ + 1});
+  EXPECT_REFUSED(fh::check(bad), "lse", "total query tokens");
+}
+
 TEST(Combine, PartialsAreFloat32) {
   fh::CombineParams p = combine_call();
   p.out_partial.dtype = FH_DTYPE_BF16;

@@ -18,8 +18,9 @@ struct ForwardTileSize<64, kCausal> {
 };
 
 // hdim 128: 176 key columns fill shared memory (2 stages, 208 KiB, O from registers) for
-// non-causal: 613 TFLOP/s at 16k on the H200 (bench/RESULTS.md). Causal keeps 128, so the diagonal
-// blocks waste less and O is staged in shared memory (192 KiB); 176 measured the same within noise.
+// non-causal: 690 TFLOP/s at 16k on the H200; 128 and 144 measured slower (bench/RESULTS.md).
+// Causal keeps 128, so the diagonal blocks waste less and O is staged in shared memory
+// (192 KiB); 176 measured the same within noise.
 template <bool kCausal>
 struct ForwardTileSize<128, kCausal> {
   static constexpr int kBlockM = 128;

@@ -40,8 +40,8 @@ struct ForwardKernel {
   // O goes registers -> shared memory -> TMA store when its buffer fits beside Q, K and V;
   // otherwise (hdim 256, hdim 128 with 176 key columns) straight from registers to global memory.
   // Either way Q's buffer is free once the tile's last Q K^T is done, so the next tile's Q loads
-  // during the last P V and the epilogue. (Reusing Q's buffer for O instead made every tile wait for its store
-  // before the next Q could load.)
+  // during the last P V and the epilogue. (Reusing Q's buffer for O instead made every tile wait
+  // for its store before the next Q could load.)
   static constexpr bool kOStagedInSmem = kQKVBytes + kOBytes + 1024 <= kSmemLimit;
 
   struct Barriers {
