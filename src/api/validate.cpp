@@ -788,19 +788,22 @@ Status validate(const CombineParams& p, Target target) {
   };
   FLASHHOPPER_RETURN_IF_INVALID(check_tensors_extents(tensors, target));
 
-  // Everything is measured against out_partial [num_splits, B, Hq, sq, dv] (varlen: no B).
+  // Everything is measured against out_partial: [num_splits, B, Hq, sq, dv], or
+  // [num_splits, Hq, total_q, dv] when varlen.
   const int64_t* dims = p.out_partial.shape;
-  const int d = varlen ? -1 : 0;  // varlen shifts every dim after num_splits down by one
   const Extent splits{dims[0], "number of splits", "out_partial"};
-  const Extent batch{varlen ? -1 : dims[1], "batch size", "out_partial"};
-  const Extent heads{dims[2 + d], "number of query heads", "out_partial"};
-  const Extent seqlen{dims[3 + d], varlen ? "total query tokens" : "query sequence length", "out_partial"};
-  const Extent head_dim_v{dims[4 + d], "value head dim", "out_partial"};
   if (varlen) {
-    FLASHHOPPER_RETURN_IF_INVALID(check_shape(p.lse_partial, "lse_partial", {splits, heads, seqlen}));
-    FLASHHOPPER_RETURN_IF_INVALID(check_shape(p.out, "out", {seqlen, heads, head_dim_v}));
-    if (present(p.lse)) FLASHHOPPER_RETURN_IF_INVALID(check_shape(p.lse, "lse", {heads, seqlen}));
+    const Extent heads{dims[1], "number of query heads", "out_partial"};
+    const Extent tokens{dims[2], "total query tokens", "out_partial"};
+    const Extent head_dim_v{dims[3], "value head dim", "out_partial"};
+    FLASHHOPPER_RETURN_IF_INVALID(check_shape(p.lse_partial, "lse_partial", {splits, heads, tokens}));
+    FLASHHOPPER_RETURN_IF_INVALID(check_shape(p.out, "out", {tokens, heads, head_dim_v}));
+    if (present(p.lse)) FLASHHOPPER_RETURN_IF_INVALID(check_shape(p.lse, "lse", {heads, tokens}));
   } else {
+    const Extent batch{dims[1], "batch size", "out_partial"};
+    const Extent heads{dims[2], "number of query heads", "out_partial"};
+    const Extent seqlen{dims[3], "query sequence length", "out_partial"};
+    const Extent head_dim_v{dims[4], "value head dim", "out_partial"};
     FLASHHOPPER_RETURN_IF_INVALID(check_shape(p.lse_partial, "lse_partial", {splits, batch, heads, seqlen}));
     FLASHHOPPER_RETURN_IF_INVALID(check_shape(p.out, "out", {batch, seqlen, heads, head_dim_v}));
     if (present(p.lse)) FLASHHOPPER_RETURN_IF_INVALID(check_shape(p.lse, "lse", {batch, heads, seqlen}));
