@@ -1,14 +1,27 @@
 #!/usr/bin/env python3
 """Side-by-side attention speed: FlashHopper vs PyTorch SDPA (cuDNN and FLASH backends), same
-GPU, same run, random bf16 inputs. TFLOP/s with FlashAttention's FLOP counts (forward
-4*B*H*sq*sk*d, halved when causal), median of 15 interleaved rounds of 10 back-to-back calls. Writes a CSV and a
-PNG plot and prints a table with the ratio to cuDNN.
+GPU, same run, random bf16 inputs, forward and backward. TFLOP/s with FlashAttention's FLOP counts
+(forward 4*B*H*sq*sk*d, halved when causal; backward 2.5 times the forward's). Each number is the
+median of interleaved rounds of back-to-back calls: 15 rounds of 10 calls for the forward, 10 rounds
+of 5 calls for the backward (--rounds/--calls, --bwd-rounds/--bwd-calls). Writes a CSV and a PNG
+plot per pass (bench_forward.*, bench_backward.*) and prints a table per pass with the ratio to
+cuDNN.
+
+The backward is timed alone. FlashHopper: flashhopper.backward on out and lse computed once by
+flashhopper.forward(..., return_lse=True). SDPA: the forward runs once with requires_grad under the
+backend's context, then each call is torch.autograd.grad(out, (q, k, v), dout, retain_graph=True),
+which runs that backend's backward kernel(s) only. dout is laid out like each backend's out. A
+backend that cannot run a shape (or FlashHopper's backward while the library says it is not
+supported) is recorded as unavailable: NaN in the CSV, '-' in the table, no bar in the plot.
+max_diff_vs_cudnn is the largest absolute difference from cuDNN's out (forward) or dq/dk/dv
+(backward).
 
     PYTHONPATH=python FLASHHOPPER_LIBRARY=build/libflashhopper.so python3 bench/benchmark_attention.py
 """
 import argparse
 import csv
 import datetime
+import math
 import os
 import statistics
 
@@ -17,6 +30,11 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashhopper
+
+BACKENDS = ("flashhopper", "cudnn", "flash")
+FIELDS = ["date", "gpu", "pass", "hdim", "causal", "seqlen", "batch", "heads",
+          *(f"{name}_{unit}" for name in BACKENDS for unit in ("ms", "tflops")), "max_diff_vs_cudnn"]
+PASS_NAMES = {"fwd": "forward", "bwd": "backward"}
 
 
 def flops(batch, heads, seqlen, head_dim, causal):
@@ -47,68 +65,143 @@ def time_all_ms(fns, warmup=10, rounds=15, calls=10):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--passes", nargs="+", choices=["fwd", "bwd"], default=["fwd", "bwd"])
     parser.add_argument("--hdims", type=int, nargs="+", default=[64, 128, 256])
     parser.add_argument("--seqlens", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
     parser.add_argument("--causal", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--total-tokens", type=int, default=16384)
     parser.add_argument("--model-dim", type=int, default=2048)
+    parser.add_argument("--rounds", type=int, default=15, help="forward: interleaved rounds")
+    parser.add_argument("--calls", type=int, default=10, help="forward: back-to-back calls per round")
+    parser.add_argument("--bwd-rounds", type=int, default=10, help="backward: interleaved rounds")
+    parser.add_argument("--bwd-calls", type=int, default=5, help="backward: back-to-back calls per round")
     parser.add_argument("--out", default="bench")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     gpu = torch.cuda.get_device_name()
     date = datetime.date.today().isoformat()
+    timing = {"fwd": dict(warmup=10, rounds=args.rounds, calls=args.calls),
+              "bwd": dict(warmup=3, rounds=args.bwd_rounds, calls=args.bwd_calls)}
     torch.manual_seed(0)
 
-    rows = []
-    for head_dim in args.hdims:
-        for causal in args.causal:
-            for seqlen in args.seqlens:
-                batch, heads = args.total_tokens // seqlen, args.model_dim // head_dim
-                q, k, v = (torch.randn(batch, seqlen, heads, head_dim, device="cuda", dtype=torch.bfloat16)
-                           for _ in range(3))
-                qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))  # SDPA wants [B, H, S, D]
-                fl = flops(batch, heads, seqlen, head_dim, causal)
-                result = {"date": date, "gpu": gpu, "pass": "fwd", "hdim": head_dim, "causal": causal,
-                          "seqlen": seqlen, "batch": batch, "heads": heads}
-                candidates = {
-                    "flashhopper": lambda: flashhopper.forward(q, k, v, causal=bool(causal)),
-                    "cudnn": lambda: _sdpa(SDPBackend.CUDNN_ATTENTION, qt, kt, vt, causal),
-                    "flash": lambda: _sdpa(SDPBackend.FLASH_ATTENTION, qt, kt, vt, causal),
-                }
-                runnable = {}
-                for name, fn in candidates.items():
-                    try:
-                        fn()
-                        runnable[name] = fn
-                    except Exception as error:  # a backend that cannot run this shape
-                        result[f"{name}_ms"] = result[f"{name}_tflops"] = float("nan")
-                        print(f"  {name} hdim={head_dim} causal={causal} seqlen={seqlen}: {error}".splitlines()[0])
-                for name, ms in time_all_ms(runnable).items():
-                    result[f"{name}_ms"] = ms
-                    result[f"{name}_tflops"] = fl / ms * 1e-9
-                with torch.no_grad():
-                    ours = flashhopper.forward(q, k, v, causal=bool(causal)).float()
-                    ref = _sdpa(SDPBackend.CUDNN_ATTENTION, qt, kt, vt, causal).transpose(1, 2).float()
-                    result["max_diff_vs_cudnn"] = (ours - ref).abs().max().item()
-                rows.append(result)
-                print(f"hdim {head_dim:3d} causal {causal} seqlen {seqlen:5d}: "
-                      f"flashhopper {result['flashhopper_tflops']:6.1f}  cudnn {result['cudnn_tflops']:6.1f}  "
-                      f"flash {result['flash_tflops']:6.1f} TFLOP/s  "
-                      f"ratio {result['flashhopper_tflops'] / result['cudnn_tflops']:.2f}", flush=True)
+    tables = []
+    for pass_ in dict.fromkeys(args.passes):  # in the order given, each once
+        name = PASS_NAMES[pass_]
+        csv_path = os.path.join(args.out, f"bench_{name}.csv")
+        rows, reported = [], set()
+        for head_dim in args.hdims:
+            for causal in args.causal:
+                for seqlen in args.seqlens:
+                    batch, heads = args.total_tokens // seqlen, args.model_dim // head_dim
+                    row = {"date": date, "gpu": gpu, "pass": pass_, "hdim": head_dim, "causal": causal,
+                           "seqlen": seqlen, "batch": batch, "heads": heads}
+                    measure = _forward_row if pass_ == "fwd" else _backward_row
+                    measure(row, batch, seqlen, heads, head_dim, causal, timing[pass_], reported)
+                    rows.append(row)
+                    print(f"{pass_} hdim {head_dim:3d} causal {causal} seqlen {seqlen:5d}: "
+                          f"flashhopper {_fmt(row['flashhopper_tflops'], '6.1f')}  "
+                          f"cudnn {_fmt(row['cudnn_tflops'], '6.1f')}  flash {_fmt(row['flash_tflops'], '6.1f')} "
+                          f"TFLOP/s  ratio {_fmt(_ratio(row), '.2f')}", flush=True)
+                    _write_csv(rows, csv_path)  # after every row, so a run cut short keeps what it measured
+        _plot(rows, os.path.join(args.out, f"bench_{name}.png"), gpu, date, name)
+        tables.append((name, rows, csv_path))
 
-    csv_path = os.path.join(args.out, "bench_forward.csv")
-    with open(csv_path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
+    for name, rows, csv_path in tables:
+        print(f"\n{gpu}, {date}, {name} TFLOP/s (ratio = flashhopper / cudnn; '-': not available)")
+        print("| hdim | causal | seqlen | flashhopper | cudnn | flash | ratio |")
+        print("|---|---|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['hdim']} | {r['causal']} | {r['seqlen']} | {_fmt(r['flashhopper_tflops'], '.0f')} | "
+                  f"{_fmt(r['cudnn_tflops'], '.0f')} | {_fmt(r['flash_tflops'], '.0f')} | {_fmt(_ratio(r), '.2f')} |")
+        print(f"wrote {csv_path}")
+
+
+def _inputs(batch, seqlen, heads, head_dim):
+    q, k, v = (torch.randn(batch, seqlen, heads, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    return q, k, v
+
+
+def _forward_row(row, batch, seqlen, heads, head_dim, causal, timing, reported):
+    q, k, v = _inputs(batch, seqlen, heads, head_dim)
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))  # SDPA wants [B, H, S, D]
+    setups = {
+        "flashhopper": lambda: lambda: flashhopper.forward(q, k, v, causal=bool(causal)),
+        "cudnn": lambda: lambda: _sdpa(SDPBackend.CUDNN_ATTENTION, qt, kt, vt, causal),
+        "flash": lambda: lambda: _sdpa(SDPBackend.FLASH_ATTENTION, qt, kt, vt, causal),
+    }
+    fns = _time_row(row, setups, flops(batch, heads, seqlen, head_dim, causal), timing, reported)
+    row["max_diff_vs_cudnn"] = float("nan")
+    if "flashhopper" in fns and "cudnn" in fns:
+        with torch.no_grad():
+            ours = fns["flashhopper"]().float()
+            ref = fns["cudnn"]().transpose(1, 2).float()
+            row["max_diff_vs_cudnn"] = (ours - ref).abs().max().item()
+
+
+def _backward_row(row, batch, seqlen, heads, head_dim, causal, timing, reported):
+    q, k, v = _inputs(batch, seqlen, heads, head_dim)
+    dout = torch.randn_like(q)
+
+    def flashhopper_setup():
+        out, lse = flashhopper.forward(q, k, v, causal=bool(causal), return_lse=True)
+        return lambda: flashhopper.backward(dout, q, k, v, out, lse, causal=bool(causal))
+
+    def sdpa_setup(backend):
+        leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+        qt, kt, vt = (x.transpose(1, 2) for x in leaves)  # SDPA wants [B, H, S, D]; grads are taken here
+        with sdpa_kernel(backend):
+            out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=bool(causal))
+        dout_t = torch.empty_like(out).copy_(dout.transpose(1, 2))  # same strides as this backend's out
+        # grads come back [B, H, S, D]; transposed to [B, S, H, D] (a view) to compare with ours
+        return lambda: [g.transpose(1, 2) for g in
+                        torch.autograd.grad(out, (qt, kt, vt), dout_t, retain_graph=True)]
+
+    setups = {
+        "flashhopper": flashhopper_setup,
+        "cudnn": lambda: sdpa_setup(SDPBackend.CUDNN_ATTENTION),
+        "flash": lambda: sdpa_setup(SDPBackend.FLASH_ATTENTION),
+    }
+    fns = _time_row(row, setups, 2.5 * flops(batch, heads, seqlen, head_dim, causal), timing, reported)
+    row["max_diff_vs_cudnn"] = float("nan")
+    if "flashhopper" in fns and "cudnn" in fns:
+        ours, ref = fns["flashhopper"](), fns["cudnn"]()
+        row["max_diff_vs_cudnn"] = max((a.float() - b.float()).abs().max().item() for a, b in zip(ours, ref))
+
+
+def _time_row(row, setups, fl, timing, reported):
+    """Sets up and tries each backend once; times the ones that ran. Returns them by name."""
+    runnable = {}
+    for name, setup in setups.items():
+        try:
+            fn = setup()
+            fn()
+            runnable[name] = fn
+        except Exception as error:  # a backend that cannot run this shape, or a pass not built yet
+            row[f"{name}_ms"] = row[f"{name}_tflops"] = float("nan")
+            message = str(error).splitlines()[0] if str(error) else type(error).__name__
+            if (name, message) not in reported:  # each distinct refusal once per pass
+                reported.add((name, message))
+                print(f"  {name} {row['pass']} hdim={row['hdim']} causal={row['causal']} seqlen={row['seqlen']} "
+                      f"unavailable: {message}", flush=True)
+    for name, ms in time_all_ms(runnable, **timing).items():
+        row[f"{name}_ms"] = ms
+        row[f"{name}_tflops"] = fl / ms * 1e-9
+    return runnable
+
+
+def _ratio(row):
+    return row["flashhopper_tflops"] / row["cudnn_tflops"]
+
+
+def _fmt(value, spec):
+    return format("-", ">" + spec.split(".")[0]) if math.isnan(value) else format(value, spec)
+
+
+def _write_csv(rows, path):
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=FIELDS)
         writer.writeheader()
         writer.writerows(rows)
-    _plot(rows, os.path.join(args.out, "bench_forward.png"), gpu, date)
-    print(f"\n{gpu}, {date}, forward TFLOP/s (ratio = flashhopper / cudnn)")
-    print("| hdim | causal | seqlen | flashhopper | cudnn | flash | ratio |")
-    print("|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['hdim']} | {r['causal']} | {r['seqlen']} | {r['flashhopper_tflops']:.0f} | "
-              f"{r['cudnn_tflops']:.0f} | {r['flash_tflops']:.0f} | {r['flashhopper_tflops'] / r['cudnn_tflops']:.2f} |")
-    print(f"wrote {csv_path}")
 
 
 def _sdpa(backend, q, k, v, causal):
@@ -116,7 +209,7 @@ def _sdpa(backend, q, k, v, causal):
         return F.scaled_dot_product_attention(q, k, v, is_causal=bool(causal))
 
 
-def _plot(rows, path, gpu, date):
+def _plot(rows, path, gpu, date, pass_name):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -133,15 +226,19 @@ def _plot(rows, path, gpu, date):
             for n, (name, color) in enumerate((("flashhopper", "tab:red"), ("cudnn", "tab:green"),
                                                ("flash", "tab:blue"))):
                 xs = [x + (n - 1) * width for x in range(len(sel))]
-                ax.bar(xs, [r[f"{name}_tflops"] for r in sel], width, label=name, color=color)
+                heights = [r[f"{name}_tflops"] for r in sel]
+                missing = all(math.isnan(h) for h in heights)
+                ax.bar(xs, [0.0 if math.isnan(h) else h for h in heights], width,
+                       label=f"{name} (n/a)" if missing else name, color=color)
             ax.set_xticks(range(len(sel)), labels)
-            ax.set_title(f"forward, hdim {hdim}, {'causal' if causal else 'non-causal'}")
+            ax.set_title(f"{pass_name}, hdim {hdim}, {'causal' if causal else 'non-causal'}")
             ax.set_xlabel("sequence length (16k tokens total)")
             ax.set_ylabel("TFLOP/s")
             ax.legend(fontsize=8)
-    fig.suptitle(f"FlashHopper vs PyTorch SDPA, bf16, {gpu}, {date}")
+    fig.suptitle(f"FlashHopper vs PyTorch SDPA, {pass_name}, bf16, {gpu}, {date}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-# Which kernel instantiations this build compiles. The same FLASHHOPPER_FWD_* definitions reach
+# Which kernel instantiations this build compiles. The same FLASHHOPPER_BUILT_* definitions reach
 # the dispatch (src/launch/forward_dispatch.cu), so a call for a family that was left out is
 # refused as "not supported by this build" rather than failing to link.
 if(FLASHHOPPER_KERNELS STREQUAL "full")
@@ -11,24 +11,27 @@ else()
   message(FATAL_ERROR "FLASHHOPPER_KERNELS must be dev or full, not '${FLASHHOPPER_KERNELS}'")
 endif()
 
-set(FLASHHOPPER_KERNEL_SOURCES ${PROJECT_SOURCE_DIR}/src/launch/forward_dispatch.cu)
+set(FLASHHOPPER_KERNEL_SOURCES ${PROJECT_SOURCE_DIR}/src/launch/forward_dispatch.cu
+    ${PROJECT_SOURCE_DIR}/src/launch/backward_dispatch.cu)
 set(FLASHHOPPER_KERNEL_DEFINES "")
 foreach(_dtype bf16 fp16)
   string(TOUPPER ${_dtype} _DTYPE)
   if(_dtype IN_LIST _fwd_dtypes)
-    list(APPEND FLASHHOPPER_KERNEL_DEFINES FLASHHOPPER_FWD_${_DTYPE}=1)
+    list(APPEND FLASHHOPPER_KERNEL_DEFINES FLASHHOPPER_BUILT_${_DTYPE}=1)
   endif()
 endforeach()
 foreach(_hdim 64 128 256)
   if(_hdim IN_LIST _fwd_head_dims)
-    list(APPEND FLASHHOPPER_KERNEL_DEFINES FLASHHOPPER_FWD_HDIM${_hdim}=1)
+    list(APPEND FLASHHOPPER_KERNEL_DEFINES FLASHHOPPER_BUILT_HDIM${_hdim}=1)
   endif()
 endforeach()
 foreach(_dtype IN LISTS _fwd_dtypes)
   foreach(_hdim IN LISTS _fwd_head_dims)
-    foreach(_mask causal full)
-      list(APPEND FLASHHOPPER_KERNEL_SOURCES
-           ${PROJECT_SOURCE_DIR}/src/hopper/instantiations/fwd_${_dtype}_hdim${_hdim}_${_mask}.cu)
+    foreach(_pass fwd bwd)
+      foreach(_mask causal full)
+        list(APPEND FLASHHOPPER_KERNEL_SOURCES
+             ${PROJECT_SOURCE_DIR}/src/hopper/instantiations/${_pass}_${_dtype}_hdim${_hdim}_${_mask}.cu)
+      endforeach()
     endforeach()
   endforeach()
 endforeach()

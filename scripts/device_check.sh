@@ -20,6 +20,10 @@ for step in "${steps[@]}"; do
       rc=$?
       grep -E "FAILED|Failure|error|PASSED|SKIPPED" "$out/gpu_tests.log" | head -40
       summary+=("gpu tests: rc=$rc, $(grep -E '^\[  PASSED  \]|^\[  FAILED  \]' "$out/gpu_tests.log" | tr '\n' ' ')")
+      timeout 420 "$build/tests/cpp/test_backward_gpu" --gtest_brief=1 >"$out/gpu_tests_backward.log" 2>&1
+      rc=$?
+      grep -E "FAILED|Failure|error|PASSED|SKIPPED|spread" "$out/gpu_tests_backward.log" | head -40
+      summary+=("gpu backward tests: rc=$rc, $(grep -E '^\[  PASSED  \]|^\[  FAILED  \]' "$out/gpu_tests_backward.log" | tr '\n' ' ')")
       ;;
     sanitize)
       small='Grid/ForwardGpuTest.MatchesReference/*_b1_sq113_sk200_h4_hkv2:Grid/ForwardGpuTest.MatchesReference/*_b3_sq128_sk128_h2_hkv2'
@@ -30,6 +34,15 @@ for step in "${steps[@]}"; do
         tail -3 "$out/sanitizer_$tool.log"
         summary+=("compute-sanitizer $tool: rc=$rc, $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/sanitizer_$tool.log" | tail -1)")
       done
+      # One small case per head dim (several key and query blocks, GQA, causal).
+      small_bwd='Grid/BackwardGpuTest.MatchesReference/bf16_d*_causal_b1_sq113_sk200_h4_hkv2'
+      for tool in memcheck racecheck; do
+        timeout 300 compute-sanitizer --tool "$tool" --error-exitcode 9 "$build/tests/cpp/test_backward_gpu" \
+          --gtest_brief=1 --gtest_filter="$small_bwd" >"$out/sanitizer_backward_$tool.log" 2>&1
+        rc=$?
+        tail -3 "$out/sanitizer_backward_$tool.log"
+        summary+=("compute-sanitizer backward $tool: rc=$rc, $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/sanitizer_backward_$tool.log" | tail -1)")
+      done
       ;;
     demo)
       timeout 300 "$build/examples/flashhopper_demo" 2048 128 2>&1 | tee "$out/demo.log"
@@ -37,7 +50,7 @@ for step in "${steps[@]}"; do
       ;;
     bench)
       PYTHONUNBUFFERED=1 FLASHHOPPER_LIBRARY="$build/libflashhopper.so" PYTHONPATH="$root/python" \
-        timeout 420 python3 "$root/bench/benchmark_attention.py" --out "$out" 2>&1 | tail -60
+        timeout 420 python3 "$root/bench/benchmark_attention.py" --out "$out" 2>&1 | tail -100
       summary+=("bench: see $out/bench_*.csv")
       ;;
   esac

@@ -4,6 +4,6 @@ A thin layer over the library's C ABI: PyTorch tensors in, PyTorch tensors out, 
 current stream. The full FlashAttention-compatible package (autograd, torch.compile) is its
 own piece of work; this module is what the benchmarks and tests call today."""
 from ._ffi import FlashHopperError
-from .interface import forward
+from .interface import backward, forward
 
-__all__ = ["forward", "FlashHopperError"]
+__all__ = ["forward", "backward", "FlashHopperError"]

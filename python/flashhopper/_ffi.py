@@ -43,6 +43,18 @@ class ForwardParams(ctypes.Structure):
     ]
 
 
+class BackwardParams(ctypes.Structure):
+    _fields_ = [
+        ("q", Tensor), ("k", Tensor), ("v", Tensor), ("out", Tensor), ("dout", Tensor), ("lse", Tensor),
+        ("dq", Tensor), ("dk", Tensor), ("dv", Tensor),
+        ("cu_seqlens_q", Tensor), ("cu_seqlens_k", Tensor), ("seqused_q", Tensor), ("seqused_k", Tensor),
+        ("max_seqlen_q", ctypes.c_int32), ("max_seqlen_k", ctypes.c_int32),
+        ("softmax_scale", ctypes.c_float), ("softcap", ctypes.c_float),
+        ("causal", ctypes.c_int32), ("window_left", ctypes.c_int32), ("window_right", ctypes.c_int32),
+        ("num_sink_tokens", ctypes.c_int32), ("deterministic", ctypes.c_int32),
+    ]
+
+
 class FlashHopperError(RuntimeError):
     """A call the library refused or that failed; `status` names the kind."""
 
@@ -72,6 +84,12 @@ def lib() -> ctypes.CDLL:
         handle.fh_forward_workspace_size.restype = ctypes.c_int
         handle.fh_forward.argtypes = [ctypes.POINTER(ForwardParams), ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
         handle.fh_forward.restype = ctypes.c_int
+        handle.fh_backward_params_init.argtypes = [ctypes.POINTER(BackwardParams)]
+        handle.fh_backward_params_init.restype = None
+        handle.fh_backward_workspace_size.argtypes = [ctypes.POINTER(BackwardParams), ctypes.POINTER(ctypes.c_size_t)]
+        handle.fh_backward_workspace_size.restype = ctypes.c_int
+        handle.fh_backward.argtypes = [ctypes.POINTER(BackwardParams), ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        handle.fh_backward.restype = ctypes.c_int
         handle.fh_last_error.argtypes = []
         handle.fh_last_error.restype = ctypes.c_char_p
         handle.fh_built_with_cuda.argtypes = []

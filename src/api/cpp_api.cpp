@@ -150,7 +150,12 @@ Status workspace_size(const ForwardParams& params, size_t* bytes) {
 Status workspace_size(const BackwardParams& params, size_t* bytes) {
   if (bytes == nullptr) return error(FH_ERROR_INVALID_ARGUMENT, "bytes: must not be null");
   *bytes = 0;
-  return check(params);
+  Status status = check(params);
+  if (!status.ok()) return status;
+#ifdef FLASHHOPPER_WITH_CUDA
+  *bytes = launch::backward_workspace_size(params, detail::backward_shape(params));
+#endif
+  return {};
 }
 
 Status forward(const ForwardParams& params, void* workspace, size_t workspace_bytes,
@@ -183,12 +188,31 @@ Status forward(const ForwardParams& params, void* workspace, size_t workspace_by
 
 Status backward(const BackwardParams& params, void* workspace, size_t workspace_bytes,
                 fh_stream_t stream) {
+  Status status = check(params);
+  if (!status.ok()) return status;
+#ifdef FLASHHOPPER_WITH_CUDA
+  const detail::ProblemShape shape = detail::backward_shape(params);
+  if (const char* reason = launch::backward_unsupported_reason(params, shape)) {
+    return error(FH_ERROR_NOT_SUPPORTED, std::string("backward: ") + reason);
+  }
+  if (!(status = check_device()).ok()) return status;
+  const std::pair<const Tensor*, const char*> pointers[] = {
+      {&params.q, "q"},       {&params.k, "k"},     {&params.v, "v"},   {&params.out, "out"}, {&params.dout, "dout"},
+      {&params.lse, "lse"},   {&params.dq, "dq"},   {&params.dk, "dk"}, {&params.dv, "dv"}};
+  for (const auto& [tensor, name] : pointers) {
+    if (!(status = check_device_pointer(*tensor, name)).ok()) return status;
+  }
+  status = check_workspace(workspace, workspace_bytes, launch::backward_workspace_size(params, shape));
+  if (!status.ok()) return status;
+  const int err = launch::run_backward(params, shape, workspace, stream);
+  if (err != 0) return cuda_error("backward kernel launch", static_cast<cudaError_t>(err));
+  return {};
+#else
   (void)workspace;
   (void)workspace_bytes;
   (void)stream;
-  Status status = check(params);
-  if (!status.ok()) return status;
-  return error(FH_ERROR_NOT_SUPPORTED, "backward: the backward pass is not supported yet");
+  return error(FH_ERROR_NO_DEVICE, kNoCuda);
+#endif
 }
 
 Status combine(const CombineParams& params, fh_stream_t stream) {

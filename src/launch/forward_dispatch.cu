@@ -1,47 +1,21 @@
 // Forward dispatch: what this build can run, and the switch to the compiled instantiation.
+#include "launch/compiled_families.hpp"
 #include "launch/forward_launch.hpp"
 #include "launch/launch.hpp"
 
 namespace flashhopper::launch {
 namespace {
 
-constexpr bool compiled_dtype(fh_dtype dtype) {
-  switch (dtype) {
-#ifdef FLASHHOPPER_FWD_BF16
-    case FH_DTYPE_BF16: return true;
-#endif
-#ifdef FLASHHOPPER_FWD_FP16
-    case FH_DTYPE_FP16: return true;
-#endif
-    default: return false;
-  }
-}
-
-constexpr bool compiled_head_dim(int64_t head_dim) {
-  switch (head_dim) {
-#ifdef FLASHHOPPER_FWD_HDIM64
-    case 64: return true;
-#endif
-#ifdef FLASHHOPPER_FWD_HDIM128
-    case 128: return true;
-#endif
-#ifdef FLASHHOPPER_FWD_HDIM256
-    case 256: return true;
-#endif
-    default: return false;
-  }
-}
-
 template <fh_dtype kDType, bool kCausal>
 cudaError_t run_head_dim(const ForwardParams& p, const detail::ProblemShape& s, cudaStream_t stream) {
   switch (s.head_dim) {
-#ifdef FLASHHOPPER_FWD_HDIM64
+#ifdef FLASHHOPPER_BUILT_HDIM64
     case 64: return run_forward_hdim<kDType, 64, kCausal>(p, s, stream);
 #endif
-#ifdef FLASHHOPPER_FWD_HDIM128
+#ifdef FLASHHOPPER_BUILT_HDIM128
     case 128: return run_forward_hdim<kDType, 128, kCausal>(p, s, stream);
 #endif
-#ifdef FLASHHOPPER_FWD_HDIM256
+#ifdef FLASHHOPPER_BUILT_HDIM256
     case 256: return run_forward_hdim<kDType, 256, kCausal>(p, s, stream);
 #endif
     default: return cudaErrorInvalidValue;  // refused earlier by forward_unsupported_reason
@@ -65,13 +39,7 @@ const char* forward_unsupported_reason(const ForwardParams& p, const detail::Pro
   if (mask.is_masked() && !mask.is_causal()) return "local (sliding window) attention is not supported yet";
   if (p.num_splits > 1) return "split-KV (num_splits > 1) is not supported yet";
   if (s.head_dim != s.head_dim_v) return "head_dim_v different from head_dim is not supported yet";
-  if (s.head_dim != 64 && s.head_dim != 128 && s.head_dim != 256)
-    return "head dims other than 64, 128 and 256 are not supported yet";
-  if (!compiled_dtype(static_cast<fh_dtype>(p.q.dtype)))
-    return "this dtype's kernels are not in this build (configure with -DFLASHHOPPER_KERNELS=full)";
-  if (!compiled_head_dim(s.head_dim))
-    return "this head dim's kernels are not in this build (configure with -DFLASHHOPPER_KERNELS=full)";
-  return nullptr;
+  return compiled_family_reason(static_cast<fh_dtype>(p.q.dtype), s.head_dim);
 }
 
 size_t forward_workspace_size(const ForwardParams&, const detail::ProblemShape&) { return 0; }
@@ -80,10 +48,10 @@ int run_forward(const ForwardParams& params, const detail::ProblemShape& shape, 
   const bool causal = detail::mask_spec(params.causal, params.window_left, params.window_right,
                                         params.num_sink_tokens).is_causal();
   switch (params.q.dtype) {
-#ifdef FLASHHOPPER_FWD_BF16
+#ifdef FLASHHOPPER_BUILT_BF16
     case FH_DTYPE_BF16: return run_dtype<FH_DTYPE_BF16>(params, shape, causal, stream);
 #endif
-#ifdef FLASHHOPPER_FWD_FP16
+#ifdef FLASHHOPPER_BUILT_FP16
     case FH_DTYPE_FP16: return run_dtype<FH_DTYPE_FP16>(params, shape, causal, stream);
 #endif
     default: return cudaErrorInvalidValue;

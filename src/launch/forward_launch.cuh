@@ -11,20 +11,10 @@
 #include "hopper/common/tile_scheduler.hpp"
 #include "hopper/common/tile_size.hpp"
 #include "hopper/kernel/forward_kernel.hpp"
+#include "launch/element_of.cuh"
 #include "launch/forward_launch.hpp"
 
 namespace flashhopper::launch {
-
-template <fh_dtype kDType>
-struct ElementOf;
-template <>
-struct ElementOf<FH_DTYPE_BF16> {
-  using type = cutlass::bfloat16_t;
-};
-template <>
-struct ElementOf<FH_DTYPE_FP16> {
-  using type = cutlass::half_t;
-};
 
 template <fh_dtype kDType, int kHeadDim, bool kCausal>
 cudaError_t run_forward_hdim(const ForwardParams& p, const detail::ProblemShape& s, cudaStream_t stream) {

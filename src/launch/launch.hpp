@@ -18,4 +18,12 @@ size_t forward_workspace_size(const ForwardParams& params, const detail::Problem
 int run_forward(const ForwardParams& params, const detail::ProblemShape& shape, void* workspace,
                 fh_stream_t stream);
 
+const char* backward_unsupported_reason(const BackwardParams& params, const detail::ProblemShape& shape);
+
+size_t backward_workspace_size(const BackwardParams& params, const detail::ProblemShape& shape);
+
+// Enqueues the backward's kernels. Returns the CUDA error of the first failed launch (0 on success).
+int run_backward(const BackwardParams& params, const detail::ProblemShape& shape, void* workspace,
+                 fh_stream_t stream);
+
 }  // namespace flashhopper::launch

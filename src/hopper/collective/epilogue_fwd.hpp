@@ -81,7 +81,7 @@ struct ForwardEpilogue {
                               params.stride_lse)(_, work.head, work.batch);
     CUTLASS_PRAGMA_UNROLL
     for (int m = 0; m < kRows; ++m) {
-      const int row = work.m_block * kBlockM + get<0>(coords(m, 0));
+      const int row = work.block * kBlockM + get<0>(coords(m, 0));
       if (row < seqlen_q) mLse(row) = lse[m];
     }
   }
@@ -110,7 +110,7 @@ struct ForwardEpilogue {
 
     if (thread_idx == 0) {
       Tensor mO = params.tma_o.get_tma_tensor(params.shape_o)(_, _, work.head, work.batch);  // (sq, dv)
-      Tensor gO = local_tile(mO, TileShapeO{}, make_coord(work.m_block, _0{}));             // (M, dv)
+      Tensor gO = local_tile(mO, TileShapeO{}, make_coord(work.block, _0{}));             // (M, dv)
       auto [tOgO, tOsO] =
           tma_partition(params.tma_o, _0{}, Layout<_1>{}, group_modes<0, 2>(sO), group_modes<0, 2>(gO));
       copy(params.tma_o, tOsO, tOgO);
@@ -118,30 +118,15 @@ struct ForwardEpilogue {
     }
   }
 
-  // O straight from registers: each thread writes its column pairs as 4-byte stores, rows past
-  // the sequence end skipped. For when sO does not fit in shared memory.
+  // O straight from registers, for when sO does not fit in shared memory.
   template <int kRows, class TensorO>
   CUTLASS_DEVICE static void store_direct(Params const& params, TensorO const& tOrO, float const (&lse)[kRows],
                                           int thread_idx, WorkTile const& work) {
     write_lse(params, tOrO, lse, thread_idx, work);
-    Tensor tOrO_out = make_tensor_like<Element>(tOrO);
-    convert_into(tOrO, tOrO_out);
-    auto thr_mma = TiledMmaPV{}.get_thread_slice(thread_idx);
-    Tensor tOcO = thr_mma.partition_C(make_identity_tensor(TileShapeO{}));
-    Tensor out = make_tensor(tOrO_out.data(), accumulator_rowcol(tOrO_out.layout()));  // (rows, cols)
-    Tensor coords = make_tensor(tOcO.data(), accumulator_rowcol(tOcO.layout()));
+    Tensor tOcO = TiledMmaPV{}.get_thread_slice(thread_idx).partition_C(make_identity_tensor(TileShapeO{}));
     Tensor mO = make_tensor(make_gmem_ptr(params.ptr_o), params.shape_o, params.stride_o)(_, _, work.head, work.batch);
-    const int seqlen_q = get<0>(params.shape_o);
-    CUTLASS_PRAGMA_UNROLL
-    for (int m = 0; m < size<0>(out); ++m) {
-      const int row = work.m_block * kBlockM + get<0>(coords(m, 0));
-      if (row >= seqlen_q) continue;
-      CUTLASS_PRAGMA_UNROLL
-      for (int n = 0; n < size<1>(out); n += 2) {  // columns n, n + 1 are adjacent
-        Element pair[2] = {out(m, n), out(m, n + 1)};
-        *reinterpret_cast<uint32_t*>(&mO(row, get<1>(coords(m, n)))) = *reinterpret_cast<uint32_t*>(pair);
-      }
-    }
+    Tensor gO = local_tile(mO, TileShapeO{}, make_coord(work.block, _0{}));  // (M, dv)
+    store_accumulator_rows(tOrO, tOcO, gO, get<0>(params.shape_o) - work.block * kBlockM);
   }
 
   // Called by the thread that issued the stores: returns once they have read shared memory.
@@ -153,7 +138,7 @@ struct ForwardEpilogue {
     constexpr int kStoresPerRow = kHeadDimV / kElemsPerStore;
     const int seqlen_q = get<0>(params.shape_o);
     Tensor mO = make_tensor(make_gmem_ptr(params.ptr_o), params.shape_o, params.stride_o)(_, _, work.head, work.batch);
-    const int row0 = work.m_block * kBlockM;
+    const int row0 = work.block * kBlockM;
     for (int i = thread_idx; i < kBlockM * kStoresPerRow; i += kNumMmaThreads) {
       const int row = row0 + i / kStoresPerRow;
       const int col = (i % kStoresPerRow) * kElemsPerStore;

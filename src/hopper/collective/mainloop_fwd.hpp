@@ -160,7 +160,7 @@ struct ForwardMainloop {
     Tensor mQ = params.tma_q.get_tma_tensor(params.shape_q)(_, _, work.head, work.batch);        // (sq, d)
     Tensor mK = params.tma_k.get_tma_tensor(params.shape_k)(_, _, head_kv, work.batch);          // (sk, d)
     Tensor mVt = params.tma_vt.get_tma_tensor(params.shape_vt)(_, _, head_kv, work.batch);       // (dv, sk)
-    Tensor gQ = local_tile(mQ, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(work.m_block, _0{}));  // (M, d)
+    Tensor gQ = local_tile(mQ, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(work.block, _0{}));  // (M, d)
     Tensor gK = local_tile(mK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, _0{}));  // (N, d, n)
     Tensor gVt = local_tile(mVt, Shape<Int<kHeadDim>, Int<kBlockN>>{}, make_coord(_0{}, _));  // (dv, N, n)
 
@@ -257,7 +257,7 @@ struct ForwardMainloop {
     ++pipe_k_read;
     // Q is free once the tile's last Q K^T is done: the next tile's Q loads during the rest.
     if (n_block == n_block_min) barrier_q_empty.arrive();
-    if (mask.crosses_boundary(work.m_block, n_block)) mask.apply(scores, coords, work.m_block, n_block);
+    if (mask.crosses_boundary(work.block, n_block)) mask.apply(scores, coords, work.block, n_block);
     softmax.template update</*kFirst=*/true>(scores, o_scale);
     convert_into(tSrS, tOrP);
     clear(tOrO);
@@ -275,7 +275,7 @@ struct ForwardMainloop {
       pipeline_k.consumer_release(pipe_k_read);
       ++pipe_k_read;
       if (n_block == n_block_min) barrier_q_empty.arrive();
-      if (mask.crosses_boundary(work.m_block, n_block)) mask.apply(scores, coords, work.m_block, n_block);
+      if (mask.crosses_boundary(work.block, n_block)) mask.apply(scores, coords, work.block, n_block);
       softmax.template update</*kFirst=*/false>(scores, o_scale);
       warpgroup_wait<0>();  // P V done: its A operand (tOrP) may be overwritten
       pipeline_v.consumer_release(pipe_v_read);

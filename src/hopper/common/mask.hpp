@@ -59,4 +59,15 @@ CUTLASS_DEVICE void key_block_range(int seqlen_q, int seqlen_k, int m_block, int
   n_block_max = (visible_cols + kBlockN - 1) / kBlockN;
 }
 
+// Query blocks [m_block_min, m_block_max) that key block n_block must visit (the backward).
+// With causal masking row i sees key j iff j <= i + seqlen_k - seqlen_q, so the first row that
+// sees the block's first key is n_block * kBlockN - (seqlen_k - seqlen_q).
+template <int kBlockM, int kBlockN, bool kCausal>
+CUTLASS_DEVICE void query_block_range(int seqlen_q, int seqlen_k, int n_block, int& m_block_min,
+                                      int& m_block_max) {
+  m_block_min = 0;
+  if constexpr (kCausal) m_block_min = max(0, n_block * kBlockN - (seqlen_k - seqlen_q)) / kBlockM;
+  m_block_max = (seqlen_q + kBlockM - 1) / kBlockM;
+}
+
 }  // namespace flashhopper::hopper

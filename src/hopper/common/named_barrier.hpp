@@ -1,4 +1,5 @@
-// Named barriers of the forward kernel, numbered past CUTLASS's reserved ids.
+// Named barriers of the forward and backward kernels, numbered past CUTLASS's reserved ids
+// (user ids 0..7).
 #pragma once
 
 #include <cutlass/arch/barrier.h>
@@ -8,6 +9,12 @@ namespace flashhopper::hopper {
 enum class FwdBarrier : uint32_t {
   kEpilogue = 0,          // all consumer warpgroups: done with sQ before O overwrites it
   kWarpScheduler0 = 1,    // ping-pong turn of consumer warpgroup 0; 1 and 2 follow
+};
+
+enum class BwdBarrier : uint32_t {
+  kPdS = 0,       // both MMA warpgroups: P and dS of this query block are in shared memory
+  kDqEmpty0 = 1,  // warpgroup 0's dQ buffer may be written (dQ writer warp + warpgroup); 1 follows
+  kDqFull0 = 3,   // warpgroup 0's dQ buffer is written; 1 follows
 };
 
 template <class Barrier>

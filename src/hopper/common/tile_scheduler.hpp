@@ -1,5 +1,7 @@
-// Persistent tile scheduler: CTAs stride over the output tiles (m_block, head, batch). With
-// causal masking the tiles are handed out longest first (highest m_block first), so that the
+// Persistent tile scheduler: CTAs stride over the tiles (block, head, batch), where block is the
+// query block of a forward tile and the key block of a backward one. With causal masking the
+// tiles are handed out longest first (highest block first; the backward reverses its key
+// blocks so that this holds for it too), so that the
 // short diagonal tiles fill the last wave instead of one long tile trailing alone, and in a
 // snake order (odd waves run backwards over the CTAs), so that the CTA that got the longest tile
 // of one wave gets the shortest of the next: a plain stride would give CTA 0 the longest tile of
@@ -19,7 +21,7 @@
 namespace flashhopper::hopper {
 
 struct WorkTile {
-  int m_block;
+  int block;  // the tile's row block: a query block in the forward, a key block in the backward
   int head;
   int batch;
   bool valid;
@@ -28,25 +30,25 @@ struct WorkTile {
 template <bool kLongestFirst>
 struct StaticPersistentScheduler {
   struct Params {
-    int num_m_blocks;
-    int num_heads;
+    int num_blocks;
     int num_tiles;
     int num_head_batch;     // heads * batch
     int heads_per_section;  // (batch, head) pairs whose K/V share the L2 (longest-first only)
-    cutlass::FastDivmod m_block_divmod;  // over num_m_blocks
-    cutlass::FastDivmod head_divmod;     // over num_heads
+    cutlass::FastDivmod block_divmod;  // over num_blocks
+    cutlass::FastDivmod head_divmod;   // over num_heads
   };
 
-  // kv_bytes_per_head: one (batch, kv head)'s K and V; l2_bytes: the device's L2 size.
-  static Params make_params(int num_m_blocks, int num_heads, int num_batch, int64_t kv_bytes_per_head,
+  // kv_bytes_per_head: what the tiles of one (batch, head) stream and share: K and V in the
+  // forward, the group's Q and dO in the backward. l2_bytes: the device's L2 size.
+  static Params make_params(int num_blocks, int num_heads, int num_batch, int64_t kv_bytes_per_head,
                             int64_t l2_bytes, int num_sms) {
-    const int num_tiles = num_m_blocks * num_heads * num_batch;
+    const int num_tiles = num_blocks * num_heads * num_batch;
     const int64_t fitting_l2 = (l2_bytes / 2) / (kv_bytes_per_head > 0 ? kv_bytes_per_head : 1);
-    const int64_t four_waves = (4 * int64_t(num_sms) + num_m_blocks - 1) / num_m_blocks;
+    const int64_t four_waves = (4 * int64_t(num_sms) + num_blocks - 1) / num_blocks;
     const int64_t pairs = std::min<int64_t>(std::max<int64_t>({fitting_l2, four_waves, 1}), num_heads * num_batch);
     const int heads_per_section = int(pairs);
-    return {num_m_blocks, num_heads, num_tiles, num_heads * num_batch, heads_per_section,
-            cutlass::FastDivmod(num_m_blocks), cutlass::FastDivmod(num_heads)};
+    return {num_blocks, num_tiles, num_heads * num_batch, heads_per_section,
+            cutlass::FastDivmod(num_blocks), cutlass::FastDivmod(num_heads)};
   }
 
   static int grid_size(Params const& params, int num_sms) {
@@ -56,26 +58,26 @@ struct StaticPersistentScheduler {
   CUTLASS_DEVICE static WorkTile decode(Params const& params, int tile) {
     WorkTile work;
     work.valid = tile < params.num_tiles;
-    int m_block, rest;
+    int block, rest;
     if constexpr (kLongestFirst) {
       const int wave = tile / int(gridDim.x);
       const int wave_start = wave * int(gridDim.x);
       const int wave_size = min(int(gridDim.x), params.num_tiles - wave_start);  // the last is partial
       if ((wave & 1) && work.valid) tile = wave_start + wave_size - 1 - (tile - wave_start);
-      // rank = section * (heads_per_section * num_m_blocks) + (m from the last) * heads_here + pair
-      const int section_tiles = params.heads_per_section * params.num_m_blocks;
+      // rank = section * (heads_per_section * num_blocks) + (block from the last) * heads_here + pair
+      const int section_tiles = params.heads_per_section * params.num_blocks;
       const int section = tile / section_tiles;
       const int within = tile - section * section_tiles;
       const int heads_here = min(params.heads_per_section, params.num_head_batch - section * params.heads_per_section);
-      const int m_rank = within / heads_here;
-      rest = section * params.heads_per_section + (within - m_rank * heads_here);
-      m_block = params.num_m_blocks - 1 - m_rank;
+      const int block_rank = within / heads_here;
+      rest = section * params.heads_per_section + (within - block_rank * heads_here);
+      block = params.num_blocks - 1 - block_rank;
     } else {
-      // m_block fastest, so the CTAs running together share a head's K and V in L2.
-      params.m_block_divmod(rest, m_block, tile);
+      // block fastest, so the CTAs running together share a head's K and V in L2.
+      params.block_divmod(rest, block, tile);
     }
     params.head_divmod(work.batch, work.head, rest);
-    work.m_block = m_block;
+    work.block = block;
     return work;
   }
 

@@ -1,5 +1,5 @@
-// The forward's tunables per head dim, in one table. Shared memory holds Q, kStages K tiles and
-// kStages V tiles, (kBlockM + 2 * kStages * kBlockN) * d * 2 bytes, plus O's kBlockM * d * 2 where
+// The kernels' tunables per head dim, in one table.
+// Forward: shared memory holds Q, kStages K tiles and kStages V tiles, (kBlockM + 2 * kStages * kBlockN) * d * 2 bytes, plus O's kBlockM * d * 2 where
 // that still fits 227 KiB; otherwise O is stored from registers (ForwardKernel::kOStagedInSmem).
 // Registers: each consumer warpgroup owns 64 rows, so O takes d/2 and S kBlockN/2 floats a thread.
 #pragma once
@@ -35,6 +35,42 @@ struct ForwardTileSize<256, kCausal> {
   static constexpr int kBlockM = 128;
   static constexpr int kBlockN = 80;
   static constexpr int kStages = 2;
+};
+
+// The backward's tunables per head dim. A CTA owns kBlockN keys (K, V and the dK, dV
+// accumulators stay put) and walks the query blocks of kBlockM rows; two MMA warpgroups split S
+// and dP by key columns, dK/dV by key rows (by head dim when kBlockN / 2 < 64, the WGMMA's
+// minimum M) and dQ by head dim. Shared memory: K, V; kStages Q and dO tiles; P and dS twice
+// (so one warpgroup may write block m + 1 while the other still reads block m); and dQ's float32
+// tile when it goes to global memory through the TMA bulk reduce-add (kDqViaTma), else by
+// atomicAdd from registers. Registers a thread: S and dP kBlockM * kBlockN / 256 floats each,
+// dK and dV kBlockN * d / 256 each, dQ kBlockM * d / 256.
+template <int kHeadDim>
+struct BackwardTileSize;
+
+template <>
+struct BackwardTileSize<64> {  // 144 KiB shared memory
+  static constexpr int kBlockM = 64;
+  static constexpr int kBlockN = 128;
+  static constexpr int kStages = 2;
+  static constexpr bool kDqViaTma = true;
+};
+
+template <>
+struct BackwardTileSize<128> {  // 224 KiB
+  static constexpr int kBlockM = 64;
+  static constexpr int kBlockN = 128;
+  static constexpr int kStages = 2;
+  static constexpr bool kDqViaTma = true;
+};
+
+// dQ's 64 KiB tile does not fit beside two stages of Q and dO: atomicAdd instead. 224 KiB.
+template <>
+struct BackwardTileSize<256> {
+  static constexpr int kBlockM = 64;
+  static constexpr int kBlockN = 64;
+  static constexpr int kStages = 2;
+  static constexpr bool kDqViaTma = false;
 };
 
 }  // namespace flashhopper::hopper

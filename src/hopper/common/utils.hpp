@@ -67,4 +67,27 @@ CUTLASS_DEVICE float quad_allreduce(float x, Op op) {
   return op(x, __shfl_xor_sync(0xffffffff, x, 1));
 }
 
+// A float32 accumulator tile straight to global memory in dst's element type: each thread writes
+// its column pairs as 4-byte stores; rows at or past `rows` are skipped. gdst is the tile's
+// (rows, cols) window, coords the accumulator's identity partition (tile coordinates).
+template <class TensorAcc, class TensorCoord, class TensorDst>
+CUTLASS_DEVICE void store_accumulator_rows(TensorAcc const& acc, TensorCoord const& coords, TensorDst gdst,
+                                           int rows) {
+  using Element = typename TensorDst::value_type;
+  Tensor converted = make_tensor_like<Element>(acc);
+  convert_into(acc, converted);
+  Tensor out = make_tensor(converted.data(), accumulator_rowcol(converted.layout()));  // (rows, cols)
+  Tensor coord_rc = make_tensor(coords.data(), accumulator_rowcol(coords.layout()));
+  CUTLASS_PRAGMA_UNROLL
+  for (int m = 0; m < size<0>(out); ++m) {
+    const int row = get<0>(coord_rc(m, 0));
+    if (row >= rows) continue;
+    CUTLASS_PRAGMA_UNROLL
+    for (int n = 0; n < size<1>(out); n += 2) {  // columns n, n + 1 are adjacent
+      Element pair[2] = {out(m, n), out(m, n + 1)};
+      *reinterpret_cast<uint32_t*>(&gdst(row, get<1>(coord_rc(m, n)))) = *reinterpret_cast<uint32_t*>(pair);
+    }
+  }
+}
+
 }  // namespace flashhopper::hopper

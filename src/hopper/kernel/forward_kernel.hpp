@@ -98,7 +98,7 @@ struct ForwardKernel {
     const int seqlen_q = Mainloop::seqlen_q(params.mainloop);
     const int seqlen_k = Mainloop::seqlen_k(params.mainloop);
     auto block_range = [&](WorkTile const& work, int& n_block_min, int& n_block_max) {
-      key_block_range<Mainloop::kBlockM, Mainloop::kBlockN, Mainloop::kCausal>(seqlen_q, seqlen_k, work.m_block,
+      key_block_range<Mainloop::kBlockM, Mainloop::kBlockN, Mainloop::kCausal>(seqlen_q, seqlen_k, work.block,
                                                                                n_block_min, n_block_max);
     };
 

@@ -1,0 +1,489 @@
+// Backward mainloop for one key block: the producer's TMA loads (K and V once, Q and dO per
+// query block through kStages rings), the MMA warpgroups' five GEMMs per query block, and the dQ
+// writer warp that adds each block's partial dQ to the float32 dQaccum.
+//
+// Per query block m (rows of Q, dO; the CTA's kBlockN keys are the columns):
+//   S = Q K^T, dP = dO V^T               split by key columns between the warpgroups
+//   P = exp2(S * scale * log2 e - LSE2)  LSE2 = LSE * log2 e, +inf for rows that see no key
+//   dS = P * (dP - D)                    D = rowsum(dO * O), from the preprocess kernel
+//   dV += P^T dO, dK += dS^T Q           P and dS go through shared memory (transposed reads)
+//   dQ_m = dS K                          split by head dim; added to dQaccum (scale applied later)
+#pragma once
+
+#include <cmath>
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/cutlass.h>
+#include <cutlass/fast_math.h>
+#include <cutlass/gemm/collective/builders/sm90_common.inl>
+#include <cutlass/pipeline/pipeline.hpp>
+
+#include "hopper/common/mask.hpp"
+#include "hopper/common/named_barrier.hpp"
+#include "hopper/common/utils.hpp"
+
+namespace flashhopper::hopper {
+
+using namespace cute;
+
+// Where a (batch, query head, key block) CTA works: the CTA owns one key head's K and V and
+// walks every query head of its group (GQA), so dK and dV sum the group in registers.
+struct BackwardBlock {
+  int n_block;
+  int head_kv;
+  int batch;
+  int m_block_min;
+  int m_block_max;
+};
+
+// The float32 buffers the preprocess kernel fills and the postprocess kernel reads, each
+// [batch, heads_q, rows_padded(, d)]; rows_padded is a multiple of every kBlockM.
+struct BackwardWorkspacePointers {
+  float* lse_log2;    // LSE * log2 e; +inf where a row sees no key (so P = 0 there)
+  float* dpsum;       // D = rowsum(dO * O)
+  float* dq_accum;    // partial dQ sums, each kBlockM x d tile in the order dq_accum_offset gives
+  int* dq_semaphore;  // deterministic mode: key blocks added so far, per (batch, head, m_block)
+  int rows_padded;
+};
+
+// dQaccum tiles are stored in the order the MMA warpgroups hold them, so registers -> shared or
+// global memory is one conflict-free float4 per thread per step: warpgroup w owns the tile's
+// half w; in it, the thread's values v = 4r .. 4r + 3 sit at r * 512 + thread * 4.
+template <int kTileFloats>
+CUTLASS_HOST_DEVICE constexpr int dq_accum_offset(int warp_group, int thread_in_group, int r) {
+  return warp_group * (kTileFloats / 2) + r * 512 + thread_in_group * 4;
+}
+
+CUTLASS_DEVICE void bulk_reduce_add_f32(float* gmem, float const* smem, int bytes) {
+  const uint32_t smem_addr = cute::cast_smem_ptr_to_uint(smem);
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(gmem),
+               "r"(smem_addr), "r"(bytes)
+               : "memory");
+}
+
+template <class Element_, int kBlockM_, int kBlockN_, int kHeadDim_, int kStages_, bool kCausal_, bool kDqViaTma_>
+struct BackwardMainloop {
+  using Element = Element_;
+  static constexpr int kBlockM = kBlockM_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kStages = kStages_;
+  static constexpr bool kCausal = kCausal_;
+  static constexpr bool kDqViaTma = kDqViaTma_;
+  static constexpr int kNumMmaWarpGroups = 2;
+  static constexpr int kNumMmaThreads = kNumMmaWarpGroups * cutlass::NumThreadsPerWarpGroup;
+  // dK/dV split by key rows while each warpgroup still gets a 64-row WGMMA; else by head dim.
+  static constexpr bool kDkvSplitByRows = kBlockN / kNumMmaWarpGroups >= 64;
+  static constexpr int kDqTileFloats = kBlockM * kHeadDim;
+  static_assert(kBlockM % 64 == 0 && kBlockN % 16 == 0 && kHeadDim % 64 == 0);
+  static_assert((kDqTileFloats / kNumMmaThreads) % 4 == 0);
+
+  using TileShapeSdP = Shape<Int<kBlockM>, Int<kBlockN>, Int<kHeadDim>>;  // (M, N, d)
+  using TileShapedKV = Shape<Int<kBlockN>, Int<kHeadDim>, Int<kBlockM>>;  // (N, d, M)
+  using TileShapedQ = Shape<Int<kBlockM>, Int<kHeadDim>, Int<kBlockN>>;   // (M, d, N)
+
+  using TiledMmaSdP = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kBlockN / 2>, Int<kHeadDim>>>(),
+      Layout<Shape<_1, _2, _1>>{}));
+  // dV = P^T dO and dK = dS^T Q read both operands transposed (MN-major) from shared memory.
+  using TiledMmadKV = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float,
+                           Shape<_64, Int<kDkvSplitByRows ? kHeadDim : kHeadDim / 2>, Int<kBlockM>>,
+                           GMMA::Major::MN, GMMA::Major::MN>(),
+      cute::conditional_t<kDkvSplitByRows, Layout<Shape<_2, _1, _1>>, Layout<Shape<_1, _2, _1>>>{}));
+  using TiledMmadQ = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim / 2>, Int<kBlockN>>, GMMA::Major::K,
+                           GMMA::Major::MN>(),
+      Layout<Shape<_1, _2, _1>>{}));
+
+  // Q and dO: (M, d, stage), d contiguous; their transposes view the same bytes as (d, M, stage).
+  using SmemLayoutQ = decltype(tile_to_shape(
+      cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element, Int<kBlockM>, Int<kHeadDim>>(),
+      Shape<Int<kBlockM>, Int<kHeadDim>, Int<kStages>>{}));
+  using SmemLayoutQt = decltype(composition(
+      SmemLayoutQ{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockM>, Int<kStages>>{},
+                                 Stride<Int<kBlockM>, _1, Int<kBlockM * kHeadDim>>{})));
+  // K and V: (N, d), d contiguous; K^T (d, N) for dQ = dS K.
+  using SmemLayoutK = decltype(tile_to_shape(
+      cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element, Int<kBlockN>, Int<kHeadDim>>(),
+      Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  using SmemLayoutKt =
+      decltype(composition(SmemLayoutK{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, Stride<Int<kBlockN>, _1>{})));
+  // P and dS: (M, N, buffer), N contiguous; transposed (N, M, buffer) for dV and dK.
+  using SmemLayoutPdS = decltype(tile_to_shape(
+      cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element, Int<kBlockM>, Int<kBlockN>>(),
+      Shape<Int<kBlockM>, Int<kBlockN>, _2>{}));
+  using SmemLayoutPdSt = decltype(composition(
+      SmemLayoutPdS{},
+      make_layout(Shape<Int<kBlockN>, Int<kBlockM>, _2>{}, Stride<Int<kBlockM>, _1, Int<kBlockM * kBlockN>>{})));
+  using SmemCopyAtomPdS = Copy_Atom<SM90_U32x4_STSM_N, Element>;
+
+  // Global tensors as (seqlen, d, head, batch).
+  using ShapeQKV = Shape<int32_t, int32_t, int32_t, int32_t>;
+  using StrideQKV = Stride<int64_t, _1, int64_t, int64_t>;
+  using TmaQ = decltype(make_tma_copy(
+      SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), ShapeQKV{}, StrideQKV{}),
+      take<0, 2>(SmemLayoutQ{}), Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{}));
+  using TmaK = decltype(make_tma_copy(
+      SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), ShapeQKV{}, StrideQKV{}),
+      SmemLayoutK{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
+
+  using Pipeline = cutlass::PipelineTmaAsync<kStages>;
+  using PipelineState = cutlass::PipelineState<kStages>;
+  static constexpr uint32_t kTmaBytesQ = size(take<0, 2>(SmemLayoutQ{})) * sizeof(Element);
+  static constexpr uint32_t kTmaBytesKV = 2 * cosize_v<SmemLayoutK> * sizeof(Element);
+
+  struct SharedStorageDq {
+    cute::array_aligned<float, kDqTileFloats, 128> smem_dq;
+  };
+  struct SharedStorage {
+    cute::array_aligned<Element, cosize_v<SmemLayoutK>, 1024> smem_k;
+    cute::array_aligned<Element, cosize_v<SmemLayoutK>, 1024> smem_v;
+    cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> smem_q;
+    cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> smem_do;
+    cute::array_aligned<Element, cosize_v<SmemLayoutPdS>, 1024> smem_p;
+    cute::array_aligned<Element, cosize_v<SmemLayoutPdS>, 1024> smem_ds;
+    cute::conditional_t<kDqViaTma, SharedStorageDq, cute::array<float, 0>> dq;
+    cutlass::arch::ClusterTransactionBarrier kv_full;
+    cutlass::arch::ClusterBarrier kv_empty;
+    typename Pipeline::SharedStorage pipeline_q;
+    typename Pipeline::SharedStorage pipeline_do;
+  };
+
+  struct Arguments {
+    Element const* ptr_q;
+    ShapeQKV shape_q;  // (seqlen_q, d, heads_q, batch)
+    StrideQKV stride_q;
+    Element const* ptr_k;
+    ShapeQKV shape_k;  // (seqlen_k, d, heads_kv, batch)
+    StrideQKV stride_k;
+    Element const* ptr_v;
+    StrideQKV stride_v;
+    Element const* ptr_do;
+    StrideQKV stride_do;
+    float softmax_scale;
+    BackwardWorkspacePointers workspace;
+    bool deterministic;
+  };
+
+  struct Params {
+    ShapeQKV shape_q;
+    ShapeQKV shape_k;
+    TmaQ tma_q;
+    TmaQ tma_do;
+    TmaK tma_k;
+    TmaK tma_v;
+    float softmax_scale_log2;
+    BackwardWorkspacePointers workspace;
+    int heads_per_kv_head;
+    bool deterministic;
+  };
+
+  static Params to_underlying_arguments(Arguments const& args) {
+    auto q_tma = [&](Element const* ptr, StrideQKV stride) {
+      return make_tma_copy(SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(ptr), args.shape_q, stride),
+                           take<0, 2>(SmemLayoutQ{}), Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{});
+    };
+    auto k_tma = [&](Element const* ptr, StrideQKV stride) {
+      return make_tma_copy(SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(ptr), args.shape_k, stride), SmemLayoutK{},
+                           Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{});
+    };
+    return {args.shape_q,
+            args.shape_k,
+            q_tma(args.ptr_q, args.stride_q),
+            q_tma(args.ptr_do, args.stride_do),
+            k_tma(args.ptr_k, args.stride_k),
+            k_tma(args.ptr_v, args.stride_v),
+            float(args.softmax_scale * M_LOG2E),
+            args.workspace,
+            get<2>(args.shape_q) / get<2>(args.shape_k),
+            args.deterministic};
+  }
+
+  CUTLASS_DEVICE static void prefetch_tma_descriptors(Params const& params) {
+    cute::prefetch_tma_descriptor(params.tma_q.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(params.tma_do.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(params.tma_k.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(params.tma_v.get_tma_descriptor());
+  }
+
+  CUTLASS_DEVICE static int seqlen_q(Params const& params) { return get<0>(params.shape_q); }
+  CUTLASS_DEVICE static int seqlen_k(Params const& params) { return get<0>(params.shape_k); }
+
+  // Row offset of (batch, query head) in the [batch, heads_q, rows_padded] workspace buffers.
+  CUTLASS_DEVICE static int64_t workspace_row0(Params const& params, int batch, int head) {
+    return (int64_t(batch) * get<2>(params.shape_q) + head) * params.workspace.rows_padded;
+  }
+
+  // Producer (one thread): K and V once, after the previous block's consumers let go of them;
+  // then Q and dO of each query block of each query head of the group, in the consumers' order.
+  CUTLASS_DEVICE static void load(Params const& params, Pipeline& pipeline_q, Pipeline& pipeline_do,
+                                  PipelineState& pipe_q_write, PipelineState& pipe_do_write, SharedStorage& storage,
+                                  int& kv_empty_phase, BackwardBlock const& blk) {
+    Tensor sQ = make_tensor(make_smem_ptr(storage.smem_q.data()), SmemLayoutQ{});
+    Tensor sdO = make_tensor(make_smem_ptr(storage.smem_do.data()), SmemLayoutQ{});
+    Tensor sK = make_tensor(make_smem_ptr(storage.smem_k.data()), SmemLayoutK{});
+    Tensor sV = make_tensor(make_smem_ptr(storage.smem_v.data()), SmemLayoutK{});
+
+    auto key_tile = [&](auto const& tma) {
+      auto m = tma.get_tma_tensor(params.shape_k)(_, _, blk.head_kv, blk.batch);
+      return local_tile(m, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(blk.n_block, _0{}));  // (N, d)
+    };
+    auto [tKgK, tKsK] = tma_partition(params.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK),
+                                      group_modes<0, 2>(key_tile(params.tma_k)));
+    auto [tVgV, tVsV] = tma_partition(params.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV),
+                                      group_modes<0, 2>(key_tile(params.tma_v)));
+    storage.kv_empty.wait(kv_empty_phase);
+    kv_empty_phase ^= 1;
+    storage.kv_full.arrive_and_expect_tx(kTmaBytesKV);
+    copy(params.tma_k.with(reinterpret_cast<uint64_t&>(storage.kv_full)), tKgK, tKsK);
+    copy(params.tma_v.with(reinterpret_cast<uint64_t&>(storage.kv_full)), tVgV, tVsV);
+
+    for (int g = 0; g < params.heads_per_kv_head; ++g) {
+      const int head = blk.head_kv * params.heads_per_kv_head + g;
+      auto query_tiles = [&](auto const& tma) {
+        auto m = tma.get_tma_tensor(params.shape_q)(_, _, head, blk.batch);
+        return local_tile(m, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, _0{}));  // (M, d, m)
+      };
+      auto [tQgQ, tQsQ] = tma_partition(params.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ),
+                                        group_modes<0, 2>(query_tiles(params.tma_q)));
+      auto [tdOgdO, tdOsdO] = tma_partition(params.tma_do, _0{}, Layout<_1>{}, group_modes<0, 2>(sdO),
+                                            group_modes<0, 2>(query_tiles(params.tma_do)));
+      for (int m_block = blk.m_block_min; m_block < blk.m_block_max; ++m_block) {
+        pipeline_q.producer_acquire(pipe_q_write);
+        copy(params.tma_q.with(*pipeline_q.producer_get_barrier(pipe_q_write)), tQgQ(_, m_block),
+             tQsQ(_, pipe_q_write.index()));
+        ++pipe_q_write;
+        pipeline_do.producer_acquire(pipe_do_write);
+        copy(params.tma_do.with(*pipeline_do.producer_get_barrier(pipe_do_write)), tdOgdO(_, m_block),
+             tdOsdO(_, pipe_do_write.index()));
+        ++pipe_do_write;
+      }
+    }
+  }
+
+  // Deterministic mode: dQaccum of (batch, head, m_block) takes the key blocks' partials in
+  // order n_block = 0, 1, ...; `arrivals_per_block` adders each count once per key block.
+  // Every key block below n_block also reaches this query block (causal: a lower key is seen by
+  // every row that sees a higher one), and the scheduler hands lower key blocks out first, so
+  // the wait always ends.
+  CUTLASS_DEVICE static int* dq_semaphore(Params const& params, int batch, int head, int m_block) {
+    const int64_t blocks_per_head = params.workspace.rows_padded / kBlockM;
+    return params.workspace.dq_semaphore + (int64_t(batch) * get<2>(params.shape_q) + head) * blocks_per_head + m_block;
+  }
+  CUTLASS_DEVICE static void wait_for_turn(int const* semaphore, int expected) {
+    int seen;
+    do {
+      asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(seen) : "l"(semaphore) : "memory");
+    } while (seen < expected);
+  }
+
+  // dQ writer warp (TMA path): adds each query block's dQ tile, as the warpgroups finish it, to
+  // dQaccum with the bulk reduce-add, then frees the shared buffer.
+  CUTLASS_DEVICE static void store_dq(Params const& params, SharedStorage& storage, BackwardBlock const& blk) {
+    if constexpr (kDqViaTma) {
+      const int lane = threadIdx.x % cutlass::NumThreadsPerWarp;
+      constexpr int kBarrierThreads = cutlass::NumThreadsPerWarpGroup + cutlass::NumThreadsPerWarp;
+      constexpr int kHalfBytes = kDqTileFloats / 2 * sizeof(float);
+      for (int g = 0; g < params.heads_per_kv_head; ++g) {
+        const int head = blk.head_kv * params.heads_per_kv_head + g;
+        float* dq_head = params.workspace.dq_accum + workspace_row0(params, blk.batch, head) * kHeadDim;
+        for (int m_block = blk.m_block_min; m_block < blk.m_block_max; ++m_block) {
+          float* dq_tile = dq_head + int64_t(m_block) * kDqTileFloats;
+          int* semaphore = dq_semaphore(params, blk.batch, head, m_block);
+          CUTLASS_PRAGMA_UNROLL
+          for (int wg = 0; wg < kNumMmaWarpGroups; ++wg) {
+            named_barrier_arrive(kBarrierThreads, BwdBarrier::kDqEmpty0, wg);  // the previous add has read it
+          }
+          CUTLASS_PRAGMA_UNROLL
+          for (int wg = 0; wg < kNumMmaWarpGroups; ++wg) {
+            named_barrier_sync(kBarrierThreads, BwdBarrier::kDqFull0, wg);
+            if (lane == 0) {
+              if (wg == 0 && params.deterministic) wait_for_turn(semaphore, blk.n_block);
+              bulk_reduce_add_f32(dq_tile + wg * (kDqTileFloats / 2), storage.dq.smem_dq.data() + wg * (kDqTileFloats / 2),
+                                  kHalfBytes);
+            }
+          }
+          if (lane == 0) {
+            tma_store_arrive();
+            if (params.deterministic) {
+              // The adds must have landed, not just been read, before the next key block's turn.
+              asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+              asm volatile("fence.proxy.async.global;\n" ::: "memory");
+              __threadfence();
+              atomicAdd(semaphore, 1);
+            } else {
+              tma_store_wait<0>();
+            }
+          }
+          __syncwarp();
+        }
+      }
+    }
+  }
+
+  CUTLASS_DEVICE static void store_dq_done() {
+    if constexpr (kDqViaTma) {
+      if (threadIdx.x % cutlass::NumThreadsPerWarp == 0) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+    }
+  }
+
+  // MMA warpgroups: the whole key block. On return tdKrdK (unscaled) and tdVrdV hold the sums.
+  // P and dS alternate between two shared buffers (`buffer`, kept across key blocks), so one
+  // warpgroup may write block m + 1's while the other still reads block m's.
+  template <class TensordKV>
+  CUTLASS_DEVICE static void mma(Params const& params, Pipeline& pipeline_q, Pipeline& pipeline_do,
+                                 PipelineState& pipe_q_read, PipelineState& pipe_do_read, SharedStorage& storage,
+                                 int& kv_full_phase, int& buffer, TensordKV& tdKrdK, TensordKV& tdVrdV,
+                                 int thread_idx, BackwardBlock const& blk) {
+    Tensor sQ = make_tensor(make_smem_ptr(storage.smem_q.data()), SmemLayoutQ{});
+    Tensor sQt = make_tensor(make_smem_ptr(storage.smem_q.data()), SmemLayoutQt{});
+    Tensor sdO = make_tensor(make_smem_ptr(storage.smem_do.data()), SmemLayoutQ{});
+    Tensor sdOt = make_tensor(make_smem_ptr(storage.smem_do.data()), SmemLayoutQt{});
+    Tensor sK = make_tensor(make_smem_ptr(storage.smem_k.data()), SmemLayoutK{});
+    Tensor sKt = make_tensor(make_smem_ptr(storage.smem_k.data()), SmemLayoutKt{});
+    Tensor sV = make_tensor(make_smem_ptr(storage.smem_v.data()), SmemLayoutK{});
+    Tensor sP = make_tensor(make_smem_ptr(storage.smem_p.data()), SmemLayoutPdS{});
+    Tensor sPt = make_tensor(make_smem_ptr(storage.smem_p.data()), SmemLayoutPdSt{});
+    Tensor sdS = make_tensor(make_smem_ptr(storage.smem_ds.data()), SmemLayoutPdS{});
+    Tensor sdSt = make_tensor(make_smem_ptr(storage.smem_ds.data()), SmemLayoutPdSt{});
+
+    TiledMmaSdP tiled_mma_sdp;
+    TiledMmadKV tiled_mma_dkv;
+    TiledMmadQ tiled_mma_dq;
+    auto thr_mma_sdp = tiled_mma_sdp.get_thread_slice(thread_idx);
+    auto thr_mma_dkv = tiled_mma_dkv.get_thread_slice(thread_idx);
+    auto thr_mma_dq = tiled_mma_dq.get_thread_slice(thread_idx);
+
+    Tensor tSrQ = thr_mma_sdp.partition_fragment_A(sQ);     // (MMA, MMA_M, MMA_K, PIPE)
+    Tensor tSrK = thr_mma_sdp.partition_fragment_B(sK);     // (MMA, MMA_N, MMA_K)
+    Tensor tdPrdO = thr_mma_sdp.partition_fragment_A(sdO);  // (MMA, MMA_M, MMA_K, PIPE)
+    Tensor tdPrV = thr_mma_sdp.partition_fragment_B(sV);
+    Tensor tdVrPt = thr_mma_dkv.partition_fragment_A(sPt);   // (MMA, MMA_N, MMA_M, BUF)
+    Tensor tdVrdOt = thr_mma_dkv.partition_fragment_B(sdOt);  // (MMA, MMA_d, MMA_M, PIPE)
+    Tensor tdKrdSt = thr_mma_dkv.partition_fragment_A(sdSt);
+    Tensor tdKrQt = thr_mma_dkv.partition_fragment_B(sQt);
+    Tensor tdQrdS = thr_mma_dq.partition_fragment_A(sdS);  // (MMA, MMA_M, MMA_N, BUF)
+    Tensor tdQrKt = thr_mma_dq.partition_fragment_B(sKt);  // (MMA, MMA_d, MMA_N)
+
+    auto smem_tiled_copy_pds = make_tiled_copy_C(SmemCopyAtomPdS{}, tiled_mma_sdp);
+    auto smem_copy_pds = smem_tiled_copy_pds.get_thread_slice(thread_idx);
+    Tensor tPsP = smem_copy_pds.partition_D(sP);     // (CPY, CPY_M, CPY_N, BUF)
+    Tensor tdSsdS = smem_copy_pds.partition_D(sdS);
+
+    Tensor tScS = thr_mma_sdp.partition_C(make_identity_tensor(select<0, 1>(TileShapeSdP{})));
+    Tensor coords = make_tensor(tScS.data(), accumulator_rowcol(tScS.layout()));  // (rows, cols)
+    constexpr int kRows = decltype(size<0>(coords))::value;
+    const AttentionMask<kBlockM, kBlockN, kCausal> mask{seqlen_q(params), seqlen_k(params)};
+
+    const int warp_group = thread_idx / cutlass::NumThreadsPerWarpGroup;
+    const int thread_in_group = thread_idx % cutlass::NumThreadsPerWarpGroup;
+    constexpr int kBarrierThreadsDq = cutlass::NumThreadsPerWarpGroup + cutlass::NumThreadsPerWarp;
+
+    clear(tdKrdK);
+    clear(tdVrdV);
+    storage.kv_full.wait(kv_full_phase);
+    kv_full_phase ^= 1;
+
+    for (int g = 0; g < params.heads_per_kv_head; ++g) {
+      const int head = blk.head_kv * params.heads_per_kv_head + g;
+      const int64_t row0_head = workspace_row0(params, blk.batch, head);
+      float* dq_head = params.workspace.dq_accum + row0_head * kHeadDim;
+      CUTLASS_PRAGMA_NO_UNROLL
+      for (int m_block = blk.m_block_min; m_block < blk.m_block_max; ++m_block) {
+        Tensor tSrS = partition_fragment_C(tiled_mma_sdp, select<0, 1>(TileShapeSdP{}));
+        Tensor tdPrdP = partition_fragment_C(tiled_mma_sdp, select<0, 1>(TileShapeSdP{}));
+        pipeline_q.consumer_wait(pipe_q_read);
+        warpgroup_gemm</*kZeroInit=*/true, /*kWait=*/-1>(tiled_mma_sdp, tSrQ(_, _, _, pipe_q_read.index()), tSrK,
+                                                         tSrS);
+        // The row statistics load from L2 while the GEMMs run; padded rows make them in bounds.
+        float lse_log2[kRows], dpsum[kRows];
+        const int64_t row0 = row0_head + int64_t(m_block) * kBlockM;
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < kRows; ++i) {
+          lse_log2[i] = params.workspace.lse_log2[row0 + get<0>(coords(i, 0))];
+          dpsum[i] = params.workspace.dpsum[row0 + get<0>(coords(i, 0))];
+        }
+        pipeline_do.consumer_wait(pipe_do_read);
+        warpgroup_gemm<true, -1>(tiled_mma_sdp, tdPrdO(_, _, _, pipe_do_read.index()), tdPrV, tdPrdP);
+        warpgroup_wait<1>();  // S is ready
+        Tensor scores = make_tensor(tSrS.data(), accumulator_rowcol(tSrS.layout()));
+        if (mask.crosses_boundary(m_block, blk.n_block)) mask.apply(scores, coords, m_block, blk.n_block);
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < kRows; ++i) {
+          CUTLASS_PRAGMA_UNROLL
+          for (int j = 0; j < size<1>(scores); ++j) {
+            scores(i, j) = exp2f(scores(i, j) * params.softmax_scale_log2 - lse_log2[i]);
+          }
+        }
+        warpgroup_wait<0>();  // dP is ready
+        Tensor dS = make_tensor(tdPrdP.data(), scores.layout());
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < kRows; ++i) {
+          CUTLASS_PRAGMA_UNROLL
+          for (int j = 0; j < size<1>(dS); ++j) dS(i, j) = scores(i, j) * (dS(i, j) - dpsum[i]);
+        }
+        Tensor rP = make_tensor_like<Element>(tSrS);
+        Tensor rdS = make_tensor_like<Element>(tdPrdP);
+        convert_into(tSrS, rP);
+        convert_into(tdPrdP, rdS);
+        copy(smem_tiled_copy_pds, smem_copy_pds.retile_S(rP), tPsP(_, _, _, buffer));
+        copy(smem_tiled_copy_pds, smem_copy_pds.retile_S(rdS), tdSsdS(_, _, _, buffer));
+        // The tensor cores read P and dS through the async proxy; dQ needs both halves of dS.
+        cutlass::arch::fence_view_async_shared();
+        named_barrier_sync(kNumMmaThreads, BwdBarrier::kPdS);
+
+        warpgroup_gemm<false, -1>(tiled_mma_dkv, tdVrPt(_, _, _, buffer), tdVrdOt(_, _, _, pipe_do_read.index()),
+                                  tdVrdV);
+        Tensor tdQrdQ = partition_fragment_C(tiled_mma_dq, select<0, 1>(TileShapedQ{}));
+        warpgroup_gemm<true, -1>(tiled_mma_dq, tdQrdS(_, _, _, buffer), tdQrKt, tdQrdQ);
+        warpgroup_gemm<false, -1>(tiled_mma_dkv, tdKrdSt(_, _, _, buffer), tdKrQt(_, _, _, pipe_q_read.index()),
+                                  tdKrdK);
+        warpgroup_wait<1>();  // dV and dQ are done; dK may still run
+        pipeline_do.consumer_release(pipe_do_read);
+        ++pipe_do_read;
+
+        static_assert(decltype(size(tdQrdQ))::value % 4 == 0);
+        constexpr int kSteps = decltype(size(tdQrdQ))::value / 4;
+        if constexpr (kDqViaTma) {
+          named_barrier_sync(kBarrierThreadsDq, BwdBarrier::kDqEmpty0, warp_group);
+          float* smem_dq = storage.dq.smem_dq.data();
+          CUTLASS_PRAGMA_UNROLL
+          for (int r = 0; r < kSteps; ++r) {
+            *reinterpret_cast<float4*>(smem_dq + dq_accum_offset<kDqTileFloats>(warp_group, thread_in_group, r)) =
+                make_float4(tdQrdQ(4 * r), tdQrdQ(4 * r + 1), tdQrdQ(4 * r + 2), tdQrdQ(4 * r + 3));
+          }
+          cutlass::arch::fence_view_async_shared();  // the bulk copy reads through the async proxy
+          named_barrier_arrive(kBarrierThreadsDq, BwdBarrier::kDqFull0, warp_group);
+        } else {
+          float* dq_tile = dq_head + int64_t(m_block) * kDqTileFloats;
+          int* semaphore = dq_semaphore(params, blk.batch, head, m_block);
+          // Deterministic: both warpgroups of key block n_block - 1 must have added first.
+          if (params.deterministic) {
+            if (thread_in_group == 0) wait_for_turn(semaphore, blk.n_block * kNumMmaWarpGroups);
+            named_barrier_sync(cutlass::NumThreadsPerWarpGroup, BwdBarrier::kDqFull0, warp_group);
+          }
+          CUTLASS_PRAGMA_UNROLL
+          for (int r = 0; r < kSteps; ++r) {
+            atomicAdd(reinterpret_cast<float4*>(dq_tile + dq_accum_offset<kDqTileFloats>(warp_group, thread_in_group, r)),
+                      make_float4(tdQrdQ(4 * r), tdQrdQ(4 * r + 1), tdQrdQ(4 * r + 2), tdQrdQ(4 * r + 3)));
+          }
+          if (params.deterministic) {
+            __threadfence();
+            named_barrier_sync(cutlass::NumThreadsPerWarpGroup, BwdBarrier::kDqFull0, warp_group);
+            if (thread_in_group == 0) atomicAdd(semaphore, 1);
+          }
+        }
+        warpgroup_wait<0>();  // dK is done with Q
+        pipeline_q.consumer_release(pipe_q_read);
+        ++pipe_q_read;
+        buffer ^= 1;
+      }
+    }
+    // K and V may be replaced by the next key block's.
+    storage.kv_empty.arrive();
+  }
+};
+
+}  // namespace flashhopper::hopper

@@ -1,0 +1,132 @@
+// The backward's two small kernels around the main one.
+// Preprocess: per query row, D = rowsum(dO * O) and LSE * log2 e into the padded float32
+// workspace buffers (rows past the end: D = 0, LSE2 = +inf, so their P and dS are 0).
+// Postprocess: dQ = scale * dQaccum, converted to the input dtype and layout.
+#pragma once
+
+#include <cmath>
+
+#include <cute/tensor.hpp>
+#include <cutlass/cutlass.h>
+#include <cutlass/numeric_types.h>
+
+#include "hopper/collective/mainloop_bwd.hpp"
+#include "hopper/common/utils.hpp"
+
+namespace flashhopper::hopper {
+
+using namespace cute;
+
+template <class Element, int kHeadDim>
+struct BackwardPreprocess {
+  static constexpr int kRowsPerCta = 8;  // one warp a row
+  static constexpr int kThreads = kRowsPerCta * cutlass::NumThreadsPerWarp;
+  static constexpr int kElemsPerLane = kHeadDim / cutlass::NumThreadsPerWarp;
+  static_assert(kHeadDim % (2 * cutlass::NumThreadsPerWarp) == 0);
+
+  struct Params {
+    Element const* ptr_o;   // [batch, seqlen_q, heads_q, d], strides below (d contiguous)
+    int64_t stride_o[3];    // batch, row, head
+    Element const* ptr_do;
+    int64_t stride_do[3];
+    float const* ptr_lse;   // [batch, heads_q, seqlen_q]
+    int64_t stride_lse[3];  // batch, head, row
+    int seqlen_q;
+    int heads_q;
+    BackwardWorkspacePointers workspace;
+  };
+
+  CUTLASS_DEVICE void operator()(Params const& params) const {
+    const int warp = threadIdx.x / cutlass::NumThreadsPerWarp;
+    const int lane = threadIdx.x % cutlass::NumThreadsPerWarp;
+    // A flat grid over (row block, head, batch): no 65535 limit on heads or batch.
+    const int num_row_blocks = params.workspace.rows_padded / kRowsPerCta;
+    const int row = (blockIdx.x % num_row_blocks) * kRowsPerCta + warp;
+    const int head = (blockIdx.x / num_row_blocks) % params.heads_q;
+    const int batch = blockIdx.x / num_row_blocks / params.heads_q;
+    const int64_t out_index = (int64_t(batch) * params.heads_q + head) * params.workspace.rows_padded + row;
+    if (row >= params.seqlen_q) {
+      if (lane == 0) {
+        params.workspace.dpsum[out_index] = 0.f;
+        params.workspace.lse_log2[out_index] = INFINITY;
+      }
+      return;
+    }
+    using Vector = cutlass::Array<Element, kElemsPerLane>;
+    const int col = lane * kElemsPerLane;
+    const Vector o = *reinterpret_cast<Vector const*>(params.ptr_o + batch * params.stride_o[0] +
+                                                      row * params.stride_o[1] + head * params.stride_o[2] + col);
+    const Vector d_o = *reinterpret_cast<Vector const*>(
+        params.ptr_do + batch * params.stride_do[0] + row * params.stride_do[1] + head * params.stride_do[2] + col);
+    float sum = 0.f;
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < kElemsPerLane; ++i) sum += float(o[i]) * float(d_o[i]);
+    CUTLASS_PRAGMA_UNROLL
+    for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffff, sum, offset);
+    if (lane == 0) {
+      const float lse = params.ptr_lse[batch * params.stride_lse[0] + head * params.stride_lse[1] +
+                                       row * params.stride_lse[2]];
+      params.workspace.dpsum[out_index] = sum;
+      // A row that sees no key has LSE = -inf and must get P = 0, not exp2(-inf + inf).
+      params.workspace.lse_log2[out_index] = lse == -INFINITY ? INFINITY : lse * float(M_LOG2E);
+    }
+  }
+};
+
+// One CTA of the main kernel's MMA threads per (query block, head, batch) tile of dQaccum; each
+// thread reads back the values it would hold in the main kernel and writes them as dQ.
+template <class Mainloop>
+struct BackwardPostprocess {
+  using Element = typename Mainloop::Element;
+  static constexpr int kBlockM = Mainloop::kBlockM;
+  static constexpr int kHeadDim = Mainloop::kHeadDim;
+  static constexpr int kThreads = Mainloop::kNumMmaThreads;
+  using TileShapedQ = Shape<Int<kBlockM>, Int<kHeadDim>>;
+  using ShapedQ = Shape<int32_t, int32_t, int32_t, int32_t>;  // (seqlen_q, d, heads_q, batch)
+  using StridedQ = Stride<int64_t, _1, int64_t, int64_t>;
+
+  struct Params {
+    Element* ptr_dq;
+    ShapedQ shape_dq;
+    StridedQ stride_dq;
+    float softmax_scale;
+    BackwardWorkspacePointers workspace;
+  };
+
+  CUTLASS_DEVICE void operator()(Params const& params) const {
+    // A flat grid over (m_block, head, batch), as the preprocess.
+    const int num_m_blocks = (get<0>(params.shape_dq) + kBlockM - 1) / kBlockM;
+    const int m_block = blockIdx.x % num_m_blocks;
+    const int head = (blockIdx.x / num_m_blocks) % get<2>(params.shape_dq);
+    const int batch = blockIdx.x / num_m_blocks / get<2>(params.shape_dq);
+    const int thread_idx = threadIdx.x;
+    const int warp_group = thread_idx / cutlass::NumThreadsPerWarpGroup;
+    const int thread_in_group = thread_idx % cutlass::NumThreadsPerWarpGroup;
+    typename Mainloop::TiledMmadQ tiled_mma_dq;
+    Tensor tdQrdQ = partition_fragment_C(tiled_mma_dq, TileShapedQ{});
+    constexpr int kSteps = decltype(size(tdQrdQ))::value / 4;
+    float const* dq_tile = params.workspace.dq_accum +
+                           ((int64_t(batch) * get<2>(params.shape_dq) + head) * params.workspace.rows_padded +
+                            int64_t(m_block) * kBlockM) * kHeadDim;
+    CUTLASS_PRAGMA_UNROLL
+    for (int r = 0; r < kSteps; ++r) {
+      const float4 v = *reinterpret_cast<float4 const*>(
+          dq_tile + dq_accum_offset<kBlockM * kHeadDim>(warp_group, thread_in_group, r));
+      tdQrdQ(4 * r) = v.x * params.softmax_scale;
+      tdQrdQ(4 * r + 1) = v.y * params.softmax_scale;
+      tdQrdQ(4 * r + 2) = v.z * params.softmax_scale;
+      tdQrdQ(4 * r + 3) = v.w * params.softmax_scale;
+    }
+    Tensor coords = tiled_mma_dq.get_thread_slice(thread_idx).partition_C(make_identity_tensor(TileShapedQ{}));
+    Tensor mdQ = make_tensor(make_gmem_ptr(params.ptr_dq), params.shape_dq, params.stride_dq)(_, _, head, batch);
+    Tensor gdQ = local_tile(mdQ, TileShapedQ{}, make_coord(m_block, _0{}));
+    store_accumulator_rows(tdQrdQ, coords, gdQ, get<0>(params.shape_dq) - m_block * kBlockM);
+  }
+};
+
+template <class Kernel>
+__global__ void __launch_bounds__(Kernel::kThreads) backward_prepost_entry(typename Kernel::Params const params) {
+  Kernel{}(params);
+}
+
+}  // namespace flashhopper::hopper

@@ -1,0 +1,108 @@
+// Composes the backward for one (dtype, head dim, causal) and enqueues its three kernels:
+// preprocess (D, LSE2), the main kernel (dK, dV, dQaccum), postprocess (dQ).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cute/tensor.hpp>
+
+#include "hopper/collective/epilogue_bwd.hpp"
+#include "hopper/collective/mainloop_bwd.hpp"
+#include "hopper/common/tile_scheduler.hpp"
+#include "hopper/common/tile_size.hpp"
+#include "hopper/kernel/backward_kernel.hpp"
+#include "hopper/kernel/backward_prepost.hpp"
+#include "launch/backward_launch.hpp"
+#include "launch/backward_workspace.hpp"
+#include "launch/element_of.cuh"
+
+namespace flashhopper::launch {
+
+template <fh_dtype kDType, int kHeadDim, bool kCausal>
+cudaError_t run_backward_hdim(const BackwardParams& p, const detail::ProblemShape& s, void* workspace,
+                              cudaStream_t stream) {
+  using namespace cute;
+  using namespace flashhopper::hopper;
+  using Element = typename ElementOf<kDType>::type;
+  using Tile = BackwardTileSize<kHeadDim>;
+  using Mainloop =
+      BackwardMainloop<Element, Tile::kBlockM, Tile::kBlockN, kHeadDim, Tile::kStages, kCausal, Tile::kDqViaTma>;
+  using Epilogue = BackwardEpilogue<Element, Tile::kBlockN, kHeadDim, typename Mainloop::TiledMmadKV>;
+  using Scheduler = StaticPersistentScheduler</*kLongestFirst=*/kCausal>;
+  using Kernel = BackwardKernel<Mainloop, Epilogue, Scheduler>;
+  using Preprocess = BackwardPreprocess<Element, kHeadDim>;
+  using Postprocess = BackwardPostprocess<Mainloop>;
+  static_assert(BackwardWorkspaceLayout::kRowAlign % Tile::kBlockM == 0);
+  static_assert(Tile::kBlockM % BackwardWorkspaceLayout::kSemaphoreRows == 0);
+
+  const int batch = int(s.batch), seqlen_q = int(s.seqlen_q), seqlen_k = int(s.seqlen_k);
+  const int heads_q = int(s.heads_q), heads_kv = int(s.heads_kv);
+  const float scale = float(detail::default_scale(p.softmax_scale, kHeadDim));
+  const BackwardWorkspaceLayout layout = backward_workspace_layout(s);
+  char* ws = static_cast<char*>(workspace);
+  const BackwardWorkspacePointers pointers{reinterpret_cast<float*>(ws + layout.lse_log2),
+                                           reinterpret_cast<float*>(ws + layout.dpsum),
+                                           reinterpret_cast<float*>(ws + layout.dq_accum),
+                                           reinterpret_cast<int*>(ws + layout.dq_semaphore), int(layout.rows_padded)};
+  // Tensors are [batch, seqlen, heads, d]; CuTe sees (seqlen, d, heads, batch).
+  auto stride_of = [](const Tensor& t) { return make_stride(t.stride[1], _1{}, t.stride[2], t.stride[0]); };
+
+  int device = 0, num_sms = 0, l2_bytes = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, device);
+  if (err != cudaSuccess) return err;
+
+  // dQaccum and the semaphores start at zero; the preprocess fills the rest.
+  err = cudaMemsetAsync(ws + layout.dq_accum, 0, layout.bytes - layout.dq_accum, stream);
+  if (err != cudaSuccess) return err;
+
+  typename Preprocess::Params pre{static_cast<Element const*>(p.out.data),
+                                  {p.out.stride[0], p.out.stride[1], p.out.stride[2]},
+                                  static_cast<Element const*>(p.dout.data),
+                                  {p.dout.stride[0], p.dout.stride[1], p.dout.stride[2]},
+                                  static_cast<float const*>(p.lse.data),
+                                  {p.lse.stride[0], p.lse.stride[1], p.lse.stride[2]},
+                                  seqlen_q,
+                                  heads_q,
+                                  pointers};
+  const int64_t pre_ctas = layout.rows_padded / Preprocess::kRowsPerCta * heads_q * batch;
+  backward_prepost_entry<Preprocess><<<unsigned(pre_ctas), Preprocess::kThreads, 0, stream>>>(pre);
+  if ((err = cudaGetLastError()) != cudaSuccess) return err;
+
+  typename Mainloop::Arguments mainloop_args{static_cast<Element const*>(p.q.data),
+                                             make_shape(seqlen_q, kHeadDim, heads_q, batch),
+                                             stride_of(p.q),
+                                             static_cast<Element const*>(p.k.data),
+                                             make_shape(seqlen_k, kHeadDim, heads_kv, batch),
+                                             stride_of(p.k),
+                                             static_cast<Element const*>(p.v.data),
+                                             stride_of(p.v),
+                                             static_cast<Element const*>(p.dout.data),
+                                             stride_of(p.dout),
+                                             scale,
+                                             pointers,
+                                             p.deterministic != 0};
+  typename Epilogue::Arguments epilogue_args{static_cast<Element*>(p.dk.data), stride_of(p.dk),
+                                             static_cast<Element*>(p.dv.data), stride_of(p.dv),
+                                             make_shape(seqlen_k, kHeadDim, heads_kv, batch), scale};
+  const int num_n_blocks = (seqlen_k + Tile::kBlockN - 1) / Tile::kBlockN;
+  const int64_t streamed_bytes_per_head = int64_t(seqlen_q) * (heads_q / heads_kv) * 2 * kHeadDim * sizeof(Element);
+  typename Kernel::Params params{
+      Mainloop::to_underlying_arguments(mainloop_args), Epilogue::to_underlying_arguments(epilogue_args),
+      Scheduler::make_params(num_n_blocks, heads_kv, batch, streamed_bytes_per_head, l2_bytes, num_sms)};
+  auto kernel = backward_kernel_entry<Kernel>;
+  constexpr int kSmemBytes = Kernel::kSharedStorageSize;
+  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  if (err != cudaSuccess) return err;
+  kernel<<<Scheduler::grid_size(params.scheduler, num_sms), Kernel::kNumThreads, kSmemBytes, stream>>>(params);
+  if ((err = cudaGetLastError()) != cudaSuccess) return err;
+
+  typename Postprocess::Params post{static_cast<Element*>(p.dq.data), make_shape(seqlen_q, kHeadDim, heads_q, batch),
+                                    stride_of(p.dq), scale, pointers};
+  const int64_t post_ctas = int64_t((seqlen_q + Tile::kBlockM - 1) / Tile::kBlockM) * heads_q * batch;
+  backward_prepost_entry<Postprocess><<<unsigned(post_ctas), Postprocess::kThreads, 0, stream>>>(post);
+  return cudaGetLastError();
+}
+
+}  // namespace flashhopper::launch

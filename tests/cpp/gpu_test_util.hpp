@@ -1,0 +1,92 @@
+// Helpers shared by the GPU tests (test_forward_gpu, test_backward_gpu): CUDA return-code checks,
+// the sm_90 probe and the main() that exits 77 without one, device copies of host tensors, and
+// inputs stored [B, S, H, D] or [B, H, S, D].
+#pragma once
+
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "flashhopper/flashhopper.hpp"
+#include "test_util.hpp"
+
+#define CUDA_CHECK(expr)                                                       \
+  do {                                                                         \
+    cudaError_t err_ = (expr);                                                 \
+    ASSERT_EQ(err_, cudaSuccess) << #expr << ": " << cudaGetErrorString(err_); \
+  } while (0)
+
+namespace flashhopper::test {
+
+inline bool sm90_available(std::string* why) {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) {
+    cudaGetLastError();
+    *why = "no CUDA device";
+    return false;
+  }
+  int major = 0, minor = 0;
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0);
+  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, 0);
+  if (major != 9 || minor != 0) {
+    *why = "device 0 is sm_" + std::to_string(major * 10 + minor) + ", not sm_90";
+    return false;
+  }
+  return true;
+}
+
+// Without an sm_90 GPU nothing in a GPU test can run: say so and exit with CTest's skip code (77).
+inline int gpu_test_main(int argc, char** argv) {
+  ::testing::InitGoogleTest(&argc, argv);
+  std::string why;
+  if (!sm90_available(&why)) {
+    std::printf("GPU tests skipped: %s\n", why.c_str());
+    return 77;
+  }
+  return RUN_ALL_TESTS();
+}
+
+// A device copy of a host tensor with the same (possibly padded) storage and strides.
+class DeviceTensor {
+ public:
+  explicit DeviceTensor(const HostTensor& host) : host_view_(host.view()), bytes_(host.bytes()) {
+    if (cudaMalloc(&data_, bytes_) != cudaSuccess) data_ = nullptr;
+  }
+  ~DeviceTensor() { cudaFree(data_); }
+  DeviceTensor(const DeviceTensor&) = delete;
+  DeviceTensor& operator=(const DeviceTensor&) = delete;
+
+  bool ok() const { return data_ != nullptr; }
+  cudaError_t upload(const HostTensor& host) {
+    return cudaMemcpy(data_, const_cast<HostTensor&>(host).data(), bytes_, cudaMemcpyHostToDevice);
+  }
+  cudaError_t download(HostTensor& host) const {
+    return cudaMemcpy(host.data(), data_, bytes_, cudaMemcpyDeviceToHost);
+  }
+  cudaError_t poison() { return cudaMemset(data_, 0xff, bytes_); }  // NaN in bf16/fp16/fp32
+  Tensor view() const {
+    Tensor t = host_view_;
+    t.data = data_;
+    return t;
+  }
+
+ private:
+  Tensor host_view_;
+  size_t bytes_;
+  void* data_ = nullptr;
+};
+
+// [B, S, H, D] tensor; with heads_major the storage is [B, H, S, D] and the view is permuted.
+inline HostTensor make_input(fh_dtype dtype, int b, int s, int h, int d, bool heads_major, uint32_t seed) {
+  if (!heads_major) return random_tensor(dtype, {b, s, h, d}, seed);
+  return random_tensor(dtype, {b, h, s, d}, seed);
+}
+inline Tensor bshd_view(const HostTensor& t, bool heads_major) {
+  return heads_major ? permute(t.view(), {0, 2, 1, 3}) : t.view();
+}
+
+}  // namespace flashhopper::test
