@@ -31,7 +31,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashhopper
 
-BACKENDS = ("flashhopper", "cudnn", "flash")
+BACKENDS = ("flashhopper", "cudnn", "flash", "flashhopper_det")  # _det: deterministic=True (backward only)
 FIELDS = ["date", "gpu", "pass", "hdim", "causal", "seqlen", "batch", "heads",
           *(f"{name}_{unit}" for name in BACKENDS for unit in ("ms", "tflops")), "max_diff_vs_cudnn"]
 PASS_NAMES = {"fwd": "forward", "bwd": "backward"}
@@ -108,11 +108,13 @@ def main():
 
     for name, rows, csv_path in tables:
         print(f"\n{gpu}, {date}, {name} TFLOP/s (ratio = flashhopper / cudnn; '-': not available)")
-        print("| hdim | causal | seqlen | flashhopper | cudnn | flash | ratio |")
-        print("|---|---|---|---|---|---|---|")
+        print("| hdim | causal | seqlen | flashhopper | cudnn | flash | ratio | deterministic | det / default |")
+        print("|---|---|---|---|---|---|---|---|---|")
         for r in rows:
+            det = r["flashhopper_det_tflops"]
             print(f"| {r['hdim']} | {r['causal']} | {r['seqlen']} | {_fmt(r['flashhopper_tflops'], '.0f')} | "
-                  f"{_fmt(r['cudnn_tflops'], '.0f')} | {_fmt(r['flash_tflops'], '.0f')} | {_fmt(_ratio(r), '.2f')} |")
+                  f"{_fmt(r['cudnn_tflops'], '.0f')} | {_fmt(r['flash_tflops'], '.0f')} | {_fmt(_ratio(r), '.2f')} | "
+                  f"{_fmt(det, '.0f')} | {_fmt(det / r['flashhopper_tflops'], '.2f')} |")
         print(f"wrote {csv_path}")
 
 
@@ -130,6 +132,7 @@ def _forward_row(row, batch, seqlen, heads, head_dim, causal, timing, reported):
         "flash": lambda: lambda: _sdpa(SDPBackend.FLASH_ATTENTION, qt, kt, vt, causal),
     }
     fns = _time_row(row, setups, flops(batch, heads, seqlen, head_dim, causal), timing, reported)
+    row["flashhopper_det_ms"] = row["flashhopper_det_tflops"] = float("nan")  # the forward has no such mode
     row["max_diff_vs_cudnn"] = float("nan")
     if "flashhopper" in fns and "cudnn" in fns:
         with torch.no_grad():
@@ -146,6 +149,10 @@ def _backward_row(row, batch, seqlen, heads, head_dim, causal, timing, reported)
         out, lse = flashhopper.forward(q, k, v, causal=bool(causal), return_lse=True)
         return lambda: flashhopper.backward(dout, q, k, v, out, lse, causal=bool(causal))
 
+    def flashhopper_det_setup():
+        out, lse = flashhopper.forward(q, k, v, causal=bool(causal), return_lse=True)
+        return lambda: flashhopper.backward(dout, q, k, v, out, lse, causal=bool(causal), deterministic=True)
+
     def sdpa_setup(backend):
         leaves = [x.detach().requires_grad_() for x in (q, k, v)]
         qt, kt, vt = (x.transpose(1, 2) for x in leaves)  # SDPA wants [B, H, S, D]; grads are taken here
@@ -160,6 +167,7 @@ def _backward_row(row, batch, seqlen, heads, head_dim, causal, timing, reported)
         "flashhopper": flashhopper_setup,
         "cudnn": lambda: sdpa_setup(SDPBackend.CUDNN_ATTENTION),
         "flash": lambda: sdpa_setup(SDPBackend.FLASH_ATTENTION),
+        "flashhopper_det": flashhopper_det_setup,
     }
     fns = _time_row(row, setups, 2.5 * flops(batch, heads, seqlen, head_dim, causal), timing, reported)
     row["max_diff_vs_cudnn"] = float("nan")
