@@ -108,8 +108,8 @@ struct BackwardMainloop {
   using SmemLayoutK = decltype(tile_to_shape(
       cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element, Int<kBlockN>, Int<kHeadDim>>(),
       Shape<Int<kBlockN>, Int<kHeadDim>>{}));
-  using SmemLayoutKt =
-      decltype(composition(SmemLayoutK{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, Stride<Int<kBlockN>, _1>{})));
+  using SmemLayoutKt = decltype(composition(
+      SmemLayoutK{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, Stride<Int<kBlockN>, _1>{})));
   // P and dS: (M, N, buffer), N contiguous; transposed (N, M, buffer) for dV and dK.
   using SmemLayoutPdS = decltype(tile_to_shape(
       cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element, Int<kBlockM>, Int<kBlockN>>(),

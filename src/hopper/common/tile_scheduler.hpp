@@ -1,8 +1,8 @@
 // Persistent tile scheduler: CTAs stride over the tiles (block, head, batch), where block is the
 // query block of a forward tile and the key block of a backward one. With causal masking the
 // tiles are handed out longest first (highest block first; the backward reverses its key
-// blocks so that this holds for it too), so that the
-// short diagonal tiles fill the last wave instead of one long tile trailing alone, and in a
+// blocks so that this holds for it too), so that the short diagonal tiles fill the last wave
+// instead of one long tile trailing alone, and in a
 // snake order (odd waves run backwards over the CTAs), so that the CTA that got the longest tile
 // of one wave gets the shortest of the next: a plain stride would give CTA 0 the longest tile of
 // every wave, about 12% more work than the last CTA at 8k tokens. Longest-first alone would run
@@ -38,12 +38,13 @@ struct StaticPersistentScheduler {
     cutlass::FastDivmod head_divmod;   // over num_heads
   };
 
-  // kv_bytes_per_head: what the tiles of one (batch, head) stream and share: K and V in the
-  // forward, the group's Q and dO in the backward. l2_bytes: the device's L2 size.
-  static Params make_params(int num_blocks, int num_heads, int num_batch, int64_t kv_bytes_per_head,
+  // streamed_bytes_per_head: what the tiles of one (batch, head) stream and share: K and V in
+  // the forward, the group's Q and dO in the backward (0: no sections, one order over all heads).
+  // l2_bytes: the device's L2 size.
+  static Params make_params(int num_blocks, int num_heads, int num_batch, int64_t streamed_bytes_per_head,
                             int64_t l2_bytes, int num_sms) {
     const int num_tiles = num_blocks * num_heads * num_batch;
-    const int64_t fitting_l2 = (l2_bytes / 2) / (kv_bytes_per_head > 0 ? kv_bytes_per_head : 1);
+    const int64_t fitting_l2 = (l2_bytes / 2) / (streamed_bytes_per_head > 0 ? streamed_bytes_per_head : 1);
     const int64_t four_waves = (4 * int64_t(num_sms) + num_blocks - 1) / num_blocks;
     const int64_t pairs = std::min<int64_t>(std::max<int64_t>({fitting_l2, four_waves, 1}), num_heads * num_batch);
     const int heads_per_section = int(pairs);

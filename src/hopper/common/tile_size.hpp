@@ -1,7 +1,8 @@
 // The kernels' tunables per head dim, in one table.
-// Forward: shared memory holds Q, kStages K tiles and kStages V tiles, (kBlockM + 2 * kStages * kBlockN) * d * 2 bytes, plus O's kBlockM * d * 2 where
-// that still fits 227 KiB; otherwise O is stored from registers (ForwardKernel::kOStagedInSmem).
-// Registers: each consumer warpgroup owns 64 rows, so O takes d/2 and S kBlockN/2 floats a thread.
+// Forward: shared memory holds Q, kStages K tiles and kStages V tiles,
+// (kBlockM + 2 * kStages * kBlockN) * d * 2 bytes, plus O's kBlockM * d * 2 where that still fits
+// 227 KiB; otherwise O is stored from registers (ForwardKernel::kOStagedInSmem). Registers: each
+// consumer warpgroup owns 64 rows, so O takes d/2 and S kBlockN/2 floats a thread.
 #pragma once
 
 namespace flashhopper::hopper {
