@@ -1,6 +1,6 @@
 // The Hopper backward kernel against the CPU reference (CTest label "gpu"). Without an sm_90
-// GPU every test skips and says so, and so does every test while this build's backward answers
-// FH_ERROR_NOT_SUPPORTED. Inputs: random q, k, v, dout; out and lse come from the exact CPU
+// GPU every test skips and says so, and so does a case whose (dtype, head dim) this build did not
+// compile (FH_ERROR_NOT_SUPPORTED). Inputs: random q, k, v, dout; out and lse come from the exact CPU
 // forward, out rounded once to the input dtype as a real forward hands it over. Pass rule
 // (FlashAttention's): for each of dq, dk, dv the kernel's error versus the exact gradient is at
 // most twice the error of a plain low-precision implementation, plus a small absolute slack; NaN

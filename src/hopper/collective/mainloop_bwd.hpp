@@ -27,7 +27,7 @@ namespace flashhopper::hopper {
 
 using namespace cute;
 
-// Where a (batch, query head, key block) CTA works: the CTA owns one key head's K and V and
+// What a (key block, key head, batch) CTA works on: it owns one key head's K and V and
 // walks every query head of its group (GQA), so dK and dV sum the group in registers.
 struct BackwardBlock {
   int n_block;
