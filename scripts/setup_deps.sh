@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs the pinned CUTLASS/CuTe headers (PyPI wheel nvidia-cutlass, headers only) into
 # third_party/cutlass. Idempotent; nothing third-party is committed to the repository.
+# Keep the version in step with build-system.requires in pyproject.toml (pip builds).
 set -euo pipefail
 CUTLASS_VERSION=4.2.0.0
 root="$(cd "$(dirname "$0")/.." && pwd)"
@@ -12,7 +13,7 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$CUTLASS_VERSION" ]; then
 fi
 rm -rf "$dest" "$dest.tmp"
 python3 -m pip install --quiet --no-deps --target "$dest.tmp" "nvidia-cutlass==$CUTLASS_VERSION"
-src="$dest.tmp/cutlass_library/source"
+src="$(PYTHONPATH="$dest.tmp" python3 "$root/scripts/cutlass_root.py")"
 mkdir -p "$dest"
 # Keep only the C++ headers the build needs (include/ and tools/util/include): about 25 MiB.
 cp -r "$src/include" "$dest/include"

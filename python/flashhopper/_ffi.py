@@ -1,7 +1,8 @@
 """ctypes mirror of include/flashhopper/flashhopper.h: the C ABI, nothing else.
 
-The library is found through FLASHHOPPER_LIBRARY, else next to this file, else on the loader's
-path. No PyTorch here: this layer speaks pointers, shapes and strides."""
+The library is found next to this file (pip install .), else through FLASHHOPPER_LIBRARY, else in
+the repository's build/ (a checkout with PYTHONPATH=python), else on the loader's path. No PyTorch
+here: this layer speaks pointers, shapes and strides."""
 import ctypes
 import os
 import pathlib
@@ -64,11 +65,15 @@ class FlashHopperError(RuntimeError):
 
 
 def _find_library() -> str:
+    package_dir = pathlib.Path(__file__).resolve().parent
+    installed = package_dir / "libflashhopper.so"  # put there by pip install .
+    if installed.exists():
+        return str(installed)
     explicit = os.environ.get("FLASHHOPPER_LIBRARY")
     if explicit:
         return explicit
-    here = pathlib.Path(__file__).resolve().parent / "libflashhopper.so"
-    return str(here) if here.exists() else "libflashhopper.so"
+    repo_build = package_dir.parent.parent / "build" / "libflashhopper.so"  # scripts/build.sh
+    return str(repo_build) if repo_build.exists() else "libflashhopper.so"
 
 
 _lib = None
@@ -77,7 +82,13 @@ _lib = None
 def lib() -> ctypes.CDLL:
     global _lib
     if _lib is None:
-        handle = ctypes.CDLL(_find_library())
+        path = _find_library()
+        try:
+            handle = ctypes.CDLL(path)
+        except OSError as e:
+            raise OSError(f"flashhopper: cannot load the library ({e}). Install the package with "
+                          "`pip install .`, or build it (scripts/build.sh) and set "
+                          "FLASHHOPPER_LIBRARY=<build>/libflashhopper.so") from e
         handle.fh_forward_params_init.argtypes = [ctypes.POINTER(ForwardParams)]
         handle.fh_forward_params_init.restype = None
         handle.fh_forward_workspace_size.argtypes = [ctypes.POINTER(ForwardParams), ctypes.POINTER(ctypes.c_size_t)]

@@ -1,11 +1,177 @@
-"""PyTorch tensors -> the C ABI's parameter structs -> one library call."""
+"""PyTorch tensors -> the C ABI's parameter structs -> one library call.
+
+`forward` and `backward` are the plain (no autograd) entry points; `flashhopper.ops` wraps them as
+torch.library custom ops and `flashhopper.flash_attn_interface` offers FlashAttention-3's API on top.
+
+Argument checks run in this order, each naming the argument: what the kernels cannot do yet
+(NotImplementedError), dtypes, ranks, shapes and strides (ValueError), then devices and 16-byte
+alignment (ValueError); only then the library, which checks everything again and refuses with
+FlashHopperError (FlashHopperInvalidArgument is also a ValueError, FlashHopperNotSupported also a
+NotImplementedError). Nothing is launched on any error. No call here synchronises with the host:
+outputs and workspace come from PyTorch's caching allocator, the kernels go on PyTorch's current
+stream, so the calls can be captured in a CUDA graph."""
 import ctypes
+import math
 
 import torch
 
 from . import _ffi
+from ._ffi import FlashHopperError
 
 _DTYPES = {torch.bfloat16: _ffi.DTYPE_BF16, torch.float16: _ffi.DTYPE_FP16, torch.float32: _ffi.DTYPE_FP32}
+INPUT_DTYPES = (torch.bfloat16, torch.float16)
+_FP8_DTYPES = tuple(getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
+                                                      "float8_e5m2fnuz") if hasattr(torch, name))
+MAX_HEAD_DIM = 256
+_TMA_BYTES = 16  # TMA: base addresses and all strides but the last (which is 1) multiples of 16 bytes
+
+_STATUS_INVALID_ARGUMENT = 1
+_STATUS_NOT_SUPPORTED = 2
+
+
+class FlashHopperInvalidArgument(FlashHopperError, ValueError):
+    """The library refused an argument (FH_ERROR_INVALID_ARGUMENT)."""
+
+
+class FlashHopperNotSupported(FlashHopperError, NotImplementedError):
+    """A valid request that this build of the library cannot run (yet) (FH_ERROR_NOT_SUPPORTED),
+    e.g. a (dtype, head dim) that a development build did not compile."""
+
+
+def _check(status: int) -> None:
+    if status == 0:
+        return
+    message = _ffi.lib().fh_last_error().decode()
+    if status == _STATUS_INVALID_ARGUMENT:
+        raise FlashHopperInvalidArgument(status, message)
+    if status == _STATUS_NOT_SUPPORTED:
+        raise FlashHopperNotSupported(status, message)
+    raise FlashHopperError(status, message)
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks on metadata only (dtype, shape, strides): they work on fake tensors (torch.compile) and on
+# CPU tensors, so they run first.
+
+def _check_input(name: str, t, rank: int, layout: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype in _FP8_DTYPES:
+        raise NotImplementedError(f"{name}: dtype {t.dtype}: fp8 attention is not supported by FlashHopper "
+                                  "yet (bfloat16 or float16)")
+    if t.dtype not in INPUT_DTYPES:
+        raise ValueError(f"{name}: dtype {t.dtype} is not supported (torch.bfloat16 or torch.float16)")
+    if t.dim() != rank:
+        raise ValueError(f"{name}: expected {rank} dims {layout}, got shape {tuple(t.shape)}")
+
+
+def check_layout(name: str, t: torch.Tensor) -> None:
+    """Last dim contiguous, other strides multiples of 16 bytes (what the kernels' TMA loads need)."""
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name}: the last dim must be contiguous (stride 1), got strides {tuple(t.stride())}; "
+                         "call .contiguous()")
+    granule = _TMA_BYTES // t.element_size()
+    for dim in range(t.dim() - 1):
+        if t.stride(dim) % granule != 0:
+            raise ValueError(f"{name}: stride[{dim}] is {t.stride(dim)}, not a multiple of {granule} elements "
+                             f"(16 bytes), got strides {tuple(t.stride())}; call .contiguous()")
+
+
+def layout_ok(t: torch.Tensor) -> bool:
+    """True when `t` passes check_layout and no stride is 0 on a dim of more than one element."""
+    if t.stride(-1) != 1:
+        return False
+    granule = _TMA_BYTES // t.element_size()
+    return all(t.stride(d) % granule == 0 and (t.stride(d) != 0 or t.shape[d] <= 1) for d in range(t.dim() - 1))
+
+
+def check_forward_args(q, k, v, softmax_scale=None) -> None:
+    """Dtypes, ranks, shapes, strides and softmax_scale of a dense forward; no device access."""
+    _check_input("q", q, 4, "[batch, seqlen_q, heads_q, head_dim]")
+    _check_input("k", k, 4, "[batch, seqlen_k, heads_kv, head_dim]")
+    _check_input("v", v, 4, "[batch, seqlen_k, heads_kv, head_dim]")
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise ValueError(f"{name}: dtype {t.dtype} differs from q's {q.dtype}; q, k and v must have one dtype")
+    batch, _, heads_q, head_dim = q.shape
+    if k.shape[0] != batch:
+        raise ValueError(f"k: batch size {k.shape[0]} differs from q's {batch} (shapes q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)})")
+    if v.shape[:3] != k.shape[:3]:
+        raise ValueError(f"v: shape {tuple(v.shape)} must match k's {tuple(k.shape)} in batch, seqlen_k and heads")
+    if k.shape[3] != head_dim:
+        raise ValueError(f"k: head dim {k.shape[3]} differs from q's {head_dim}")
+    if v.shape[3] != head_dim:
+        raise NotImplementedError(f"v: head dim {v.shape[3]} differs from q's {head_dim}; a value head dim "
+                                  "other than the query/key head dim is not supported by FlashHopper yet")
+    if head_dim > MAX_HEAD_DIM:
+        raise ValueError(f"q: head dim {head_dim} is larger than {MAX_HEAD_DIM}")
+    if head_dim % (_TMA_BYTES // q.element_size()) != 0:
+        raise ValueError(f"q: head dim {head_dim} is not a multiple of {_TMA_BYTES // q.element_size()}")
+    heads_kv = k.shape[2]
+    if heads_kv == 0 or heads_q % heads_kv != 0:
+        raise ValueError(f"k: {heads_kv} key/value heads do not divide q's {heads_q} query heads (GQA/MQA "
+                         "needs heads_q % heads_kv == 0)")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_layout(name, t)
+    check_softmax_scale(softmax_scale)
+
+
+def check_softmax_scale(softmax_scale) -> None:
+    if softmax_scale is None:
+        return
+    if isinstance(softmax_scale, torch.Tensor):
+        raise ValueError("softmax_scale: must be a Python float or None, not a tensor")
+    if not math.isfinite(softmax_scale) or softmax_scale < 0:
+        raise ValueError(f"softmax_scale: {softmax_scale} must be finite and > 0")
+    if softmax_scale == 0:
+        raise NotImplementedError("softmax_scale: 0.0 is not supported (the C ABI reads 0 as 1/sqrt(head_dim)); "
+                                  "pass None for the default")
+
+
+def check_backward_args(dout, q, k, v, out, lse, softmax_scale=None, check_dout_layout=True) -> None:
+    check_forward_args(q, k, v, softmax_scale)
+    expected = (q.shape[0], q.shape[1], q.shape[2], v.shape[3])
+    for name, t in (("out", out), ("dout", dout)):
+        _check_input(name, t, 4, "[batch, seqlen_q, heads_q, head_dim]")
+        if t.dtype != q.dtype:
+            raise ValueError(f"{name}: dtype {t.dtype} differs from q's {q.dtype}")
+        if tuple(t.shape) != tuple(expected):
+            raise ValueError(f"{name}: shape {tuple(t.shape)}, expected {tuple(expected)}")
+    check_layout("out", out)
+    if check_dout_layout:
+        check_layout("dout", dout)
+    if not isinstance(lse, torch.Tensor):
+        raise ValueError(f"lse: expected a torch.Tensor, got {type(lse).__name__}")
+    if lse.dtype != torch.float32:
+        raise ValueError(f"lse: dtype {lse.dtype}, expected torch.float32 (as returned by the forward)")
+    expected_lse = (q.shape[0], q.shape[2], q.shape[1])
+    if tuple(lse.shape) != tuple(expected_lse):
+        raise ValueError(f"lse: shape {tuple(lse.shape)}, expected [batch, heads_q, seqlen_q] = {expected_lse}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks that need real tensors: device and alignment.
+
+def check_devices(named) -> None:
+    """All CUDA, all on one device."""
+    device = None
+    for name, t in named:
+        if t is None:
+            continue
+        if not t.is_cuda:
+            raise ValueError(f"{name}: must be a CUDA tensor, got device {t.device}")
+        if device is None:
+            device = t.device
+        elif t.device != device:
+            raise ValueError(f"{name}: is on {t.device} but the other tensors are on {device}")
+
+
+def check_alignment(named) -> None:
+    for name, t in named:
+        if t is not None and t.data_ptr() % _TMA_BYTES != 0:
+            raise ValueError(f"{name}: data pointer 0x{t.data_ptr():x} is not 16-byte aligned (a view with an "
+                             "element offset?); call .clone() or .contiguous()")
 
 
 def _view(t: torch.Tensor) -> _ffi.Tensor:
@@ -14,21 +180,35 @@ def _view(t: torch.Tensor) -> _ffi.Tensor:
     return _ffi.make_tensor(t.data_ptr(), _DTYPES[t.dtype], t.shape, t.stride())
 
 
-def _require_cuda(named) -> None:
-    for name, t in named:
-        if not t.is_cuda:
-            raise ValueError(f"{name}: must be a CUDA tensor, got device {t.device}")
+def _scale(softmax_scale) -> float:
+    return 0.0 if softmax_scale is None else float(softmax_scale)
+
+
+def _workspace(bytes_needed: int, device):
+    if not bytes_needed:
+        return None, None
+    workspace = torch.empty(bytes_needed, dtype=torch.uint8, device=device)  # caching allocator, 512-B aligned
+    return workspace, workspace.data_ptr()
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
             softmax_scale: float | None = None, out: torch.Tensor | None = None,
             return_lse: bool = False):
-    """Attention forward. q [B, sq, Hq, d], k [B, sk, Hkv, d], v [B, sk, Hkv, dv] on one CUDA
-    device. Returns out [B, sq, Hq, dv] (and lse [B, Hq, sq] float32 when return_lse)."""
-    _require_cuda((("q", q), ("k", k), ("v", v)))
+    """Attention forward. q [B, sq, Hq, d], k [B, sk, Hkv, d], v [B, sk, Hkv, d] on one CUDA
+    device (bf16 or fp16). Returns out [B, sq, Hq, d] (and lse [B, Hq, sq] float32 when
+    return_lse). softmax_scale None means 1/sqrt(d); causal is aligned bottom-right."""
+    check_forward_args(q, k, v, softmax_scale)
+    named = [("q", q), ("k", k), ("v", v), ("out", out)]
+    check_devices(named)
     batch, seqlen_q, heads_q, _ = q.shape
     if out is None:
         out = torch.empty((batch, seqlen_q, heads_q, v.shape[-1]), dtype=q.dtype, device=q.device)
+    elif out.dtype != q.dtype or tuple(out.shape) != (batch, seqlen_q, heads_q, v.shape[-1]):
+        raise ValueError(f"out: dtype {out.dtype} shape {tuple(out.shape)}, expected {q.dtype} "
+                         f"{(batch, seqlen_q, heads_q, v.shape[-1])}")
+    else:
+        check_layout("out", out)
+    check_alignment(named[:3] + [("out", out)])
     lse = torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=q.device) if return_lse else None
     params = _ffi.ForwardParams()
     lib = _ffi.lib()
@@ -36,15 +216,14 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = Fa
     params.q, params.k, params.v, params.out = _view(q), _view(k), _view(v), _view(out)
     if lse is not None:
         params.lse = _view(lse)
-    params.causal = int(causal)
-    params.softmax_scale = 0.0 if softmax_scale is None else float(softmax_scale)
+    params.causal = int(bool(causal))
+    params.softmax_scale = _scale(softmax_scale)
     workspace_bytes = ctypes.c_size_t(0)
-    _ffi.check(lib.fh_forward_workspace_size(ctypes.byref(params), ctypes.byref(workspace_bytes)))
-    workspace = torch.empty(workspace_bytes.value, dtype=torch.uint8, device=q.device) if workspace_bytes.value else None
-    stream = torch.cuda.current_stream(q.device).cuda_stream
+    _check(lib.fh_forward_workspace_size(ctypes.byref(params), ctypes.byref(workspace_bytes)))
+    workspace, workspace_ptr = _workspace(workspace_bytes.value, q.device)
     with torch.cuda.device(q.device):
-        _ffi.check(lib.fh_forward(ctypes.byref(params), workspace.data_ptr() if workspace is not None else None,
-                                  workspace_bytes.value, stream))
+        stream = torch.cuda.current_stream(q.device).cuda_stream
+        _check(lib.fh_forward(ctypes.byref(params), workspace_ptr, workspace_bytes.value, stream))
     return (out, lse) if return_lse else out
 
 
@@ -54,27 +233,36 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
              dv: torch.Tensor | None = None):
     """Attention backward. q, k, v, out and lse [B, Hq, sq] float32 as from
     forward(..., return_lse=True) with the same causal and softmax_scale; dout like out.
-    Returns (dq, dk, dv), shaped like q, k, v (allocated with empty_like when not given)."""
-    named = [("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse)]
-    named += [(name, t) for name, t in (("dq", dq), ("dk", dk), ("dv", dv)) if t is not None]
-    _require_cuda(named)
+    Returns (dq, dk, dv), shaped like q, k, v (allocated with empty_like when not given).
+    deterministic=True gives bit-identical results run to run (slightly slower)."""
+    check_backward_args(dout, q, k, v, out, lse, softmax_scale)
+    named = [("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse),
+             ("dq", dq), ("dk", dk), ("dv", dv)]
+    check_devices(named)
+    for name, grad, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
+        if grad is not None:
+            if grad.dtype != like.dtype or grad.shape != like.shape:
+                raise ValueError(f"{name}: dtype {grad.dtype} shape {tuple(grad.shape)}, expected {like.dtype} "
+                                 f"{tuple(like.shape)}")
+            check_layout(name, grad)
     dq = torch.empty_like(q) if dq is None else dq
     dk = torch.empty_like(k) if dk is None else dk
     dv = torch.empty_like(v) if dv is None else dv
+    check_alignment([("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("dq", dq), ("dk", dk),
+                     ("dv", dv)])
     params = _ffi.BackwardParams()
     lib = _ffi.lib()
     lib.fh_backward_params_init(ctypes.byref(params))
     params.q, params.k, params.v, params.out = _view(q), _view(k), _view(v), _view(out)
     params.dout, params.lse = _view(dout), _view(lse)
     params.dq, params.dk, params.dv = _view(dq), _view(dk), _view(dv)
-    params.causal = int(causal)
-    params.softmax_scale = 0.0 if softmax_scale is None else float(softmax_scale)
-    params.deterministic = int(deterministic)
+    params.causal = int(bool(causal))
+    params.softmax_scale = _scale(softmax_scale)
+    params.deterministic = int(bool(deterministic))
     workspace_bytes = ctypes.c_size_t(0)
-    _ffi.check(lib.fh_backward_workspace_size(ctypes.byref(params), ctypes.byref(workspace_bytes)))
-    workspace = torch.empty(workspace_bytes.value, dtype=torch.uint8, device=q.device) if workspace_bytes.value else None
-    stream = torch.cuda.current_stream(q.device).cuda_stream
+    _check(lib.fh_backward_workspace_size(ctypes.byref(params), ctypes.byref(workspace_bytes)))
+    workspace, workspace_ptr = _workspace(workspace_bytes.value, q.device)
     with torch.cuda.device(q.device):
-        _ffi.check(lib.fh_backward(ctypes.byref(params), workspace.data_ptr() if workspace is not None else None,
-                                   workspace_bytes.value, stream))
+        stream = torch.cuda.current_stream(q.device).cuda_stream
+        _check(lib.fh_backward(ctypes.byref(params), workspace_ptr, workspace_bytes.value, stream))
     return dq, dk, dv

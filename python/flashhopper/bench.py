@@ -1,0 +1,275 @@
+"""Side-by-side attention speed: FlashHopper vs PyTorch SDPA (cuDNN and FLASH backends), same
+GPU, same run, random bf16 inputs, forward and backward. TFLOP/s with FlashAttention's FLOP counts
+(forward 4*B*H*sq*sk*d, halved when causal; backward 2.5 times the forward's). Each number is the
+median of interleaved rounds of back-to-back calls: 15 rounds of 10 calls for the forward, 10 rounds
+of 5 calls for the backward (--rounds/--calls, --bwd-rounds/--bwd-calls). Writes a CSV and a PNG
+plot per pass (bench_forward.*, bench_backward.*) and prints a table per pass with the ratio to
+cuDNN.
+
+The backward is timed alone. FlashHopper: flashhopper.backward on out and lse computed once by
+flashhopper.forward(..., return_lse=True). SDPA: the forward runs once with requires_grad under the
+backend's context, then each call is torch.autograd.grad(out, (q, k, v), dout, retain_graph=True),
+which runs that backend's backward kernel(s) only. dout is laid out like each backend's out. A
+backend that cannot run a shape (or FlashHopper's backward while the library says it is not
+supported) is recorded as unavailable: NaN in the CSV, '-' in the table, no bar in the plot.
+max_diff_vs_cudnn is the largest absolute difference from cuDNN's out (forward) or dq/dk/dv
+(backward).
+
+    python -m flashhopper.bench [--passes fwd bwd] [--hdims 64 128 256] [--seqlens ...] [--causal 0 1] [--out DIR]
+    (bench/benchmark_attention.py is the same script; scripts/device_check.sh bench runs it)
+
+Each measured row prints one progress line: [row/total] the numbers, elapsed seconds. The PNG needs
+matplotlib (imported only to plot); without it the plot is skipped with a message.
+"""
+import argparse
+import csv
+import datetime
+import math
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from . import interface as flashhopper  # forward / backward, no autograd
+
+BACKENDS = ("flashhopper", "cudnn", "flash", "flashhopper_det")  # _det: deterministic=True (backward only)
+FIELDS = ["date", "gpu", "pass", "hdim", "causal", "seqlen", "batch", "heads",
+          *(f"{name}_{unit}" for name in BACKENDS for unit in ("ms", "tflops")), "max_diff_vs_cudnn"]
+PASS_NAMES = {"fwd": "forward", "bwd": "backward"}
+
+
+def flops(batch, heads, seqlen, head_dim, causal):
+    return 4.0 * batch * heads * seqlen * seqlen * head_dim * (0.5 if causal else 1.0)
+
+
+def time_all_ms(fns, warmup=10, rounds=15, calls=10):
+    """Median per backend of `rounds` timings, each the mean of `calls` back-to-back calls, after
+    `warmup` calls. Rounds interleave the backends (A, B, C, A, B, C, ...) so that clock and power
+    drift during the run falls on all of them alike; back-to-back calls let each backend's host
+    launch cost overlap its previous call's GPU work, as in a model's forward."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    torch.cuda.synchronize()
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(calls):
+                fn()
+            stop.record()
+            stop.synchronize()
+            times[name].append(start.elapsed_time(stop) / calls)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--passes", nargs="+", choices=["fwd", "bwd"], default=["fwd", "bwd"])
+    parser.add_argument("--hdims", type=int, nargs="+", default=[64, 128, 256])
+    parser.add_argument("--seqlens", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
+    parser.add_argument("--causal", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--total-tokens", type=int, default=16384)
+    parser.add_argument("--model-dim", type=int, default=2048)
+    parser.add_argument("--rounds", type=int, default=15, help="forward: interleaved rounds")
+    parser.add_argument("--calls", type=int, default=10, help="forward: back-to-back calls per round")
+    parser.add_argument("--bwd-rounds", type=int, default=10, help="backward: interleaved rounds")
+    parser.add_argument("--bwd-calls", type=int, default=5, help="backward: back-to-back calls per round")
+    parser.add_argument("--out", default="bench")
+    args = parser.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    gpu = torch.cuda.get_device_name()
+    date = datetime.date.today().isoformat()
+    timing = {"fwd": dict(warmup=10, rounds=args.rounds, calls=args.calls),
+              "bwd": dict(warmup=3, rounds=args.bwd_rounds, calls=args.bwd_calls)}
+    torch.manual_seed(0)
+
+    passes = list(dict.fromkeys(args.passes))  # in the order given, each once
+    total = len(passes) * len(args.hdims) * len(args.causal) * len(args.seqlens)
+    done, started = 0, time.monotonic()
+    print(f"{gpu}, {date}: {total} rows ({', '.join(passes)}), results in {args.out}/", flush=True)
+    tables = []
+    for pass_ in passes:  # in the order given, each once
+        name = PASS_NAMES[pass_]
+        csv_path = os.path.join(args.out, f"bench_{name}.csv")
+        rows, reported = [], set()
+        for head_dim in args.hdims:
+            for causal in args.causal:
+                for seqlen in args.seqlens:
+                    batch, heads = args.total_tokens // seqlen, args.model_dim // head_dim
+                    row = {"date": date, "gpu": gpu, "pass": pass_, "hdim": head_dim, "causal": causal,
+                           "seqlen": seqlen, "batch": batch, "heads": heads}
+                    measure = _forward_row if pass_ == "fwd" else _backward_row
+                    measure(row, batch, seqlen, heads, head_dim, causal, timing[pass_], reported)
+                    rows.append(row)
+                    done += 1
+                    _progress(done, total, started, row)
+                    _write_csv(rows, csv_path)  # after every row, so a run cut short keeps what it measured
+        _plot(rows, os.path.join(args.out, f"bench_{name}.png"), gpu, date, name)
+        tables.append((name, rows, csv_path))
+
+    for name, rows, csv_path in tables:
+        print(f"\n{gpu}, {date}, {name} TFLOP/s (ratio = flashhopper / cudnn; '-': not available)")
+        print("| hdim | causal | seqlen | flashhopper | cudnn | flash | ratio | deterministic | det / default |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for r in rows:
+            det = r["flashhopper_det_tflops"]
+            print(f"| {r['hdim']} | {r['causal']} | {r['seqlen']} | {_fmt(r['flashhopper_tflops'], '.0f')} | "
+                  f"{_fmt(r['cudnn_tflops'], '.0f')} | {_fmt(r['flash_tflops'], '.0f')} | {_fmt(_ratio(r), '.2f')} | "
+                  f"{_fmt(det, '.0f')} | {_fmt(det / r['flashhopper_tflops'], '.2f')} |")
+        print(f"wrote {csv_path}")
+    print(f"done: {done} rows in {time.monotonic() - started:.0f} s")
+
+
+def _progress(done, total, started, row):
+    """One line per measured row: count/total, the row's numbers, elapsed time."""
+    det = row["flashhopper_det_tflops"]
+    print(f"[{done:{len(str(total))}d}/{total}] {row['pass']} hdim {row['hdim']:3d} causal {row['causal']} "
+          f"seqlen {row['seqlen']:5d}: flashhopper {_fmt(row['flashhopper_tflops'], '6.1f')}  "
+          f"cudnn {_fmt(row['cudnn_tflops'], '6.1f')}  flash {_fmt(row['flash_tflops'], '6.1f')}"
+          + ("" if math.isnan(det) else f"  det {_fmt(det, '6.1f')}")
+          + f" TFLOP/s  ratio {_fmt(_ratio(row), '.2f')}  [{time.monotonic() - started:6.0f} s]", flush=True)
+
+
+def _inputs(batch, seqlen, heads, head_dim):
+    q, k, v = (torch.randn(batch, seqlen, heads, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    return q, k, v
+
+
+def _forward_row(row, batch, seqlen, heads, head_dim, causal, timing, reported):
+    q, k, v = _inputs(batch, seqlen, heads, head_dim)
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))  # SDPA wants [B, H, S, D]
+    setups = {
+        "flashhopper": lambda: lambda: flashhopper.forward(q, k, v, causal=bool(causal)),
+        "cudnn": lambda: lambda: _sdpa(SDPBackend.CUDNN_ATTENTION, qt, kt, vt, causal),
+        "flash": lambda: lambda: _sdpa(SDPBackend.FLASH_ATTENTION, qt, kt, vt, causal),
+    }
+    fns = _time_row(row, setups, flops(batch, heads, seqlen, head_dim, causal), timing, reported)
+    row["flashhopper_det_ms"] = row["flashhopper_det_tflops"] = float("nan")  # the forward has no such mode
+    row["max_diff_vs_cudnn"] = float("nan")
+    if "flashhopper" in fns and "cudnn" in fns:
+        with torch.no_grad():
+            ours = fns["flashhopper"]().float()
+            ref = fns["cudnn"]().transpose(1, 2).float()
+            row["max_diff_vs_cudnn"] = (ours - ref).abs().max().item()
+
+
+def _backward_row(row, batch, seqlen, heads, head_dim, causal, timing, reported):
+    q, k, v = _inputs(batch, seqlen, heads, head_dim)
+    dout = torch.randn_like(q)
+
+    def flashhopper_setup():
+        out, lse = flashhopper.forward(q, k, v, causal=bool(causal), return_lse=True)
+        return lambda: flashhopper.backward(dout, q, k, v, out, lse, causal=bool(causal))
+
+    def flashhopper_det_setup():
+        out, lse = flashhopper.forward(q, k, v, causal=bool(causal), return_lse=True)
+        return lambda: flashhopper.backward(dout, q, k, v, out, lse, causal=bool(causal), deterministic=True)
+
+    def sdpa_setup(backend):
+        leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+        qt, kt, vt = (x.transpose(1, 2) for x in leaves)  # SDPA wants [B, H, S, D]; grads are taken here
+        with sdpa_kernel(backend):
+            out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=bool(causal))
+        dout_t = torch.empty_like(out).copy_(dout.transpose(1, 2))  # same strides as this backend's out
+        # grads come back [B, H, S, D]; transposed to [B, S, H, D] (a view) to compare with ours
+        return lambda: [g.transpose(1, 2) for g in
+                        torch.autograd.grad(out, (qt, kt, vt), dout_t, retain_graph=True)]
+
+    setups = {
+        "flashhopper": flashhopper_setup,
+        "cudnn": lambda: sdpa_setup(SDPBackend.CUDNN_ATTENTION),
+        "flash": lambda: sdpa_setup(SDPBackend.FLASH_ATTENTION),
+        "flashhopper_det": flashhopper_det_setup,
+    }
+    fns = _time_row(row, setups, 2.5 * flops(batch, heads, seqlen, head_dim, causal), timing, reported)
+    row["max_diff_vs_cudnn"] = float("nan")
+    if "flashhopper" in fns and "cudnn" in fns:
+        ours, ref = fns["flashhopper"](), fns["cudnn"]()
+        row["max_diff_vs_cudnn"] = max((a.float() - b.float()).abs().max().item() for a, b in zip(ours, ref))
+
+
+def _time_row(row, setups, fl, timing, reported):
+    """Sets up and tries each backend once; times the ones that ran. Returns them by name."""
+    runnable = {}
+    for name, setup in setups.items():
+        try:
+            fn = setup()
+            fn()
+            runnable[name] = fn
+        except Exception as error:  # a backend that cannot run this shape, or a pass not built yet
+            row[f"{name}_ms"] = row[f"{name}_tflops"] = float("nan")
+            message = str(error).splitlines()[0] if str(error) else type(error).__name__
+            if (name, message) not in reported:  # each distinct refusal once per pass
+                reported.add((name, message))
+                print(f"  {name} {row['pass']} hdim={row['hdim']} causal={row['causal']} seqlen={row['seqlen']} "
+                      f"unavailable: {message}", flush=True)
+    for name, ms in time_all_ms(runnable, **timing).items():
+        row[f"{name}_ms"] = ms
+        row[f"{name}_tflops"] = fl / ms * 1e-9
+    return runnable
+
+
+def _ratio(row):
+    return row["flashhopper_tflops"] / row["cudnn_tflops"]
+
+
+def _fmt(value, spec):
+    return format("-", ">" + spec.split(".")[0]) if math.isnan(value) else format(value, spec)
+
+
+def _write_csv(rows, path):
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=FIELDS)
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def _sdpa(backend, q, k, v, causal):
+    with sdpa_kernel(backend):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=bool(causal))
+
+
+def _plot(rows, path, gpu, date, pass_name):
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"matplotlib is not installed: skipping the plot {path}", file=sys.stderr, flush=True)
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    hdims = sorted({r["hdim"] for r in rows})
+    causals = sorted({r["causal"] for r in rows})
+    fig, axes = plt.subplots(len(causals), len(hdims), figsize=(5 * len(hdims), 3.8 * len(causals)), squeeze=False)
+    for i, causal in enumerate(causals):
+        for j, hdim in enumerate(hdims):
+            ax = axes[i][j]
+            sel = [r for r in rows if r["hdim"] == hdim and r["causal"] == causal]
+            labels = [str(r["seqlen"]) for r in sel]
+            width = 0.27
+            for n, (name, color) in enumerate((("flashhopper", "tab:red"), ("cudnn", "tab:green"),
+                                               ("flash", "tab:blue"))):
+                xs = [x + (n - 1) * width for x in range(len(sel))]
+                heights = [r[f"{name}_tflops"] for r in sel]
+                missing = all(math.isnan(h) for h in heights)
+                ax.bar(xs, [0.0 if math.isnan(h) else h for h in heights], width,
+                       label=f"{name} (n/a)" if missing else name, color=color)
+            ax.set_xticks(range(len(sel)), labels)
+            ax.set_title(f"{pass_name}, hdim {hdim}, {'causal' if causal else 'non-causal'}")
+            ax.set_xlabel("sequence length (16k tokens total)")
+            ax.set_ylabel("TFLOP/s")
+            ax.legend(fontsize=8)
+    fig.suptitle(f"FlashHopper vs PyTorch SDPA, {pass_name}, bf16, {gpu}, {date}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()

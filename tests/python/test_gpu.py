@@ -1,0 +1,269 @@
+"""GPU tests (sm_90 only; each skips with its reason elsewhere, or when the library says this build
+lacks the case's (dtype, head dim)): outputs, LSE and gradients against a float64 reference with
+FlashAttention's rule (our error <= 2 x the error of plain PyTorch in the input dtype + slack),
+determinism, torch.compile(fullgraph=True), CUDA-graph capture and replay, opcheck, the SDPA
+backend and the error paths on CUDA tensors."""
+import math
+import random
+
+import pytest
+import torch
+
+import flashhopper
+from flashhopper import FlashHopperNotSupported, flash_attn_func
+
+from support import attention_reference, requires_gpu
+
+OUT_SLACK = 1e-5
+GRAD_SLACK = 1e-4
+
+
+def run_or_skip(fn, *args, **kwargs):
+    try:
+        return fn(*args, **kwargs)
+    except FlashHopperNotSupported as error:
+        pytest.skip(f"not in this build of the library: {error}")
+
+
+def make_inputs(batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype, seed=0, requires_grad=True):
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    def randn(*shape):
+        return torch.randn(*shape, device="cuda", dtype=dtype, generator=generator).requires_grad_(requires_grad)
+    return (randn(batch, seqlen_q, heads_q, head_dim), randn(batch, seqlen_k, heads_kv, head_dim),
+            randn(batch, seqlen_k, heads_kv, head_dim))
+
+
+def max_error(a, b, finite_only=False):
+    a, b = a.double(), b.double()
+    if finite_only:
+        both_inf = torch.isinf(a) & torch.isinf(b) & (torch.sign(a) == torch.sign(b))
+        a, b = torch.where(both_inf, 0.0, a), torch.where(both_inf, 0.0, b)
+    return (a - b).abs().max().item()
+
+
+# (batch, seqlen_q, seqlen_k, heads_q, heads_kv, causal): sq != sk both ways (sq > sk causal has
+# rows that see no key), single-row decode, GQA and MQA, non-multiples of the tile sizes.
+SHAPES = [
+    (2, 128, 128, 4, 4, False),
+    (2, 113, 203, 4, 2, True),
+    (1, 1, 239, 8, 1, True),
+    (2, 300, 150, 4, 4, True),
+    (1, 257, 511, 6, 2, False),
+    (3, 64, 1, 2, 2, False),
+]
+DTYPES_AND_HEAD_DIMS = [(torch.bfloat16, 128), (torch.bfloat16, 64), (torch.bfloat16, 256),
+                        (torch.float16, 64), (torch.float16, 128), (torch.float16, 256)]
+
+
+def _cases():
+    rng = random.Random(1234)
+    cases = []
+    for dtype, head_dim in DTYPES_AND_HEAD_DIMS:
+        # every shape for the development build's (bf16, 128); four of them for the others
+        shapes = SHAPES if (dtype, head_dim) == (torch.bfloat16, 128) else rng.sample(SHAPES, 4)
+        for shape in shapes:
+            cases.append(pytest.param(dtype, head_dim, *shape,
+                                      id=f"{str(dtype)[6:]}-d{head_dim}-b{shape[0]}-q{shape[1]}-k{shape[2]}-"
+                                         f"h{shape[3]}x{shape[4]}-{'causal' if shape[5] else 'full'}"))
+    return cases
+
+
+@pytest.mark.parametrize("dtype, head_dim, batch, seqlen_q, seqlen_k, heads_q, heads_kv, causal", _cases())
+@requires_gpu
+def test_against_reference(dtype, head_dim, batch, seqlen_q, seqlen_k, heads_q, heads_kv, causal):
+    q, k, v = make_inputs(batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype,
+                          seed=seqlen_q * 1000 + seqlen_k + head_dim)
+    scale = None if seqlen_q % 2 else 0.7 / math.sqrt(head_dim)  # the default and an explicit scale
+    out, lse = run_or_skip(flash_attn_func, q, k, v, softmax_scale=scale, causal=causal, return_attn_probs=True)
+    assert out.shape == q.shape and out.dtype == dtype
+    assert lse.shape == (batch, heads_q, seqlen_q) and lse.dtype == torch.float32 and not lse.requires_grad
+    dout = torch.randn_like(out)
+    dq, dk, dv = run_or_skip(torch.autograd.grad, out, (q, k, v), dout)
+
+    # float64 reference and plain PyTorch in the input dtype, each on its own leaves
+    leaves_ref = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    leaves_pt = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out_ref, lse_ref = attention_reference(*leaves_ref, causal=causal, softmax_scale=scale, dtype=torch.float64)
+    out_pt, lse_pt = attention_reference(*leaves_pt, causal=causal, softmax_scale=scale, dtype=dtype)
+    grads_ref = torch.autograd.grad(out_ref, leaves_ref, dout.double())
+    grads_pt = torch.autograd.grad(out_pt, leaves_pt, dout)
+
+    for name, t in (("out", out), ("lse", lse), ("dq", dq), ("dk", dk), ("dv", dv)):
+        assert not torch.isnan(t).any(), f"{name} has NaN"
+    # rows that see no key: out 0, lse -inf (exactly where the reference has them)
+    assert torch.equal(torch.isinf(lse), torch.isinf(lse_ref))
+    assert max_error(out, out_ref) <= 2 * max_error(out_pt, out_ref) + OUT_SLACK
+    assert max_error(lse, lse_ref, finite_only=True) <= 2 * max_error(lse_pt.float(), lse_ref, True) + GRAD_SLACK
+    for name, ours, ref, plain in zip(("dq", "dk", "dv"), (dq, dk, dv), grads_ref, grads_pt):
+        err, err_pt = max_error(ours, ref), max_error(plain, ref)
+        assert err <= 2 * err_pt + GRAD_SLACK, f"{name}: error {err:.3g} vs plain PyTorch's {err_pt:.3g}"
+
+
+@requires_gpu
+def test_deterministic_backward_is_bitwise_reproducible():
+    q, k, v = make_inputs(2, 384, 384, 8, 2, 128, torch.bfloat16, seed=7)
+    out = run_or_skip(flash_attn_func, q, k, v, causal=True, deterministic=True)
+    dout = torch.randn_like(out)
+    first = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+    for _ in range(3):
+        again = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+        assert all(torch.equal(a, b) for a, b in zip(first, again))
+
+
+@requires_gpu
+def test_qkvpacked_matches_unpacked():
+    qkv = torch.randn(2, 200, 3, 4, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    out = run_or_skip(fa3_qkvpacked, qkv)
+    q, k, v = (t.detach().clone().requires_grad_() for t in qkv.unbind(2))
+    ref = flash_attn_func(q, k, v, causal=True)
+    assert torch.equal(out, ref)
+    dout = torch.randn_like(out)
+    (dqkv,) = torch.autograd.grad(out, qkv, dout)
+    grads = torch.autograd.grad(ref, (q, k, v), dout)
+    assert torch.equal(dqkv, torch.stack(grads, dim=2))
+
+
+def fa3_qkvpacked(qkv):
+    return flashhopper.flash_attn_qkvpacked_func(qkv, causal=True)
+
+
+@requires_gpu
+def test_lse_matches_plain_forward_and_zero_dout():
+    """The op's out and lse equal flashhopper.forward's; a zero dout (as autograd hands it over,
+    possibly expanded) gives zero gradients."""
+    q, k, v = make_inputs(1, 100, 100, 2, 2, 128, torch.bfloat16, seed=3)
+    out, lse = run_or_skip(flash_attn_func, q, k, v, return_attn_probs=True)
+    out2, lse2 = flashhopper.forward(q.detach(), k.detach(), v.detach(), return_lse=True)
+    assert torch.equal(out, out2) and torch.equal(lse, lse2)
+    (out.float().sum() * 0).backward()  # dout = 0 expanded (stride 0): copied to a dense layout first
+    assert torch.count_nonzero(q.grad) == 0
+
+
+@requires_gpu
+def test_torch_compile_fullgraph():
+    q, k, v = make_inputs(2, 256, 320, 8, 2, 128, torch.bfloat16, seed=11)
+
+    def attention_block(q, k, v):
+        out = flash_attn_func(q, k, v, causal=True)
+        return (out.float() * 1.5).to(q.dtype)
+
+    eager = run_or_skip(attention_block, q, k, v)
+    dout = torch.randn_like(eager)
+    eager_grads = torch.autograd.grad(eager, (q, k, v), dout)
+    torch._dynamo.reset()
+    compiled = torch.compile(attention_block, fullgraph=True)
+    out = compiled(q, k, v)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    assert torch.allclose(out.float(), eager.float(), atol=1e-2, rtol=0)
+    for a, b in zip(grads, eager_grads):
+        assert torch.allclose(a.float(), b.float(), atol=2e-2, rtol=0)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@requires_gpu
+def test_cuda_graph_capture_and_replay(deterministic):
+    q, k, v = make_inputs(2, 192, 256, 4, 2, 128, torch.bfloat16, seed=5)
+    dout = torch.randn(2, 192, 4, 128, device="cuda", dtype=torch.bfloat16)
+    run_or_skip(flash_attn_func, q, k, v, causal=True)
+
+    def step():
+        out = flash_attn_func(q, k, v, causal=True, deterministic=deterministic)
+        return (out, *torch.autograd.grad(out, (q, k, v), dout))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up off the capture stream, as torch.cuda.graph asks
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+
+    for seed in (21, 22):
+        new_q, new_k, new_v = make_inputs(2, 192, 256, 4, 2, 128, torch.bfloat16, seed=seed, requires_grad=False)
+        with torch.no_grad():
+            q.copy_(new_q), k.copy_(new_k), v.copy_(new_v), dout.copy_(torch.randn_like(dout))
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = step()
+        assert torch.equal(captured[0], eager[0]), "out: replay differs from eager"
+        for name, a, b in zip(("dq", "dk", "dv"), captured[1:], eager[1:]):
+            if deterministic:
+                assert torch.equal(a, b), f"{name}: replay differs from eager"
+            else:  # the order of the float32 dQ additions may differ
+                assert torch.allclose(a.float(), b.float(), atol=1e-2, rtol=0), f"{name}: replay differs"
+
+
+@requires_gpu
+def test_opcheck():
+    q, k, v = make_inputs(1, 96, 160, 4, 2, 128, torch.bfloat16, seed=9)
+    run_or_skip(flash_attn_func, q, k, v)
+    torch.library.opcheck(torch.ops.flashhopper.fwd.default, (q, k, v, None, True, False))
+    out, lse = torch.ops.flashhopper.fwd(q.detach(), k.detach(), v.detach(), None, True, False)
+    dout = torch.randn_like(out)
+    torch.library.opcheck(torch.ops.flashhopper.bwd.default,
+                          (dout, q.detach(), k.detach(), v.detach(), out, lse, None, True, False))
+
+
+@requires_gpu
+def test_sdpa_flash_backend():
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q, k, v = make_inputs(2, 256, 256, 8, 8, 128, torch.bfloat16, seed=13)
+    ours = run_or_skip(flash_attn_func, q, k, v, causal=True)
+    dout = torch.randn_like(ours)
+    our_grads = torch.autograd.grad(ours, (q, k, v), dout)
+    try:
+        flashhopper.use_as_sdpa_flash_backend()
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                 is_causal=True).transpose(1, 2)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+    finally:
+        flashhopper.restore_sdpa_flash_backend()
+    assert torch.equal(out, ours)
+    for a, b in zip(grads, our_grads):
+        assert torch.allclose(a.float(), b.float(), atol=1e-2, rtol=0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Error paths on CUDA tensors
+
+@requires_gpu
+def test_errors_on_cuda_tensors():
+    q, k, v = make_inputs(2, 64, 64, 4, 2, 128, torch.bfloat16, requires_grad=False)
+    with pytest.raises(ValueError, match="q: dtype torch.float32"):
+        flash_attn_func(q.float(), k.float(), v.float())
+    with pytest.raises(ValueError, match="k: must be a CUDA tensor"):
+        flash_attn_func(q, k.cpu(), v)
+    with pytest.raises(ValueError, match="q: the last dim must be contiguous"):
+        flash_attn_func(q.transpose(-1, -2).contiguous().transpose(-1, -2), k, v)
+    flat = torch.empty(q.numel() + 1, device="cuda", dtype=q.dtype)
+    misaligned = flat[1:].view(q.shape)  # 2-byte offset; strides fine
+    with pytest.raises(ValueError, match="q: data pointer .* not 16-byte aligned"):
+        flash_attn_func(misaligned, k, v)
+    with pytest.raises(NotImplementedError, match="softcap"):
+        flash_attn_func(q, k, v, softcap=5.0)
+    with pytest.raises(NotImplementedError, match="window_size"):
+        flash_attn_func(q, k, v, window_size=(8, 8))
+    with pytest.raises(NotImplementedError, match="flash_attn_with_kvcache"):
+        flashhopper.flash_attn_with_kvcache(q, k, v, cache_seqlens=64)
+    if torch.cuda.device_count() > 1:
+        with pytest.raises(ValueError, match="k: is on cuda:1"):
+            flash_attn_func(q, k.to("cuda:1"), v)
+
+
+@requires_gpu
+def test_unsupported_build_case_is_not_implemented():
+    """A (dtype, head dim) the build lacks raises FlashHopperNotSupported (a NotImplementedError)
+    with the library's message, and launches nothing; a supported one runs."""
+    for dtype in (torch.bfloat16, torch.float16):
+        for head_dim in (64, 128, 256):
+            q, k, v = make_inputs(1, 32, 32, 2, 2, head_dim, dtype, requires_grad=False)
+            try:
+                flash_attn_func(q, k, v)
+            except FlashHopperNotSupported as error:
+                assert "not supported" in str(error)
+                assert isinstance(error, NotImplementedError)
