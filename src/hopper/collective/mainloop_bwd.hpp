@@ -329,6 +329,20 @@ struct BackwardMainloop {
     }
   }
 
+  // End of the query blocks [m_block_min, end) of key block blk that need the mask: with causal
+  // masking, block m crosses the diagonal while m * kBlockM < last key - (seqlen_k - seqlen_q);
+  // a key block with padding past seqlen_k needs it in every query block.
+  CUTLASS_DEVICE static int masked_query_blocks_end(Params const& params, BackwardBlock const& blk) {
+    const int last_col = (blk.n_block + 1) * kBlockN - 1;
+    if (last_col >= seqlen_k(params)) return blk.m_block_max;
+    int end = blk.m_block_min;
+    if constexpr (kCausal) {
+      const int diagonal = last_col - (seqlen_k(params) - seqlen_q(params));
+      if (diagonal > 0) end = (diagonal + kBlockM - 1) / kBlockM;
+    }
+    return max(blk.m_block_min, min(end, blk.m_block_max));
+  }
+
   // MMA warpgroups: the whole key block. On return tdKrdK (unscaled) and tdVrdV hold the sums.
   // P and dS alternate between two shared buffers (`buffer`, kept across key blocks), so one
   // warpgroup may write block m + 1's while the other still reads block m's.
@@ -390,10 +404,12 @@ struct BackwardMainloop {
       const int head = blk.head_kv * params.heads_per_kv_head + g;
       const int64_t row0_head = workspace_row0(params, blk.batch, head);
       float* dq_head = params.workspace.dq_accum + row0_head * kHeadDim;
-      CUTLASS_PRAGMA_NO_UNROLL
-      for (int m_block = blk.m_block_min; m_block < blk.m_block_max; ++m_block) {
-        Tensor tSrS = partition_fragment_C(tiled_mma_sdp, select<0, 1>(TileShapeSdP{}));
-        Tensor tdPrdP = partition_fragment_C(tiled_mma_sdp, select<0, 1>(TileShapeSdP{}));
+      // One query block. masked: whether it crosses the causal diagonal or the key padding, as
+      // a compile-time constant (causal) or a run-time bool (non-causal: the whole key block).
+      // (cute::Tensor spelled out: in a generic lambda, flashhopper::Tensor would be found.)
+      auto step = [&](int m_block, auto masked) {
+        cute::Tensor tSrS = partition_fragment_C(tiled_mma_sdp, select<0, 1>(TileShapeSdP{}));
+        cute::Tensor tdPrdP = partition_fragment_C(tiled_mma_sdp, select<0, 1>(TileShapeSdP{}));
         pipeline_q.consumer_wait(pipe_q_read);
         warpgroup_gemm</*kZeroInit=*/true, /*kWait=*/-1>(tiled_mma_sdp, tSrQ(_, _, _, pipe_q_read.index()), tSrK,
                                                          tSrS);
@@ -408,8 +424,12 @@ struct BackwardMainloop {
         pipeline_do.consumer_wait(pipe_do_read);
         warpgroup_gemm<true, -1>(tiled_mma_sdp, tdPrdO(_, _, _, pipe_do_read.index()), tdPrV, tdPrdP);
         warpgroup_wait<1>();  // S is ready
-        Tensor scores = make_tensor(tSrS.data(), accumulator_rowcol(tSrS.layout()));
-        if (mask.crosses_boundary(m_block, blk.n_block)) mask.apply(scores, coords, m_block, blk.n_block);
+        cute::Tensor scores = make_tensor(tSrS.data(), accumulator_rowcol(tSrS.layout()));
+        if constexpr (cute::is_same_v<decltype(masked), bool>) {
+          if (masked) mask.apply(scores, coords, m_block, blk.n_block);
+        } else if constexpr (decltype(masked)::value) {
+          mask.apply(scores, coords, m_block, blk.n_block);
+        }
         CUTLASS_PRAGMA_UNROLL
         for (int i = 0; i < kRows; ++i) {
           CUTLASS_PRAGMA_UNROLL
@@ -418,14 +438,14 @@ struct BackwardMainloop {
           }
         }
         warpgroup_wait<0>();  // dP is ready
-        Tensor dS = make_tensor(tdPrdP.data(), scores.layout());
+        cute::Tensor dS = make_tensor(tdPrdP.data(), scores.layout());
         CUTLASS_PRAGMA_UNROLL
         for (int i = 0; i < kRows; ++i) {
           CUTLASS_PRAGMA_UNROLL
           for (int j = 0; j < size<1>(dS); ++j) dS(i, j) = scores(i, j) * (dS(i, j) - dpsum[i]);
         }
-        Tensor rP = make_tensor_like<Element>(tSrS);
-        Tensor rdS = make_tensor_like<Element>(tdPrdP);
+        cute::Tensor rP = make_tensor_like<Element>(tSrS);
+        cute::Tensor rdS = make_tensor_like<Element>(tdPrdP);
         convert_into(tSrS, rP);
         convert_into(tdPrdP, rdS);
         copy(smem_tiled_copy_pds, smem_copy_pds.retile_S(rP), tPsP(_, _, _, buffer));
@@ -436,7 +456,7 @@ struct BackwardMainloop {
 
         warpgroup_gemm<false, -1>(tiled_mma_dkv, tdVrPt(_, _, _, buffer), tdVrdOt(_, _, _, pipe_do_read.index()),
                                   tdVrdV);
-        Tensor tdQrdQ = partition_fragment_C(tiled_mma_dq, select<0, 1>(TileShapedQ{}));
+        cute::Tensor tdQrdQ = partition_fragment_C(tiled_mma_dq, select<0, 1>(TileShapedQ{}));
         warpgroup_gemm<true, -1>(tiled_mma_dq, tdQrdS(_, _, _, buffer), tdQrKt, tdQrdQ);
         warpgroup_gemm<false, -1>(tiled_mma_dkv, tdKrdSt(_, _, _, buffer), tdKrQt(_, _, _, pipe_q_read.index()),
                                   tdKrdK);
@@ -479,6 +499,21 @@ struct BackwardMainloop {
         pipeline_q.consumer_release(pipe_q_read);
         ++pipe_q_read;
         buffer ^= 1;
+      };
+      if constexpr (kCausal) {
+        // The masked blocks come first (the diagonal is at the start of the key block's walk), or
+        // are all of them when this key block holds padding. A separate unmasked loop keeps the
+        // mask out of the hot loop: hdim 128 causal 16k 413 -> 468 TFLOP/s. (The same split made
+        // non-causal slower, 511 -> 484: its single loop stays.)
+        const int m_masked_end = masked_query_blocks_end(params, blk);
+        CUTLASS_PRAGMA_NO_UNROLL
+        for (int m_block = blk.m_block_min; m_block < m_masked_end; ++m_block) step(m_block, cute::true_type{});
+        CUTLASS_PRAGMA_NO_UNROLL
+        for (int m_block = m_masked_end; m_block < blk.m_block_max; ++m_block) step(m_block, cute::false_type{});
+      } else {
+        const bool padded = mask.crosses_boundary(blk.m_block_min, blk.n_block);  // same for every m_block
+        CUTLASS_PRAGMA_NO_UNROLL
+        for (int m_block = blk.m_block_min; m_block < blk.m_block_max; ++m_block) step(m_block, padded);
       }
     }
     // K and V may be replaced by the next key block's.
