@@ -1,7 +1,7 @@
 """GPU tests (sm_90 only; each skips with its reason elsewhere, or when the library says this build
 lacks the case's (dtype, head dim)): outputs, LSE and gradients against a float64 reference with
 FlashAttention's rule (our error <= 2 x the error of plain PyTorch in the input dtype + slack),
-determinism, torch.compile(fullgraph=True), CUDA-graph capture and replay, opcheck, the SDPA
+determinism, torch.compile(fullgraph=True), torch.export, CUDA-graph capture and replay, opcheck, the SDPA
 backend and the error paths on CUDA tensors."""
 import math
 import random
@@ -157,6 +157,23 @@ def test_torch_compile_fullgraph():
     assert torch.allclose(out.float(), eager.float(), atol=1e-2, rtol=0)
     for a, b in zip(grads, eager_grads):
         assert torch.allclose(a.float(), b.float(), atol=2e-2, rtol=0)
+
+
+@requires_gpu
+def test_torch_export():
+    """torch.export sees the forward as one op (no graph break) and the exported program computes
+    the same output as eager."""
+    q, k, v = make_inputs(2, 256, 320, 8, 2, 128, torch.bfloat16, seed=13, requires_grad=False)
+
+    class Attention(torch.nn.Module):
+        def forward(self, q, k, v):
+            return flash_attn_func(q, k, v, causal=True)
+
+    eager = run_or_skip(Attention(), q, k, v)
+    exported = torch.export.export(Attention(), (q, k, v))
+    calls = [node for node in exported.graph.nodes if node.target is torch.ops.flashhopper.fwd.default]
+    assert len(calls) == 1
+    assert torch.equal(exported.module()(q, k, v), eager)
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
