@@ -51,6 +51,10 @@ def _sdpa_forward(query, key, value, dropout_p=0.0, is_causal=False, return_debu
         _unsupported(f"dropout_p={dropout_p} (FlashHopper has no dropout)")
     if return_debug_mask:
         _unsupported("return_debug_mask=True")
+    if is_causal and query.shape[-2] != key.shape[-2]:
+        # SDPA's is_causal aligns the mask top-left; FlashHopper's causal aligns it bottom-right.
+        _unsupported(f"is_causal with seqlen_q {query.shape[-2]} != seqlen_k {key.shape[-2]} (SDPA aligns that "
+                     "mask top-left, FlashHopper bottom-right)")
     # SDPA's layout is [B, H, S, D]; FlashHopper's is [B, S, H, D]: transposed views, no copies.
     out_bhsd = torch.empty((*query.shape[:-1], value.shape[-1]), dtype=query.dtype, device=query.device)
     try:

@@ -390,3 +390,13 @@ def test_reference_conventions():
     full, _ = attention_reference(q, k, v)
     s = torch.einsum("bqhd,bkd->bhqk", q, k[:, :, 0]) / 8 ** 0.5
     assert torch.allclose(full, torch.einsum("bhqk,bkd->bqhd", s.softmax(-1), v[:, :, 0]))
+
+
+def test_sdpa_backend_refuses_non_square_causal():
+    """SDPA's is_causal is top-left aligned, ours bottom-right: a non-square causal call must be
+    refused, never answered with the other mask (checked before any device work)."""
+    q = torch.zeros(1, 2, 8, 64, dtype=torch.bfloat16)
+    k = torch.zeros(1, 2, 16, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="top-left"):
+        flashhopper.sdpa._sdpa_forward(q, k, k, is_causal=True)
+
