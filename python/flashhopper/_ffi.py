@@ -1,6 +1,6 @@
 """ctypes mirror of include/flashhopper/flashhopper.h: the C ABI, nothing else.
 
-The library is found next to this file (pip install .), else through FLASHHOPPER_LIBRARY, else in
+The library is FLASHHOPPER_LIBRARY when set, else the one next to this file (pip install .), else
 the repository's build/ (a checkout with PYTHONPATH=python), else on the loader's path. No PyTorch
 here: this layer speaks pointers, shapes and strides."""
 import ctypes
@@ -65,13 +65,13 @@ class FlashHopperError(RuntimeError):
 
 
 def _find_library() -> str:
+    explicit = os.environ.get("FLASHHOPPER_LIBRARY")  # an explicit choice wins
+    if explicit:
+        return explicit
     package_dir = pathlib.Path(__file__).resolve().parent
     installed = package_dir / "libflashhopper.so"  # put there by pip install .
     if installed.exists():
         return str(installed)
-    explicit = os.environ.get("FLASHHOPPER_LIBRARY")
-    if explicit:
-        return explicit
     repo_build = package_dir.parent.parent / "build" / "libflashhopper.so"  # scripts/build.sh
     return str(repo_build) if repo_build.exists() else "libflashhopper.so"
 
