@@ -89,29 +89,20 @@ def lib() -> ctypes.CDLL:
             raise OSError(f"flashhopper: cannot load the library ({e}). Install the package with "
                           "`pip install .`, or build it (scripts/build.sh) and set "
                           "FLASHHOPPER_LIBRARY=<build>/libflashhopper.so") from e
-        handle.fh_forward_params_init.argtypes = [ctypes.POINTER(ForwardParams)]
-        handle.fh_forward_params_init.restype = None
-        handle.fh_forward_workspace_size.argtypes = [ctypes.POINTER(ForwardParams), ctypes.POINTER(ctypes.c_size_t)]
-        handle.fh_forward_workspace_size.restype = ctypes.c_int
-        handle.fh_forward.argtypes = [ctypes.POINTER(ForwardParams), ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-        handle.fh_forward.restype = ctypes.c_int
-        handle.fh_backward_params_init.argtypes = [ctypes.POINTER(BackwardParams)]
-        handle.fh_backward_params_init.restype = None
-        handle.fh_backward_workspace_size.argtypes = [ctypes.POINTER(BackwardParams), ctypes.POINTER(ctypes.c_size_t)]
-        handle.fh_backward_workspace_size.restype = ctypes.c_int
-        handle.fh_backward.argtypes = [ctypes.POINTER(BackwardParams), ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-        handle.fh_backward.restype = ctypes.c_int
+        for name, params_type in (("forward", ForwardParams), ("backward", BackwardParams)):
+            params = ctypes.POINTER(params_type)
+            getattr(handle, f"fh_{name}_params_init").argtypes = [params]
+            getattr(handle, f"fh_{name}_params_init").restype = None
+            getattr(handle, f"fh_{name}_workspace_size").argtypes = [params, ctypes.POINTER(ctypes.c_size_t)]
+            getattr(handle, f"fh_{name}_workspace_size").restype = ctypes.c_int
+            getattr(handle, f"fh_{name}").argtypes = [params, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+            getattr(handle, f"fh_{name}").restype = ctypes.c_int
         handle.fh_last_error.argtypes = []
         handle.fh_last_error.restype = ctypes.c_char_p
         handle.fh_built_with_cuda.argtypes = []
         handle.fh_built_with_cuda.restype = ctypes.c_int32
         _lib = handle
     return _lib
-
-
-def check(status: int) -> None:
-    if status != 0:
-        raise FlashHopperError(status, lib().fh_last_error().decode())
 
 
 def make_tensor(data_ptr: int, dtype: int, shape, stride) -> Tensor:

@@ -184,11 +184,16 @@ def _scale(softmax_scale) -> float:
     return 0.0 if softmax_scale is None else float(softmax_scale)
 
 
-def _workspace(bytes_needed: int, device):
-    if not bytes_needed:
-        return None, None
-    workspace = torch.empty(bytes_needed, dtype=torch.uint8, device=device)  # caching allocator, 512-B aligned
-    return workspace, workspace.data_ptr()
+def _run(workspace_size_fn, run_fn, params, device) -> None:
+    """Asks the library for the workspace, takes it from PyTorch's caching allocator (512-byte
+    aligned) and enqueues the pass on PyTorch's current stream."""
+    workspace_bytes = ctypes.c_size_t(0)
+    _check(workspace_size_fn(ctypes.byref(params), ctypes.byref(workspace_bytes)))
+    workspace = torch.empty(workspace_bytes.value, dtype=torch.uint8, device=device) if workspace_bytes.value else None
+    with torch.cuda.device(device):
+        stream = torch.cuda.current_stream(device).cuda_stream
+        _check(run_fn(ctypes.byref(params), workspace.data_ptr() if workspace is not None else None,
+                      workspace_bytes.value, stream))
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
@@ -218,12 +223,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = Fa
         params.lse = _view(lse)
     params.causal = int(bool(causal))
     params.softmax_scale = _scale(softmax_scale)
-    workspace_bytes = ctypes.c_size_t(0)
-    _check(lib.fh_forward_workspace_size(ctypes.byref(params), ctypes.byref(workspace_bytes)))
-    workspace, workspace_ptr = _workspace(workspace_bytes.value, q.device)
-    with torch.cuda.device(q.device):
-        stream = torch.cuda.current_stream(q.device).cuda_stream
-        _check(lib.fh_forward(ctypes.byref(params), workspace_ptr, workspace_bytes.value, stream))
+    _run(lib.fh_forward_workspace_size, lib.fh_forward, params, q.device)
     return (out, lse) if return_lse else out
 
 
@@ -259,10 +259,5 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     params.causal = int(bool(causal))
     params.softmax_scale = _scale(softmax_scale)
     params.deterministic = int(bool(deterministic))
-    workspace_bytes = ctypes.c_size_t(0)
-    _check(lib.fh_backward_workspace_size(ctypes.byref(params), ctypes.byref(workspace_bytes)))
-    workspace, workspace_ptr = _workspace(workspace_bytes.value, q.device)
-    with torch.cuda.device(q.device):
-        stream = torch.cuda.current_stream(q.device).cuda_stream
-        _check(lib.fh_backward(ctypes.byref(params), workspace_ptr, workspace_bytes.value, stream))
+    _run(lib.fh_backward_workspace_size, lib.fh_backward, params, q.device)
     return dq, dk, dv
