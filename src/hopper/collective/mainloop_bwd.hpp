@@ -411,8 +411,8 @@ struct BackwardMainloop {
         cute::Tensor tSrS = partition_fragment_C(tiled_mma_sdp, select<0, 1>(TileShapeSdP{}));
         cute::Tensor tdPrdP = partition_fragment_C(tiled_mma_sdp, select<0, 1>(TileShapeSdP{}));
         pipeline_q.consumer_wait(pipe_q_read);
-        warpgroup_gemm</*kZeroInit=*/true, /*kWait=*/-1>(tiled_mma_sdp, tSrQ(_, _, _, pipe_q_read.index()), tSrK,
-                                                         tSrS);
+        warpgroup_gemm</*kZeroInit=*/true, /*kWait=*/-1>(tiled_mma_sdp, tSrQ(_, _, _, pipe_q_read.index()),
+                                                         descriptors_per_use(tSrK), tSrS);
         // The row statistics load from L2 while the GEMMs run; padded rows make them in bounds.
         float lse_log2[kRows], dpsum[kRows];
         const int64_t row0 = row0_head + int64_t(m_block) * kBlockM;
@@ -422,7 +422,8 @@ struct BackwardMainloop {
           dpsum[i] = params.workspace.dpsum[row0 + get<0>(coords(i, 0))];
         }
         pipeline_do.consumer_wait(pipe_do_read);
-        warpgroup_gemm<true, -1>(tiled_mma_sdp, tdPrdO(_, _, _, pipe_do_read.index()), tdPrV, tdPrdP);
+        warpgroup_gemm<true, -1>(tiled_mma_sdp, tdPrdO(_, _, _, pipe_do_read.index()), descriptors_per_use(tdPrV),
+                                 tdPrdP);
         warpgroup_wait<1>();  // S is ready
         cute::Tensor scores = make_tensor(tSrS.data(), accumulator_rowcol(tSrS.layout()));
         if constexpr (cute::is_same_v<decltype(masked), bool>) {
@@ -457,7 +458,7 @@ struct BackwardMainloop {
         warpgroup_gemm<false, -1>(tiled_mma_dkv, tdVrPt(_, _, _, buffer), tdVrdOt(_, _, _, pipe_do_read.index()),
                                   tdVrdV);
         cute::Tensor tdQrdQ = partition_fragment_C(tiled_mma_dq, select<0, 1>(TileShapedQ{}));
-        warpgroup_gemm<true, -1>(tiled_mma_dq, tdQrdS(_, _, _, buffer), tdQrKt, tdQrdQ);
+        warpgroup_gemm<true, -1>(tiled_mma_dq, tdQrdS(_, _, _, buffer), descriptors_per_use(tdQrKt), tdQrdQ);
         warpgroup_gemm<false, -1>(tiled_mma_dkv, tdKrdSt(_, _, _, buffer), tdKrQt(_, _, _, pipe_q_read.index()),
                                   tdKrdK);
         warpgroup_wait<1>();  // dV and dQ are done; dK may still run

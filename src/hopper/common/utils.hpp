@@ -30,6 +30,18 @@ CUTLASS_DEVICE void warpgroup_gemm(TiledMma& tiled_mma, TensorA const& tCrA, Ten
   if constexpr (kAInRegisters) warpgroup_fence_operand(const_cast<TensorA&>(tCrA));
 }
 
+// The same shared-memory operand (a tensor of WGMMA descriptors), with its base descriptor
+// passed through an empty asm so that the compiler cannot hoist the per-k-slice descriptors out
+// of a loop. For an operand that stays put across the loop (the backward's K and V), it did:
+// 24 64-bit descriptors live across the loop, spilled and reloaded before every WGMMA (ncu,
+// hdim 128: the largest stall in the backward). Recomputing them is a few uniform adds.
+template <class TensorDesc>
+CUTLASS_DEVICE auto descriptors_per_use(TensorDesc const& t) {
+  GMMA::DescriptorIterator base = t.data();
+  asm volatile("" : "+r"(base.desc_.reg32_[0]), "+r"(base.desc_.reg32_[1]));
+  return make_tensor(base, t.layout());
+}
+
 // A WGMMA accumulator ((2, 2, N/8), MMA_M, MMA_N) viewed as (rows, cols):
 // ((2, MMA_M), (2, N/8, MMA_N)). Mode 0,1 is the row +8 half, mode 0,0 the column pair.
 template <class Layout>
