@@ -50,7 +50,7 @@ for step in "${steps[@]}"; do
       ;;
     bench)
       PYTHONUNBUFFERED=1 FLASHHOPPER_LIBRARY="$build/libflashhopper.so" PYTHONPATH="$root/python" \
-        timeout 420 python3 "$root/bench/benchmark_attention.py" --out "$out" 2>&1 | tail -100
+        timeout 560 python3 "$root/bench/benchmark_attention.py" --out "$out" 2>&1 | tail -100
       summary+=("bench: see $out/bench_*.csv")
       ;;
   esac

@@ -329,20 +329,6 @@ struct BackwardMainloop {
     }
   }
 
-  // End of the query blocks [m_block_min, end) of key block blk that need the mask: with causal
-  // masking, block m crosses the diagonal while m * kBlockM < last key - (seqlen_k - seqlen_q);
-  // a key block with padding past seqlen_k needs it in every query block.
-  CUTLASS_DEVICE static int masked_query_blocks_end(Params const& params, BackwardBlock const& blk) {
-    const int last_col = (blk.n_block + 1) * kBlockN - 1;
-    if (last_col >= seqlen_k(params)) return blk.m_block_max;
-    int end = blk.m_block_min;
-    if constexpr (kCausal) {
-      const int diagonal = last_col - (seqlen_k(params) - seqlen_q(params));
-      if (diagonal > 0) end = (diagonal + kBlockM - 1) / kBlockM;
-    }
-    return max(blk.m_block_min, min(end, blk.m_block_max));
-  }
-
   // MMA warpgroups: the whole key block. On return tdKrdK (unscaled) and tdVrdV hold the sums.
   // P and dS alternate between two shared buffers (`buffer`, kept across key blocks), so one
   // warpgroup may write block m + 1's while the other still reads block m's.
@@ -506,7 +492,8 @@ struct BackwardMainloop {
         // are all of them when this key block holds padding. A separate unmasked loop keeps the
         // mask out of the hot loop: hdim 128 causal 16k 413 -> 468 TFLOP/s. (The same split made
         // non-causal slower, 511 -> 484: its single loop stays.)
-        const int m_masked_end = masked_query_blocks_end(params, blk);
+        const int m_masked_end =
+            mask.masked_query_blocks_end(blk.n_block, blk.m_block_min, blk.m_block_max);
         CUTLASS_PRAGMA_NO_UNROLL
         for (int m_block = blk.m_block_min; m_block < m_masked_end; ++m_block) step(m_block, cute::true_type{});
         CUTLASS_PRAGMA_NO_UNROLL

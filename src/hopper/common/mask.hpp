@@ -26,6 +26,20 @@ struct AttentionMask {
     return false;
   }
 
+  // The backward walks key block n_block's query blocks [m_block_min, m_block_max) and masks
+  // only those that cross a boundary, which come first: the end of that run. Every one when the
+  // key block holds padding; with causal masking, m while crosses_boundary(m, n_block).
+  CUTLASS_DEVICE int masked_query_blocks_end(int n_block, int m_block_min, int m_block_max) const {
+    const int last_col = (n_block + 1) * kBlockN - 1;
+    if (last_col >= seqlen_k) return m_block_max;
+    int end = m_block_min;
+    if constexpr (kCausal) {
+      const int diagonal = last_col - (seqlen_k - seqlen_q);  // crossed while m * kBlockM < diagonal
+      if (diagonal > 0) end = (diagonal + kBlockM - 1) / kBlockM;
+    }
+    return max(m_block_min, min(end, m_block_max));
+  }
+
   // s: scores (rows, cols) in registers; coords: the matching (row, col) tile coordinates.
   template <class TensorS, class TensorCoord>
   CUTLASS_DEVICE void apply(TensorS& s, TensorCoord const& coords, int m_block, int n_block) const {
