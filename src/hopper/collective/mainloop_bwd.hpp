@@ -132,6 +132,11 @@ struct BackwardMainloop {
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
   using PipelineState = cutlass::PipelineState<kStages>;
   static constexpr uint32_t kTmaBytesQ = size(take<0, 2>(SmemLayoutQ{})) * sizeof(Element);
+  // Each Q stage also brings its rows' LSE * log2 e, each dO stage their D, by a bulk copy on the
+  // same barrier: the MMA warpgroups then read them from shared memory. (Loaded from global
+  // memory by the warpgroups themselves, they were the largest stall at hdim 64 and 256.)
+  static constexpr uint32_t kRowStatBytes = kBlockM * sizeof(float);
+  static constexpr uint32_t kTmaBytesPerStage = kTmaBytesQ + kRowStatBytes;
   static constexpr uint32_t kTmaBytesKV = 2 * cosize_v<SmemLayoutK> * sizeof(Element);
 
   struct SharedStorageDq {
@@ -142,6 +147,8 @@ struct BackwardMainloop {
     cute::array_aligned<Element, cosize_v<SmemLayoutK>, 1024> smem_v;
     cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> smem_q;
     cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> smem_do;
+    cute::array_aligned<float, kBlockM * kStages, 128> smem_lse_log2;  // per Q stage
+    cute::array_aligned<float, kBlockM * kStages, 128> smem_dpsum;     // per dO stage
     cute::array_aligned<Element, cosize_v<SmemLayoutPdS>, 1024> smem_p;
     cute::array_aligned<Element, cosize_v<SmemLayoutPdS>, 1024> smem_ds;
     cute::conditional_t<kDqViaTma, SharedStorageDq, cute::array<float, 0>> dq;
@@ -250,14 +257,20 @@ struct BackwardMainloop {
                                         group_modes<0, 2>(query_tiles(params.tma_q)));
       auto [tdOgdO, tdOsdO] = tma_partition(params.tma_do, _0{}, Layout<_1>{}, group_modes<0, 2>(sdO),
                                             group_modes<0, 2>(query_tiles(params.tma_do)));
+      const int64_t row0_head = workspace_row0(params, blk.batch, head);
       for (int m_block = blk.m_block_min; m_block < blk.m_block_max; ++m_block) {
+        const int64_t row0 = row0_head + int64_t(m_block) * kBlockM;  // padded rows: always in bounds
         pipeline_q.producer_acquire(pipe_q_write);
-        copy(params.tma_q.with(*pipeline_q.producer_get_barrier(pipe_q_write)), tQgQ(_, m_block),
-             tQsQ(_, pipe_q_write.index()));
+        uint64_t* barrier_q = pipeline_q.producer_get_barrier(pipe_q_write);
+        copy(params.tma_q.with(*barrier_q), tQgQ(_, m_block), tQsQ(_, pipe_q_write.index()));
+        SM90_BULK_COPY_G2S::copy(params.workspace.lse_log2 + row0, barrier_q,
+                                 storage.smem_lse_log2.data() + pipe_q_write.index() * kBlockM, kRowStatBytes);
         ++pipe_q_write;
         pipeline_do.producer_acquire(pipe_do_write);
-        copy(params.tma_do.with(*pipeline_do.producer_get_barrier(pipe_do_write)), tdOgdO(_, m_block),
-             tdOsdO(_, pipe_do_write.index()));
+        uint64_t* barrier_do = pipeline_do.producer_get_barrier(pipe_do_write);
+        copy(params.tma_do.with(*barrier_do), tdOgdO(_, m_block), tdOsdO(_, pipe_do_write.index()));
+        SM90_BULK_COPY_G2S::copy(params.workspace.dpsum + row0, barrier_do,
+                                 storage.smem_dpsum.data() + pipe_do_write.index() * kBlockM, kRowStatBytes);
         ++pipe_do_write;
       }
     }
@@ -301,8 +314,8 @@ struct BackwardMainloop {
             named_barrier_sync(kBarrierThreads, BwdBarrier::kDqFull0, wg);
             if (lane == 0) {
               if (wg == 0 && params.deterministic) wait_for_turn(semaphore, blk.n_block);
-              bulk_reduce_add_f32(dq_tile + wg * (kDqTileFloats / 2), storage.dq.smem_dq.data() + wg * (kDqTileFloats / 2),
-                                  kHalfBytes);
+              constexpr int kHalf = kDqTileFloats / 2;
+              bulk_reduce_add_f32(dq_tile + wg * kHalf, storage.dq.smem_dq.data() + wg * kHalf, kHalfBytes);
             }
           }
           if (lane == 0) {
@@ -399,17 +412,16 @@ struct BackwardMainloop {
         pipeline_q.consumer_wait(pipe_q_read);
         warpgroup_gemm</*kZeroInit=*/true, /*kWait=*/-1>(tiled_mma_sdp, tSrQ(_, _, _, pipe_q_read.index()),
                                                          descriptors_per_use(tSrK), tSrS);
-        // The row statistics load from L2 while the GEMMs run; padded rows make them in bounds.
         float lse_log2[kRows], dpsum[kRows];
-        const int64_t row0 = row0_head + int64_t(m_block) * kBlockM;
+        float const* smem_lse_log2 = storage.smem_lse_log2.data() + pipe_q_read.index() * kBlockM;
         CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < kRows; ++i) {
-          lse_log2[i] = params.workspace.lse_log2[row0 + get<0>(coords(i, 0))];
-          dpsum[i] = params.workspace.dpsum[row0 + get<0>(coords(i, 0))];
-        }
+        for (int i = 0; i < kRows; ++i) lse_log2[i] = smem_lse_log2[get<0>(coords(i, 0))];
         pipeline_do.consumer_wait(pipe_do_read);
         warpgroup_gemm<true, -1>(tiled_mma_sdp, tdPrdO(_, _, _, pipe_do_read.index()), descriptors_per_use(tdPrV),
                                  tdPrdP);
+        float const* smem_dpsum = storage.smem_dpsum.data() + pipe_do_read.index() * kBlockM;
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < kRows; ++i) dpsum[i] = smem_dpsum[get<0>(coords(i, 0))];
         warpgroup_wait<1>();  // S is ready
         cute::Tensor scores = make_tensor(tSrS.data(), accumulator_rowcol(tSrS.layout()));
         if constexpr (cute::is_same_v<decltype(masked), bool>) {
@@ -471,9 +483,15 @@ struct BackwardMainloop {
             if (thread_in_group == 0) wait_for_turn(semaphore, blk.n_block * kNumMmaWarpGroups);
             named_barrier_sync(cutlass::NumThreadsPerWarpGroup, BwdBarrier::kDqFull0, warp_group);
           }
+          // One base address a block, passed through an empty asm so that the compiler cannot hoist
+          // a 64-bit address per step out of the loop (it did: 16 of them, spilled, and every
+          // atomicAdd waited for a local load; ncu, hdim 256). The steps are immediate offsets.
+          int thread_offset = dq_accum_offset<kDqTileFloats>(warp_group, thread_in_group, 0);
+          asm volatile("" : "+r"(thread_offset));  // (an integer: a pointer would lose its address space)
+          float* dq_thread = dq_tile + thread_offset;
           CUTLASS_PRAGMA_UNROLL
           for (int r = 0; r < kSteps; ++r) {
-            atomicAdd(reinterpret_cast<float4*>(dq_tile + dq_accum_offset<kDqTileFloats>(warp_group, thread_in_group, r)),
+            atomicAdd(reinterpret_cast<float4*>(dq_thread + dq_accum_offset<kDqTileFloats>(0, 0, r)),
                       make_float4(tdQrdQ(4 * r), tdQrdQ(4 * r + 1), tdQrdQ(4 * r + 2), tdQrdQ(4 * r + 3)));
           }
           if (params.deterministic) {

@@ -67,7 +67,7 @@ struct BackwardKernel {
     pipeline_params.role = warp_group == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
     pipeline_params.is_leader = threadIdx.x == 0;
     pipeline_params.num_consumers = kNumMmaThreads;
-    pipeline_params.transaction_bytes = Mainloop::kTmaBytesQ;
+    pipeline_params.transaction_bytes = Mainloop::kTmaBytesPerStage;  // a Q (dO) tile and its LSE (D) rows
     Pipeline pipeline_q(storage.pipeline_q, pipeline_params, Shape<_1, _1, _1>{});
     Pipeline pipeline_do(storage.pipeline_do, pipeline_params, Shape<_1, _1, _1>{});
     cutlass::arch::fence_barrier_init();
