@@ -1,6 +1,7 @@
 // Backward mainloop for one key block: the producer's TMA loads (K and V once, Q and dO per
-// query block through kStages rings), the MMA warpgroups' five GEMMs per query block, and the dQ
-// writer warp that adds each block's partial dQ to the float32 dQaccum.
+// query block through kStages rings, each stage with its rows' LSE or D), the MMA warpgroups'
+// five GEMMs per query block, and the dQ writer warp that adds each block's partial dQ to the
+// float32 dQaccum.
 //
 // Per query block m (rows of Q, dO; the CTA's kBlockN keys are the columns):
 //   S = Q K^T, dP = dO V^T               split by key columns between the warpgroups
@@ -224,7 +225,8 @@ struct BackwardMainloop {
   }
 
   // Producer (one thread): K and V once, after the previous block's consumers let go of them;
-  // then Q and dO of each query block of each query head of the group, in the consumers' order.
+  // then Q and dO of each query block of each query head of the group, in the consumers' order,
+  // with the block's LSE and D rows.
   CUTLASS_DEVICE static void load(Params const& params, Pipeline& pipeline_q, Pipeline& pipeline_do,
                                   PipelineState& pipe_q_write, PipelineState& pipe_do_write, SharedStorage& storage,
                                   int& kv_empty_phase, BackwardBlock const& blk) {

@@ -41,16 +41,16 @@ struct ForwardTileSize<256, kCausal> {
 // The backward's tunables per head dim. A CTA owns kBlockN keys (K, V and the dK, dV
 // accumulators stay put) and walks the query blocks of kBlockM rows; two MMA warpgroups split S
 // and dP by key columns, dK/dV by key rows (by head dim when kBlockN / 2 < 64, the WGMMA's
-// minimum M) and dQ by head dim. Shared memory: K, V; kStages Q and dO tiles; P and dS twice
-// (so one warpgroup may write block m + 1 while the other still reads block m); and dQ's float32
-// tile when it goes to global memory through the TMA bulk reduce-add (kDqViaTma), else by
-// atomicAdd from registers. Registers a thread: S and dP kBlockM * kBlockN / 256 floats each,
+// minimum M) and dQ by head dim. Shared memory: K, V; kStages Q and dO tiles, each with its
+// kBlockM floats of LSE or D; P and dS twice (so one warpgroup may write block m + 1 while the
+// other still reads block m); and dQ's float32 tile when it goes to global memory through the
+// TMA bulk reduce-add (kDqViaTma), else by atomicAdd from registers. Registers a thread: S and dP kBlockM * kBlockN / 256 floats each,
 // dK and dV kBlockN * d / 256 each, dQ kBlockM * d / 256.
 template <int kHeadDim>
 struct BackwardTileSize;
 
 template <>
-struct BackwardTileSize<64> {  // 144 KiB shared memory
+struct BackwardTileSize<64> {  // 145 KiB shared memory
   static constexpr int kBlockM = 64;
   static constexpr int kBlockN = 128;
   static constexpr int kStages = 2;
@@ -58,14 +58,14 @@ struct BackwardTileSize<64> {  // 144 KiB shared memory
 };
 
 template <>
-struct BackwardTileSize<128> {  // 224 KiB
+struct BackwardTileSize<128> {  // 225 KiB
   static constexpr int kBlockM = 64;
   static constexpr int kBlockN = 128;
   static constexpr int kStages = 2;
   static constexpr bool kDqViaTma = true;
 };
 
-// dQ's 64 KiB tile does not fit beside two stages of Q and dO: atomicAdd instead. 224 KiB.
+// dQ's 64 KiB tile does not fit beside two stages of Q and dO: atomicAdd instead. 225 KiB.
 template <>
 struct BackwardTileSize<256> {
   static constexpr int kBlockM = 64;
