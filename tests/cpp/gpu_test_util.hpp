@@ -1,6 +1,6 @@
 // Helpers shared by the GPU tests (test_forward_gpu, test_backward_gpu): CUDA return-code checks,
 // the sm_90 probe and the main() that exits 77 without one, device copies of host tensors, and
-// inputs stored [B, S, H, D] or [B, H, S, D].
+// inputs stored [B, S, H, D] or [B, H, S, D], and the grid case both tests parameterize over.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <cstdio>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -21,6 +22,23 @@
   } while (0)
 
 namespace flashhopper::test {
+
+// One problem of the GPU tests' grids; name() is the test's name.
+struct GridCase {
+  fh_dtype dtype;
+  int head_dim;
+  bool causal;
+  int batch, seqlen_q, seqlen_k, heads_q, heads_kv;
+  bool heads_major_layout;  // inputs stored as [B, H, S, D] and passed as a strided [B, S, H, D] view
+
+  std::string name() const {
+    std::ostringstream s;
+    s << (dtype == FH_DTYPE_BF16 ? "bf16" : "fp16") << "_d" << head_dim << (causal ? "_causal" : "_full") << "_b"
+      << batch << "_sq" << seqlen_q << "_sk" << seqlen_k << "_h" << heads_q << "_hkv" << heads_kv
+      << (heads_major_layout ? "_bhsd" : "");
+    return s.str();
+  }
+};
 
 inline bool sm90_available(std::string* why) {
   int count = 0;

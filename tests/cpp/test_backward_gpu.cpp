@@ -34,28 +34,12 @@ namespace {
 constexpr double kAbsSlack = 1e-4;
 constexpr int kRepeats = 20;  // runs of the determinism and spread tests
 
-struct BackwardCase {
-  fh_dtype dtype;
-  int head_dim;
-  bool causal;
-  int batch, seqlen_q, seqlen_k, heads_q, heads_kv;
-  bool heads_major_layout;  // q/k/v/dout stored as [B, H, S, D] and passed as a strided [B, S, H, D] view
-
-  std::string name() const {
-    std::ostringstream s;
-    s << (dtype == FH_DTYPE_BF16 ? "bf16" : "fp16") << "_d" << head_dim << (causal ? "_causal" : "_full") << "_b"
-      << batch << "_sq" << seqlen_q << "_sk" << seqlen_k << "_h" << heads_q << "_hkv" << heads_kv
-      << (heads_major_layout ? "_bhsd" : "");
-    return s.str();
-  }
-};
-
 // dq, dk, dv on the host, contiguous [B, S, H, D].
 struct Gradients {
   HostTensor dq, dk, dv;
 };
 
-Gradients make_gradients(int32_t dtype, const BackwardCase& c) {
+Gradients make_gradients(int32_t dtype, const GridCase& c) {
   return {HostTensor(dtype, {c.batch, c.seqlen_q, c.heads_q, c.head_dim}),
           HostTensor(dtype, {c.batch, c.seqlen_k, c.heads_kv, c.head_dim}),
           HostTensor(dtype, {c.batch, c.seqlen_k, c.heads_kv, c.head_dim})};
@@ -108,7 +92,7 @@ Tensor bshd_device_view(const DeviceTensor& t, bool heads_major) {
 class BackwardProblem {
  public:
   // Random q, k, v, dout; out and lse from the exact CPU forward; device copies of all of them.
-  void init(const BackwardCase& c) {
+  void init(const GridCase& c) {
     c_ = c;
     const bool hm = c.heads_major_layout;
     const uint32_t seed = uint32_t(std::hash<std::string>{}(c.name()));
@@ -227,7 +211,7 @@ class BackwardProblem {
   size_t workspace_needed() const { return workspace_needed_; }  // as workspace_size said for the last run
 
  private:
-  BackwardCase c_{};
+  GridCase c_{};
   HostTensor q_, k_, v_, dout_, out_, lse_;
   std::unique_ptr<DeviceTensor> d_q_, d_k_, d_v_, d_dout_, d_out_, d_lse_, d_dq_, d_dk_, d_dv_;
   DeviceBuffer workspace_;
@@ -281,10 +265,10 @@ bool names_argument(const std::string& message, const std::string& name) {
 
 // ---- the grid ---------------------------------------------------------------------------------
 
-class BackwardGpuTest : public ::testing::TestWithParam<BackwardCase> {};
+class BackwardGpuTest : public ::testing::TestWithParam<GridCase> {};
 
 TEST_P(BackwardGpuTest, MatchesReference) {
-  const BackwardCase c = GetParam();
+  const GridCase c = GetParam();
   BackwardProblem problem;
   ASSERT_NO_FATAL_FAILURE(problem.init(c));
   Status status;
@@ -303,7 +287,7 @@ TEST_P(BackwardGpuTest, MatchesReference) {
   }
 }
 
-std::vector<BackwardCase> backward_cases() {
+std::vector<GridCase> backward_cases() {
   struct Shape {
     int batch, seqlen_q, seqlen_k, heads_q, heads_kv;
     bool heads_major;
@@ -315,7 +299,7 @@ std::vector<BackwardCase> backward_cases() {
   };
   // Head dim 128 only: one of these costs the reference seconds (it has only B * Hq work items).
   const std::vector<Shape> large_shapes = {{1, 2048, 2048, 2, 1, false}};
-  std::vector<BackwardCase> cases;
+  std::vector<GridCase> cases;
   for (fh_dtype dtype : {FH_DTYPE_BF16, FH_DTYPE_FP16})
     for (int head_dim : {64, 128, 256})
       for (bool causal : {false, true}) {
@@ -331,16 +315,16 @@ std::vector<BackwardCase> backward_cases() {
 }
 
 INSTANTIATE_TEST_SUITE_P(Grid, BackwardGpuTest, ::testing::ValuesIn(backward_cases()),
-                         [](const ::testing::TestParamInfo<BackwardCase>& info) { return info.param.name(); });
+                         [](const ::testing::TestParamInfo<GridCase>& info) { return info.param.name(); });
 
 // ---- repeated runs ------------------------------------------------------------------------------
 
 // Several query blocks per key block and two query heads per key head: the dq and GQA dk/dv sums
 // are where the order of accumulation (and so the bits) could change from run to run.
-class BackwardGpuRepeatTest : public ::testing::TestWithParam<BackwardCase> {};
+class BackwardGpuRepeatTest : public ::testing::TestWithParam<GridCase> {};
 
 TEST_P(BackwardGpuRepeatTest, DeterministicIsBitIdentical) {
-  const BackwardCase c = GetParam();
+  const GridCase c = GetParam();
   BackwardProblem problem;
   ASSERT_NO_FATAL_FAILURE(problem.init(c));
   Status status;
@@ -376,7 +360,7 @@ TEST_P(BackwardGpuRepeatTest, DeterministicIsBitIdentical) {
 // The default mode may sum in any order: its spread is reported, not judged; NaN and the
 // tolerance are judged on every run.
 TEST_P(BackwardGpuRepeatTest, DefaultModeSpread) {
-  const BackwardCase c = GetParam();
+  const GridCase c = GetParam();
   BackwardProblem problem;
   ASSERT_NO_FATAL_FAILURE(problem.init(c));
   Status status;
@@ -424,8 +408,8 @@ TEST_P(BackwardGpuRepeatTest, DefaultModeSpread) {
   std::cout << "[ spread   ] " << report.str() << std::endl;
 }
 
-std::vector<BackwardCase> repeat_cases() {
-  std::vector<BackwardCase> cases;
+std::vector<GridCase> repeat_cases() {
+  std::vector<GridCase> cases;
   for (bool causal : {false, true}) cases.push_back({FH_DTYPE_BF16, 128, causal, 2, 1000, 1000, 4, 2, false});
   // Head dim 256 adds dQ by atomicAdd from registers instead of the TMA bulk reduce-add.
   cases.push_back({FH_DTYPE_BF16, 256, false, 2, 1000, 1000, 4, 2, false});
@@ -433,12 +417,12 @@ std::vector<BackwardCase> repeat_cases() {
 }
 
 INSTANTIATE_TEST_SUITE_P(Repeat, BackwardGpuRepeatTest, ::testing::ValuesIn(repeat_cases()),
-                         [](const ::testing::TestParamInfo<BackwardCase>& info) { return info.param.name(); });
+                         [](const ::testing::TestParamInfo<GridCase>& info) { return info.param.name(); });
 
 // ---- bad input through the real entry point: refused with the argument's name, nothing launched
 
 // Small, and in the development kernel set (bf16, head dim 128), so these run in every CUDA build.
-const BackwardCase kErrorCase{FH_DTYPE_BF16, 128, false, 1, 64, 64, 2, 1, false};
+const GridCase kErrorCase{FH_DTYPE_BF16, 128, false, 1, 64, 64, 2, 1, false};
 
 TEST(BackwardGpuErrors, HostPointerRefused) {
   BackwardProblem problem;

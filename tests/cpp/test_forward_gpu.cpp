@@ -18,26 +18,10 @@
 namespace flashhopper::test {
 namespace {
 
-struct ForwardCase {
-  fh_dtype dtype;
-  int head_dim;
-  bool causal;
-  int batch, seqlen_q, seqlen_k, heads_q, heads_kv;
-  bool heads_major_layout;  // q/k/v stored as [B, H, S, D] and passed as a strided [B, S, H, D] view
-
-  std::string name() const {
-    std::ostringstream s;
-    s << (dtype == FH_DTYPE_BF16 ? "bf16" : "fp16") << "_d" << head_dim << (causal ? "_causal" : "_full") << "_b"
-      << batch << "_sq" << seqlen_q << "_sk" << seqlen_k << "_h" << heads_q << "_hkv" << heads_kv
-      << (heads_major_layout ? "_bhsd" : "");
-    return s.str();
-  }
-};
-
-class ForwardGpuTest : public ::testing::TestWithParam<ForwardCase> {};
+class ForwardGpuTest : public ::testing::TestWithParam<GridCase> {};
 
 TEST_P(ForwardGpuTest, MatchesReference) {
-  const ForwardCase c = GetParam();
+  const GridCase c = GetParam();
   const uint32_t seed = uint32_t(std::hash<std::string>{}(c.name()));
   HostTensor q = make_input(c.dtype, c.batch, c.seqlen_q, c.heads_q, c.head_dim, c.heads_major_layout, seed);
   HostTensor k = make_input(c.dtype, c.batch, c.seqlen_k, c.heads_kv, c.head_dim, c.heads_major_layout, seed + 1);
@@ -114,7 +98,7 @@ TEST_P(ForwardGpuTest, MatchesReference) {
   EXPECT_LE(lse_err, 2 * lse_plain_err + 1e-5) << "lse: ours " << lse_err << ", plain " << lse_plain_err;
 }
 
-std::vector<ForwardCase> forward_cases() {
+std::vector<GridCase> forward_cases() {
   struct Shape {
     int batch, seqlen_q, seqlen_k, heads_q, heads_kv;
     bool heads_major;
@@ -124,7 +108,7 @@ std::vector<ForwardCase> forward_cases() {
       {3, 128, 128, 2, 2, false},      {2, 1000, 513, 4, 1, false},  {1, 257, 1000, 2, 2, false},
       {1, 2048, 2048, 2, 1, false},    {4, 300, 300, 16, 4, true},   {1, 4097, 4097, 1, 1, false},
   };
-  std::vector<ForwardCase> cases;
+  std::vector<GridCase> cases;
   for (fh_dtype dtype : {FH_DTYPE_BF16, FH_DTYPE_FP16})
     for (int head_dim : {64, 128, 256})
       for (bool causal : {false, true})
@@ -135,7 +119,7 @@ std::vector<ForwardCase> forward_cases() {
 }
 
 INSTANTIATE_TEST_SUITE_P(Grid, ForwardGpuTest, ::testing::ValuesIn(forward_cases()),
-                         [](const ::testing::TestParamInfo<ForwardCase>& info) { return info.param.name(); });
+                         [](const ::testing::TestParamInfo<GridCase>& info) { return info.param.name(); });
 
 // Bad input through the real entry point: refused with the argument's name, nothing launched.
 TEST(ForwardGpuErrors, HostPointerRefused) {
