@@ -219,6 +219,16 @@ struct BackwardMainloop {
   CUTLASS_DEVICE static int seqlen_q(Params const& params) { return get<0>(params.shape_q); }
   CUTLASS_DEVICE static int seqlen_k(Params const& params) { return get<0>(params.shape_k); }
 
+  // The i-th query block of key block blk's walk, the same in the producer, the MMA warpgroups
+  // and the dQ writer. Causal walks down from the last block to the diagonal, so that all key
+  // blocks of a head, which all reach the last block, visit the same block at the same step, as
+  // in non-causal: they share its Q and dO in L2, and in deterministic mode key block n adds to
+  // dQ one hand-off after key block n - 1 instead of waiting for its whole walk down to the
+  // diagonal (walking up, key block n started at block n, which key block 0 reaches at step n).
+  CUTLASS_DEVICE static int query_block_at(BackwardBlock const& blk, int i) {
+    return kCausal ? blk.m_block_max - 1 - i : blk.m_block_min + i;
+  }
+
   // Row offset of (batch, query head) in the [batch, heads_q, rows_padded] workspace buffers.
   CUTLASS_DEVICE static int64_t workspace_row0(Params const& params, int batch, int head) {
     return (int64_t(batch) * get<2>(params.shape_q) + head) * params.workspace.rows_padded;
@@ -260,7 +270,8 @@ struct BackwardMainloop {
       auto [tdOgdO, tdOsdO] = tma_partition(params.tma_do, _0{}, Layout<_1>{}, group_modes<0, 2>(sdO),
                                             group_modes<0, 2>(query_tiles(params.tma_do)));
       const int64_t row0_head = workspace_row0(params, blk.batch, head);
-      for (int m_block = blk.m_block_min; m_block < blk.m_block_max; ++m_block) {
+      for (int i = 0; i < blk.m_block_max - blk.m_block_min; ++i) {
+        const int m_block = query_block_at(blk, i);
         const int64_t row0 = row0_head + int64_t(m_block) * kBlockM;  // padded rows: always in bounds
         pipeline_q.producer_acquire(pipe_q_write);
         uint64_t* barrier_q = pipeline_q.producer_get_barrier(pipe_q_write);
@@ -304,7 +315,8 @@ struct BackwardMainloop {
       for (int g = 0; g < params.heads_per_kv_head; ++g) {
         const int head = blk.head_kv * params.heads_per_kv_head + g;
         float* dq_head = params.workspace.dq_accum + workspace_row0(params, blk.batch, head) * kHeadDim;
-        for (int m_block = blk.m_block_min; m_block < blk.m_block_max; ++m_block) {
+        for (int i = 0; i < blk.m_block_max - blk.m_block_min; ++i) {
+          const int m_block = query_block_at(blk, i);
           float* dq_tile = dq_head + int64_t(m_block) * kDqTileFloats;
           int* semaphore = dq_semaphore(params, blk.batch, head, m_block);
           CUTLASS_PRAGMA_UNROLL
@@ -508,16 +520,16 @@ struct BackwardMainloop {
         buffer ^= 1;
       };
       if constexpr (kCausal) {
-        // The masked blocks come first (the diagonal is at the start of the key block's walk), or
-        // are all of them when this key block holds padding. A separate unmasked loop keeps the
-        // mask out of the hot loop: hdim 128 causal 16k 413 -> 468 TFLOP/s. (The same split made
-        // non-causal slower, 511 -> 484: its single loop stays.)
+        // The walk goes down (query_block_at): the unmasked blocks first, then the masked ones
+        // at the diagonal (all of them when this key block holds padding). A separate unmasked
+        // loop keeps the mask out of the hot loop: hdim 128 causal 16k 413 -> 468 TFLOP/s. (The
+        // same split made non-causal slower, 511 -> 484: its single loop stays.)
         const int m_masked_end =
             mask.masked_query_blocks_end(blk.n_block, blk.m_block_min, blk.m_block_max);
         CUTLASS_PRAGMA_NO_UNROLL
-        for (int m_block = blk.m_block_min; m_block < m_masked_end; ++m_block) step(m_block, cute::true_type{});
+        for (int m_block = blk.m_block_max - 1; m_block >= m_masked_end; --m_block) step(m_block, cute::false_type{});
         CUTLASS_PRAGMA_NO_UNROLL
-        for (int m_block = m_masked_end; m_block < blk.m_block_max; ++m_block) step(m_block, cute::false_type{});
+        for (int m_block = m_masked_end - 1; m_block >= blk.m_block_min; --m_block) step(m_block, cute::true_type{});
       } else {
         const bool padded = mask.crosses_boundary(blk.m_block_min, blk.n_block);  // same for every m_block
         CUTLASS_PRAGMA_NO_UNROLL

@@ -26,9 +26,10 @@ struct AttentionMask {
     return false;
   }
 
-  // The backward walks key block n_block's query blocks [m_block_min, m_block_max) and masks
-  // only those that cross a boundary, which come first: the end of that run. Every one when the
-  // key block holds padding; with causal masking, m while crosses_boundary(m, n_block).
+  // The backward visits key block n_block's query blocks [m_block_min, m_block_max) and masks
+  // only those that cross a boundary, which sit at the start of that range: the end of that run.
+  // Every one when the key block holds padding; with causal masking, m while
+  // crosses_boundary(m, n_block).
   CUTLASS_DEVICE int masked_query_blocks_end(int n_block, int m_block_min, int m_block_max) const {
     const int last_col = (n_block + 1) * kBlockN - 1;
     if (last_col >= seqlen_k) return m_block_max;

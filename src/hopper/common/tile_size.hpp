@@ -50,10 +50,10 @@ template <int kHeadDim>
 struct BackwardTileSize;
 
 template <>
-struct BackwardTileSize<64> {  // 145 KiB shared memory
+struct BackwardTileSize<64> {  // 162 KiB shared memory; 3 stages: +2% over 2 at 2k-4k
   static constexpr int kBlockM = 64;
   static constexpr int kBlockN = 128;
-  static constexpr int kStages = 2;
+  static constexpr int kStages = 3;
   static constexpr bool kDqViaTma = true;
 };
 
