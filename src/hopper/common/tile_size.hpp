@@ -18,14 +18,14 @@ struct ForwardTileSize<64, kCausal> {
   static constexpr int kStages = 2;
 };
 
-// hdim 128: 176 key columns fill shared memory (2 stages, 208 KiB, O from registers) for
-// non-causal: 690 TFLOP/s at 16k on the H200; 128 and 144 measured slower (bench/RESULTS.md).
-// Causal keeps 128, so the diagonal blocks waste less and O is staged in shared memory
-// (192 KiB); 176 measured the same within noise.
+// hdim 128: non-causal takes 160 key columns (2 stages and O staged in shared memory, 224 KiB):
+// against 176 (O from registers, 208 KiB) it measured +5% at 2k and +3% at 4k and the same from
+// 8k (690 TFLOP/s at 16k on the H200); 128 and 144 measured slower (bench/RESULTS.md). Causal
+// keeps 128, so the diagonal blocks waste less (192 KiB); 176 measured the same within noise.
 template <bool kCausal>
 struct ForwardTileSize<128, kCausal> {
   static constexpr int kBlockM = 128;
-  static constexpr int kBlockN = kCausal ? 128 : 176;
+  static constexpr int kBlockN = kCausal ? 128 : 160;
   static constexpr int kStages = 2;
 };
 
