@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Builds FlashHopper and runs its demo: on an sm_90 GPU it runs the forward kernel, checks it
-# against the CPU reference and times it; elsewhere it runs the CPU reference and says so.
+# Builds FlashHopper and runs its demo: on an sm_90 GPU it runs the forward and backward kernels,
+# checks them against the CPU reference and times them; elsewhere it runs the CPU reference and
+# says so.
 # Usage: scripts/demo.sh [seqlen] [head_dim]
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"

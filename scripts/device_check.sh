@@ -13,6 +13,19 @@ steps=("$@")
 summary=()
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv,noheader || true
 
+# compute-sanitizer memcheck and racecheck over one test binary's filtered cases.
+sanitize() {
+  local pass_=$1 binary=$2 filter=$3 tool rc
+  for tool in memcheck racecheck; do
+    timeout 300 compute-sanitizer --tool "$tool" --error-exitcode 9 "$build/tests/cpp/$binary" \
+      --gtest_brief=1 --gtest_filter="$filter" >"$out/sanitizer_${pass_}_$tool.log" 2>&1
+    rc=$?
+    tail -3 "$out/sanitizer_${pass_}_$tool.log"
+    summary+=("compute-sanitizer $pass_ $tool: rc=$rc, $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' \
+      "$out/sanitizer_${pass_}_$tool.log" | tail -1)")
+  done
+}
+
 for step in "${steps[@]}"; do
   case "$step" in
     tests)
@@ -26,23 +39,10 @@ for step in "${steps[@]}"; do
       summary+=("gpu backward tests: rc=$rc, $(grep -E '^\[  PASSED  \]|^\[  FAILED  \]' "$out/gpu_tests_backward.log" | tr '\n' ' ')")
       ;;
     sanitize)
-      small='Grid/ForwardGpuTest.MatchesReference/*_b1_sq113_sk200_h4_hkv2:Grid/ForwardGpuTest.MatchesReference/*_b3_sq128_sk128_h2_hkv2'
-      for tool in memcheck racecheck; do
-        timeout 300 compute-sanitizer --tool "$tool" --error-exitcode 9 "$build/tests/cpp/test_forward_gpu" \
-          --gtest_brief=1 --gtest_filter="$small" >"$out/sanitizer_$tool.log" 2>&1
-        rc=$?
-        tail -3 "$out/sanitizer_$tool.log"
-        summary+=("compute-sanitizer $tool: rc=$rc, $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/sanitizer_$tool.log" | tail -1)")
-      done
-      # One small case per head dim (several key and query blocks, GQA, causal).
-      small_bwd='Grid/BackwardGpuTest.MatchesReference/bf16_d*_causal_b1_sq113_sk200_h4_hkv2'
-      for tool in memcheck racecheck; do
-        timeout 300 compute-sanitizer --tool "$tool" --error-exitcode 9 "$build/tests/cpp/test_backward_gpu" \
-          --gtest_brief=1 --gtest_filter="$small_bwd" >"$out/sanitizer_backward_$tool.log" 2>&1
-        rc=$?
-        tail -3 "$out/sanitizer_backward_$tool.log"
-        summary+=("compute-sanitizer backward $tool: rc=$rc, $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$out/sanitizer_backward_$tool.log" | tail -1)")
-      done
+      # One small case per head dim and pass (several key and query blocks, GQA, causal).
+      sanitize forward test_forward_gpu \
+        'Grid/ForwardGpuTest.MatchesReference/*_b1_sq113_sk200_h4_hkv2:Grid/ForwardGpuTest.MatchesReference/*_b3_sq128_sk128_h2_hkv2'
+      sanitize backward test_backward_gpu 'Grid/BackwardGpuTest.MatchesReference/bf16_d*_causal_b1_sq113_sk200_h4_hkv2'
       ;;
     demo)
       timeout 300 "$build/examples/flashhopper_demo" 2048 128 2>&1 | tee "$out/demo.log"
