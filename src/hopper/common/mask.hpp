@@ -27,9 +27,9 @@ struct AttentionMask {
   }
 
   // The backward visits key block n_block's query blocks [m_block_min, m_block_max) and masks
-  // only those that cross a boundary, which sit at the start of that range: the end of that run.
-  // Every one when the key block holds padding; with causal masking, m while
-  // crosses_boundary(m, n_block).
+  // only those that cross a boundary. They form the start of the range; this returns where that
+  // run ends: m_block_max when the key block holds padding, else (causal) the first m for which
+  // crosses_boundary(m, n_block) is false.
   CUTLASS_DEVICE int masked_query_blocks_end(int n_block, int m_block_min, int m_block_max) const {
     const int last_col = (n_block + 1) * kBlockN - 1;
     if (last_col >= seqlen_k) return m_block_max;

@@ -44,8 +44,8 @@ struct ForwardTileSize<256, kCausal> {
 // minimum M) and dQ by head dim. Shared memory: K, V; kStages Q and dO tiles, each with its
 // kBlockM floats of LSE or D; P and dS twice (so one warpgroup may write block m + 1 while the
 // other still reads block m); and dQ's float32 tile when it goes to global memory through the
-// TMA bulk reduce-add (kDqViaTma), else by atomicAdd from registers. Registers a thread: S and dP kBlockM * kBlockN / 256 floats each,
-// dK and dV kBlockN * d / 256 each, dQ kBlockM * d / 256.
+// TMA bulk reduce-add (kDqViaTma), else by atomicAdd from registers. Registers a thread: S and
+// dP kBlockM * kBlockN / 256 floats each, dK and dV kBlockN * d / 256 each, dQ kBlockM * d / 256.
 template <int kHeadDim>
 struct BackwardTileSize;
 
