@@ -14,6 +14,8 @@
 
 #ifdef FLASHHOPPER_DEMO_WITH_CUDA
 #include <cuda_runtime_api.h>
+
+#include "device_memory.hpp"
 #endif
 
 using namespace flashhopper;
@@ -115,25 +117,6 @@ bool time_calls(Launch launch, float* ms) {
   return ok;
 }
 
-// Device copies of host tensors and output buffers, freed together.
-struct DeviceBuffers {
-  std::vector<void*> owned;
-  ~DeviceBuffers() {
-    for (void* p : owned) cudaFree(p);
-  }
-  void* alloc(size_t bytes) {
-    void* p = nullptr;
-    if (cudaMalloc(&p, bytes) != cudaSuccess) return nullptr;
-    owned.push_back(p);
-    return p;
-  }
-  void* upload(test::HostTensor& t) {
-    void* p = alloc(t.bytes());
-    if (p && cudaMemcpy(p, t.data(), t.bytes(), cudaMemcpyHostToDevice) != cudaSuccess) return nullptr;
-    return p;
-  }
-};
-
 int run_gpu(const Problem& pb) {
   const std::vector<int64_t> shape = {pb.batch, pb.seqlen, pb.heads, pb.head_dim};
   const std::vector<int64_t> lse_shape = {pb.batch, pb.heads, pb.seqlen};
@@ -143,47 +126,39 @@ int run_gpu(const Problem& pb) {
   test::HostTensor dout = test::random_tensor(FH_DTYPE_BF16, shape, 4);
   test::HostTensor out(FH_DTYPE_BF16, shape), lse(FH_DTYPE_FP32, lse_shape);
   test::HostTensor dq(FH_DTYPE_BF16, shape), dk(FH_DTYPE_BF16, shape), dv(FH_DTYPE_BF16, shape);
-  const size_t bytes = q.bytes();
-  DeviceBuffers device;
-  void* d_q = device.upload(q);
-  void* d_k = device.upload(k);
-  void* d_v = device.upload(v);
-  void* d_dout = device.upload(dout);
-  void* d_out = device.alloc(bytes);
-  void* d_lse = device.alloc(lse.bytes());
-  void* d_dq = device.alloc(bytes);
-  void* d_dk = device.alloc(bytes);
-  void* d_dv = device.alloc(bytes);
-  if (!d_q || !d_k || !d_v || !d_dout || !d_out || !d_lse || !d_dq || !d_dk || !d_dv) {
-    std::printf("device allocation or copy failed: %s\n", cudaGetErrorString(cudaGetLastError()));
-    return 1;
+  test::DeviceTensor d_q(q), d_k(k), d_v(v), d_dout(dout), d_out(out), d_lse(lse);
+  test::DeviceTensor d_dq(dq), d_dk(dk), d_dv(dv);
+  test::DeviceBuffer workspace;
+  for (const test::DeviceTensor* t : {&d_q, &d_k, &d_v, &d_dout, &d_out, &d_lse, &d_dq, &d_dk, &d_dv}) {
+    if (!t->ok()) {
+      std::printf("device allocation failed: %s\n", cudaGetErrorString(cudaGetLastError()));
+      return 1;
+    }
   }
-  auto on_device = [](void* data, DType dtype, const std::vector<int64_t>& s) {
-    return s.size() == 3 ? make_tensor(data, dtype, {s[0], s[1], s[2]})
-                         : make_tensor(data, dtype, {s[0], s[1], s[2], s[3]});
-  };
-  void* workspace = nullptr;
-  size_t workspace_bytes = 0;
+  DEMO_CUDA(d_q.upload(q));
+  DEMO_CUDA(d_k.upload(k));
+  DEMO_CUDA(d_v.upload(v));
+  DEMO_CUDA(d_dout.upload(dout));
 
   int failures = 0;
   for (int causal = 0; causal <= 1; ++causal) {
     // Forward: O and LSE, checked against the CPU reference, then timed.
     ForwardParams fwd = default_forward_params();
-    fwd.q = on_device(d_q, FH_DTYPE_BF16, shape);
-    fwd.k = on_device(d_k, FH_DTYPE_BF16, shape);
-    fwd.v = on_device(d_v, FH_DTYPE_BF16, shape);
-    fwd.out = on_device(d_out, FH_DTYPE_BF16, shape);
-    fwd.lse = on_device(d_lse, FH_DTYPE_FP32, lse_shape);
+    fwd.q = d_q.view();
+    fwd.k = d_k.view();
+    fwd.v = d_v.view();
+    fwd.out = d_out.view();
+    fwd.lse = d_lse.view();
     fwd.causal = causal;
-    DEMO_CUDA(cudaMemset(d_out, 0xff, bytes));  // poison: unwritten elements read as NaN
+    DEMO_CUDA(d_out.poison());  // unwritten elements read as NaN
     Status status = forward(fwd, nullptr, 0, nullptr);
     if (!status.ok()) {
       std::printf("forward failed: %s\n", status.message.c_str());
       return 1;
     }
     DEMO_CUDA(cudaDeviceSynchronize());
-    DEMO_CUDA(cudaMemcpy(out.data(), d_out, bytes, cudaMemcpyDeviceToHost));
-    DEMO_CUDA(cudaMemcpy(lse.data(), d_lse, lse.bytes(), cudaMemcpyDeviceToHost));
+    DEMO_CUDA(d_out.download(out));
+    DEMO_CUDA(d_lse.download(lse));
 
     ForwardParams host = fwd;
     host.q = q.view();
@@ -221,10 +196,10 @@ int run_gpu(const Problem& pb) {
     bwd.v = fwd.v;
     bwd.out = fwd.out;
     bwd.lse = fwd.lse;
-    bwd.dout = on_device(d_dout, FH_DTYPE_BF16, shape);
-    bwd.dq = on_device(d_dq, FH_DTYPE_BF16, shape);
-    bwd.dk = on_device(d_dk, FH_DTYPE_BF16, shape);
-    bwd.dv = on_device(d_dv, FH_DTYPE_BF16, shape);
+    bwd.dout = d_dout.view();
+    bwd.dq = d_dq.view();
+    bwd.dk = d_dk.view();
+    bwd.dv = d_dv.view();
     bwd.causal = causal;
     size_t needed = 0;
     status = workspace_size(bwd, &needed);
@@ -232,24 +207,17 @@ int run_gpu(const Problem& pb) {
       std::printf("workspace_size failed: %s\n", status.message.c_str());
       return 1;
     }
-    if (needed > workspace_bytes) {
-      workspace = device.alloc(needed);
-      workspace_bytes = needed;
-      if (!workspace) {
-        std::printf("workspace allocation (%zu bytes) failed\n", needed);
-        return 1;
-      }
-    }
-    for (void* grad : {d_dq, d_dk, d_dv}) DEMO_CUDA(cudaMemset(grad, 0xff, bytes));
-    status = backward(bwd, workspace, workspace_bytes, nullptr);
+    if (needed > workspace.bytes()) DEMO_CUDA(workspace.allocate(needed));
+    for (test::DeviceTensor* grad : {&d_dq, &d_dk, &d_dv}) DEMO_CUDA(grad->poison());
+    status = backward(bwd, workspace.data(), needed, nullptr);
     if (!status.ok()) {
       std::printf("backward failed: %s\n", status.message.c_str());
       return 1;
     }
     DEMO_CUDA(cudaDeviceSynchronize());
-    DEMO_CUDA(cudaMemcpy(dq.data(), d_dq, bytes, cudaMemcpyDeviceToHost));
-    DEMO_CUDA(cudaMemcpy(dk.data(), d_dk, bytes, cudaMemcpyDeviceToHost));
-    DEMO_CUDA(cudaMemcpy(dv.data(), d_dv, bytes, cudaMemcpyDeviceToHost));
+    DEMO_CUDA(d_dq.download(dq));
+    DEMO_CUDA(d_dk.download(dk));
+    DEMO_CUDA(d_dv.download(dv));
 
     BackwardParams host_bwd = bwd;
     host_bwd.q = q.view();
@@ -277,7 +245,7 @@ int run_gpu(const Problem& pb) {
                             check_against(dk.view(), exact_dk.view(), plain_dk.view()),
                             check_against(dv.view(), exact_dv.view(), plain_dv.view())};
     const bool bwd_pass = grads[0].pass && grads[1].pass && grads[2].pass;
-    if (!time_calls([&] { return backward(bwd, workspace, workspace_bytes, nullptr); }, &ms)) {
+    if (!time_calls([&] { return backward(bwd, workspace.data(), needed, nullptr); }, &ms)) {
       std::printf("timing the backward failed\n");
       return 1;
     }

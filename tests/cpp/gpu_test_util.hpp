@@ -1,5 +1,5 @@
 // Helpers shared by the GPU tests (test_forward_gpu, test_backward_gpu): CUDA return-code checks,
-// the sm_90 probe and the main() that exits 77 without one, device copies of host tensors, and
+// the sm_90 probe and the main() that exits 77 without one (device memory: device_memory.hpp), and
 // inputs stored [B, S, H, D] or [B, H, S, D], and the grid case both tests parameterize over.
 #pragma once
 
@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "device_memory.hpp"
 #include "flashhopper/flashhopper.hpp"
 #include "test_util.hpp"
 
@@ -67,36 +68,6 @@ inline int gpu_test_main(int argc, char** argv) {
   }
   return RUN_ALL_TESTS();
 }
-
-// A device copy of a host tensor with the same (possibly padded) storage and strides.
-class DeviceTensor {
- public:
-  explicit DeviceTensor(const HostTensor& host) : host_view_(host.view()), bytes_(host.bytes()) {
-    if (cudaMalloc(&data_, bytes_) != cudaSuccess) data_ = nullptr;
-  }
-  ~DeviceTensor() { cudaFree(data_); }
-  DeviceTensor(const DeviceTensor&) = delete;
-  DeviceTensor& operator=(const DeviceTensor&) = delete;
-
-  bool ok() const { return data_ != nullptr; }
-  cudaError_t upload(const HostTensor& host) {
-    return cudaMemcpy(data_, const_cast<HostTensor&>(host).data(), bytes_, cudaMemcpyHostToDevice);
-  }
-  cudaError_t download(HostTensor& host) const {
-    return cudaMemcpy(host.data(), data_, bytes_, cudaMemcpyDeviceToHost);
-  }
-  cudaError_t poison() { return cudaMemset(data_, 0xff, bytes_); }  // NaN in bf16/fp16/fp32
-  Tensor view() const {
-    Tensor t = host_view_;
-    t.data = data_;
-    return t;
-  }
-
- private:
-  Tensor host_view_;
-  size_t bytes_;
-  void* data_ = nullptr;
-};
 
 // [B, S, H, D] tensor; with heads_major the storage is [B, H, S, D] and the view is permuted.
 inline HostTensor make_input(fh_dtype dtype, int b, int s, int h, int d, bool heads_major, uint32_t seed) {

@@ -57,32 +57,6 @@ struct Expected {
   std::array<double, 3> plain_err{};
 };
 
-// A cudaMalloc'ed workspace (cudaMalloc aligns to 256 bytes, as the API requires).
-class DeviceBuffer {
- public:
-  DeviceBuffer() = default;
-  ~DeviceBuffer() { cudaFree(data_); }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-
-  cudaError_t allocate(size_t bytes) {
-    cudaFree(data_);
-    data_ = nullptr;
-    bytes_ = 0;
-    if (bytes == 0) return cudaSuccess;
-    const cudaError_t err = cudaMalloc(&data_, bytes);
-    if (err == cudaSuccess) bytes_ = bytes;
-    return err;
-  }
-  cudaError_t poison() { return bytes_ > 0 ? cudaMemset(data_, 0xff, bytes_) : cudaSuccess; }
-  void* data() const { return data_; }
-  size_t bytes() const { return bytes_; }
-
- private:
-  void* data_ = nullptr;
-  size_t bytes_ = 0;
-};
-
 Tensor bshd_device_view(const DeviceTensor& t, bool heads_major) {
   return heads_major ? permute(t.view(), {0, 2, 1, 3}) : t.view();
 }
