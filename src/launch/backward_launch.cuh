@@ -26,8 +26,9 @@ cudaError_t run_backward_hdim(const BackwardParams& p, const detail::ProblemShap
   using Element = typename ElementOf<kDType>::type;
   using Tile = BackwardTileSize<kHeadDim>;
   using Mainloop =
-      BackwardMainloop<Element, Tile::kBlockM, Tile::kBlockN, kHeadDim, Tile::kStages, kCausal, Tile::kDqViaTma>;
-  using Epilogue = BackwardEpilogue<Element, Tile::kBlockN, kHeadDim, typename Mainloop::TiledMmadKV>;
+      BackwardMainloop<Element, Tile::kBlockM, Tile::kBlockN, kHeadDim, Tile::kStages, Tile::kStagesDo, kCausal,
+                       Tile::kDqViaTma>;
+  using Epilogue = BackwardEpilogue<Element, Mainloop>;
   using Scheduler = StaticPersistentScheduler</*kLongestFirst=*/kCausal>;
   using Kernel = BackwardKernel<Mainloop, Epilogue, Scheduler>;
   using Preprocess = BackwardPreprocess<Element, kHeadDim>;

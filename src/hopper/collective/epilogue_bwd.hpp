@@ -12,13 +12,13 @@ namespace flashhopper::hopper {
 
 using namespace cute;
 
-template <class Element_, int kBlockN_, int kHeadDim_, class TiledMmadKV_>
+template <class Element_, class Mainloop>
 struct BackwardEpilogue {
   using Element = Element_;
-  using TiledMmadKV = TiledMmadKV_;
-  static constexpr int kBlockN = kBlockN_;
-  static constexpr int kHeadDim = kHeadDim_;
-  using TileShapedKV = Shape<Int<kBlockN>, Int<kHeadDim>>;
+  using TiledMmadKV = typename Mainloop::TiledMmadKV;
+  static constexpr int kBlockN = Mainloop::kBlockN;
+  static constexpr int kHeadDim = Mainloop::kHeadDim;
+  static constexpr bool kTransposed = Mainloop::kDkvTransposed;  // registers hold dK^T, dV^T
 
   using ShapedKV = Shape<int32_t, int32_t, int32_t, int32_t>;  // (seqlen_k, d, heads_kv, batch)
   using StridedKV = Stride<int64_t, _1, int64_t, int64_t>;
@@ -39,14 +39,31 @@ struct BackwardEpilogue {
                                    int thread_idx, BackwardBlock const& blk) {
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < size(tdKrdK); ++i) tdKrdK(i) *= params.softmax_scale;
-    Tensor coords = TiledMmadKV{}.get_thread_slice(thread_idx).partition_C(make_identity_tensor(TileShapedKV{}));
     const int rows = get<0>(params.shape_dkv) - blk.n_block * kBlockN;
     auto tile = [&](Element* ptr, StridedKV stride) {
       Tensor m = make_tensor(make_gmem_ptr(ptr), params.shape_dkv, stride)(_, _, blk.head_kv, blk.batch);
-      return local_tile(m, TileShapedKV{}, make_coord(blk.n_block, _0{}));  // (N, d)
+      return local_tile(m, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(blk.n_block, _0{}));  // (N, d)
     };
-    store_accumulator_rows(tdKrdK, coords, tile(params.ptr_dk, params.stride_dk), rows);
-    store_accumulator_rows(tdVrdV, coords, tile(params.ptr_dv, params.stride_dv), rows);
+    auto thr_mma = TiledMmadKV{}.get_thread_slice(thread_idx);
+    if constexpr (kTransposed) {
+      // Neighbouring registers are neighbouring keys, a row apart in memory: 2-byte stores, once
+      // per key block.
+      Tensor coords = thr_mma.partition_C(make_identity_tensor(Shape<Int<kHeadDim>, Int<kBlockN>>{}));  // (d, N)
+      Tensor gdK = tile(params.ptr_dk, params.stride_dk);
+      Tensor gdV = tile(params.ptr_dv, params.stride_dv);
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size(tdKrdK); ++i) {
+        const auto [d, n] = coords(i);
+        if (n < rows) {
+          gdK(n, d) = Element(tdKrdK(i));
+          gdV(n, d) = Element(tdVrdV(i));
+        }
+      }
+    } else {
+      Tensor coords = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));  // (N, d)
+      store_accumulator_rows(tdKrdK, coords, tile(params.ptr_dk, params.stride_dk), rows);
+      store_accumulator_rows(tdVrdV, coords, tile(params.ptr_dv, params.stride_dv), rows);
+    }
   }
 };
 

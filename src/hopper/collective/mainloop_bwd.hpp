@@ -63,62 +63,82 @@ CUTLASS_DEVICE void bulk_reduce_add_f32(float* gmem, float const* smem, int byte
                : "memory");
 }
 
-template <class Element_, int kBlockM_, int kBlockN_, int kHeadDim_, int kStages_, bool kCausal_, bool kDqViaTma_>
+template <class Element_, int kBlockM_, int kBlockN_, int kHeadDim_, int kStages_, int kStagesDo_, bool kCausal_,
+          bool kDqViaTma_>
 struct BackwardMainloop {
   using Element = Element_;
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kStages = kStages_;
+  static constexpr int kStages = kStages_;      // Q
+  static constexpr int kStagesDo = kStagesDo_;  // dO
   static constexpr bool kCausal = kCausal_;
   static constexpr bool kDqViaTma = kDqViaTma_;
   static constexpr int kNumMmaWarpGroups = 2;
   static constexpr int kNumMmaThreads = kNumMmaWarpGroups * cutlass::NumThreadsPerWarpGroup;
-  // dK/dV split by key rows while each warpgroup still gets a 64-row WGMMA; else by head dim.
-  static constexpr bool kDkvSplitByRows = kBlockN / kNumMmaWarpGroups >= 64;
+  // dK/dV split by key rows while each warpgroup still gets a 64-row WGMMA; else the
+  // warpgroups compute dK^T and dV^T (rows: head dim), which takes any kBlockN as the WGMMA's N.
+  static constexpr bool kDkvTransposed = kBlockN / kNumMmaWarpGroups < 64;
   static constexpr int kDqTileFloats = kBlockM * kHeadDim;
   static_assert(kBlockM % 64 == 0 && kBlockN % 16 == 0 && kHeadDim % 64 == 0);
-  static_assert((kDqTileFloats / kNumMmaThreads) % 4 == 0);
+  // dQ = dS K in kDqChunks slices of the head dim, one after the other, so that only one slice's
+  // accumulator is live beside dK and dV: at kBlockN * d / 128 = 160 floats a thread for those
+  // two (hdim 256), a whole 64-float dQ spilled them.
+  static constexpr int kDqChunks = kBlockN * kHeadDim / 128 >= 160 ? 2 : 1;
+  static_assert((kDqTileFloats / kNumMmaThreads / kDqChunks) % 4 == 0);
 
   using TileShapeSdP = Shape<Int<kBlockM>, Int<kBlockN>, Int<kHeadDim>>;  // (M, N, d)
-  using TileShapedKV = Shape<Int<kBlockN>, Int<kHeadDim>, Int<kBlockM>>;  // (N, d, M)
-  using TileShapedQ = Shape<Int<kBlockM>, Int<kHeadDim>, Int<kBlockN>>;   // (M, d, N)
+  using TileShapedKV = cute::conditional_t<kDkvTransposed, Shape<Int<kHeadDim>, Int<kBlockN>, Int<kBlockM>>,
+                                           Shape<Int<kBlockN>, Int<kHeadDim>, Int<kBlockM>>>;  // (N, d, M) or (d, N, M)
+  using TileShapedQ = Shape<Int<kBlockM>, Int<kHeadDim / kDqChunks>, Int<kBlockN>>;  // (M, d chunk, N)
 
   using TiledMmaSdP = decltype(make_tiled_mma(
       GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kBlockN / 2>, Int<kHeadDim>>>(),
       Layout<Shape<_1, _2, _1>>{}));
-  // dV = P^T dO and dK = dS^T Q read both operands transposed (MN-major) from shared memory.
+  // dV = P^T dO and dK = dS^T Q (or dV^T = dO^T P and dK^T = Q^T dS) read both operands
+  // transposed (MN-major) from shared memory; the warpgroups split the result's rows.
   using TiledMmadKV = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, float,
-                           Shape<_64, Int<kDkvSplitByRows ? kHeadDim : kHeadDim / 2>, Int<kBlockM>>,
+      GMMA::ss_op_selector<Element, Element, float, Shape<_64, cute::tuple_element_t<1, TileShapedKV>, Int<kBlockM>>,
                            GMMA::Major::MN, GMMA::Major::MN>(),
-      cute::conditional_t<kDkvSplitByRows, Layout<Shape<_2, _1, _1>>, Layout<Shape<_1, _2, _1>>>{}));
+      Layout<Shape<_2, _1, _1>>{}));
   using TiledMmadQ = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim / 2>, Int<kBlockN>>, GMMA::Major::K,
+      GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim / 2 / kDqChunks>, Int<kBlockN>>, GMMA::Major::K,
                            GMMA::Major::MN>(),
       Layout<Shape<_1, _2, _1>>{}));
 
   // Q and dO: (M, d, stage), d contiguous; their transposes view the same bytes as (d, M, stage).
-  using SmemLayoutQ = decltype(tile_to_shape(
+  template <int kNumStages>
+  using SmemLayoutQStages = decltype(tile_to_shape(
       cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element, Int<kBlockM>, Int<kHeadDim>>(),
-      Shape<Int<kBlockM>, Int<kHeadDim>, Int<kStages>>{}));
-  using SmemLayoutQt = decltype(composition(
-      SmemLayoutQ{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockM>, Int<kStages>>{},
-                                 Stride<Int<kBlockM>, _1, Int<kBlockM * kHeadDim>>{})));
+      Shape<Int<kBlockM>, Int<kHeadDim>, Int<kNumStages>>{}));
+  template <int kNumStages>
+  using SmemLayoutQStagesT = decltype(composition(
+      SmemLayoutQStages<kNumStages>{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockM>, Int<kNumStages>>{},
+                                                   Stride<Int<kBlockM>, _1, Int<kBlockM * kHeadDim>>{})));
+  using SmemLayoutQ = SmemLayoutQStages<kStages>;
+  using SmemLayoutQt = SmemLayoutQStagesT<kStages>;
+  using SmemLayoutdO = SmemLayoutQStages<kStagesDo>;
+  using SmemLayoutdOt = SmemLayoutQStagesT<kStagesDo>;
   // K and V: (N, d), d contiguous; K^T (d, N) for dQ = dS K.
   using SmemLayoutK = decltype(tile_to_shape(
       cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element, Int<kBlockN>, Int<kHeadDim>>(),
       Shape<Int<kBlockN>, Int<kHeadDim>>{}));
   using SmemLayoutKt = decltype(composition(
       SmemLayoutK{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, Stride<Int<kBlockN>, _1>{})));
-  // P and dS: (M, N, buffer), N contiguous; transposed (N, M, buffer) for dV and dK.
-  using SmemLayoutPdS = decltype(tile_to_shape(
-      cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element, Int<kBlockM>, Int<kBlockN>>(),
-      Shape<Int<kBlockM>, Int<kBlockN>, _2>{}));
+  // P and dS: (M, N, buffer), N contiguous; transposed (N, M, buffer) for dV and dK. When a
+  // warpgroup's kBlockN / 2 columns do not fill whole 16-column swizzle atoms (kBlockN = 80), the
+  // unswizzled 8x8 atom.
+  static constexpr bool kPdSSwizzled = (kBlockN / 2) % 16 == 0;
+  using SmemLayoutAtomPdS = cute::conditional_t<
+      kPdSSwizzled,
+      decltype(cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element, Int<kBlockM>, Int<kBlockN>>()),
+      GMMA::Layout_K_INTER_Atom<Element>>;
+  using SmemLayoutPdS = decltype(tile_to_shape(SmemLayoutAtomPdS{}, Shape<Int<kBlockM>, Int<kBlockN>, _2>{}));
   using SmemLayoutPdSt = decltype(composition(
       SmemLayoutPdS{},
       make_layout(Shape<Int<kBlockN>, Int<kBlockM>, _2>{}, Stride<Int<kBlockM>, _1, Int<kBlockM * kBlockN>>{})));
-  using SmemCopyAtomPdS = Copy_Atom<SM90_U32x4_STSM_N, Element>;
+  // stmatrix: four 8x8 matrices a warp where the columns allow, else two.
+  using SmemCopyAtomPdS = Copy_Atom<cute::conditional_t<kPdSSwizzled, SM90_U32x4_STSM_N, SM90_U32x2_STSM_N>, Element>;
 
   // Global tensors as (seqlen, d, head, batch).
   using ShapeQKV = Shape<int32_t, int32_t, int32_t, int32_t>;
@@ -132,6 +152,8 @@ struct BackwardMainloop {
 
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
   using PipelineState = cutlass::PipelineState<kStages>;
+  using PipelineDo = cutlass::PipelineTmaAsync<kStagesDo>;
+  using PipelineStateDo = cutlass::PipelineState<kStagesDo>;
   static constexpr uint32_t kTmaBytesQ = size(take<0, 2>(SmemLayoutQ{})) * sizeof(Element);
   // Each Q stage also brings its rows' LSE * log2 e, each dO stage their D, by a bulk copy on the
   // same barrier: the MMA warpgroups then read them from shared memory. (Loaded from global
@@ -147,16 +169,16 @@ struct BackwardMainloop {
     cute::array_aligned<Element, cosize_v<SmemLayoutK>, 1024> smem_k;
     cute::array_aligned<Element, cosize_v<SmemLayoutK>, 1024> smem_v;
     cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> smem_q;
-    cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> smem_do;
+    cute::array_aligned<Element, cosize_v<SmemLayoutdO>, 1024> smem_do;
     cute::array_aligned<float, kBlockM * kStages, 128> smem_lse_log2;  // per Q stage
-    cute::array_aligned<float, kBlockM * kStages, 128> smem_dpsum;     // per dO stage
+    cute::array_aligned<float, kBlockM * kStagesDo, 128> smem_dpsum;   // per dO stage
     cute::array_aligned<Element, cosize_v<SmemLayoutPdS>, 1024> smem_p;
     cute::array_aligned<Element, cosize_v<SmemLayoutPdS>, 1024> smem_ds;
     cute::conditional_t<kDqViaTma, SharedStorageDq, cute::array<float, 0>> dq;
     cutlass::arch::ClusterTransactionBarrier kv_full;
     cutlass::arch::ClusterBarrier kv_empty;
     typename Pipeline::SharedStorage pipeline_q;
-    typename Pipeline::SharedStorage pipeline_do;
+    typename PipelineDo::SharedStorage pipeline_do;
   };
 
   struct Arguments {
@@ -237,11 +259,11 @@ struct BackwardMainloop {
   // Producer (one thread): K and V once, after the previous block's consumers let go of them;
   // then Q and dO of each query block of each query head of the group, in the consumers' order,
   // with the block's LSE and D rows.
-  CUTLASS_DEVICE static void load(Params const& params, Pipeline& pipeline_q, Pipeline& pipeline_do,
-                                  PipelineState& pipe_q_write, PipelineState& pipe_do_write, SharedStorage& storage,
+  CUTLASS_DEVICE static void load(Params const& params, Pipeline& pipeline_q, PipelineDo& pipeline_do,
+                                  PipelineState& pipe_q_write, PipelineStateDo& pipe_do_write, SharedStorage& storage,
                                   int& kv_empty_phase, BackwardBlock const& blk) {
     Tensor sQ = make_tensor(make_smem_ptr(storage.smem_q.data()), SmemLayoutQ{});
-    Tensor sdO = make_tensor(make_smem_ptr(storage.smem_do.data()), SmemLayoutQ{});
+    Tensor sdO = make_tensor(make_smem_ptr(storage.smem_do.data()), SmemLayoutdO{});
     Tensor sK = make_tensor(make_smem_ptr(storage.smem_k.data()), SmemLayoutK{});
     Tensor sV = make_tensor(make_smem_ptr(storage.smem_v.data()), SmemLayoutK{});
 
@@ -360,14 +382,14 @@ struct BackwardMainloop {
   // P and dS alternate between two shared buffers (`buffer`, kept across key blocks), so one
   // warpgroup may write block m + 1's while the other still reads block m's.
   template <class TensordKV>
-  CUTLASS_DEVICE static void mma(Params const& params, Pipeline& pipeline_q, Pipeline& pipeline_do,
-                                 PipelineState& pipe_q_read, PipelineState& pipe_do_read, SharedStorage& storage,
+  CUTLASS_DEVICE static void mma(Params const& params, Pipeline& pipeline_q, PipelineDo& pipeline_do,
+                                 PipelineState& pipe_q_read, PipelineStateDo& pipe_do_read, SharedStorage& storage,
                                  int& kv_full_phase, int& buffer, TensordKV& tdKrdK, TensordKV& tdVrdV,
                                  int thread_idx, BackwardBlock const& blk) {
     Tensor sQ = make_tensor(make_smem_ptr(storage.smem_q.data()), SmemLayoutQ{});
     Tensor sQt = make_tensor(make_smem_ptr(storage.smem_q.data()), SmemLayoutQt{});
-    Tensor sdO = make_tensor(make_smem_ptr(storage.smem_do.data()), SmemLayoutQ{});
-    Tensor sdOt = make_tensor(make_smem_ptr(storage.smem_do.data()), SmemLayoutQt{});
+    Tensor sdO = make_tensor(make_smem_ptr(storage.smem_do.data()), SmemLayoutdO{});
+    Tensor sdOt = make_tensor(make_smem_ptr(storage.smem_do.data()), SmemLayoutdOt{});
     Tensor sK = make_tensor(make_smem_ptr(storage.smem_k.data()), SmemLayoutK{});
     Tensor sKt = make_tensor(make_smem_ptr(storage.smem_k.data()), SmemLayoutKt{});
     Tensor sV = make_tensor(make_smem_ptr(storage.smem_v.data()), SmemLayoutK{});
@@ -387,12 +409,25 @@ struct BackwardMainloop {
     Tensor tSrK = thr_mma_sdp.partition_fragment_B(sK);     // (MMA, MMA_N, MMA_K)
     Tensor tdPrdO = thr_mma_sdp.partition_fragment_A(sdO);  // (MMA, MMA_M, MMA_K, PIPE)
     Tensor tdPrV = thr_mma_sdp.partition_fragment_B(sV);
-    Tensor tdVrPt = thr_mma_dkv.partition_fragment_A(sPt);   // (MMA, MMA_N, MMA_M, BUF)
-    Tensor tdVrdOt = thr_mma_dkv.partition_fragment_B(sdOt);  // (MMA, MMA_d, MMA_M, PIPE)
-    Tensor tdKrdSt = thr_mma_dkv.partition_fragment_A(sdSt);
-    Tensor tdKrQt = thr_mma_dkv.partition_fragment_B(sQt);
+    // dV's and dK's operands: P^T, dS^T (x, M, BUF) and dO^T, Q^T (x, M, PIPE), each as the A or
+    // the B of TiledMmadKV; gemm_dkv puts them in order.
+    auto dkv_operand = [&](auto const& s, auto is_a) {
+      if constexpr (decltype(is_a)::value) return thr_mma_dkv.partition_fragment_A(s);
+      else return thr_mma_dkv.partition_fragment_B(s);
+    };
+    Tensor tdVrPt = dkv_operand(sPt, cute::bool_constant<!kDkvTransposed>{});
+    Tensor tdVrdOt = dkv_operand(sdOt, cute::bool_constant<kDkvTransposed>{});
+    Tensor tdKrdSt = dkv_operand(sdSt, cute::bool_constant<!kDkvTransposed>{});
+    Tensor tdKrQt = dkv_operand(sQt, cute::bool_constant<kDkvTransposed>{});
+    auto gemm_dkv = [&](auto const& pds, auto const& qdo, auto& acc) {
+      if constexpr (kDkvTransposed) warpgroup_gemm<false, -1>(tiled_mma_dkv, qdo, pds, acc);
+      else warpgroup_gemm<false, -1>(tiled_mma_dkv, pds, qdo, acc);
+    };
     Tensor tdQrdS = thr_mma_dq.partition_fragment_A(sdS);  // (MMA, MMA_M, MMA_N, BUF)
-    Tensor tdQrKt = thr_mma_dq.partition_fragment_B(sKt);  // (MMA, MMA_d, MMA_N)
+    auto tdQrKt = [&](int chunk) {  // (MMA, MMA_d, MMA_N) of the chunk's head-dim slice of K^T
+      return thr_mma_dq.partition_fragment_B(
+          local_tile(sKt, Shape<Int<kHeadDim / kDqChunks>, Int<kBlockN>>{}, make_coord(chunk, _0{})));
+    };
 
     auto smem_tiled_copy_pds = make_tiled_copy_C(SmemCopyAtomPdS{}, tiled_mma_sdp);
     auto smem_copy_pds = smem_tiled_copy_pds.get_thread_slice(thread_idx);
@@ -417,6 +452,49 @@ struct BackwardMainloop {
       const int head = blk.head_kv * params.heads_per_kv_head + g;
       const int64_t row0_head = workspace_row0(params, blk.batch, head);
       float* dq_head = params.workspace.dq_accum + row0_head * kHeadDim;
+      // Adds chunk `chunk` of query block m_block's dQ to dQaccum: through the shared buffer and
+      // the dQ writer warp's bulk reduce-add (kDqViaTma), else by atomicAdd. Deterministic mode
+      // waits for this key block's turn before the first chunk and passes it on after the last.
+      auto add_dq = [&](auto const& tdQrdQ, int chunk, int m_block) {
+        static_assert(decltype(size(tdQrdQ))::value % 4 == 0);
+        constexpr int kSteps = decltype(size(tdQrdQ))::value / 4;
+        if constexpr (kDqViaTma) {
+          static_assert(kDqChunks == 1);
+          named_barrier_sync(kBarrierThreadsDq, BwdBarrier::kDqEmpty0, warp_group);
+          float* smem_dq = storage.dq.smem_dq.data();
+          CUTLASS_PRAGMA_UNROLL
+          for (int r = 0; r < kSteps; ++r) {
+            *reinterpret_cast<float4*>(smem_dq + dq_accum_offset<kDqTileFloats>(warp_group, thread_in_group, r)) =
+                make_float4(tdQrdQ(4 * r), tdQrdQ(4 * r + 1), tdQrdQ(4 * r + 2), tdQrdQ(4 * r + 3));
+          }
+          cutlass::arch::fence_view_async_shared();  // the bulk copy reads through the async proxy
+          named_barrier_arrive(kBarrierThreadsDq, BwdBarrier::kDqFull0, warp_group);
+        } else {
+          float* dq_tile = dq_head + int64_t(m_block) * kDqTileFloats;
+          int* semaphore = dq_semaphore(params, blk.batch, head, m_block);
+          // Deterministic: both warpgroups of key block n_block - 1 must have added first.
+          if (params.deterministic && chunk == 0) {
+            if (thread_in_group == 0) wait_for_turn(semaphore, blk.n_block * kNumMmaWarpGroups);
+            named_barrier_sync(cutlass::NumThreadsPerWarpGroup, BwdBarrier::kDqFull0, warp_group);
+          }
+          // One base address a chunk, passed through an empty asm so that the compiler cannot
+          // hoist a 64-bit address per step out of the loop (it did: 16 of them, spilled, and every
+          // atomicAdd waited for a local load; ncu, hdim 256). The steps are immediate offsets.
+          int thread_offset = dq_accum_offset<kDqTileFloats>(warp_group, thread_in_group, chunk * kSteps);
+          asm volatile("" : "+r"(thread_offset));  // (an integer: a pointer would lose its address space)
+          float* dq_thread = dq_tile + thread_offset;
+          CUTLASS_PRAGMA_UNROLL
+          for (int r = 0; r < kSteps; ++r) {
+            atomicAdd(reinterpret_cast<float4*>(dq_thread + dq_accum_offset<kDqTileFloats>(0, 0, r)),
+                      make_float4(tdQrdQ(4 * r), tdQrdQ(4 * r + 1), tdQrdQ(4 * r + 2), tdQrdQ(4 * r + 3)));
+          }
+          if (params.deterministic && chunk == kDqChunks - 1) {
+            __threadfence();
+            named_barrier_sync(cutlass::NumThreadsPerWarpGroup, BwdBarrier::kDqFull0, warp_group);
+            if (thread_in_group == 0) atomicAdd(semaphore, 1);
+          }
+        }
+      };
       // One query block. masked: whether it crosses the causal diagonal or the key padding, as
       // a compile-time constant (causal) or a run-time bool (non-causal: the whole key block).
       // (cute::Tensor spelled out: in a generic lambda, flashhopper::Tensor would be found.)
@@ -467,55 +545,32 @@ struct BackwardMainloop {
         cutlass::arch::fence_view_async_shared();
         named_barrier_sync(kNumMmaThreads, BwdBarrier::kPdS);
 
-        warpgroup_gemm<false, -1>(tiled_mma_dkv, tdVrPt(_, _, _, buffer), tdVrdOt(_, _, _, pipe_do_read.index()),
-                                  tdVrdV);
+        // dV first, so that the dO stage is freed as early as possible; then dQ (its first chunk)
+        // and dK. warpgroup_wait<n> waits for all but the last n.
+        gemm_dkv(tdVrPt(_, _, _, buffer), tdVrdOt(_, _, _, pipe_do_read.index()), tdVrdV);
         cute::Tensor tdQrdQ = partition_fragment_C(tiled_mma_dq, select<0, 1>(TileShapedQ{}));
-        warpgroup_gemm<true, -1>(tiled_mma_dq, tdQrdS(_, _, _, buffer), descriptors_per_use(tdQrKt), tdQrdQ);
-        warpgroup_gemm<false, -1>(tiled_mma_dkv, tdKrdSt(_, _, _, buffer), tdKrQt(_, _, _, pipe_q_read.index()),
-                                  tdKrdK);
-        warpgroup_wait<1>();  // dV and dQ are done; dK may still run
+        auto gemm_dq = [&](int chunk) {
+          warpgroup_gemm<true, -1>(tiled_mma_dq, tdQrdS(_, _, _, buffer), descriptors_per_use(tdQrKt(chunk)),
+                                   tdQrdQ);
+        };
+        gemm_dq(0);
+        gemm_dkv(tdKrdSt(_, _, _, buffer), tdKrQt(_, _, _, pipe_q_read.index()), tdKrdK);
+        warpgroup_wait<2>();  // dV is done with dO
         pipeline_do.consumer_release(pipe_do_read);
         ++pipe_do_read;
-
-        static_assert(decltype(size(tdQrdQ))::value % 4 == 0);
-        constexpr int kSteps = decltype(size(tdQrdQ))::value / 4;
-        if constexpr (kDqViaTma) {
-          named_barrier_sync(kBarrierThreadsDq, BwdBarrier::kDqEmpty0, warp_group);
-          float* smem_dq = storage.dq.smem_dq.data();
-          CUTLASS_PRAGMA_UNROLL
-          for (int r = 0; r < kSteps; ++r) {
-            *reinterpret_cast<float4*>(smem_dq + dq_accum_offset<kDqTileFloats>(warp_group, thread_in_group, r)) =
-                make_float4(tdQrdQ(4 * r), tdQrdQ(4 * r + 1), tdQrdQ(4 * r + 2), tdQrdQ(4 * r + 3));
-          }
-          cutlass::arch::fence_view_async_shared();  // the bulk copy reads through the async proxy
-          named_barrier_arrive(kBarrierThreadsDq, BwdBarrier::kDqFull0, warp_group);
+        warpgroup_wait<1>();  // dQ's first chunk
+        add_dq(tdQrdQ, 0, m_block);
+        if constexpr (kDqChunks == 2) {
+          gemm_dq(1);  // into the same registers: the adds above have read them
+          warpgroup_wait<1>();  // dK is done with Q
+          pipeline_q.consumer_release(pipe_q_read);
+          warpgroup_wait<0>();
+          add_dq(tdQrdQ, 1, m_block);
         } else {
-          float* dq_tile = dq_head + int64_t(m_block) * kDqTileFloats;
-          int* semaphore = dq_semaphore(params, blk.batch, head, m_block);
-          // Deterministic: both warpgroups of key block n_block - 1 must have added first.
-          if (params.deterministic) {
-            if (thread_in_group == 0) wait_for_turn(semaphore, blk.n_block * kNumMmaWarpGroups);
-            named_barrier_sync(cutlass::NumThreadsPerWarpGroup, BwdBarrier::kDqFull0, warp_group);
-          }
-          // One base address a block, passed through an empty asm so that the compiler cannot hoist
-          // a 64-bit address per step out of the loop (it did: 16 of them, spilled, and every
-          // atomicAdd waited for a local load; ncu, hdim 256). The steps are immediate offsets.
-          int thread_offset = dq_accum_offset<kDqTileFloats>(warp_group, thread_in_group, 0);
-          asm volatile("" : "+r"(thread_offset));  // (an integer: a pointer would lose its address space)
-          float* dq_thread = dq_tile + thread_offset;
-          CUTLASS_PRAGMA_UNROLL
-          for (int r = 0; r < kSteps; ++r) {
-            atomicAdd(reinterpret_cast<float4*>(dq_thread + dq_accum_offset<kDqTileFloats>(0, 0, r)),
-                      make_float4(tdQrdQ(4 * r), tdQrdQ(4 * r + 1), tdQrdQ(4 * r + 2), tdQrdQ(4 * r + 3)));
-          }
-          if (params.deterministic) {
-            __threadfence();
-            named_barrier_sync(cutlass::NumThreadsPerWarpGroup, BwdBarrier::kDqFull0, warp_group);
-            if (thread_in_group == 0) atomicAdd(semaphore, 1);
-          }
+          static_assert(kDqChunks == 1);
+          warpgroup_wait<0>();  // dK is done with Q
+          pipeline_q.consumer_release(pipe_q_read);
         }
-        warpgroup_wait<0>();  // dK is done with Q
-        pipeline_q.consumer_release(pipe_q_read);
         ++pipe_q_read;
         buffer ^= 1;
       };

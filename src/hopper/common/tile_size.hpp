@@ -54,6 +54,7 @@ struct BackwardTileSize<64> {  // 162 KiB shared memory; 3 stages: +2% over 2 at
   static constexpr int kBlockM = 64;
   static constexpr int kBlockN = 128;
   static constexpr int kStages = 3;
+  static constexpr int kStagesDo = 3;
   static constexpr bool kDqViaTma = true;
 };
 
@@ -62,6 +63,7 @@ struct BackwardTileSize<128> {  // 225 KiB
   static constexpr int kBlockM = 64;
   static constexpr int kBlockN = 128;
   static constexpr int kStages = 2;
+  static constexpr int kStagesDo = 2;
   static constexpr bool kDqViaTma = true;
 };
 
@@ -69,8 +71,9 @@ struct BackwardTileSize<128> {  // 225 KiB
 template <>
 struct BackwardTileSize<256> {
   static constexpr int kBlockM = 64;
-  static constexpr int kBlockN = 64;
+  static constexpr int kBlockN = 80;
   static constexpr int kStages = 2;
+  static constexpr int kStagesDo = 1;
   static constexpr bool kDqViaTma = false;
 };
 

@@ -69,7 +69,13 @@ struct BackwardKernel {
     pipeline_params.num_consumers = kNumMmaThreads;
     pipeline_params.transaction_bytes = Mainloop::kTmaBytesPerStage;  // a Q (dO) tile and its LSE (D) rows
     Pipeline pipeline_q(storage.pipeline_q, pipeline_params, Shape<_1, _1, _1>{});
-    Pipeline pipeline_do(storage.pipeline_do, pipeline_params, Shape<_1, _1, _1>{});
+    typename Mainloop::PipelineDo::Params pipeline_do_params;  // the same fields, another type when the stages differ
+    pipeline_do_params.role = warp_group == 0 ? Mainloop::PipelineDo::ThreadCategory::Producer
+                                              : Mainloop::PipelineDo::ThreadCategory::Consumer;
+    pipeline_do_params.is_leader = pipeline_params.is_leader;
+    pipeline_do_params.num_consumers = pipeline_params.num_consumers;
+    pipeline_do_params.transaction_bytes = pipeline_params.transaction_bytes;
+    typename Mainloop::PipelineDo pipeline_do(storage.pipeline_do, pipeline_do_params, Shape<_1, _1, _1>{});
     cutlass::arch::fence_barrier_init();
     __syncthreads();
 
@@ -78,7 +84,7 @@ struct BackwardKernel {
       if (warp_in_group == 0) {  // TMA loads, one thread
         if (threadIdx.x != 0) return;
         auto pipe_q_write = cutlass::make_producer_start_state<Pipeline>();
-        auto pipe_do_write = cutlass::make_producer_start_state<Pipeline>();
+        auto pipe_do_write = cutlass::make_producer_start_state<typename Mainloop::PipelineDo>();
         int kv_empty_phase = 1;  // K and V start free: the first wait passes
         for (int tile = Scheduler::first_tile();; tile = Scheduler::next_tile(tile)) {
           const WorkTile work = Scheduler::decode(params.scheduler, tile);
@@ -99,7 +105,8 @@ struct BackwardKernel {
     } else {
       cutlass::arch::warpgroup_reg_alloc<kConsumerRegisters>();
       const int thread_idx = threadIdx.x - cutlass::NumThreadsPerWarpGroup;
-      typename Mainloop::PipelineState pipe_q_read, pipe_do_read;
+      typename Mainloop::PipelineState pipe_q_read;
+      typename Mainloop::PipelineStateDo pipe_do_read;
       int kv_full_phase = 0;
       int pds_buffer = 0;
       typename Mainloop::TiledMmadKV tiled_mma_dkv;
