@@ -40,12 +40,13 @@ struct ForwardTileSize<256, kCausal> {
 
 // The backward's tunables per head dim. A CTA owns kBlockN keys (K, V and the dK, dV
 // accumulators stay put) and walks the query blocks of kBlockM rows; two MMA warpgroups split S
-// and dP by key columns, dK/dV by key rows (by head dim when kBlockN / 2 < 64, the WGMMA's
-// minimum M) and dQ by head dim. Shared memory: K, V; kStages Q and dO tiles, each with its
-// kBlockM floats of LSE or D; P and dS twice (so one warpgroup may write block m + 1 while the
-// other still reads block m); and dQ's float32 tile when it goes to global memory through the
-// TMA bulk reduce-add (kDqViaTma), else by atomicAdd from registers. Registers a thread: S and
-// dP kBlockM * kBlockN / 256 floats each, dK and dV kBlockN * d / 256 each, dQ kBlockM * d / 256.
+// and dP by key columns, dK/dV by key rows (when kBlockN / 2 < 64, the WGMMA's minimum M, they
+// compute dK^T and dV^T and split those by head dim) and dQ by head dim. Shared memory: K, V;
+// kStages Q tiles and kStagesDo dO tiles, each with its kBlockM floats of LSE or D; P and dS
+// twice (so one warpgroup may write block m + 1 while the other still reads block m); and dQ's
+// float32 tile when it goes to global memory through the TMA bulk reduce-add (kDqViaTma), else
+// by atomicAdd from registers. Registers a thread: S and dP kBlockM * kBlockN / 256 floats each,
+// dK and dV kBlockN * d / 256 each, dQ kBlockM * d / 256 (computed in halves at hdim 256).
 template <int kHeadDim>
 struct BackwardTileSize;
 
@@ -67,7 +68,9 @@ struct BackwardTileSize<128> {  // 225 KiB
   static constexpr bool kDqViaTma = true;
 };
 
-// dQ's 64 KiB tile does not fit beside two stages of Q and dO: atomicAdd instead. 225 KiB.
+// hdim 256: 80 keys, the most the registers allow (dK^T and dV^T 160 floats a thread). Against
+// 64, a fifth fewer dQ adds per FLOP: +3-4% non-causal, +12-17% causal (bench/RESULTS.md, v7).
+// One dO stage makes room (217 KiB); dQ's 64 KiB tile does not fit: atomicAdd instead.
 template <>
 struct BackwardTileSize<256> {
   static constexpr int kBlockM = 64;
