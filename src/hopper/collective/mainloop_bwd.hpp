@@ -1,14 +1,16 @@
 // Backward mainloop for one key block: the producer's TMA loads (K and V once, Q and dO per
-// query block through kStages rings, each stage with its rows' LSE or D), the MMA warpgroups'
-// five GEMMs per query block, and the dQ writer warp that adds each block's partial dQ to the
-// float32 dQaccum.
+// query block through rings of kStages and kStagesDo stages, each stage with its rows' LSE or D),
+// the MMA warpgroups' five GEMMs per query block, and the dQ writer warp that adds each block's
+// partial dQ to the float32 dQaccum.
 //
 // Per query block m (rows of Q, dO; the CTA's kBlockN keys are the columns):
 //   S = Q K^T, dP = dO V^T               split by key columns between the warpgroups
 //   P = exp2(S * scale * log2 e - LSE2)  LSE2 = LSE * log2 e, +inf for rows that see no key
 //   dS = P * (dP - D)                    D = rowsum(dO * O), from the preprocess kernel
-//   dV += P^T dO, dK += dS^T Q           P and dS go through shared memory (transposed reads)
-//   dQ_m = dS K                          split by head dim; added to dQaccum (scale applied later)
+//   dV += P^T dO, dK += dS^T Q           P and dS go through shared memory (transposed reads);
+//                                        kDkvTransposed: dV^T += dO^T P, dK^T += Q^T dS
+//   dQ_m = dS K                          split by head dim (in kDqChunks slices); added to dQaccum
+//                                        (scale applied later)
 #pragma once
 
 #include <cmath>
