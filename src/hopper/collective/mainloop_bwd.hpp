@@ -66,7 +66,7 @@ CUTLASS_DEVICE void bulk_reduce_add_f32(float* gmem, float const* smem, int byte
 }
 
 template <class Element_, int kBlockM_, int kBlockN_, int kHeadDim_, int kStages_, int kStagesDo_, bool kCausal_,
-          bool kDqViaTma_>
+          bool kDqViaTma_, int kDqBuffers_>
 struct BackwardMainloop {
   using Element = Element_;
   static constexpr int kBlockM = kBlockM_;
@@ -76,6 +76,8 @@ struct BackwardMainloop {
   static constexpr int kStagesDo = kStagesDo_;  // dO
   static constexpr bool kCausal = kCausal_;
   static constexpr bool kDqViaTma = kDqViaTma_;
+  static constexpr int kDqBuffers = kDqBuffers_;  // TMA path: with two, block m + 1's dQ is written while m's is added
+  static_assert(kDqBuffers == 1 || kDqBuffers == 2);
   static constexpr int kNumMmaWarpGroups = 2;
   static constexpr int kNumMmaThreads = kNumMmaWarpGroups * cutlass::NumThreadsPerWarpGroup;
   // dK/dV split by key rows while each warpgroup still gets a 64-row WGMMA; else the
@@ -165,7 +167,7 @@ struct BackwardMainloop {
   static constexpr uint32_t kTmaBytesKV = 2 * cosize_v<SmemLayoutK> * sizeof(Element);
 
   struct SharedStorageDq {
-    cute::array_aligned<float, kDqTileFloats, 128> smem_dq;
+    cute::array_aligned<float, kDqTileFloats * kDqBuffers, 128> smem_dq;
   };
   struct SharedStorage {
     cute::array_aligned<Element, cosize_v<SmemLayoutK>, 1024> smem_k;
@@ -329,13 +331,29 @@ struct BackwardMainloop {
     } while (seen < expected);
   }
 
+  // dQ writer warp and MMA warpgroups (TMA path) hand the kDqBuffers shared dQ buffers back and
+  // forth through named barriers of all of them: kDqFull (written) and kDqEmpty (read by the
+  // bulk reduce-add, may be written again). The writer frees every buffer once at the start and
+  // once after each add; the warpgroups wait for each buffer once more at the end.
+  static constexpr int kDqBarrierThreads = kNumMmaThreads + cutlass::NumThreadsPerWarp;
+  CUTLASS_DEVICE static void store_dq_start() {
+    if constexpr (kDqViaTma) {
+      for (int b = 0; b < kDqBuffers; ++b) named_barrier_arrive(kDqBarrierThreads, BwdBarrier::kDqEmpty0, b);
+    }
+  }
+  CUTLASS_DEVICE static void mma_done() {
+    if constexpr (kDqViaTma) {
+      for (int b = 0; b < kDqBuffers; ++b) named_barrier_sync(kDqBarrierThreads, BwdBarrier::kDqEmpty0, b);
+    }
+  }
+
   // dQ writer warp (TMA path): adds each query block's dQ tile, as the warpgroups finish it, to
-  // dQaccum with the bulk reduce-add, then frees the shared buffer.
-  CUTLASS_DEVICE static void store_dq(Params const& params, SharedStorage& storage, BackwardBlock const& blk) {
+  // dQaccum with the bulk reduce-add, then frees its buffer. dq_buffer: the next block's buffer,
+  // kept across key blocks as the warpgroups keep theirs.
+  CUTLASS_DEVICE static void store_dq(Params const& params, SharedStorage& storage, BackwardBlock const& blk,
+                                      int& dq_buffer) {
     if constexpr (kDqViaTma) {
       const int lane = threadIdx.x % cutlass::NumThreadsPerWarp;
-      constexpr int kBarrierThreads = cutlass::NumThreadsPerWarpGroup + cutlass::NumThreadsPerWarp;
-      constexpr int kHalfBytes = kDqTileFloats / 2 * sizeof(float);
       for (int g = 0; g < params.heads_per_kv_head; ++g) {
         const int head = blk.head_kv * params.heads_per_kv_head + g;
         float* dq_head = params.workspace.dq_accum + workspace_row0(params, blk.batch, head) * kHeadDim;
@@ -343,20 +361,11 @@ struct BackwardMainloop {
           const int m_block = query_block_at(blk, i);
           float* dq_tile = dq_head + int64_t(m_block) * kDqTileFloats;
           int* semaphore = dq_semaphore(params, blk.batch, head, m_block);
-          CUTLASS_PRAGMA_UNROLL
-          for (int wg = 0; wg < kNumMmaWarpGroups; ++wg) {
-            named_barrier_arrive(kBarrierThreads, BwdBarrier::kDqEmpty0, wg);  // the previous add has read it
-          }
-          CUTLASS_PRAGMA_UNROLL
-          for (int wg = 0; wg < kNumMmaWarpGroups; ++wg) {
-            named_barrier_sync(kBarrierThreads, BwdBarrier::kDqFull0, wg);
-            if (lane == 0) {
-              if (wg == 0 && params.deterministic) wait_for_turn(semaphore, blk.n_block);
-              constexpr int kHalf = kDqTileFloats / 2;
-              bulk_reduce_add_f32(dq_tile + wg * kHalf, storage.dq.smem_dq.data() + wg * kHalf, kHalfBytes);
-            }
-          }
+          named_barrier_sync(kDqBarrierThreads, BwdBarrier::kDqFull0, dq_buffer);
           if (lane == 0) {
+            if (params.deterministic) wait_for_turn(semaphore, blk.n_block);
+            bulk_reduce_add_f32(dq_tile, storage.dq.smem_dq.data() + dq_buffer * kDqTileFloats,
+                                kDqTileFloats * sizeof(float));
             tma_store_arrive();
             if (params.deterministic) {
               // The adds must have landed, not just been read, before the next key block's turn.
@@ -369,6 +378,8 @@ struct BackwardMainloop {
             }
           }
           __syncwarp();
+          named_barrier_arrive(kDqBarrierThreads, BwdBarrier::kDqEmpty0, dq_buffer);
+          dq_buffer = (dq_buffer + 1) % kDqBuffers;
         }
       }
     }
@@ -443,7 +454,6 @@ struct BackwardMainloop {
 
     const int warp_group = thread_idx / cutlass::NumThreadsPerWarpGroup;
     const int thread_in_group = thread_idx % cutlass::NumThreadsPerWarpGroup;
-    constexpr int kBarrierThreadsDq = cutlass::NumThreadsPerWarpGroup + cutlass::NumThreadsPerWarp;
 
     clear(tdKrdK);
     clear(tdVrdV);
@@ -462,22 +472,23 @@ struct BackwardMainloop {
         constexpr int kSteps = decltype(size(tdQrdQ))::value / 4;
         if constexpr (kDqViaTma) {
           static_assert(kDqChunks == 1);
-          named_barrier_sync(kBarrierThreadsDq, BwdBarrier::kDqEmpty0, warp_group);
-          float* smem_dq = storage.dq.smem_dq.data();
+          const int dq_buffer = buffer % kDqBuffers;  // blocks alternate as P and dS do; the writer counts alike
+          named_barrier_sync(kDqBarrierThreads, BwdBarrier::kDqEmpty0, dq_buffer);
+          float* smem_dq = storage.dq.smem_dq.data() + dq_buffer * kDqTileFloats;
           CUTLASS_PRAGMA_UNROLL
           for (int r = 0; r < kSteps; ++r) {
             *reinterpret_cast<float4*>(smem_dq + dq_accum_offset<kDqTileFloats>(warp_group, thread_in_group, r)) =
                 make_float4(tdQrdQ(4 * r), tdQrdQ(4 * r + 1), tdQrdQ(4 * r + 2), tdQrdQ(4 * r + 3));
           }
           cutlass::arch::fence_view_async_shared();  // the bulk copy reads through the async proxy
-          named_barrier_arrive(kBarrierThreadsDq, BwdBarrier::kDqFull0, warp_group);
+          named_barrier_arrive(kDqBarrierThreads, BwdBarrier::kDqFull0, dq_buffer);
         } else {
           float* dq_tile = dq_head + int64_t(m_block) * kDqTileFloats;
           int* semaphore = dq_semaphore(params, blk.batch, head, m_block);
           // Deterministic: both warpgroups of key block n_block - 1 must have added first.
           if (params.deterministic && chunk == 0) {
             if (thread_in_group == 0) wait_for_turn(semaphore, blk.n_block * kNumMmaWarpGroups);
-            named_barrier_sync(cutlass::NumThreadsPerWarpGroup, BwdBarrier::kDqFull0, warp_group);
+            named_barrier_sync(cutlass::NumThreadsPerWarpGroup, BwdBarrier::kDqTurn0, warp_group);
           }
           // One base address a chunk, passed through an empty asm so that the compiler cannot
           // hoist a 64-bit address per step out of the loop (it did: 16 of them, spilled, and every
@@ -492,7 +503,7 @@ struct BackwardMainloop {
           }
           if (params.deterministic && chunk == kDqChunks - 1) {
             __threadfence();
-            named_barrier_sync(cutlass::NumThreadsPerWarpGroup, BwdBarrier::kDqFull0, warp_group);
+            named_barrier_sync(cutlass::NumThreadsPerWarpGroup, BwdBarrier::kDqTurn0, warp_group);
             if (thread_in_group == 0) atomicAdd(semaphore, 1);
           }
         }

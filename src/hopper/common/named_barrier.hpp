@@ -13,8 +13,9 @@ enum class FwdBarrier : uint32_t {
 
 enum class BwdBarrier : uint32_t {
   kPdS = 0,       // both MMA warpgroups: P and dS of this query block are in shared memory
-  kDqEmpty0 = 1,  // warpgroup 0's dQ buffer may be written (dQ writer warp + warpgroup); 1 follows
-  kDqFull0 = 3,   // warpgroup 0's dQ buffer is written; 1 follows
+  kDqEmpty0 = 1,  // TMA path: dQ buffer 0 may be written (MMA warpgroups + dQ writer); 1 follows
+  kDqFull0 = 3,   // TMA path: dQ buffer 0 is written; buffer 1 follows
+  kDqTurn0 = 5,   // atomicAdd path, deterministic: warpgroup 0 holds the turn; 1 follows
 };
 
 template <class Barrier>

@@ -44,19 +44,23 @@ struct ForwardTileSize<256, kCausal> {
 // compute dK^T and dV^T and split those by head dim) and dQ by head dim. Shared memory: K, V;
 // kStages Q tiles and kStagesDo dO tiles, each with its kBlockM floats of LSE or D; P and dS
 // twice (so one warpgroup may write block m + 1 while the other still reads block m); and dQ's
-// float32 tile when it goes to global memory through the TMA bulk reduce-add (kDqViaTma), else
-// by atomicAdd from registers. Registers a thread: S and dP kBlockM * kBlockN / 256 floats each,
-// dK and dV kBlockN * d / 256 each, dQ kBlockM * d / 256 (computed in halves at hdim 256).
+// float32 tile, kDqBuffers times, when it goes to global memory through the TMA bulk reduce-add
+// (kDqViaTma), else by atomicAdd from registers. Registers a thread: S and dP
+// kBlockM * kBlockN / 256 floats each, dK and dV kBlockN * d / 256 each, dQ kBlockM * d / 256
+// (computed in halves at hdim 256).
 template <int kHeadDim>
 struct BackwardTileSize;
 
+// hdim 64: 178 KiB. 3 Q and dO stages: +2% over 2 at 2k-4k. Two dQ buffers, so the warpgroups
+// write block m + 1's dQ while block m's is added: non-causal +1-3.5% (bench/RESULTS.md, v8).
 template <>
-struct BackwardTileSize<64> {  // 162 KiB shared memory; 3 stages: +2% over 2 at 2k-4k
+struct BackwardTileSize<64> {
   static constexpr int kBlockM = 64;
   static constexpr int kBlockN = 128;
   static constexpr int kStages = 3;
   static constexpr int kStagesDo = 3;
   static constexpr bool kDqViaTma = true;
+  static constexpr int kDqBuffers = 2;
 };
 
 template <>
@@ -66,6 +70,7 @@ struct BackwardTileSize<128> {  // 225 KiB
   static constexpr int kStages = 2;
   static constexpr int kStagesDo = 2;
   static constexpr bool kDqViaTma = true;
+  static constexpr int kDqBuffers = 1;
 };
 
 // hdim 256: 80 keys, the most the registers allow (dK^T and dV^T 160 floats a thread). Against
@@ -78,6 +83,7 @@ struct BackwardTileSize<256> {
   static constexpr int kStages = 2;
   static constexpr int kStagesDo = 1;
   static constexpr bool kDqViaTma = false;
+  static constexpr int kDqBuffers = 1;  // (no shared dQ buffer)
 };
 
 }  // namespace flashhopper::hopper

@@ -95,10 +95,12 @@ struct BackwardKernel {
                          kv_empty_phase, blk);
         }
       } else if (warp_in_group == 1) {  // dQ writer
+        Mainloop::store_dq_start();
+        int dq_buffer = 0;
         for (int tile = Scheduler::first_tile();; tile = Scheduler::next_tile(tile)) {
           const WorkTile work = Scheduler::decode(params.scheduler, tile);
           if (!work.valid) break;
-          Mainloop::store_dq(params.mainloop, storage, block_of(params, work));
+          Mainloop::store_dq(params.mainloop, storage, block_of(params, work), dq_buffer);
         }
         Mainloop::store_dq_done();
       }
@@ -125,6 +127,7 @@ struct BackwardKernel {
         }
         Epilogue::store(params.epilogue, tdKrdK, tdVrdV, thread_idx, blk);
       }
+      Mainloop::mma_done();
     }
   }
 };
