@@ -296,21 +296,23 @@ struct BackwardMainloop {
       auto [tdOgdO, tdOsdO] = tma_partition(params.tma_do, _0{}, Layout<_1>{}, group_modes<0, 2>(sdO),
                                             group_modes<0, 2>(query_tiles(params.tma_do)));
       const int64_t row0_head = workspace_row0(params, blk.batch, head);
+      // One stage: a query block's tile (Q or dO) by TMA and its rows' statistic (LSE2 or D) by a
+      // bulk copy, on the stage's barrier.
+      auto load_stage = [&](auto& pipeline, auto& state, auto const& tma, auto const& gmem_tiles,
+                            auto const& smem_stages, float const* row_stat, float* smem_row_stat, int m_block) {
+        pipeline.producer_acquire(state);
+        uint64_t* barrier = pipeline.producer_get_barrier(state);
+        copy(tma.with(*barrier), gmem_tiles(_, m_block), smem_stages(_, state.index()));
+        SM90_BULK_COPY_G2S::copy(row_stat, barrier, smem_row_stat + state.index() * kBlockM, kRowStatBytes);
+        ++state;
+      };
       for (int i = 0; i < blk.m_block_max - blk.m_block_min; ++i) {
         const int m_block = query_block_at(blk, i);
         const int64_t row0 = row0_head + int64_t(m_block) * kBlockM;  // padded rows: always in bounds
-        pipeline_q.producer_acquire(pipe_q_write);
-        uint64_t* barrier_q = pipeline_q.producer_get_barrier(pipe_q_write);
-        copy(params.tma_q.with(*barrier_q), tQgQ(_, m_block), tQsQ(_, pipe_q_write.index()));
-        SM90_BULK_COPY_G2S::copy(params.workspace.lse_log2 + row0, barrier_q,
-                                 storage.smem_lse_log2.data() + pipe_q_write.index() * kBlockM, kRowStatBytes);
-        ++pipe_q_write;
-        pipeline_do.producer_acquire(pipe_do_write);
-        uint64_t* barrier_do = pipeline_do.producer_get_barrier(pipe_do_write);
-        copy(params.tma_do.with(*barrier_do), tdOgdO(_, m_block), tdOsdO(_, pipe_do_write.index()));
-        SM90_BULK_COPY_G2S::copy(params.workspace.dpsum + row0, barrier_do,
-                                 storage.smem_dpsum.data() + pipe_do_write.index() * kBlockM, kRowStatBytes);
-        ++pipe_do_write;
+        load_stage(pipeline_q, pipe_q_write, params.tma_q, tQgQ, tQsQ, params.workspace.lse_log2 + row0,
+                   storage.smem_lse_log2.data(), m_block);
+        load_stage(pipeline_do, pipe_do_write, params.tma_do, tdOgdO, tdOsdO, params.workspace.dpsum + row0,
+                   storage.smem_dpsum.data(), m_block);
       }
     }
   }
