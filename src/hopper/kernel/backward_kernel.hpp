@@ -52,6 +52,18 @@ struct BackwardKernel {
     return blk;
   }
 
+  // The Q and the dO pipeline take the same parameters; their types differ when their stage
+  // counts do.
+  template <class Pipeline>
+  CUTLASS_DEVICE static Pipeline make_pipeline(typename Pipeline::SharedStorage& shared, int warp_group) {
+    typename Pipeline::Params pipeline_params;
+    pipeline_params.role = warp_group == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
+    pipeline_params.is_leader = threadIdx.x == 0;
+    pipeline_params.num_consumers = kNumMmaThreads;
+    pipeline_params.transaction_bytes = Mainloop::kTmaBytesPerStage;  // a Q (dO) tile and its LSE (D) rows
+    return Pipeline(shared, pipeline_params, Shape<_1, _1, _1>{});
+  }
+
   CUTLASS_DEVICE void operator()(Params const& params, char* smem_buf) {
     SharedStorage& storage = *reinterpret_cast<SharedStorage*>(smem_buf);
     const int warp_group = cutlass::canonical_warp_group_idx();
@@ -63,19 +75,8 @@ struct BackwardKernel {
       storage.kv_empty.init(kNumMmaThreads);  // every MMA thread, after its key block's last GEMM
     }
     using Pipeline = typename Mainloop::Pipeline;
-    typename Pipeline::Params pipeline_params;
-    pipeline_params.role = warp_group == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
-    pipeline_params.is_leader = threadIdx.x == 0;
-    pipeline_params.num_consumers = kNumMmaThreads;
-    pipeline_params.transaction_bytes = Mainloop::kTmaBytesPerStage;  // a Q (dO) tile and its LSE (D) rows
-    Pipeline pipeline_q(storage.pipeline_q, pipeline_params, Shape<_1, _1, _1>{});
-    typename Mainloop::PipelineDo::Params pipeline_do_params;  // the same fields, another type when the stages differ
-    pipeline_do_params.role = warp_group == 0 ? Mainloop::PipelineDo::ThreadCategory::Producer
-                                              : Mainloop::PipelineDo::ThreadCategory::Consumer;
-    pipeline_do_params.is_leader = pipeline_params.is_leader;
-    pipeline_do_params.num_consumers = pipeline_params.num_consumers;
-    pipeline_do_params.transaction_bytes = pipeline_params.transaction_bytes;
-    typename Mainloop::PipelineDo pipeline_do(storage.pipeline_do, pipeline_do_params, Shape<_1, _1, _1>{});
+    Pipeline pipeline_q = make_pipeline<Pipeline>(storage.pipeline_q, warp_group);
+    auto pipeline_do = make_pipeline<typename Mainloop::PipelineDo>(storage.pipeline_do, warp_group);
     cutlass::arch::fence_barrier_init();
     __syncthreads();
 
