@@ -66,7 +66,7 @@ CUTLASS_DEVICE void bulk_reduce_add_f32(float* gmem, float const* smem, int byte
 }
 
 template <class Element_, int kBlockM_, int kBlockN_, int kHeadDim_, int kStages_, int kStagesDo_, bool kCausal_,
-          bool kDqViaTma_, int kDqBuffers_>
+          bool kDqViaTma_, int kDqBuffers_, int kDqChunks_>
 struct BackwardMainloop {
   using Element = Element_;
   static constexpr int kBlockM = kBlockM_;
@@ -76,20 +76,22 @@ struct BackwardMainloop {
   static constexpr int kStagesDo = kStagesDo_;  // dO
   static constexpr bool kCausal = kCausal_;
   static constexpr bool kDqViaTma = kDqViaTma_;
-  static constexpr int kDqBuffers = kDqBuffers_;  // TMA path: with two, block m + 1's dQ is written while m's is added
+  static constexpr int kDqBuffers = kDqBuffers_;  // TMA path: with two, the next dQ chunk is written while one is added
   static_assert(kDqBuffers == 1 || kDqBuffers == 2);
+  // dQ = dS K in kDqChunks slices of the head dim, one after the other, so that only one slice's
+  // accumulator is live beside dK and dV (at 160 floats a thread for those two, hdim 256, a whole
+  // 64-float dQ spilled them), and so that a shared dQ buffer holds one slice.
+  static constexpr int kDqChunks = kDqChunks_;
+  static_assert(kDqChunks == 1 || kDqChunks == 2);
   static constexpr int kNumMmaWarpGroups = 2;
   static constexpr int kNumMmaThreads = kNumMmaWarpGroups * cutlass::NumThreadsPerWarpGroup;
   // dK/dV split by key rows while each warpgroup still gets a 64-row WGMMA; else the
   // warpgroups compute dK^T and dV^T (rows: head dim), which takes any kBlockN as the WGMMA's N.
   static constexpr bool kDkvTransposed = kBlockN / kNumMmaWarpGroups < 64;
   static constexpr int kDqTileFloats = kBlockM * kHeadDim;
+  static constexpr int kDqChunkFloats = kDqTileFloats / kDqChunks;
   static_assert(kBlockM % 64 == 0 && kBlockN % 16 == 0 && kHeadDim % 64 == 0);
-  // dQ = dS K in kDqChunks slices of the head dim, one after the other, so that only one slice's
-  // accumulator is live beside dK and dV: at kBlockN * d / 128 = 160 floats a thread for those
-  // two (hdim 256), a whole 64-float dQ spilled them.
-  static constexpr int kDqChunks = kBlockN * kHeadDim / 128 >= 160 ? 2 : 1;
-  static_assert((kDqTileFloats / kNumMmaThreads / kDqChunks) % 4 == 0);
+  static_assert((kDqChunkFloats / kNumMmaThreads) % 4 == 0);
 
   using TileShapeSdP = Shape<Int<kBlockM>, Int<kBlockN>, Int<kHeadDim>>;  // (M, N, d)
   using TileShapedKV = cute::conditional_t<kDkvTransposed, Shape<Int<kHeadDim>, Int<kBlockN>, Int<kBlockM>>,
@@ -167,7 +169,7 @@ struct BackwardMainloop {
   static constexpr uint32_t kTmaBytesKV = 2 * cosize_v<SmemLayoutK> * sizeof(Element);
 
   struct SharedStorageDq {
-    cute::array_aligned<float, kDqTileFloats * kDqBuffers, 128> smem_dq;
+    cute::array_aligned<float, kDqChunkFloats * kDqBuffers, 128> smem_dq;
   };
   struct SharedStorage {
     cute::array_aligned<Element, cosize_v<SmemLayoutK>, 1024> smem_k;
@@ -349,9 +351,14 @@ struct BackwardMainloop {
     }
   }
 
-  // dQ writer warp (TMA path): adds each query block's dQ tile, as the warpgroups finish it, to
-  // dQaccum with the bulk reduce-add, then frees its buffer. dq_buffer: the next block's buffer,
-  // kept across key blocks as the warpgroups keep theirs.
+  // Where warpgroup warp_group's part of dQ chunk `chunk` starts in a dQaccum tile.
+  CUTLASS_HOST_DEVICE static constexpr int dq_chunk_offset(int warp_group, int chunk) {
+    return dq_accum_offset<kDqTileFloats>(warp_group, 0, chunk * kDqChunkFloats / kNumMmaThreads / 4);
+  }
+
+  // dQ writer warp (TMA path): adds each query block's dQ chunks, as the warpgroups finish them,
+  // to dQaccum with the bulk reduce-add, then frees their buffer. dq_buffer: the next chunk's
+  // buffer, kept across key blocks as the warpgroups keep theirs.
   CUTLASS_DEVICE static void store_dq(Params const& params, SharedStorage& storage, BackwardBlock const& blk,
                                       int& dq_buffer) {
     if constexpr (kDqViaTma) {
@@ -363,25 +370,34 @@ struct BackwardMainloop {
           const int m_block = query_block_at(blk, i);
           float* dq_tile = dq_head + int64_t(m_block) * kDqTileFloats;
           int* semaphore = dq_semaphore(params, blk.batch, head, m_block);
-          named_barrier_sync(kDqBarrierThreads, BwdBarrier::kDqFull0, dq_buffer);
-          if (lane == 0) {
-            if (params.deterministic) wait_for_turn(semaphore, blk.n_block);
-            bulk_reduce_add_f32(dq_tile, storage.dq.smem_dq.data() + dq_buffer * kDqTileFloats,
-                                kDqTileFloats * sizeof(float));
-            tma_store_arrive();
-            if (params.deterministic) {
-              // The adds must have landed, not just been read, before the next key block's turn.
-              asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
-              asm volatile("fence.proxy.async.global;\n" ::: "memory");
-              __threadfence();
-              atomicAdd(semaphore, 1);
-            } else {
-              tma_store_wait<0>();
+          for (int chunk = 0; chunk < kDqChunks; ++chunk) {
+            named_barrier_sync(kDqBarrierThreads, BwdBarrier::kDqFull0, dq_buffer);
+            if (lane == 0) {
+              if (params.deterministic && chunk == 0) wait_for_turn(semaphore, blk.n_block);
+              float const* smem_dq = storage.dq.smem_dq.data() + dq_buffer * kDqChunkFloats;
+              if constexpr (kDqChunks == 1) {  // the warpgroups' halves are adjacent in dQaccum too
+                bulk_reduce_add_f32(dq_tile, smem_dq, kDqChunkFloats * sizeof(float));
+              } else {
+                for (int wg = 0; wg < kNumMmaWarpGroups; ++wg) {
+                  bulk_reduce_add_f32(dq_tile + dq_chunk_offset(wg, chunk), smem_dq + wg * (kDqChunkFloats / 2),
+                                      kDqChunkFloats / 2 * sizeof(float));
+                }
+              }
+              tma_store_arrive();
+              if (params.deterministic && chunk == kDqChunks - 1) {
+                // The adds must have landed, not just been read, before the next key block's turn.
+                asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+                asm volatile("fence.proxy.async.global;\n" ::: "memory");
+                __threadfence();
+                atomicAdd(semaphore, 1);
+              } else {
+                tma_store_wait<0>();
+              }
             }
+            __syncwarp();
+            named_barrier_arrive(kDqBarrierThreads, BwdBarrier::kDqEmpty0, dq_buffer);
+            dq_buffer = (dq_buffer + 1) % kDqBuffers;
           }
-          __syncwarp();
-          named_barrier_arrive(kDqBarrierThreads, BwdBarrier::kDqEmpty0, dq_buffer);
-          dq_buffer = (dq_buffer + 1) % kDqBuffers;
         }
       }
     }
@@ -473,13 +489,14 @@ struct BackwardMainloop {
         static_assert(decltype(size(tdQrdQ))::value % 4 == 0);
         constexpr int kSteps = decltype(size(tdQrdQ))::value / 4;
         if constexpr (kDqViaTma) {
-          static_assert(kDqChunks == 1);
-          const int dq_buffer = buffer % kDqBuffers;  // blocks alternate as P and dS do; the writer counts alike
+          // Chunks take the buffers in turn, as the writer counts them; blocks alternate as P and
+          // dS do.
+          const int dq_buffer = (buffer * kDqChunks + chunk) % kDqBuffers;
           named_barrier_sync(kDqBarrierThreads, BwdBarrier::kDqEmpty0, dq_buffer);
-          float* smem_dq = storage.dq.smem_dq.data() + dq_buffer * kDqTileFloats;
+          float* smem_dq = storage.dq.smem_dq.data() + dq_buffer * kDqChunkFloats;
           CUTLASS_PRAGMA_UNROLL
           for (int r = 0; r < kSteps; ++r) {
-            *reinterpret_cast<float4*>(smem_dq + dq_accum_offset<kDqTileFloats>(warp_group, thread_in_group, r)) =
+            *reinterpret_cast<float4*>(smem_dq + dq_accum_offset<kDqChunkFloats>(warp_group, thread_in_group, r)) =
                 make_float4(tdQrdQ(4 * r), tdQrdQ(4 * r + 1), tdQrdQ(4 * r + 2), tdQrdQ(4 * r + 3));
           }
           cutlass::arch::fence_view_async_shared();  // the bulk copy reads through the async proxy
@@ -495,7 +512,7 @@ struct BackwardMainloop {
           // One base address a chunk, passed through an empty asm so that the compiler cannot
           // hoist a 64-bit address per step out of the loop (it did: 16 of them, spilled, and every
           // atomicAdd waited for a local load; ncu, hdim 256). The steps are immediate offsets.
-          int thread_offset = dq_accum_offset<kDqTileFloats>(warp_group, thread_in_group, chunk * kSteps);
+          int thread_offset = dq_chunk_offset(warp_group, chunk) + thread_in_group * 4;
           asm volatile("" : "+r"(thread_offset));  // (an integer: a pointer would lose its address space)
           float* dq_thread = dq_tile + thread_offset;
           CUTLASS_PRAGMA_UNROLL

@@ -43,11 +43,11 @@ struct ForwardTileSize<256, kCausal> {
 // and dP by key columns, dK/dV by key rows (when kBlockN / 2 < 64, the WGMMA's minimum M, they
 // compute dK^T and dV^T and split those by head dim) and dQ by head dim. Shared memory: K, V;
 // kStages Q tiles and kStagesDo dO tiles, each with its kBlockM floats of LSE or D; P and dS
-// twice (so one warpgroup may write block m + 1 while the other still reads block m); and dQ's
-// float32 tile, kDqBuffers times, when it goes to global memory through the TMA bulk reduce-add
-// (kDqViaTma), else by atomicAdd from registers. Registers a thread: S and dP
-// kBlockM * kBlockN / 256 floats each, dK and dV kBlockN * d / 256 each, dQ kBlockM * d / 256
-// (computed in halves at hdim 256).
+// twice (so one warpgroup may write block m + 1 while the other still reads block m); and a
+// float32 dQ chunk (the tile, or with kDqChunks = 2 half of its head dim), kDqBuffers times, when
+// dQ goes to global memory through the TMA bulk reduce-add (kDqViaTma), else by atomicAdd from
+// registers. Registers a thread: S and dP kBlockM * kBlockN / 256 floats each, dK and dV
+// kBlockN * d / 256 each, dQ kBlockM * d / 256 / kDqChunks.
 template <int kHeadDim>
 struct BackwardTileSize;
 
@@ -61,6 +61,7 @@ struct BackwardTileSize<64> {
   static constexpr int kStagesDo = 3;
   static constexpr bool kDqViaTma = true;
   static constexpr int kDqBuffers = 2;
+  static constexpr int kDqChunks = 1;
 };
 
 template <>
@@ -71,19 +72,22 @@ struct BackwardTileSize<128> {  // 225 KiB
   static constexpr int kStagesDo = 2;
   static constexpr bool kDqViaTma = true;
   static constexpr int kDqBuffers = 1;
+  static constexpr int kDqChunks = 1;
 };
 
-// hdim 256: 80 keys, the most the registers allow (dK^T and dV^T 160 floats a thread). Against
-// 64, a fifth fewer dQ adds per FLOP: +3-4% non-causal, +12-17% causal (bench/RESULTS.md, v7).
-// One dO stage makes room (217 KiB); dQ's 64 KiB tile does not fit: atomicAdd instead.
+// hdim 256: 64 keys, so that a 32 KiB shared buffer for half of dQ fits beside one dO stage
+// (225 KiB) and dQ goes by the bulk reduce-add in two head-dim halves: against 80 keys and
+// atomicAdd (the most the registers allowed), non-causal +6-12%, causal +10-19% from 4k
+// (bench/RESULTS.md, v9). Against one Q stage and a whole 64 KiB dQ buffer: +17-35%.
 template <>
 struct BackwardTileSize<256> {
   static constexpr int kBlockM = 64;
-  static constexpr int kBlockN = 80;
+  static constexpr int kBlockN = 64;
   static constexpr int kStages = 2;
   static constexpr int kStagesDo = 1;
-  static constexpr bool kDqViaTma = false;
-  static constexpr int kDqBuffers = 1;  // (no shared dQ buffer)
+  static constexpr bool kDqViaTma = true;
+  static constexpr int kDqBuffers = 1;
+  static constexpr int kDqChunks = 2;  // also keeps dQ's accumulator at 32 floats beside dK^T and dV^T
 };
 
 }  // namespace flashhopper::hopper
