@@ -90,10 +90,11 @@ cudaError_t run_backward_hdim(const BackwardParams& p, const detail::ProblemShap
   const int num_n_blocks = (seqlen_k + Tile::kBlockN - 1) / Tile::kBlockN;
   // One longest-first order over all heads balances best: the scheduler's L2 sections end
   // unevenly (hdim 128, causal, 16k: 0.68 of cuDNN with 5-head sections, 0.75 with one order).
-  // It also keeps L2 use small while every head gets two or more CTAs of a wave, since the CTAs
-  // of a head walk its Q and dO in step. With more heads than that, each CTA would stream its own
-  // head from DRAM (2k: 305 -> 258 TFLOP/s), so L2-sized sections keep a head's CTAs together.
-  const bool one_order = int64_t(heads_kv) * batch * 2 <= num_sms;
+  // It also keeps L2 use small while every head gets four or more CTAs of a wave, since the CTAs
+  // of a head walk its Q and dO in step. With more heads than that, the CTAs stream too many
+  // heads from DRAM (hdim 128, 2k: 305 -> 258 TFLOP/s with one CTA a head; hdim 256, 2k: 211 ->
+  // 275 with two), so L2-sized sections keep a head's CTAs together.
+  const bool one_order = int64_t(heads_kv) * batch * 4 <= num_sms;
   const int64_t streamed_bytes_per_head = int64_t(seqlen_q) * (heads_q / heads_kv) * 2 * kHeadDim * sizeof(Element);
   typename Kernel::Params params{Mainloop::to_underlying_arguments(mainloop_args),
                                  Epilogue::to_underlying_arguments(epilogue_args),
