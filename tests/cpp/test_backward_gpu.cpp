@@ -384,7 +384,10 @@ TEST_P(BackwardGpuRepeatTest, DefaultModeSpread) {
 
 std::vector<GridCase> repeat_cases() {
   std::vector<GridCase> cases;
-  for (bool causal : {false, true}) cases.push_back({FH_DTYPE_BF16, 128, causal, 2, 1000, 1000, 4, 2, false});
+  for (bool causal : {false, true}) {
+    cases.push_back({FH_DTYPE_BF16, 64, causal, 2, 1000, 1000, 4, 2, false});
+    cases.push_back({FH_DTYPE_BF16, 128, causal, 2, 1000, 1000, 4, 2, false});
+  }
   // Head dim 256 adds dQ in two head-dim halves, each by its own bulk reduce-adds; causal with
   // sq != sk too (its key blocks walk different query ranges).
   cases.push_back({FH_DTYPE_BF16, 256, false, 2, 1000, 1000, 4, 2, false});

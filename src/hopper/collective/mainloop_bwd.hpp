@@ -133,16 +133,27 @@ struct BackwardMainloop {
       SmemLayoutK{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, Stride<Int<kBlockN>, _1>{})));
   // P and dS: (M, N, buffer), N contiguous; transposed (N, M, buffer) for dV and dK. When a
   // warpgroup's kBlockN / 2 columns do not fill whole 16-column swizzle atoms (kBlockN = 80), the
-  // unswizzled 8x8 atom.
+  // unswizzled 8x8 atom. dS has two buffers, so that one warpgroup may write block m + 1's while
+  // the other still reads block m's for dQ. P needs only one when dV is split by key rows: each
+  // warpgroup then reads just the P columns it wrote itself, and its dV GEMM is done before it
+  // writes the next block's.
+  static constexpr int kPBuffers = kDkvTransposed ? 2 : 1;
   static constexpr bool kPdSSwizzled = (kBlockN / 2) % 16 == 0;
   using SmemLayoutAtomPdS = cute::conditional_t<
       kPdSSwizzled,
       decltype(cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element, Int<kBlockM>, Int<kBlockN>>()),
       GMMA::Layout_K_INTER_Atom<Element>>;
-  using SmemLayoutPdS = decltype(tile_to_shape(SmemLayoutAtomPdS{}, Shape<Int<kBlockM>, Int<kBlockN>, _2>{}));
-  using SmemLayoutPdSt = decltype(composition(
-      SmemLayoutPdS{},
-      make_layout(Shape<Int<kBlockN>, Int<kBlockM>, _2>{}, Stride<Int<kBlockM>, _1, Int<kBlockM * kBlockN>>{})));
+  template <int kBuffers>
+  using SmemLayoutPdSBuffers =
+      decltype(tile_to_shape(SmemLayoutAtomPdS{}, Shape<Int<kBlockM>, Int<kBlockN>, Int<kBuffers>>{}));
+  template <int kBuffers>
+  using SmemLayoutPdStBuffers = decltype(composition(
+      SmemLayoutPdSBuffers<kBuffers>{},
+      make_layout(Shape<Int<kBlockN>, Int<kBlockM>, Int<kBuffers>>{}, Stride<Int<kBlockM>, _1, Int<kBlockM * kBlockN>>{})));
+  using SmemLayoutP = SmemLayoutPdSBuffers<kPBuffers>;
+  using SmemLayoutPt = SmemLayoutPdStBuffers<kPBuffers>;
+  using SmemLayoutdS = SmemLayoutPdSBuffers<2>;
+  using SmemLayoutdSt = SmemLayoutPdStBuffers<2>;
   // stmatrix: four 8x8 matrices a warp where the columns allow, else two.
   using SmemCopyAtomPdS = Copy_Atom<cute::conditional_t<kPdSSwizzled, SM90_U32x4_STSM_N, SM90_U32x2_STSM_N>, Element>;
 
@@ -178,8 +189,8 @@ struct BackwardMainloop {
     cute::array_aligned<Element, cosize_v<SmemLayoutdO>, 1024> smem_do;
     cute::array_aligned<float, kBlockM * kStages, 128> smem_lse_log2;  // per Q stage
     cute::array_aligned<float, kBlockM * kStagesDo, 128> smem_dpsum;   // per dO stage
-    cute::array_aligned<Element, cosize_v<SmemLayoutPdS>, 1024> smem_p;
-    cute::array_aligned<Element, cosize_v<SmemLayoutPdS>, 1024> smem_ds;
+    cute::array_aligned<Element, cosize_v<SmemLayoutP>, 1024> smem_p;
+    cute::array_aligned<Element, cosize_v<SmemLayoutdS>, 1024> smem_ds;
     cute::conditional_t<kDqViaTma, SharedStorageDq, cute::array<float, 0>> dq;
     cutlass::arch::ClusterTransactionBarrier kv_full;
     cutlass::arch::ClusterBarrier kv_empty;
@@ -410,8 +421,8 @@ struct BackwardMainloop {
   }
 
   // MMA warpgroups: the whole key block. On return tdKrdK (unscaled) and tdVrdV hold the sums.
-  // P and dS alternate between two shared buffers (`buffer`, kept across key blocks), so one
-  // warpgroup may write block m + 1's while the other still reads block m's.
+  // dS (and P where kPBuffers = 2) alternates between two shared buffers (`buffer`, kept across
+  // key blocks), so one warpgroup may write block m + 1's while the other still reads block m's.
   template <class TensordKV>
   CUTLASS_DEVICE static void mma(Params const& params, Pipeline& pipeline_q, PipelineDo& pipeline_do,
                                  PipelineState& pipe_q_read, PipelineStateDo& pipe_do_read, SharedStorage& storage,
@@ -424,10 +435,10 @@ struct BackwardMainloop {
     Tensor sK = make_tensor(make_smem_ptr(storage.smem_k.data()), SmemLayoutK{});
     Tensor sKt = make_tensor(make_smem_ptr(storage.smem_k.data()), SmemLayoutKt{});
     Tensor sV = make_tensor(make_smem_ptr(storage.smem_v.data()), SmemLayoutK{});
-    Tensor sP = make_tensor(make_smem_ptr(storage.smem_p.data()), SmemLayoutPdS{});
-    Tensor sPt = make_tensor(make_smem_ptr(storage.smem_p.data()), SmemLayoutPdSt{});
-    Tensor sdS = make_tensor(make_smem_ptr(storage.smem_ds.data()), SmemLayoutPdS{});
-    Tensor sdSt = make_tensor(make_smem_ptr(storage.smem_ds.data()), SmemLayoutPdSt{});
+    Tensor sP = make_tensor(make_smem_ptr(storage.smem_p.data()), SmemLayoutP{});
+    Tensor sPt = make_tensor(make_smem_ptr(storage.smem_p.data()), SmemLayoutPt{});
+    Tensor sdS = make_tensor(make_smem_ptr(storage.smem_ds.data()), SmemLayoutdS{});
+    Tensor sdSt = make_tensor(make_smem_ptr(storage.smem_ds.data()), SmemLayoutdSt{});
 
     TiledMmaSdP tiled_mma_sdp;
     TiledMmadKV tiled_mma_dkv;
@@ -571,7 +582,8 @@ struct BackwardMainloop {
         cute::Tensor rdS = make_tensor_like<Element>(tdPrdP);
         convert_into(tSrS, rP);
         convert_into(tdPrdP, rdS);
-        copy(smem_tiled_copy_pds, smem_copy_pds.retile_S(rP), tPsP(_, _, _, buffer));
+        const int p_buffer = buffer % kPBuffers;
+        copy(smem_tiled_copy_pds, smem_copy_pds.retile_S(rP), tPsP(_, _, _, p_buffer));
         copy(smem_tiled_copy_pds, smem_copy_pds.retile_S(rdS), tdSsdS(_, _, _, buffer));
         // The tensor cores read P and dS through the async proxy; dQ needs both halves of dS.
         cutlass::arch::fence_view_async_shared();
@@ -579,7 +591,7 @@ struct BackwardMainloop {
 
         // dV first, so that the dO stage is freed as early as possible; then dQ (its first chunk)
         // and dK. warpgroup_wait<n> waits for all but the last n.
-        gemm_dkv(tdVrPt(_, _, _, buffer), tdVrdOt(_, _, _, pipe_do_read.index()), tdVrdV);
+        gemm_dkv(tdVrPt(_, _, _, p_buffer), tdVrdOt(_, _, _, pipe_do_read.index()), tdVrdV);
         cute::Tensor tdQrdQ = partition_fragment_C(tiled_mma_dq, select<0, 1>(TileShapedQ{}));
         auto gemm_dq = [&](int chunk) {
           warpgroup_gemm<true, -1>(tiled_mma_dq, tdQrdS(_, _, _, buffer), descriptors_per_use(tdQrKt(chunk)),

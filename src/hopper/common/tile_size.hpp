@@ -42,8 +42,9 @@ struct ForwardTileSize<256, kCausal> {
 // accumulators stay put) and walks the query blocks of kBlockM rows; two MMA warpgroups split S
 // and dP by key columns, dK/dV by key rows (when kBlockN / 2 < 64, the WGMMA's minimum M, they
 // compute dK^T and dV^T and split those by head dim) and dQ by head dim. Shared memory: K, V;
-// kStages Q tiles and kStagesDo dO tiles, each with its kBlockM floats of LSE or D; P and dS
-// twice (so one warpgroup may write block m + 1 while the other still reads block m); and a
+// kStages Q tiles and kStagesDo dO tiles, each with its kBlockM floats of LSE or D; dS twice (so
+// one warpgroup may write block m + 1 while the other still reads block m) and P once, or twice
+// when dK and dV are computed transposed (BackwardMainloop::kPBuffers); and a
 // float32 dQ chunk (the tile, or with kDqChunks = 2 half of its head dim), kDqBuffers times, when
 // dQ goes to global memory through the TMA bulk reduce-add (kDqViaTma), else by atomicAdd from
 // registers. Registers a thread: S and dP kBlockM * kBlockN / 256 floats each, dK and dV
@@ -51,21 +52,24 @@ struct ForwardTileSize<256, kCausal> {
 template <int kHeadDim>
 struct BackwardTileSize;
 
-// hdim 64: 178 KiB. 3 Q and dO stages: +2% over 2 at 2k-4k. Two dQ buffers, so the warpgroups
-// write block m + 1's dQ while block m's is added: non-causal +1-3.5% (bench/RESULTS.md, v8).
+// hdim 64: 128-row query blocks, which halve the per-block costs (the barrier between the
+// warpgroups, the fences after the P, dS and dQ stores, the dQ hand-off) of GEMMs only 64 deep:
+// against 64 rows (3 Q and dO stages, two dQ buffers), non-causal +9% from 2k (0.90-0.96 ->
+// 0.98-1.02 of cuDNN), causal within -2%..+2%, deterministic causal 0.84-0.88 -> 0.90-1.04 of
+// the default (bench/RESULTS.md, v10). 226 KiB with P once: 2 Q and dO stages, one dQ buffer.
 template <>
 struct BackwardTileSize<64> {
-  static constexpr int kBlockM = 64;
+  static constexpr int kBlockM = 128;
   static constexpr int kBlockN = 128;
-  static constexpr int kStages = 3;
-  static constexpr int kStagesDo = 3;
+  static constexpr int kStages = 2;
+  static constexpr int kStagesDo = 2;
   static constexpr bool kDqViaTma = true;
-  static constexpr int kDqBuffers = 2;
+  static constexpr int kDqBuffers = 1;
   static constexpr int kDqChunks = 1;
 };
 
 template <>
-struct BackwardTileSize<128> {  // 225 KiB
+struct BackwardTileSize<128> {  // 209 KiB
   static constexpr int kBlockM = 64;
   static constexpr int kBlockN = 128;
   static constexpr int kStages = 2;
