@@ -500,8 +500,8 @@ struct BackwardMainloop {
         static_assert(decltype(size(tdQrdQ))::value % 4 == 0);
         constexpr int kSteps = decltype(size(tdQrdQ))::value / 4;
         if constexpr (kDqViaTma) {
-          // Chunks take the buffers in turn, as the writer counts them; blocks alternate as P and
-          // dS do.
+          // Chunks take the buffers in turn, as the writer counts them; blocks alternate as dS
+          // does.
           const int dq_buffer = (buffer * kDqChunks + chunk) % kDqBuffers;
           named_barrier_sync(kDqBarrierThreads, BwdBarrier::kDqEmpty0, dq_buffer);
           float* smem_dq = storage.dq.smem_dq.data() + dq_buffer * kDqChunkFloats;

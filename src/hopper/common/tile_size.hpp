@@ -81,8 +81,8 @@ struct BackwardTileSize<128> {  // 209 KiB
 
 // hdim 256: 64 keys, so that a 32 KiB shared buffer for half of dQ fits beside one dO stage
 // (225 KiB) and dQ goes by the bulk reduce-add in two head-dim halves: against 80 keys and
-// atomicAdd (the most the registers allowed), non-causal +6-12%, causal +10-19% from 4k
-// (bench/RESULTS.md, v9). Against one Q stage and a whole 64 KiB dQ buffer: +17-35%.
+// atomicAdd (the most the registers allowed), non-causal +10-13% from 2k, causal +4-12% from 4k
+// (bench/RESULTS.md, v9). Against one Q stage and a whole 64 KiB dQ buffer: +28-37% from 4k.
 template <>
 struct BackwardTileSize<256> {
   static constexpr int kBlockM = 64;
