@@ -92,6 +92,11 @@ struct BackwardMainloop {
   static constexpr int kDqChunkFloats = kDqTileFloats / kDqChunks;
   static_assert(kBlockM % 64 == 0 && kBlockN % 16 == 0 && kHeadDim % 64 == 0);
   static_assert((kDqChunkFloats / kNumMmaThreads) % 4 == 0);
+  // With one shared buffer for two dQ halves, the second half's store waited for the writer's
+  // bulk read of the first (20% of samples, hdim 256). Outside deterministic mode, block m's
+  // second half is then computed at the start of block m + 1 and stored after its S, dP and
+  // softmax; deterministic mode keeps the plain order, which hands the turn on sooner.
+  static constexpr bool kDeferDqSecondHalf = kDqViaTma && kDqChunks == 2 && kDqBuffers == 1;
 
   using TileShapeSdP = Shape<Int<kBlockM>, Int<kBlockN>, Int<kHeadDim>>;  // (M, N, d)
   using TileShapedKV = cute::conditional_t<kDkvTransposed, Shape<Int<kHeadDim>, Int<kBlockN>, Int<kBlockM>>,
@@ -493,6 +498,8 @@ struct BackwardMainloop {
       const int head = blk.head_kv * params.heads_per_kv_head + g;
       const int64_t row0_head = workspace_row0(params, blk.batch, head);
       float* dq_head = params.workspace.dq_accum + row0_head * kHeadDim;
+      const bool defer_dq = kDeferDqSecondHalf && !params.deterministic;
+      int deferred_m_block = -1;  // its dQ second half still to come (defer_dq); its dS in buffer ^ 1
       // Adds chunk `chunk` of query block m_block's dQ to dQaccum: through the shared buffer and
       // the dQ writer warp's bulk reduce-add (kDqViaTma), else by atomicAdd. Deterministic mode
       // waits for this key block's turn before the first chunk and passes it on after the last.
@@ -541,9 +548,16 @@ struct BackwardMainloop {
       // One query block. masked: whether it crosses the causal diagonal or the key padding, as
       // a compile-time constant (causal) or a run-time bool (non-causal: the whole key block).
       // (cute::Tensor spelled out: in a generic lambda, flashhopper::Tensor would be found.)
+      auto gemm_dq = [&](auto& tdQrdQ, int dS_buffer, int chunk) {
+        warpgroup_gemm<true, -1>(tiled_mma_dq, tdQrdS(_, _, _, dS_buffer), descriptors_per_use(tdQrKt(chunk)), tdQrdQ);
+      };
       auto step = [&](int m_block, auto masked) {
         cute::Tensor tSrS = partition_fragment_C(tiled_mma_sdp, select<0, 1>(TileShapeSdP{}));
         cute::Tensor tdPrdP = partition_fragment_C(tiled_mma_sdp, select<0, 1>(TileShapeSdP{}));
+        // The previous block's deferred dQ half goes first: the wait for S below covers it.
+        cute::Tensor tdQrdQ_deferred = partition_fragment_C(tiled_mma_dq, select<0, 1>(TileShapedQ{}));
+        const bool deferred_pending = defer_dq && deferred_m_block >= 0;
+        if (deferred_pending) gemm_dq(tdQrdQ_deferred, buffer ^ 1, 1);
         pipeline_q.consumer_wait(pipe_q_read);
         warpgroup_gemm</*kZeroInit=*/true, /*kWait=*/-1>(tiled_mma_sdp, tSrQ(_, _, _, pipe_q_read.index()),
                                                          descriptors_per_use(tSrK), tSrS);
@@ -557,7 +571,7 @@ struct BackwardMainloop {
         float const* smem_dpsum = storage.smem_dpsum.data() + pipe_do_read.index() * kBlockM;
         CUTLASS_PRAGMA_UNROLL
         for (int i = 0; i < kRows; ++i) dpsum[i] = smem_dpsum[get<0>(coords(i, 0))];
-        warpgroup_wait<1>();  // S is ready
+        warpgroup_wait<1>();  // S is ready (and the deferred dQ half)
         cute::Tensor scores = make_tensor(tSrS.data(), accumulator_rowcol(tSrS.layout()));
         if constexpr (cute::is_same_v<decltype(masked), bool>) {
           if (masked) mask.apply(scores, coords, m_block, blk.n_block);
@@ -585,6 +599,8 @@ struct BackwardMainloop {
         const int p_buffer = buffer % kPBuffers;
         copy(smem_tiled_copy_pds, smem_copy_pds.retile_S(rP), tPsP(_, _, _, p_buffer));
         copy(smem_tiled_copy_pds, smem_copy_pds.retile_S(rdS), tdSsdS(_, _, _, buffer));
+        // Before the barrier below: past it, the other warpgroup may overwrite dS buffer ^ 1.
+        if (deferred_pending) add_dq(tdQrdQ_deferred, 1, deferred_m_block);
         // The tensor cores read P and dS through the async proxy; dQ needs both halves of dS.
         cutlass::arch::fence_view_async_shared();
         named_barrier_sync(kNumMmaThreads, BwdBarrier::kPdS);
@@ -593,11 +609,7 @@ struct BackwardMainloop {
         // and dK. warpgroup_wait<n> waits for all but the last n.
         gemm_dkv(tdVrPt(_, _, _, p_buffer), tdVrdOt(_, _, _, pipe_do_read.index()), tdVrdV);
         cute::Tensor tdQrdQ = partition_fragment_C(tiled_mma_dq, select<0, 1>(TileShapedQ{}));
-        auto gemm_dq = [&](int chunk) {
-          warpgroup_gemm<true, -1>(tiled_mma_dq, tdQrdS(_, _, _, buffer), descriptors_per_use(tdQrKt(chunk)),
-                                   tdQrdQ);
-        };
-        gemm_dq(0);
+        gemm_dq(tdQrdQ, buffer, 0);
         gemm_dkv(tdKrdSt(_, _, _, buffer), tdKrQt(_, _, _, pipe_q_read.index()), tdKrdK);
         warpgroup_wait<2>();  // dV is done with dO
         pipeline_do.consumer_release(pipe_do_read);
@@ -605,11 +617,17 @@ struct BackwardMainloop {
         warpgroup_wait<1>();  // dQ's first chunk
         add_dq(tdQrdQ, 0, m_block);
         if constexpr (kDqChunks == 2) {
-          gemm_dq(1);  // into the same registers: the adds above have read them
-          warpgroup_wait<1>();  // dK is done with Q
-          pipeline_q.consumer_release(pipe_q_read);
-          warpgroup_wait<0>();
-          add_dq(tdQrdQ, 1, m_block);
+          if (defer_dq) {
+            warpgroup_wait<0>();  // dK is done with Q
+            pipeline_q.consumer_release(pipe_q_read);
+            deferred_m_block = m_block;
+          } else {
+            gemm_dq(tdQrdQ, buffer, 1);  // into the same registers: the adds above have read them
+            warpgroup_wait<1>();  // dK is done with Q
+            pipeline_q.consumer_release(pipe_q_read);
+            warpgroup_wait<0>();
+            add_dq(tdQrdQ, 1, m_block);
+          }
         } else {
           static_assert(kDqChunks == 1);
           warpgroup_wait<0>();  // dK is done with Q
@@ -633,6 +651,12 @@ struct BackwardMainloop {
         const bool padded = mask.crosses_boundary(blk.m_block_min, blk.n_block);  // same for every m_block
         CUTLASS_PRAGMA_NO_UNROLL
         for (int m_block = blk.m_block_min; m_block < blk.m_block_max; ++m_block) step(m_block, padded);
+      }
+      if (defer_dq && deferred_m_block >= 0) {  // the head's last block
+        cute::Tensor tdQrdQ = partition_fragment_C(tiled_mma_dq, select<0, 1>(TileShapedQ{}));
+        gemm_dq(tdQrdQ, buffer ^ 1, 1);
+        warpgroup_wait<0>();
+        add_dq(tdQrdQ, 1, deferred_m_block);
       }
     }
     // K and V may be replaced by the next key block's.
