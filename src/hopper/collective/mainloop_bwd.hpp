@@ -545,12 +545,13 @@ struct BackwardMainloop {
           }
         }
       };
-      // One query block. masked: whether it crosses the causal diagonal or the key padding, as
-      // a compile-time constant (causal) or a run-time bool (non-causal: the whole key block).
-      // (cute::Tensor spelled out: in a generic lambda, flashhopper::Tensor would be found.)
+      // dQ's head-dim slice `chunk` = dS K, with dS from shared buffer dS_buffer.
       auto gemm_dq = [&](auto& tdQrdQ, int dS_buffer, int chunk) {
         warpgroup_gemm<true, -1>(tiled_mma_dq, tdQrdS(_, _, _, dS_buffer), descriptors_per_use(tdQrKt(chunk)), tdQrdQ);
       };
+      // One query block. masked: whether it crosses the causal diagonal or the key padding, as
+      // a compile-time constant (causal) or a run-time bool (non-causal: the whole key block).
+      // (cute::Tensor spelled out: in a generic lambda, flashhopper::Tensor would be found.)
       auto step = [&](int m_block, auto masked) {
         cute::Tensor tSrS = partition_fragment_C(tiled_mma_sdp, select<0, 1>(TileShapeSdP{}));
         cute::Tensor tdPrdP = partition_fragment_C(tiled_mma_sdp, select<0, 1>(TileShapeSdP{}));
