@@ -293,12 +293,8 @@ INSTANTIATE_TEST_SUITE_P(Grid, BackwardGpuTest, ::testing::ValuesIn(backward_cas
 
 // ---- repeated runs ------------------------------------------------------------------------------
 
-// Several query blocks per key block and two query heads per key head: the dq and GQA dk/dv sums
-// are where the order of accumulation (and so the bits) could change from run to run.
-class BackwardGpuRepeatTest : public ::testing::TestWithParam<GridCase> {};
-
-TEST_P(BackwardGpuRepeatTest, DeterministicIsBitIdentical) {
-  const GridCase c = GetParam();
+// Deterministic mode: the first run matches the reference and the next kRepeats - 1 repeat its bits.
+void expect_deterministic_bit_identical(const GridCase& c) {
   BackwardProblem problem;
   ASSERT_NO_FATAL_FAILURE(problem.init(c));
   Status status;
@@ -330,6 +326,12 @@ TEST_P(BackwardGpuRepeatTest, DeterministicIsBitIdentical) {
                                     << ")";
   }
 }
+
+// Several query blocks per key block and two query heads per key head: the dq and GQA dk/dv sums
+// are where the order of accumulation (and so the bits) could change from run to run.
+class BackwardGpuRepeatTest : public ::testing::TestWithParam<GridCase> {};
+
+TEST_P(BackwardGpuRepeatTest, DeterministicIsBitIdentical) { expect_deterministic_bit_identical(GetParam()); }
 
 // The default mode may sum in any order: its spread is reported, not judged; NaN and the
 // tolerance are judged on every run.
@@ -396,6 +398,28 @@ std::vector<GridCase> repeat_cases() {
 }
 
 INSTANTIATE_TEST_SUITE_P(Repeat, BackwardGpuRepeatTest, ::testing::ValuesIn(repeat_cases()),
+                         [](const ::testing::TestParamInfo<GridCase>& info) { return info.param.name(); });
+
+// More tiles than a wave (135 on a 132-SM H200): the last head's key blocks run in two waves, so
+// deterministic mode orders a dQ tile's adds across waves, and within the second wave among only
+// three key blocks. Non-causal key blocks walk from spread starts where a wave has no more of
+// them than there are query blocks (the second wave here), else all from the first; causal with
+// sq < sk, where most key blocks start at the same query block.
+class BackwardGpuWavesTest : public ::testing::TestWithParam<GridCase> {};
+
+TEST_P(BackwardGpuWavesTest, DeterministicIsBitIdentical) { expect_deterministic_bit_identical(GetParam()); }
+
+std::vector<GridCase> waves_cases() {
+  std::vector<GridCase> cases;
+  for (bool causal : {false, true}) {
+    cases.push_back({FH_DTYPE_BF16, 64, causal, 1, 1024, 45 * 128, 3, 3, false});  // 45 key blocks a head
+    cases.push_back({FH_DTYPE_BF16, 256, causal, 1, 1024, 45 * 64, 3, 3, false});
+  }
+  cases.push_back({FH_DTYPE_BF16, 256, true, 1, 45 * 64, 45 * 64, 3, 3, false});  // causal, sq = sk
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(Waves, BackwardGpuWavesTest, ::testing::ValuesIn(waves_cases()),
                          [](const ::testing::TestParamInfo<GridCase>& info) { return info.param.name(); });
 
 // ---- bad input through the real entry point: refused with the argument's name, nothing launched
