@@ -38,14 +38,6 @@ struct BackwardBlock {
   int batch;
   int m_block_min;
   int m_block_max;
-  // The walk over [m_block_min, m_block_max) (query_block_at): down from the last block, or up
-  // from walk_start blocks past the first, wrapping around.
-  bool walk_down;
-  int walk_start;
-  // Deterministic mode: the head's key blocks [wave_n_begin, wave_n_end) that the scheduler runs
-  // in this block's wave, which fix the order of the adds to dQ (dq_turn).
-  int wave_n_begin;
-  int wave_n_end;
 };
 
 // The float32 buffers the preprocess kernel fills and the postprocess kernel reads, each
@@ -272,54 +264,13 @@ struct BackwardMainloop {
   CUTLASS_DEVICE static int seqlen_k(Params const& params) { return get<0>(params.shape_k); }
 
   // The i-th query block of key block blk's walk, the same in the producer, the MMA warpgroups
-  // and the dQ writer.
+  // and the dQ writer. Causal walks down from the last block to the diagonal, so that all key
+  // blocks of a head, which all reach the last block, visit the same block at the same step, as
+  // in non-causal: they share its Q and dO in L2, and in deterministic mode key block n adds to
+  // dQ one hand-off after key block n - 1 instead of waiting for its whole walk down to the
+  // diagonal (walking up, key block n started at block n, which key block 0 reaches at step n).
   CUTLASS_DEVICE static int query_block_at(BackwardBlock const& blk, int i) {
-    if (blk.walk_down) return blk.m_block_max - 1 - i;
-    const int m_block = blk.m_block_min + blk.walk_start + i;
-    return m_block < blk.m_block_max ? m_block : m_block - (blk.m_block_max - blk.m_block_min);
-  }
-
-  // The walks. Outside deterministic mode all key blocks of a head visit the same query block at
-  // the same step, so that they share its Q and dO in L2: causal walks down from the last block,
-  // which they all reach, to the diagonal; non-causal walks up.
-  //
-  // Deterministic mode adds each dQ tile's partials in a fixed order. Had the key blocks of a wave
-  // reached a tile together, in key-block order, key block n would wait n hand-offs for its first
-  // turn, and its CTA with it (0.81-0.83 of the default mode at hdim 256). So the walks reach a
-  // tile one after another, and that is the order (dq_turn): non-causal walks start spread over
-  // the query blocks, wave peer j of G at j * M / G, and wrap around; causal walks go up from the
-  // diagonal, so a higher key block reaches a tile kBlockN / kBlockM steps before the one below
-  // it. Key blocks of earlier waves come first (the scheduler hands a head's lower key blocks out
-  // no later). A turn thus waits only for walks that reach the tile at an earlier step, or for an
-  // earlier wave, and all CTAs of a wave are resident (grid <= SMs, one CTA each): it ends.
-  CUTLASS_DEVICE static void plan_walk(Params const& params, BackwardBlock& blk, int wave_n_begin, int wave_n_end) {
-    blk.walk_down = kCausal && !params.deterministic;
-    blk.walk_start = 0;
-    blk.wave_n_begin = wave_n_begin;
-    blk.wave_n_end = wave_n_end;
-    const int peers = wave_n_end - wave_n_begin, num_m = blk.m_block_max - blk.m_block_min;
-    if (!kCausal && params.deterministic && peers <= num_m) {
-      blk.walk_start = (blk.n_block - wave_n_begin) * num_m / peers;
-    }
-  }
-
-  // Deterministic mode: how many adds to dQ tile (head, m_block) come before blk's (one per key
-  // block; see plan_walk).
-  CUTLASS_DEVICE static int dq_turn(Params const& params, BackwardBlock const& blk, int m_block) {
-    if constexpr (kCausal) {
-      // Peers above blk reach the tile first; those that reach it at all have
-      // n * kBlockN <= the tile's last row + seqlen_k - seqlen_q (query_block_range).
-      const int last_key_seen = (m_block + 1) * kBlockM - 1 + seqlen_k(params) - seqlen_q(params);
-      const int reaching_end = min(blk.wave_n_end, last_key_seen / kBlockN + 1);
-      return blk.wave_n_begin + (reaching_end - 1 - blk.n_block);
-    } else {
-      const int peers = blk.wave_n_end - blk.wave_n_begin, num_m = blk.m_block_max - blk.m_block_min;
-      if (peers > num_m) return blk.n_block;  // more peers than blocks: all walks start at the first
-      // The last peer whose walk starts at or before m_block reaches it first, then the ones
-      // below it, wrapping around.
-      const int first_peer = ((m_block - blk.m_block_min + 1) * peers - 1) / num_m;
-      return blk.wave_n_begin + (first_peer - (blk.n_block - blk.wave_n_begin) + peers) % peers;
-    }
+    return kCausal ? blk.m_block_max - 1 - i : blk.m_block_min + i;
   }
 
   // Row offset of (batch, query head) in the [batch, heads_q, rows_padded] workspace buffers.
@@ -384,8 +335,11 @@ struct BackwardMainloop {
     }
   }
 
-  // Deterministic mode: the adds to dQaccum tile (batch, head, m_block) so far, in the order
-  // dq_turn gives; the TMA path counts one per key block, the atomicAdd path one per warpgroup.
+  // Deterministic mode: dQaccum of (batch, head, m_block) takes the key blocks' partials in
+  // order n_block = 0, 1, ...; `arrivals_per_block` adders each count once per key block.
+  // Every key block below n_block also reaches this query block (causal: a lower key is seen by
+  // every row that sees a higher one), and the scheduler hands lower key blocks out first, so
+  // the wait always ends.
   CUTLASS_DEVICE static int* dq_semaphore(Params const& params, int batch, int head, int m_block) {
     const int64_t blocks_per_head = params.workspace.rows_padded / kBlockM;
     return params.workspace.dq_semaphore + (int64_t(batch) * get<2>(params.shape_q) + head) * blocks_per_head + m_block;
@@ -435,7 +389,7 @@ struct BackwardMainloop {
           for (int chunk = 0; chunk < kDqChunks; ++chunk) {
             named_barrier_sync(kDqBarrierThreads, BwdBarrier::kDqFull0, dq_buffer);
             if (lane == 0) {
-              if (params.deterministic && chunk == 0) wait_for_turn(semaphore, dq_turn(params, blk, m_block));
+              if (params.deterministic && chunk == 0) wait_for_turn(semaphore, blk.n_block);
               float const* smem_dq = storage.dq.smem_dq.data() + dq_buffer * kDqChunkFloats;
               if constexpr (kDqChunks == 1) {  // the warpgroups' halves are adjacent in dQaccum too
                 bulk_reduce_add_f32(dq_tile, smem_dq, kDqChunkFloats * sizeof(float));
@@ -568,9 +522,9 @@ struct BackwardMainloop {
         } else {
           float* dq_tile = dq_head + int64_t(m_block) * kDqTileFloats;
           int* semaphore = dq_semaphore(params, blk.batch, head, m_block);
-          // Deterministic: both warpgroups of each earlier key block must have added first.
+          // Deterministic: both warpgroups of key block n_block - 1 must have added first.
           if (params.deterministic && chunk == 0) {
-            if (thread_in_group == 0) wait_for_turn(semaphore, dq_turn(params, blk, m_block) * kNumMmaWarpGroups);
+            if (thread_in_group == 0) wait_for_turn(semaphore, blk.n_block * kNumMmaWarpGroups);
             named_barrier_sync(cutlass::NumThreadsPerWarpGroup, BwdBarrier::kDqTurn0, warp_group);
           }
           // One base address a chunk, passed through an empty asm so that the compiler cannot
@@ -684,29 +638,20 @@ struct BackwardMainloop {
         buffer ^= 1;
       };
       if constexpr (kCausal) {
-        // The masked blocks are those at the diagonal (all of them when this key block holds
-        // padding); walking down, they come last, walking up first. A separate unmasked loop
-        // keeps the mask out of the hot loop: hdim 128 causal 16k 413 -> 468 TFLOP/s. (The same
-        // split made non-causal slower, 511 -> 484: its single loop stays.)
-        const int num_masked =
-            mask.masked_query_blocks_end(blk.n_block, blk.m_block_min, blk.m_block_max) - blk.m_block_min;
-        const int num_unmasked = blk.m_block_max - blk.m_block_min - num_masked;
+        // The walk goes down (query_block_at): the unmasked blocks first, then the masked ones
+        // at the diagonal (all of them when this key block holds padding). A separate unmasked
+        // loop keeps the mask out of the hot loop: hdim 128 causal 16k 413 -> 468 TFLOP/s. (The
+        // same split made non-causal slower, 511 -> 484: its single loop stays.)
+        const int m_masked_end =
+            mask.masked_query_blocks_end(blk.n_block, blk.m_block_min, blk.m_block_max);
         CUTLASS_PRAGMA_NO_UNROLL
-        for (int pass = 0; pass < 2; ++pass) {  // one loop of each kind, in walk order
-          if ((pass == 0) == blk.walk_down) {
-            const int first = blk.walk_down ? 0 : num_masked;
-            CUTLASS_PRAGMA_NO_UNROLL
-            for (int i = 0; i < num_unmasked; ++i) step(query_block_at(blk, first + i), cute::false_type{});
-          } else {
-            const int first = blk.walk_down ? num_unmasked : 0;
-            CUTLASS_PRAGMA_NO_UNROLL
-            for (int i = 0; i < num_masked; ++i) step(query_block_at(blk, first + i), cute::true_type{});
-          }
-        }
+        for (int m_block = blk.m_block_max - 1; m_block >= m_masked_end; --m_block) step(m_block, cute::false_type{});
+        CUTLASS_PRAGMA_NO_UNROLL
+        for (int m_block = m_masked_end - 1; m_block >= blk.m_block_min; --m_block) step(m_block, cute::true_type{});
       } else {
         const bool padded = mask.crosses_boundary(blk.m_block_min, blk.n_block);  // same for every m_block
         CUTLASS_PRAGMA_NO_UNROLL
-        for (int i = 0; i < blk.m_block_max - blk.m_block_min; ++i) step(query_block_at(blk, i), padded);
+        for (int m_block = blk.m_block_min; m_block < blk.m_block_max; ++m_block) step(m_block, padded);
       }
       if (defer_dq && deferred_m_block >= 0) {  // the head's last block
         cute::Tensor tdQrdQ = partition_fragment_C(tiled_mma_dq, select<0, 1>(TileShapedQ{}));

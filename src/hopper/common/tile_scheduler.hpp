@@ -56,46 +56,23 @@ struct StaticPersistentScheduler {
     return params.num_tiles < num_sms ? params.num_tiles : num_sms;
   }
 
-  // Longest-first: a tile's place in the longest-first order, undoing the snake (odd waves run
-  // backwards over the CTAs). tile < num_tiles.
-  CUTLASS_DEVICE static int unsnaked(Params const& params, int tile) {
-    const int wave = tile / int(gridDim.x);
-    const int wave_start = wave * int(gridDim.x);
-    const int wave_size = min(int(gridDim.x), params.num_tiles - wave_start);  // the last is partial
-    return (wave & 1) ? wave_start + wave_size - 1 - (tile - wave_start) : tile;
-  }
-
-  // Longest-first: a place in that order is section_start + block_rank * heads_here + pair; the
-  // section's heads_here (batch, head) pairs, from first_pair on, take turns block by block
-  // (block_rank counts from the last block).
-  struct RankedTile {
-    int section_start;
-    int first_pair;
-    int heads_here;
-    int block_rank;
-    int pair;  // within the section
-  };
-  CUTLASS_DEVICE static RankedTile ranked_tile(Params const& params, int rank) {
-    const int section_tiles = params.heads_per_section * params.num_blocks;
-    const int section = rank / section_tiles;
-    RankedTile r;
-    r.section_start = section * section_tiles;
-    r.first_pair = section * params.heads_per_section;
-    r.heads_here = min(params.heads_per_section, params.num_head_batch - r.first_pair);
-    const int within = rank - r.section_start;
-    r.block_rank = within / r.heads_here;
-    r.pair = within - r.block_rank * r.heads_here;
-    return r;
-  }
-
   CUTLASS_DEVICE static WorkTile decode(Params const& params, int tile) {
     WorkTile work;
     work.valid = tile < params.num_tiles;
     int block, rest;
     if constexpr (kLongestFirst) {
-      const RankedTile ranked = ranked_tile(params, work.valid ? unsnaked(params, tile) : tile);
-      rest = ranked.first_pair + ranked.pair;
-      block = params.num_blocks - 1 - ranked.block_rank;
+      const int wave = tile / int(gridDim.x);
+      const int wave_start = wave * int(gridDim.x);
+      const int wave_size = min(int(gridDim.x), params.num_tiles - wave_start);  // the last is partial
+      if ((wave & 1) && work.valid) tile = wave_start + wave_size - 1 - (tile - wave_start);
+      // rank = section * (heads_per_section * num_blocks) + (block from the last) * heads_here + pair
+      const int section_tiles = params.heads_per_section * params.num_blocks;
+      const int section = tile / section_tiles;
+      const int within = tile - section * section_tiles;
+      const int heads_here = min(params.heads_per_section, params.num_head_batch - section * params.heads_per_section);
+      const int block_rank = within / heads_here;
+      rest = section * params.heads_per_section + (within - block_rank * heads_here);
+      block = params.num_blocks - 1 - block_rank;
     } else {
       // block fastest, so the CTAs running together share a head's K and V in L2.
       params.block_divmod(rest, block, tile);
@@ -103,30 +80,6 @@ struct StaticPersistentScheduler {
     params.head_divmod(work.batch, work.head, rest);
     work.block = block;
     return work;
-  }
-
-  // The blocks [block_begin, block_end) of tile's (batch, head) that tile's wave hands out, tile's
-  // own among them. The backward's deterministic mode orders its dQ adds by these.
-  CUTLASS_DEVICE static void wave_peers(Params const& params, int tile, int& block_begin, int& block_end) {
-    const int wave_start = tile / int(gridDim.x) * int(gridDim.x);
-    const int wave_end = min(wave_start + int(gridDim.x), params.num_tiles);
-    if constexpr (kLongestFirst) {
-      // The pair's tiles are section_start + r * heads_here + pair for block ranks r (the snake
-      // only permutes a wave); count those before the wave's start and end.
-      const RankedTile ranked = ranked_tile(params, unsnaked(params, tile));
-      auto ranks_before = [&](int t) {
-        const int x = t - ranked.section_start - ranked.pair;
-        return x <= 0 ? 0 : min(params.num_blocks, (x + ranked.heads_here - 1) / ranked.heads_here);
-      };
-      block_begin = params.num_blocks - ranks_before(wave_end);
-      block_end = params.num_blocks - ranks_before(wave_start);
-    } else {
-      int pair, block;
-      params.block_divmod(pair, block, tile);
-      const int head_start = tile - block;
-      block_begin = max(wave_start - head_start, 0);
-      block_end = min(wave_end - head_start, params.num_blocks);
-    }
   }
 
   CUTLASS_DEVICE static int first_tile() { return blockIdx.x; }

@@ -40,24 +40,15 @@ struct BackwardKernel {
   // The scheduler hands out the longest tiles first by giving the highest block first; in the
   // causal backward the longest key block is the lowest, so the order is reversed here. Either
   // way a lower key block of a head comes no later, which the deterministic dQ order relies on.
-  CUTLASS_DEVICE static BackwardBlock block_of(Params const& params, int tile, WorkTile const& work) {
+  CUTLASS_DEVICE static BackwardBlock block_of(Params const& params, WorkTile const& work) {
     const int num_n_blocks = (Mainloop::seqlen_k(params.mainloop) + Mainloop::kBlockN - 1) / Mainloop::kBlockN;
-    auto key_block = [&](int block) { return Mainloop::kCausal ? num_n_blocks - 1 - block : block; };
     BackwardBlock blk;
-    blk.n_block = key_block(work.block);
+    blk.n_block = Mainloop::kCausal ? num_n_blocks - 1 - work.block : work.block;
     blk.head_kv = work.head;
     blk.batch = work.batch;
     query_block_range<Mainloop::kBlockM, Mainloop::kBlockN, Mainloop::kCausal>(
         Mainloop::seqlen_q(params.mainloop), Mainloop::seqlen_k(params.mainloop), blk.n_block, blk.m_block_min,
         blk.m_block_max);
-    int wave_n_begin = 0, wave_n_end = num_n_blocks;
-    if (params.mainloop.deterministic) {
-      int block_begin, block_end;
-      Scheduler::wave_peers(params.scheduler, tile, block_begin, block_end);
-      wave_n_begin = Mainloop::kCausal ? key_block(block_end - 1) : block_begin;
-      wave_n_end = Mainloop::kCausal ? key_block(block_begin) + 1 : block_end;
-    }
-    Mainloop::plan_walk(params.mainloop, blk, wave_n_begin, wave_n_end);
     return blk;
   }
 
@@ -99,7 +90,7 @@ struct BackwardKernel {
         for (int tile = Scheduler::first_tile();; tile = Scheduler::next_tile(tile)) {
           const WorkTile work = Scheduler::decode(params.scheduler, tile);
           if (!work.valid) break;
-          const BackwardBlock blk = block_of(params, tile, work);
+          const BackwardBlock blk = block_of(params, work);
           if (blk.m_block_min >= blk.m_block_max) continue;  // the MMA warpgroups write zeros
           Mainloop::load(params.mainloop, pipeline_q, pipeline_do, pipe_q_write, pipe_do_write, storage,
                          kv_empty_phase, blk);
@@ -110,7 +101,7 @@ struct BackwardKernel {
         for (int tile = Scheduler::first_tile();; tile = Scheduler::next_tile(tile)) {
           const WorkTile work = Scheduler::decode(params.scheduler, tile);
           if (!work.valid) break;
-          Mainloop::store_dq(params.mainloop, storage, block_of(params, tile, work), dq_buffer);
+          Mainloop::store_dq(params.mainloop, storage, block_of(params, work), dq_buffer);
         }
         Mainloop::store_dq_done();
       }
@@ -125,7 +116,7 @@ struct BackwardKernel {
       for (int tile = Scheduler::first_tile();; tile = Scheduler::next_tile(tile)) {
         const WorkTile work = Scheduler::decode(params.scheduler, tile);
         if (!work.valid) break;
-        const BackwardBlock blk = block_of(params, tile, work);
+        const BackwardBlock blk = block_of(params, work);
         Tensor tdKrdK = partition_fragment_C(tiled_mma_dkv, select<0, 1>(typename Mainloop::TileShapedKV{}));
         Tensor tdVrdV = partition_fragment_C(tiled_mma_dkv, select<0, 1>(typename Mainloop::TileShapedKV{}));
         if (blk.m_block_min < blk.m_block_max) {
