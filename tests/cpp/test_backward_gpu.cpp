@@ -400,11 +400,9 @@ std::vector<GridCase> repeat_cases() {
 INSTANTIATE_TEST_SUITE_P(Repeat, BackwardGpuRepeatTest, ::testing::ValuesIn(repeat_cases()),
                          [](const ::testing::TestParamInfo<GridCase>& info) { return info.param.name(); });
 
-// More tiles than a wave (135 on a 132-SM H200): the last head's key blocks run in two waves, so
-// deterministic mode orders a dQ tile's adds across waves, and within the second wave among only
-// three key blocks. Non-causal key blocks walk from spread starts where a wave has no more of
-// them than there are query blocks (the second wave here), else all from the first; causal with
-// sq < sk, where most key blocks start at the same query block.
+// More tiles than a wave (135 on a 132-SM H200): the last head's key blocks run in two waves,
+// so in deterministic mode key blocks wait for their turn on ones that ran in the wave before;
+// causal with sq < sk, where most key blocks start at the same query block, and with sq = sk.
 class BackwardGpuWavesTest : public ::testing::TestWithParam<GridCase> {};
 
 TEST_P(BackwardGpuWavesTest, DeterministicIsBitIdentical) { expect_deterministic_bit_identical(GetParam()); }
