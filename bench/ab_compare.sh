@@ -12,6 +12,10 @@ while [ $# -gt 0 ] && [ "${1#-}" = "$1" ]; do
 done
 out="${OUT:-/tmp/flashhopper_out}"
 sides=(a b c d e f g h)
+if [ ${#libs[@]} -lt 1 ] || [ ${#libs[@]} -gt ${#sides[@]} ]; then
+  echo "ab_compare.sh: give 1 to ${#sides[@]} libraries before the benchmark arguments (got ${#libs[@]})" >&2
+  exit 2
+fi
 for i in "${!libs[@]}"; do
   side=${sides[$i]}
   mkdir -p "$out/$side"
