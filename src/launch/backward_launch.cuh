@@ -1,5 +1,7 @@
 // Composes the backward for one (dtype, head dim, causal) and enqueues its three kernels:
-// preprocess (D, LSE2), the main kernel (dK, dV, dQaccum), postprocess (dQ).
+// preprocess (D, LSE2), the main kernel (dK, dV and dQaccum), postprocess (dQ); or, where the
+// tile table gives dQ a kernel of its own (kDqKernel): preprocess, the main kernel (dK, dV) and
+// the dQ kernel.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -8,8 +10,10 @@
 
 #include "hopper/collective/epilogue_bwd.hpp"
 #include "hopper/collective/mainloop_bwd.hpp"
+#include "hopper/collective/mainloop_bwd_dq.hpp"
 #include "hopper/common/tile_scheduler.hpp"
 #include "hopper/common/tile_size.hpp"
+#include "hopper/kernel/backward_dq_kernel.hpp"
 #include "hopper/kernel/backward_kernel.hpp"
 #include "hopper/kernel/backward_prepost.hpp"
 #include "launch/backward_launch.hpp"
@@ -17,6 +21,51 @@
 #include "launch/element_of.cuh"
 
 namespace flashhopper::launch {
+
+// The dQ kernel, with the main kernel's arguments (Q, K, V, dO and the preprocess's buffers).
+template <class Element, int kHeadDim, bool kCausal, class MainArguments>
+cudaError_t run_backward_dq_kernel(const BackwardParams& p, MainArguments const& args, float scale, int num_sms,
+                                   int l2_bytes, cudaStream_t stream) {
+  using namespace cute;
+  using namespace flashhopper::hopper;
+  using Tile = BackwardDqTileSize<kHeadDim>;
+  using Mainloop =
+      BackwardDqMainloop<Element, Tile::kBlockM, Tile::kBlockN, kHeadDim, Tile::kStagesK, Tile::kStagesV, kCausal>;
+  using Scheduler = StaticPersistentScheduler</*kLongestFirst=*/kCausal>;
+  using Kernel = BackwardDqKernel<Mainloop, Scheduler>;
+  static_assert(BackwardWorkspaceLayout::kRowAlign % Tile::kBlockM == 0);
+
+  const int seqlen_q = get<0>(args.shape_q), seqlen_k = get<0>(args.shape_k);
+  const int heads_q = get<2>(args.shape_q), heads_kv = get<2>(args.shape_k), batch = get<3>(args.shape_q);
+  typename Mainloop::Arguments dq_args{args.ptr_q,
+                                       args.shape_q,
+                                       args.stride_q,
+                                       args.ptr_k,
+                                       args.shape_k,
+                                       args.stride_k,
+                                       args.ptr_v,
+                                       args.stride_v,
+                                       args.ptr_do,
+                                       args.stride_do,
+                                       static_cast<Element*>(p.dq.data),
+                                       make_stride(p.dq.stride[1], _1{}, p.dq.stride[2], p.dq.stride[0]),
+                                       scale,
+                                       args.workspace.lse_log2,
+                                       args.workspace.dpsum,
+                                       args.workspace.rows_padded};
+  const int num_m_blocks = (seqlen_q + Tile::kBlockM - 1) / Tile::kBlockM;
+  // As the forward: a head's query blocks share its K and V in L2.
+  const int64_t streamed_bytes_per_head = int64_t(seqlen_k) * 2 * kHeadDim * sizeof(Element) * heads_kv / heads_q;
+  typename Kernel::Params params{
+      Mainloop::to_underlying_arguments(dq_args),
+      Scheduler::make_params(num_m_blocks, heads_q, batch, streamed_bytes_per_head, l2_bytes, num_sms)};
+  auto kernel = backward_dq_kernel_entry<Kernel>;
+  constexpr int kSmemBytes = Kernel::kSharedStorageSize;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  if (err != cudaSuccess) return err;
+  kernel<<<Scheduler::grid_size(params.scheduler, num_sms), Kernel::kNumThreads, kSmemBytes, stream>>>(params);
+  return cudaGetLastError();
+}
 
 template <fh_dtype kDType, int kHeadDim, bool kCausal>
 cudaError_t run_backward_hdim(const BackwardParams& p, const detail::ProblemShape& s, void* workspace,
@@ -27,7 +76,7 @@ cudaError_t run_backward_hdim(const BackwardParams& p, const detail::ProblemShap
   using Tile = BackwardTileSize<kHeadDim>;
   using Mainloop =
       BackwardMainloop<Element, Tile::kBlockM, Tile::kBlockN, kHeadDim, Tile::kStages, Tile::kStagesDo, kCausal,
-                       Tile::kDqViaTma, Tile::kDqBuffers, Tile::kDqChunks>;
+                       /*kComputeDq=*/!Tile::kDqKernel, Tile::kDqViaTma, Tile::kDqBuffers, Tile::kDqChunks>;
   using Epilogue = BackwardEpilogue<Element, Mainloop>;
   using Scheduler = StaticPersistentScheduler</*kLongestFirst=*/kCausal>;
   using Kernel = BackwardKernel<Mainloop, Epilogue, Scheduler>;
@@ -55,8 +104,10 @@ cudaError_t run_backward_hdim(const BackwardParams& p, const detail::ProblemShap
   if (err != cudaSuccess) return err;
 
   // dQaccum and the semaphores start at zero; the preprocess fills the rest.
-  err = cudaMemsetAsync(ws + layout.dq_accum, 0, layout.bytes - layout.dq_accum, stream);
-  if (err != cudaSuccess) return err;
+  if constexpr (!Tile::kDqKernel) {
+    err = cudaMemsetAsync(ws + layout.dq_accum, 0, layout.bytes - layout.dq_accum, stream);
+    if (err != cudaSuccess) return err;
+  }
 
   typename Preprocess::Params pre{static_cast<Element const*>(p.out.data),
                                   {p.out.stride[0], p.out.stride[1], p.out.stride[2]},
@@ -110,18 +161,22 @@ cudaError_t run_backward_hdim(const BackwardParams& p, const detail::ProblemShap
   // to wave and that lag is paid once; otherwise the wave boundary moves through the heads and
   // every wave pays it again (2k-4k: 0.80 of the default mode). Worth at most 10% of the SMs.
   int grid = Scheduler::grid_size(params.scheduler, num_sms);
-  if (p.deterministic != 0 && !kCausal && num_n_blocks < grid) {
+  if (!Tile::kDqKernel && p.deterministic != 0 && !kCausal && num_n_blocks < grid) {
     const int whole_heads = grid / num_n_blocks * num_n_blocks;
     if (whole_heads * 10 >= grid * 9) grid = whole_heads;
   }
   kernel<<<grid, Kernel::kNumThreads, kSmemBytes, stream>>>(params);
   if ((err = cudaGetLastError()) != cudaSuccess) return err;
 
-  typename Postprocess::Params post{static_cast<Element*>(p.dq.data), make_shape(seqlen_q, kHeadDim, heads_q, batch),
-                                    stride_of(p.dq), scale, pointers};
-  const int64_t post_ctas = int64_t((seqlen_q + Tile::kBlockM - 1) / Tile::kBlockM) * heads_q * batch;
-  backward_prepost_entry<Postprocess><<<unsigned(post_ctas), Postprocess::kThreads, 0, stream>>>(post);
-  return cudaGetLastError();
+  if constexpr (Tile::kDqKernel) {
+    return run_backward_dq_kernel<Element, kHeadDim, kCausal>(p, mainloop_args, scale, num_sms, l2_bytes, stream);
+  } else {
+    typename Postprocess::Params post{static_cast<Element*>(p.dq.data), make_shape(seqlen_q, kHeadDim, heads_q, batch),
+                                      stride_of(p.dq), scale, pointers};
+    const int64_t post_ctas = int64_t((seqlen_q + Tile::kBlockM - 1) / Tile::kBlockM) * heads_q * batch;
+    backward_prepost_entry<Postprocess><<<unsigned(post_ctas), Postprocess::kThreads, 0, stream>>>(post);
+    return cudaGetLastError();
+  }
 }
 
 }  // namespace flashhopper::launch

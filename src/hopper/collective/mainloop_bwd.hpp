@@ -66,7 +66,7 @@ CUTLASS_DEVICE void bulk_reduce_add_f32(float* gmem, float const* smem, int byte
 }
 
 template <class Element_, int kBlockM_, int kBlockN_, int kHeadDim_, int kStages_, int kStagesDo_, bool kCausal_,
-          bool kDqViaTma_, int kDqBuffers_, int kDqChunks_>
+          bool kComputeDq_, bool kDqViaTma_, int kDqBuffers_, int kDqChunks_>
 struct BackwardMainloop {
   using Element = Element_;
   static constexpr int kBlockM = kBlockM_;
@@ -75,7 +75,10 @@ struct BackwardMainloop {
   static constexpr int kStages = kStages_;      // Q
   static constexpr int kStagesDo = kStagesDo_;  // dO
   static constexpr bool kCausal = kCausal_;
-  static constexpr bool kDqViaTma = kDqViaTma_;
+  // false: dK and dV only; dQ comes from the dQ kernel (BackwardDqMainloop), and the kDq*
+  // parameters below are unused.
+  static constexpr bool kComputeDq = kComputeDq_;
+  static constexpr bool kDqViaTma = kDqViaTma_ && kComputeDq;
   static constexpr int kDqBuffers = kDqBuffers_;  // TMA path: with two, the next dQ chunk is written while one is added
   static_assert(kDqBuffers == 1 || kDqBuffers == 2);
   // dQ = dS K in kDqChunks slices of the head dim, one after the other, so that only one slice's
@@ -97,6 +100,7 @@ struct BackwardMainloop {
   // second half is then computed at the start of block m + 1 and stored after its S, dP and
   // softmax; deterministic mode keeps the plain order, which hands the turn on sooner.
   static constexpr bool kDeferDqSecondHalf = kDqViaTma && kDqChunks == 2 && kDqBuffers == 1;
+  static_assert(kComputeDq || !kDeferDqSecondHalf);
 
   using TileShapeSdP = Shape<Int<kBlockM>, Int<kBlockN>, Int<kHeadDim>>;  // (M, N, d)
   using TileShapedKV = cute::conditional_t<kDkvTransposed, Shape<Int<kHeadDim>, Int<kBlockN>, Int<kBlockM>>,
@@ -557,8 +561,10 @@ struct BackwardMainloop {
         cute::Tensor tdPrdP = partition_fragment_C(tiled_mma_sdp, select<0, 1>(TileShapeSdP{}));
         // The previous block's deferred dQ half goes first: the wait for S below covers it.
         cute::Tensor tdQrdQ_deferred = partition_fragment_C(tiled_mma_dq, select<0, 1>(TileShapedQ{}));
-        const bool deferred_pending = defer_dq && deferred_m_block >= 0;
-        if (deferred_pending) gemm_dq(tdQrdQ_deferred, buffer ^ 1, 1);
+        [[maybe_unused]] const bool deferred_pending = defer_dq && deferred_m_block >= 0;
+        if constexpr (kDeferDqSecondHalf) {
+          if (deferred_pending) gemm_dq(tdQrdQ_deferred, buffer ^ 1, 1);
+        }
         pipeline_q.consumer_wait(pipe_q_read);
         warpgroup_gemm</*kZeroInit=*/true, /*kWait=*/-1>(tiled_mma_sdp, tSrQ(_, _, _, pipe_q_read.index()),
                                                          descriptors_per_use(tSrK), tSrS);
@@ -601,7 +607,9 @@ struct BackwardMainloop {
         copy(smem_tiled_copy_pds, smem_copy_pds.retile_S(rP), tPsP(_, _, _, p_buffer));
         copy(smem_tiled_copy_pds, smem_copy_pds.retile_S(rdS), tdSsdS(_, _, _, buffer));
         // Before the barrier below: past it, the other warpgroup may overwrite dS buffer ^ 1.
-        if (deferred_pending) add_dq(tdQrdQ_deferred, 1, deferred_m_block);
+        if constexpr (kDeferDqSecondHalf) {
+          if (deferred_pending) add_dq(tdQrdQ_deferred, 1, deferred_m_block);
+        }
         // The tensor cores read P and dS through the async proxy; dQ needs both halves of dS.
         cutlass::arch::fence_view_async_shared();
         named_barrier_sync(kNumMmaThreads, BwdBarrier::kPdS);
@@ -609,30 +617,39 @@ struct BackwardMainloop {
         // dV first, so that the dO stage is freed as early as possible; then dQ (its first chunk)
         // and dK. warpgroup_wait<n> waits for all but the last n.
         gemm_dkv(tdVrPt(_, _, _, p_buffer), tdVrdOt(_, _, _, pipe_do_read.index()), tdVrdV);
-        cute::Tensor tdQrdQ = partition_fragment_C(tiled_mma_dq, select<0, 1>(TileShapedQ{}));
-        gemm_dq(tdQrdQ, buffer, 0);
-        gemm_dkv(tdKrdSt(_, _, _, buffer), tdKrQt(_, _, _, pipe_q_read.index()), tdKrdK);
-        warpgroup_wait<2>();  // dV is done with dO
-        pipeline_do.consumer_release(pipe_do_read);
-        ++pipe_do_read;
-        warpgroup_wait<1>();  // dQ's first chunk
-        add_dq(tdQrdQ, 0, m_block);
-        if constexpr (kDqChunks == 2) {
-          if (defer_dq) {
-            warpgroup_wait<0>();  // dK is done with Q
-            pipeline_q.consumer_release(pipe_q_read);
-            deferred_m_block = m_block;
-          } else {
-            gemm_dq(tdQrdQ, buffer, 1);  // into the same registers: the adds above have read them
-            warpgroup_wait<1>();  // dK is done with Q
-            pipeline_q.consumer_release(pipe_q_read);
-            warpgroup_wait<0>();
-            add_dq(tdQrdQ, 1, m_block);
-          }
-        } else {
-          static_assert(kDqChunks == 1);
+        if constexpr (!kComputeDq) {
+          gemm_dkv(tdKrdSt(_, _, _, buffer), tdKrQt(_, _, _, pipe_q_read.index()), tdKrdK);
+          warpgroup_wait<1>();  // dV is done with dO
+          pipeline_do.consumer_release(pipe_do_read);
+          ++pipe_do_read;
           warpgroup_wait<0>();  // dK is done with Q
           pipeline_q.consumer_release(pipe_q_read);
+        } else {
+          cute::Tensor tdQrdQ = partition_fragment_C(tiled_mma_dq, select<0, 1>(TileShapedQ{}));
+          gemm_dq(tdQrdQ, buffer, 0);
+          gemm_dkv(tdKrdSt(_, _, _, buffer), tdKrQt(_, _, _, pipe_q_read.index()), tdKrdK);
+          warpgroup_wait<2>();  // dV is done with dO
+          pipeline_do.consumer_release(pipe_do_read);
+          ++pipe_do_read;
+          warpgroup_wait<1>();  // dQ's first chunk
+          add_dq(tdQrdQ, 0, m_block);
+          if constexpr (kDqChunks == 2) {
+            if (defer_dq) {
+              warpgroup_wait<0>();  // dK is done with Q
+              pipeline_q.consumer_release(pipe_q_read);
+              deferred_m_block = m_block;
+            } else {
+              gemm_dq(tdQrdQ, buffer, 1);  // into the same registers: the adds above have read them
+              warpgroup_wait<1>();  // dK is done with Q
+              pipeline_q.consumer_release(pipe_q_read);
+              warpgroup_wait<0>();
+              add_dq(tdQrdQ, 1, m_block);
+            }
+          } else {
+            static_assert(kDqChunks == 1);
+            warpgroup_wait<0>();  // dK is done with Q
+            pipeline_q.consumer_release(pipe_q_read);
+          }
         }
         ++pipe_q_read;
         buffer ^= 1;
@@ -653,11 +670,13 @@ struct BackwardMainloop {
         CUTLASS_PRAGMA_NO_UNROLL
         for (int m_block = blk.m_block_min; m_block < blk.m_block_max; ++m_block) step(m_block, padded);
       }
-      if (defer_dq && deferred_m_block >= 0) {  // the head's last block
-        cute::Tensor tdQrdQ = partition_fragment_C(tiled_mma_dq, select<0, 1>(TileShapedQ{}));
-        gemm_dq(tdQrdQ, buffer ^ 1, 1);
-        warpgroup_wait<0>();
-        add_dq(tdQrdQ, 1, deferred_m_block);
+      if constexpr (kDeferDqSecondHalf) {
+        if (defer_dq && deferred_m_block >= 0) {  // the head's last block
+          cute::Tensor tdQrdQ = partition_fragment_C(tiled_mma_dq, select<0, 1>(TileShapedQ{}));
+          gemm_dq(tdQrdQ, buffer ^ 1, 1);
+          warpgroup_wait<0>();
+          add_dq(tdQrdQ, 1, deferred_m_block);
+        }
       }
     }
     // K and V may be replaced by the next key block's.

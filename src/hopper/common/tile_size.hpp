@@ -63,6 +63,7 @@ struct BackwardTileSize<64> {
   static constexpr int kBlockN = 128;
   static constexpr int kStages = 2;
   static constexpr int kStagesDo = 2;
+  static constexpr bool kDqKernel = false;
   static constexpr bool kDqViaTma = true;
   static constexpr int kDqBuffers = 1;
   static constexpr int kDqChunks = 1;
@@ -74,24 +75,41 @@ struct BackwardTileSize<128> {  // 209 KiB
   static constexpr int kBlockN = 128;
   static constexpr int kStages = 2;
   static constexpr int kStagesDo = 2;
+  static constexpr bool kDqKernel = false;
   static constexpr bool kDqViaTma = true;
   static constexpr int kDqBuffers = 1;
   static constexpr int kDqChunks = 1;
 };
 
-// hdim 256: 64 keys, so that a 32 KiB shared buffer for half of dQ fits beside one dO stage
-// (225 KiB) and dQ goes by the bulk reduce-add in two head-dim halves: against 80 keys and
-// atomicAdd (the most the registers allowed), non-causal +10-13% from 2k, causal +4-12% from 4k
-// (bench/RESULTS.md, v9). Against one Q stage and a whole 64 KiB dQ buffer: +28-37% from 4k.
+// hdim 256: dQ by its own kernel (BackwardDqTileSize), which frees the shared memory of the dQ
+// buffer for a second dO stage. Against dQ added to L2 from this kernel (in two head-dim halves by
+// the bulk reduce-add, the second one deferred to the next block), ... (bench/RESULTS.md).
 template <>
 struct BackwardTileSize<256> {
   static constexpr int kBlockM = 64;
   static constexpr int kBlockN = 64;
   static constexpr int kStages = 2;
-  static constexpr int kStagesDo = 1;
+  static constexpr int kStagesDo = 2;
+  static constexpr bool kDqKernel = true;
   static constexpr bool kDqViaTma = true;
   static constexpr int kDqBuffers = 1;
-  static constexpr int kDqChunks = 2;  // also keeps dQ's accumulator at 32 floats beside dK^T and dV^T
+  static constexpr int kDqChunks = 2;
+};
+
+// The dQ kernel's tunables (head dims whose BackwardTileSize has kDqKernel): a CTA owns kBlockM
+// query rows (64 a warpgroup) and streams K and V blocks of kBlockN keys through kStagesK and
+// kStagesV buffers. Shared memory: (2 * kBlockM + (kStagesK + kStagesV) * kBlockN) * d * 2 bytes.
+// Registers a thread: dQ kBlockM * d / 256 floats, S and dP kBlockM * kBlockN / 256 each.
+template <int kHeadDim>
+struct BackwardDqTileSize;
+
+// hdim 256: 224 KiB; V has one stage, as it is used by dP only, early in a block.
+template <>
+struct BackwardDqTileSize<256> {
+  static constexpr int kBlockM = 128;
+  static constexpr int kBlockN = 64;
+  static constexpr int kStagesK = 2;
+  static constexpr int kStagesV = 1;
 };
 
 }  // namespace flashhopper::hopper

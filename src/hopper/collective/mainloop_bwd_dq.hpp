@@ -1,0 +1,310 @@
+// Backward dQ mainloop, for the head dims whose dQ is computed by a kernel of its own: a CTA owns
+// one query block (Q, dO and its rows' LSE2 and D stay put) and walks the key blocks it sees, as
+// the forward does, so dQ sums in registers and goes to global memory once, with no float32
+// dQaccum, no reduce-adds and nothing to order in deterministic mode. It recomputes S and dP,
+// which the dK/dV kernel computes too (7 GEMMs a block pair instead of 5); at hdim 256 the dK/dV
+// kernel's dQ adds to L2 cost more than that.
+//
+// Per key block n (each MMA warpgroup owns 64 of the block's rows):
+//   S = Q K^T, dP = dO V^T               SS GEMMs, issued together
+//   P = exp2(S * scale * log2 e - LSE2)  while dP runs
+//   dS = P * (dP - D)                    converted in registers into the A operand of
+//   dQ += dS K                           an RS GEMM, left in flight under the next block's S and dP
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/cutlass.h>
+#include <cutlass/gemm/collective/builders/sm90_common.inl>
+#include <cutlass/pipeline/pipeline.hpp>
+
+#include "hopper/common/mask.hpp"
+#include "hopper/common/tile_scheduler.hpp"
+#include "hopper/common/utils.hpp"
+
+namespace flashhopper::hopper {
+
+using namespace cute;
+
+template <class Element_, int kBlockM_, int kBlockN_, int kHeadDim_, int kStagesK_, int kStagesV_, bool kCausal_>
+struct BackwardDqMainloop {
+  using Element = Element_;
+  static constexpr int kBlockM = kBlockM_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kStagesK = kStagesK_;
+  static constexpr int kStagesV = kStagesV_;
+  static constexpr bool kCausal = kCausal_;
+  static constexpr int kNumMmaWarpGroups = kBlockM / 64;
+  static constexpr int kNumMmaThreads = kNumMmaWarpGroups * cutlass::NumThreadsPerWarpGroup;
+  static_assert(kBlockM % 64 == 0 && kBlockN % 16 == 0);
+
+  using TileShapeSdP = Shape<Int<kBlockM>, Int<kBlockN>, Int<kHeadDim>>;  // (M, N, d)
+  using TileShapedQ = Shape<Int<kBlockM>, Int<kHeadDim>, Int<kBlockN>>;   // (M, d, N)
+
+  // One 64-row WGMMA atom per warpgroup, stacked along M.
+  using WarpGroupLayout = Layout<Shape<Int<kNumMmaWarpGroups>, _1, _1>>;
+  using TiledMmaSdP = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kBlockN>, Int<kHeadDim>>>(), WarpGroupLayout{}));
+  using TiledMmadQ = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim>, Int<kBlockN>>, GMMA::Major::K,
+                           GMMA::Major::MN>(),
+      WarpGroupLayout{}));
+
+  // Q and dO (M, d), K and V (N, d, stage): d contiguous. dQ = dS K reads K as K^T (d, N, stage),
+  // the same bytes: d contiguous is the MN-major B operand.
+  using SmemLayoutQ = decltype(tile_to_shape(
+      cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element, Int<kBlockM>, Int<kHeadDim>>(),
+      Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  template <int kStages>
+  using SmemLayoutKeys = decltype(tile_to_shape(
+      cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element, Int<kBlockN>, Int<kHeadDim>>(),
+      Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
+  using SmemLayoutK = SmemLayoutKeys<kStagesK>;
+  using SmemLayoutV = SmemLayoutKeys<kStagesV>;
+  using SmemLayoutKt = decltype(composition(
+      SmemLayoutK{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStagesK>>{},
+                                 Stride<Int<kBlockN>, _1, Int<kBlockN * kHeadDim>>{})));
+
+  // Global tensors as (seqlen, d, head, batch).
+  using ShapeQKV = Shape<int32_t, int32_t, int32_t, int32_t>;
+  using StrideQKV = Stride<int64_t, _1, int64_t, int64_t>;
+  using TmaQ = decltype(make_tma_copy(
+      SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), ShapeQKV{}, StrideQKV{}),
+      SmemLayoutQ{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{}));
+  using TmaK = decltype(make_tma_copy(
+      SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), ShapeQKV{}, StrideQKV{}),
+      take<0, 2>(SmemLayoutK{}), Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
+
+  using PipelineK = cutlass::PipelineTmaAsync<kStagesK>;
+  using PipelineStateK = cutlass::PipelineState<kStagesK>;
+  using PipelineV = cutlass::PipelineTmaAsync<kStagesV>;
+  using PipelineStateV = cutlass::PipelineState<kStagesV>;
+  static constexpr uint32_t kTmaBytesQdO = 2 * cosize_v<SmemLayoutQ> * sizeof(Element);
+  static constexpr uint32_t kTmaBytesKeys = size(take<0, 2>(SmemLayoutK{})) * sizeof(Element);  // a K or V block
+
+  struct SharedStorage {
+    cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> smem_q;
+    cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> smem_do;
+    cute::array_aligned<Element, cosize_v<SmemLayoutK>, 1024> smem_k;
+    cute::array_aligned<Element, cosize_v<SmemLayoutV>, 1024> smem_v;
+    cutlass::arch::ClusterTransactionBarrier qdo_full;
+    cutlass::arch::ClusterBarrier qdo_empty;
+    typename PipelineK::SharedStorage pipeline_k;
+    typename PipelineV::SharedStorage pipeline_v;
+  };
+
+  struct Arguments {
+    Element const* ptr_q;
+    ShapeQKV shape_q;  // (seqlen_q, d, heads_q, batch)
+    StrideQKV stride_q;
+    Element const* ptr_k;
+    ShapeQKV shape_k;  // (seqlen_k, d, heads_kv, batch)
+    StrideQKV stride_k;
+    Element const* ptr_v;
+    StrideQKV stride_v;
+    Element const* ptr_do;
+    StrideQKV stride_do;
+    Element* ptr_dq;
+    StrideQKV stride_dq;
+    float softmax_scale;
+    float const* lse_log2;  // the preprocess kernel's [batch, heads_q, rows_padded] buffers
+    float const* dpsum;
+    int rows_padded;
+  };
+
+  struct Params {
+    ShapeQKV shape_q;
+    ShapeQKV shape_k;
+    TmaQ tma_q;
+    TmaQ tma_do;
+    TmaK tma_k;
+    TmaK tma_v;
+    Element* ptr_dq;
+    StrideQKV stride_dq;
+    float softmax_scale;
+    float softmax_scale_log2;
+    float const* lse_log2;
+    float const* dpsum;
+    int rows_padded;
+    cutlass::FastDivmod heads_per_kv_head;
+  };
+
+  static Params to_underlying_arguments(Arguments const& args) {
+    auto q_tma = [&](Element const* ptr, StrideQKV stride) {
+      return make_tma_copy(SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(ptr), args.shape_q, stride), SmemLayoutQ{},
+                           Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{});
+    };
+    auto k_tma = [&](Element const* ptr, StrideQKV stride) {
+      return make_tma_copy(SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(ptr), args.shape_k, stride),
+                           take<0, 2>(SmemLayoutK{}), Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{});
+    };
+    return {args.shape_q,
+            args.shape_k,
+            q_tma(args.ptr_q, args.stride_q),
+            q_tma(args.ptr_do, args.stride_do),
+            k_tma(args.ptr_k, args.stride_k),
+            k_tma(args.ptr_v, args.stride_v),
+            args.ptr_dq,
+            args.stride_dq,
+            args.softmax_scale,
+            float(args.softmax_scale * M_LOG2E),
+            args.lse_log2,
+            args.dpsum,
+            args.rows_padded,
+            cutlass::FastDivmod(get<2>(args.shape_q) / get<2>(args.shape_k))};
+  }
+
+  CUTLASS_DEVICE static void prefetch_tma_descriptors(Params const& params) {
+    cute::prefetch_tma_descriptor(params.tma_q.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(params.tma_do.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(params.tma_k.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(params.tma_v.get_tma_descriptor());
+  }
+
+  CUTLASS_DEVICE static int seqlen_q(Params const& params) { return get<0>(params.shape_q); }
+  CUTLASS_DEVICE static int seqlen_k(Params const& params) { return get<0>(params.shape_k); }
+
+  // Producer (one thread): the first K block, then Q and dO once the previous tile is done with
+  // theirs, then K and V from the last key block (the one that may need masking) down, K one
+  // block ahead of V in the order the warpgroups use them.
+  CUTLASS_DEVICE static void load(Params const& params, PipelineK& pipeline_k, PipelineV& pipeline_v,
+                                  PipelineStateK& pipe_k_write, PipelineStateV& pipe_v_write, SharedStorage& storage,
+                                  int& qdo_empty_phase, WorkTile const& work, int n_block_min, int n_block_max) {
+    Tensor sQ = make_tensor(make_smem_ptr(storage.smem_q.data()), SmemLayoutQ{});
+    Tensor sdO = make_tensor(make_smem_ptr(storage.smem_do.data()), SmemLayoutQ{});
+    Tensor sK = make_tensor(make_smem_ptr(storage.smem_k.data()), SmemLayoutK{});
+    Tensor sV = make_tensor(make_smem_ptr(storage.smem_v.data()), SmemLayoutV{});
+    const int head_kv = params.heads_per_kv_head.divide(work.head);
+
+    auto query_tile = [&](auto const& tma) {
+      auto m = tma.get_tma_tensor(params.shape_q)(_, _, work.head, work.batch);
+      return local_tile(m, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(work.block, _0{}));  // (M, d)
+    };
+    auto key_tiles = [&](auto const& tma) {
+      auto m = tma.get_tma_tensor(params.shape_k)(_, _, head_kv, work.batch);
+      return local_tile(m, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, _0{}));  // (N, d, n)
+    };
+    auto [tQgQ, tQsQ] = tma_partition(params.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ),
+                                      group_modes<0, 2>(query_tile(params.tma_q)));
+    auto [tdOgdO, tdOsdO] = tma_partition(params.tma_do, _0{}, Layout<_1>{}, group_modes<0, 2>(sdO),
+                                          group_modes<0, 2>(query_tile(params.tma_do)));
+    // Plain tensors rather than structured bindings: lambdas capture them (C++17).
+    auto k_parts = tma_partition(params.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK),
+                                 group_modes<0, 2>(key_tiles(params.tma_k)));
+    auto v_parts = tma_partition(params.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV),
+                                 group_modes<0, 2>(key_tiles(params.tma_v)));
+    Tensor tKgK = get<0>(k_parts);  // (TMA, n)
+    Tensor tKsK = get<1>(k_parts);  // (TMA, PIPE)
+    Tensor tVgV = get<0>(v_parts);
+    Tensor tVsV = get<1>(v_parts);
+
+    auto load_k = [&](int n_block) {
+      pipeline_k.producer_acquire(pipe_k_write);
+      copy(params.tma_k.with(*pipeline_k.producer_get_barrier(pipe_k_write)), tKgK(_, n_block),
+           tKsK(_, pipe_k_write.index()));
+      ++pipe_k_write;
+    };
+    auto load_v = [&](int n_block) {
+      pipeline_v.producer_acquire(pipe_v_write);
+      copy(params.tma_v.with(*pipeline_v.producer_get_barrier(pipe_v_write)), tVgV(_, n_block),
+           tVsV(_, pipe_v_write.index()));
+      ++pipe_v_write;
+    };
+    load_k(n_block_max - 1);
+    storage.qdo_empty.wait(qdo_empty_phase);
+    qdo_empty_phase ^= 1;
+    storage.qdo_full.arrive_and_expect_tx(kTmaBytesQdO);
+    copy(params.tma_q.with(reinterpret_cast<uint64_t&>(storage.qdo_full)), tQgQ, tQsQ);
+    copy(params.tma_do.with(reinterpret_cast<uint64_t&>(storage.qdo_full)), tdOgdO, tdOsdO);
+    for (int n_block = n_block_max - 1; n_block >= n_block_min; --n_block) {
+      load_v(n_block);
+      if (n_block > n_block_min) load_k(n_block - 1);
+    }
+  }
+
+  // MMA warpgroups: the whole query block. On return tdQrdQ holds dQ / scale, every GEMM done.
+  template <class TensordQ>
+  CUTLASS_DEVICE static void mma(Params const& params, PipelineK& pipeline_k, PipelineV& pipeline_v,
+                                 PipelineStateK& pipe_k_read, PipelineStateV& pipe_v_read, SharedStorage& storage,
+                                 int& qdo_full_phase, TensordQ& tdQrdQ, int thread_idx, WorkTile const& work,
+                                 int n_block_min, int n_block_max) {
+    Tensor sQ = make_tensor(make_smem_ptr(storage.smem_q.data()), SmemLayoutQ{});
+    Tensor sdO = make_tensor(make_smem_ptr(storage.smem_do.data()), SmemLayoutQ{});
+    Tensor sK = make_tensor(make_smem_ptr(storage.smem_k.data()), SmemLayoutK{});
+    Tensor sKt = make_tensor(make_smem_ptr(storage.smem_k.data()), SmemLayoutKt{});
+    Tensor sV = make_tensor(make_smem_ptr(storage.smem_v.data()), SmemLayoutV{});
+
+    TiledMmaSdP tiled_mma_sdp;
+    TiledMmadQ tiled_mma_dq;
+    auto thr_mma_sdp = tiled_mma_sdp.get_thread_slice(thread_idx);
+    auto thr_mma_dq = tiled_mma_dq.get_thread_slice(thread_idx);
+    Tensor tSrQ = thr_mma_sdp.partition_fragment_A(sQ);    // (MMA, MMA_M, MMA_K)
+    Tensor tSrK = thr_mma_sdp.partition_fragment_B(sK);    // (MMA, MMA_N, MMA_K, PIPE)
+    Tensor tdPrdO = thr_mma_sdp.partition_fragment_A(sdO);
+    Tensor tdPrV = thr_mma_sdp.partition_fragment_B(sV);
+    Tensor tdQrKt = thr_mma_dq.partition_fragment_B(sKt);  // (MMA, MMA_d, MMA_N, PIPE)
+
+    Tensor tSrS = partition_fragment_C(tiled_mma_sdp, select<0, 1>(TileShapeSdP{}));  // (MMA, MMA_M, MMA_N)
+    Tensor tdPrdP = partition_fragment_C(tiled_mma_sdp, select<0, 1>(TileShapeSdP{}));
+    Tensor tdQrdS = make_tensor<Element>(accumulator_as_a_operand(tdPrdP.layout()));
+    Tensor scores = make_tensor(tSrS.data(), accumulator_rowcol(tSrS.layout()));  // (rows, cols)
+    Tensor dS = make_tensor(tdPrdP.data(), scores.layout());
+    Tensor tScS = thr_mma_sdp.partition_C(make_identity_tensor(select<0, 1>(TileShapeSdP{})));
+    Tensor coords = make_tensor(tScS.data(), accumulator_rowcol(tScS.layout()));
+    constexpr int kRows = decltype(size<0>(scores))::value;
+
+    // The rows' LSE2 and D: padded buffers, so every row of the tile is in bounds.
+    const int64_t row0 =
+        (int64_t(work.batch) * get<2>(params.shape_q) + work.head) * params.rows_padded + int64_t(work.block) * kBlockM;
+    float lse_log2[kRows], dpsum[kRows];
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < kRows; ++i) {
+      lse_log2[i] = params.lse_log2[row0 + get<0>(coords(i, 0))];
+      dpsum[i] = params.dpsum[row0 + get<0>(coords(i, 0))];
+    }
+    const AttentionMask<kBlockM, kBlockN, kCausal> mask{seqlen_q(params), seqlen_k(params)};
+
+    storage.qdo_full.wait(qdo_full_phase);
+    qdo_full_phase ^= 1;
+    clear(tdQrdQ);
+
+    PipelineStateK pipe_k_previous;  // the previous block's K stage, read by its dQ GEMM
+    CUTLASS_PRAGMA_NO_UNROLL
+    for (int n_block = n_block_max - 1; n_block >= n_block_min; --n_block) {
+      pipeline_k.consumer_wait(pipe_k_read);
+      warpgroup_gemm</*kZeroInit=*/true, /*kWait=*/-1>(tiled_mma_sdp, tSrQ, tSrK(_, _, _, pipe_k_read.index()), tSrS);
+      pipeline_v.consumer_wait(pipe_v_read);
+      warpgroup_gemm<true, -1>(tiled_mma_sdp, tdPrdO, tdPrV(_, _, _, pipe_v_read.index()), tdPrdP);
+      warpgroup_wait<1>();  // S is ready, and the previous block's dQ GEMM is done with its K
+      if (n_block < n_block_max - 1) pipeline_k.consumer_release(pipe_k_previous);
+      if (mask.crosses_boundary(work.block, n_block)) mask.apply(scores, coords, work.block, n_block);
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < kRows; ++i) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int j = 0; j < size<1>(scores); ++j) {
+          scores(i, j) = exp2f(scores(i, j) * params.softmax_scale_log2 - lse_log2[i]);
+        }
+      }
+      warpgroup_wait<0>();  // dP is ready
+      pipeline_v.consumer_release(pipe_v_read);
+      ++pipe_v_read;
+      // Q and dO are free once the tile's last S and dP are done: the next tile's load overlaps
+      // the last dQ GEMM and the epilogue.
+      if (n_block == n_block_min) storage.qdo_empty.arrive();
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < kRows; ++i) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int j = 0; j < size<1>(dS); ++j) dS(i, j) = scores(i, j) * (dS(i, j) - dpsum[i]);
+      }
+      convert_into(tdPrdP, tdQrdS);
+      warpgroup_gemm<false, -1>(tiled_mma_dq, tdQrdS, tdQrKt(_, _, _, pipe_k_read.index()), tdQrdQ);
+      pipe_k_previous = pipe_k_read;
+      ++pipe_k_read;
+    }
+    warpgroup_wait<0>();
+    pipeline_k.consumer_release(pipe_k_previous);
+  }
+};
+
+}  // namespace flashhopper::hopper

@@ -1,0 +1,125 @@
+// The backward's dQ kernel (BackwardDqMainloop): warp roles, register split and the persistent
+// loop over (query block, head, batch) tiles. Warpgroup 0 is the producer (one thread issues the
+// TMA loads); the MMA warpgroups run the mainloop, then write dQ = scale * (dS K) from registers.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+#include <cutlass/cutlass.h>
+#include <cutlass/pipeline/pipeline.hpp>
+
+#include "hopper/collective/mainloop_bwd_dq.hpp"
+#include "hopper/common/mask.hpp"
+#include "hopper/common/tile_scheduler.hpp"
+#include "hopper/common/utils.hpp"
+
+namespace flashhopper::hopper {
+
+using namespace cute;
+
+template <class Mainloop_, class Scheduler_>
+struct BackwardDqKernel {
+  using Mainloop = Mainloop_;
+  using Scheduler = Scheduler_;
+  static constexpr int kNumMmaThreads = Mainloop::kNumMmaThreads;
+  static constexpr int kNumThreads = kNumMmaThreads + cutlass::NumThreadsPerWarpGroup;
+  static constexpr int kProducerRegisters = 24;
+  static constexpr int kConsumerRegisters = 240;
+  static_assert(Mainloop::kNumMmaWarpGroups == 2);
+
+  using SharedStorage = typename Mainloop::SharedStorage;
+  static constexpr int kSharedStorageSize = sizeof(SharedStorage);
+  static_assert(kSharedStorageSize <= 227 * 1024, "shared memory over the sm_90 limit: shrink the tile");
+
+  struct Params {
+    typename Mainloop::Params mainloop;
+    typename Scheduler::Params scheduler;
+  };
+
+  template <class Pipeline>
+  CUTLASS_DEVICE static Pipeline make_pipeline(typename Pipeline::SharedStorage& shared, int warp_group) {
+    typename Pipeline::Params pipeline_params;
+    pipeline_params.role = warp_group == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
+    pipeline_params.is_leader = threadIdx.x == 0;
+    pipeline_params.num_consumers = kNumMmaThreads;
+    pipeline_params.transaction_bytes = Mainloop::kTmaBytesKeys;
+    return Pipeline(shared, pipeline_params, Shape<_1, _1, _1>{});
+  }
+
+  CUTLASS_DEVICE void operator()(Params const& params, char* smem_buf) {
+    SharedStorage& storage = *reinterpret_cast<SharedStorage*>(smem_buf);
+    const int warp_group = cutlass::canonical_warp_group_idx();
+
+    if (threadIdx.x == 0) {
+      Mainloop::prefetch_tma_descriptors(params.mainloop);
+      storage.qdo_full.init(/*arrive_count=*/1);
+      storage.qdo_empty.init(kNumMmaThreads);  // every MMA thread, after its tile's last S and dP
+    }
+    auto pipeline_k = make_pipeline<typename Mainloop::PipelineK>(storage.pipeline_k, warp_group);
+    auto pipeline_v = make_pipeline<typename Mainloop::PipelineV>(storage.pipeline_v, warp_group);
+    cutlass::arch::fence_barrier_init();
+    __syncthreads();
+
+    const int seqlen_q = Mainloop::seqlen_q(params.mainloop);
+    const int seqlen_k = Mainloop::seqlen_k(params.mainloop);
+    auto block_range = [&](WorkTile const& work, int& n_block_min, int& n_block_max) {
+      key_block_range<Mainloop::kBlockM, Mainloop::kBlockN, Mainloop::kCausal>(seqlen_q, seqlen_k, work.block,
+                                                                               n_block_min, n_block_max);
+    };
+
+    if (warp_group == 0) {
+      cutlass::arch::warpgroup_reg_dealloc<kProducerRegisters>();
+      if (threadIdx.x != 0) return;
+      auto pipe_k_write = cutlass::make_producer_start_state<typename Mainloop::PipelineK>();
+      auto pipe_v_write = cutlass::make_producer_start_state<typename Mainloop::PipelineV>();
+      int qdo_empty_phase = 1;  // the buffers start empty: the first wait passes
+      for (int tile = Scheduler::first_tile();; tile = Scheduler::next_tile(tile)) {
+        const WorkTile work = Scheduler::decode(params.scheduler, tile);
+        if (!work.valid) break;
+        int n_block_min, n_block_max;
+        block_range(work, n_block_min, n_block_max);
+        if (n_block_min >= n_block_max) continue;  // the MMA warpgroups write zeros
+        Mainloop::load(params.mainloop, pipeline_k, pipeline_v, pipe_k_write, pipe_v_write, storage, qdo_empty_phase,
+                       work, n_block_min, n_block_max);
+      }
+    } else {
+      cutlass::arch::warpgroup_reg_alloc<kConsumerRegisters>();
+      const int thread_idx = threadIdx.x - cutlass::NumThreadsPerWarpGroup;
+      typename Mainloop::PipelineStateK pipe_k_read;
+      typename Mainloop::PipelineStateV pipe_v_read;
+      int qdo_full_phase = 0;
+      typename Mainloop::TiledMmadQ tiled_mma_dq;
+      using TileShape = decltype(select<0, 1>(typename Mainloop::TileShapedQ{}));  // (M, d)
+      Tensor tdQcdQ = tiled_mma_dq.get_thread_slice(thread_idx).partition_C(make_identity_tensor(TileShape{}));
+      for (int tile = Scheduler::first_tile();; tile = Scheduler::next_tile(tile)) {
+        const WorkTile work = Scheduler::decode(params.scheduler, tile);
+        if (!work.valid) break;
+        int n_block_min, n_block_max;
+        block_range(work, n_block_min, n_block_max);
+        Tensor tdQrdQ = partition_fragment_C(tiled_mma_dq, TileShape{});
+        if (n_block_min < n_block_max) {
+          Mainloop::mma(params.mainloop, pipeline_k, pipeline_v, pipe_k_read, pipe_v_read, storage, qdo_full_phase,
+                        tdQrdQ, thread_idx, work, n_block_min, n_block_max);
+          CUTLASS_PRAGMA_UNROLL
+          for (int i = 0; i < size(tdQrdQ); ++i) tdQrdQ(i) *= params.mainloop.softmax_scale;
+        } else {
+          clear(tdQrdQ);  // rows that see no key
+        }
+        Tensor mdQ = make_tensor(make_gmem_ptr(params.mainloop.ptr_dq), params.mainloop.shape_q,
+                                 params.mainloop.stride_dq)(_, _, work.head, work.batch);
+        Tensor gdQ = local_tile(mdQ, TileShape{}, make_coord(work.block, _0{}));  // (M, d)
+        store_accumulator_rows(tdQrdQ, tdQcdQ, gdQ, seqlen_q - work.block * Mainloop::kBlockM);
+      }
+    }
+  }
+};
+
+template <class Kernel>
+__global__ void __launch_bounds__(Kernel::kNumThreads, 1)
+    backward_dq_kernel_entry(CUTE_GRID_CONSTANT typename Kernel::Params const params) {
+  extern __shared__ char smem_buf[];
+  Kernel{}(params, smem_buf);
+}
+
+}  // namespace flashhopper::hopper
