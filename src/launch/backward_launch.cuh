@@ -76,7 +76,7 @@ cudaError_t run_backward_hdim(const BackwardParams& p, const detail::ProblemShap
   using Tile = BackwardTileSize<kHeadDim>;
   using Mainloop =
       BackwardMainloop<Element, Tile::kBlockM, Tile::kBlockN, kHeadDim, Tile::kStages, Tile::kStagesDo, kCausal,
-                       /*kComputeDq=*/!Tile::kDqKernel, Tile::kDqViaTma, Tile::kDqBuffers, Tile::kDqChunks>;
+                       /*kComputeDq=*/!Tile::kDqKernel, Tile::kDqViaTma, Tile::kDqBuffers>;
   using Epilogue = BackwardEpilogue<Element, Mainloop>;
   using Scheduler = StaticPersistentScheduler</*kLongestFirst=*/kCausal>;
   using Kernel = BackwardKernel<Mainloop, Epilogue, Scheduler>;

@@ -9,8 +9,8 @@
 //   dS = P * (dP - D)                    D = rowsum(dO * O), from the preprocess kernel
 //   dV += P^T dO, dK += dS^T Q           P and dS go through shared memory (transposed reads);
 //                                        kDkvTransposed: dV^T += dO^T P, dK^T += Q^T dS
-//   dQ_m = dS K                          split by head dim (in kDqChunks slices); added to dQaccum
-//                                        (scale applied later)
+//   dQ_m = dS K                          split by head dim; added to dQaccum (scale applied later).
+//                                        kComputeDq = false: not computed (the dQ kernel does it)
 #pragma once
 
 #include <cmath>
@@ -66,7 +66,7 @@ CUTLASS_DEVICE void bulk_reduce_add_f32(float* gmem, float const* smem, int byte
 }
 
 template <class Element_, int kBlockM_, int kBlockN_, int kHeadDim_, int kStages_, int kStagesDo_, bool kCausal_,
-          bool kComputeDq_, bool kDqViaTma_, int kDqBuffers_, int kDqChunks_>
+          bool kComputeDq_, bool kDqViaTma_, int kDqBuffers_>
 struct BackwardMainloop {
   using Element = Element_;
   static constexpr int kBlockM = kBlockM_;
@@ -79,33 +79,21 @@ struct BackwardMainloop {
   // parameters below are unused.
   static constexpr bool kComputeDq = kComputeDq_;
   static constexpr bool kDqViaTma = kDqViaTma_ && kComputeDq;
-  static constexpr int kDqBuffers = kDqBuffers_;  // TMA path: with two, the next dQ chunk is written while one is added
+  static constexpr int kDqBuffers = kDqBuffers_;  // TMA path: with two, the next dQ tile is written while one is added
   static_assert(kDqBuffers == 1 || kDqBuffers == 2);
-  // dQ = dS K in kDqChunks slices of the head dim, one after the other, so that only one slice's
-  // accumulator is live beside dK and dV (at 160 floats a thread for those two, hdim 256, a whole
-  // 64-float dQ spilled them), and so that a shared dQ buffer holds one slice.
-  static constexpr int kDqChunks = kDqChunks_;
-  static_assert(kDqChunks == 1 || kDqChunks == 2);
   static constexpr int kNumMmaWarpGroups = 2;
   static constexpr int kNumMmaThreads = kNumMmaWarpGroups * cutlass::NumThreadsPerWarpGroup;
   // dK/dV split by key rows while each warpgroup still gets a 64-row WGMMA; else the
   // warpgroups compute dK^T and dV^T (rows: head dim), which takes any kBlockN as the WGMMA's N.
   static constexpr bool kDkvTransposed = kBlockN / kNumMmaWarpGroups < 64;
   static constexpr int kDqTileFloats = kBlockM * kHeadDim;
-  static constexpr int kDqChunkFloats = kDqTileFloats / kDqChunks;
   static_assert(kBlockM % 64 == 0 && kBlockN % 16 == 0 && kHeadDim % 64 == 0);
-  static_assert((kDqChunkFloats / kNumMmaThreads) % 4 == 0);
-  // With one shared buffer for two dQ halves, the second half's store waited for the writer's
-  // bulk read of the first (20% of samples, hdim 256). Outside deterministic mode, block m's
-  // second half is then computed at the start of block m + 1 and stored after its S, dP and
-  // softmax; deterministic mode keeps the plain order, which hands the turn on sooner.
-  static constexpr bool kDeferDqSecondHalf = kDqViaTma && kDqChunks == 2 && kDqBuffers == 1;
-  static_assert(kComputeDq || !kDeferDqSecondHalf);
+  static_assert((kDqTileFloats / kNumMmaThreads) % 4 == 0);
 
   using TileShapeSdP = Shape<Int<kBlockM>, Int<kBlockN>, Int<kHeadDim>>;  // (M, N, d)
   using TileShapedKV = cute::conditional_t<kDkvTransposed, Shape<Int<kHeadDim>, Int<kBlockN>, Int<kBlockM>>,
                                            Shape<Int<kBlockN>, Int<kHeadDim>, Int<kBlockM>>>;  // (N, d, M) or (d, N, M)
-  using TileShapedQ = Shape<Int<kBlockM>, Int<kHeadDim / kDqChunks>, Int<kBlockN>>;  // (M, d chunk, N)
+  using TileShapedQ = Shape<Int<kBlockM>, Int<kHeadDim>, Int<kBlockN>>;  // (M, d, N)
 
   using TiledMmaSdP = decltype(make_tiled_mma(
       GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kBlockN / 2>, Int<kHeadDim>>>(),
@@ -117,7 +105,7 @@ struct BackwardMainloop {
                            GMMA::Major::MN, GMMA::Major::MN>(),
       Layout<Shape<_2, _1, _1>>{}));
   using TiledMmadQ = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim / 2 / kDqChunks>, Int<kBlockN>>, GMMA::Major::K,
+      GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim / 2>, Int<kBlockN>>, GMMA::Major::K,
                            GMMA::Major::MN>(),
       Layout<Shape<_1, _2, _1>>{}));
 
@@ -189,7 +177,7 @@ struct BackwardMainloop {
   static constexpr uint32_t kTmaBytesKV = 2 * cosize_v<SmemLayoutK> * sizeof(Element);
 
   struct SharedStorageDq {
-    cute::array_aligned<float, kDqChunkFloats * kDqBuffers, 128> smem_dq;
+    cute::array_aligned<float, kDqTileFloats * kDqBuffers, 128> smem_dq;
   };
   struct SharedStorage {
     cute::array_aligned<Element, cosize_v<SmemLayoutK>, 1024> smem_k;
@@ -371,14 +359,9 @@ struct BackwardMainloop {
     }
   }
 
-  // Where warpgroup warp_group's part of dQ chunk `chunk` starts in a dQaccum tile.
-  CUTLASS_HOST_DEVICE static constexpr int dq_chunk_offset(int warp_group, int chunk) {
-    return dq_accum_offset<kDqTileFloats>(warp_group, 0, chunk * kDqChunkFloats / kNumMmaThreads / 4);
-  }
-
-  // dQ writer warp (TMA path): adds each query block's dQ chunks, as the warpgroups finish them,
-  // to dQaccum with the bulk reduce-add, then frees their buffer. dq_buffer: the next chunk's
-  // buffer, kept across key blocks as the warpgroups keep theirs.
+  // dQ writer warp (TMA path): adds each query block's dQ tile, as the warpgroups finish it, to
+  // dQaccum with one bulk reduce-add, then frees its buffer. dq_buffer: the next tile's buffer,
+  // kept across key blocks as the warpgroups keep theirs.
   CUTLASS_DEVICE static void store_dq(Params const& params, SharedStorage& storage, BackwardBlock const& blk,
                                       int& dq_buffer) {
     if constexpr (kDqViaTma) {
@@ -390,34 +373,25 @@ struct BackwardMainloop {
           const int m_block = query_block_at(blk, i);
           float* dq_tile = dq_head + int64_t(m_block) * kDqTileFloats;
           int* semaphore = dq_semaphore(params, blk.batch, head, m_block);
-          for (int chunk = 0; chunk < kDqChunks; ++chunk) {
-            named_barrier_sync(kDqBarrierThreads, BwdBarrier::kDqFull0, dq_buffer);
-            if (lane == 0) {
-              if (params.deterministic && chunk == 0) wait_for_turn(semaphore, blk.n_block);
-              float const* smem_dq = storage.dq.smem_dq.data() + dq_buffer * kDqChunkFloats;
-              if constexpr (kDqChunks == 1) {  // the warpgroups' halves are adjacent in dQaccum too
-                bulk_reduce_add_f32(dq_tile, smem_dq, kDqChunkFloats * sizeof(float));
-              } else {
-                for (int wg = 0; wg < kNumMmaWarpGroups; ++wg) {
-                  bulk_reduce_add_f32(dq_tile + dq_chunk_offset(wg, chunk), smem_dq + wg * (kDqChunkFloats / 2),
-                                      kDqChunkFloats / 2 * sizeof(float));
-                }
-              }
-              tma_store_arrive();
-              if (params.deterministic && chunk == kDqChunks - 1) {
-                // The adds must have landed, not just been read, before the next key block's turn.
-                asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
-                asm volatile("fence.proxy.async.global;\n" ::: "memory");
-                __threadfence();
-                atomicAdd(semaphore, 1);
-              } else {
-                tma_store_wait<0>();
-              }
+          named_barrier_sync(kDqBarrierThreads, BwdBarrier::kDqFull0, dq_buffer);
+          if (lane == 0) {
+            if (params.deterministic) wait_for_turn(semaphore, blk.n_block);
+            bulk_reduce_add_f32(dq_tile, storage.dq.smem_dq.data() + dq_buffer * kDqTileFloats,
+                                kDqTileFloats * sizeof(float));
+            tma_store_arrive();
+            if (params.deterministic) {
+              // The add must have landed, not just been read, before the next key block's turn.
+              asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+              asm volatile("fence.proxy.async.global;\n" ::: "memory");
+              __threadfence();
+              atomicAdd(semaphore, 1);
+            } else {
+              tma_store_wait<0>();
             }
-            __syncwarp();
-            named_barrier_arrive(kDqBarrierThreads, BwdBarrier::kDqEmpty0, dq_buffer);
-            dq_buffer = (dq_buffer + 1) % kDqBuffers;
           }
+          __syncwarp();
+          named_barrier_arrive(kDqBarrierThreads, BwdBarrier::kDqEmpty0, dq_buffer);
+          dq_buffer = (dq_buffer + 1) % kDqBuffers;
         }
       }
     }
@@ -475,10 +449,7 @@ struct BackwardMainloop {
       else warpgroup_gemm<false, -1>(tiled_mma_dkv, pds, qdo, acc);
     };
     Tensor tdQrdS = thr_mma_dq.partition_fragment_A(sdS);  // (MMA, MMA_M, MMA_N, BUF)
-    auto tdQrKt = [&](int chunk) {  // (MMA, MMA_d, MMA_N) of the chunk's head-dim slice of K^T
-      return thr_mma_dq.partition_fragment_B(
-          local_tile(sKt, Shape<Int<kHeadDim / kDqChunks>, Int<kBlockN>>{}, make_coord(chunk, _0{})));
-    };
+    Tensor tdQrKt = thr_mma_dq.partition_fragment_B(sKt);  // (MMA, MMA_d, MMA_N)
 
     auto smem_tiled_copy_pds = make_tiled_copy_C(SmemCopyAtomPdS{}, tiled_mma_sdp);
     auto smem_copy_pds = smem_tiled_copy_pds.get_thread_slice(thread_idx);
@@ -502,23 +473,20 @@ struct BackwardMainloop {
       const int head = blk.head_kv * params.heads_per_kv_head + g;
       const int64_t row0_head = workspace_row0(params, blk.batch, head);
       float* dq_head = params.workspace.dq_accum + row0_head * kHeadDim;
-      const bool defer_dq = kDeferDqSecondHalf && !params.deterministic;
-      int deferred_m_block = -1;  // its dQ second half still to come (defer_dq); its dS in buffer ^ 1
-      // Adds chunk `chunk` of query block m_block's dQ to dQaccum: through the shared buffer and
-      // the dQ writer warp's bulk reduce-add (kDqViaTma), else by atomicAdd. Deterministic mode
-      // waits for this key block's turn before the first chunk and passes it on after the last.
-      auto add_dq = [&](auto const& tdQrdQ, int chunk, int m_block) {
+      // Adds query block m_block's dQ to dQaccum: through the shared buffer and the dQ writer
+      // warp's bulk reduce-add (kDqViaTma), else by atomicAdd. Deterministic mode waits for this
+      // key block's turn before and passes it on after.
+      auto add_dq = [&](auto const& tdQrdQ, int m_block) {
         static_assert(decltype(size(tdQrdQ))::value % 4 == 0);
         constexpr int kSteps = decltype(size(tdQrdQ))::value / 4;
         if constexpr (kDqViaTma) {
-          // Chunks take the buffers in turn, as the writer counts them; blocks alternate as dS
-          // does.
-          const int dq_buffer = (buffer * kDqChunks + chunk) % kDqBuffers;
+          // Blocks take the buffers in turn, as the writer counts them and as dS alternates.
+          const int dq_buffer = buffer % kDqBuffers;
           named_barrier_sync(kDqBarrierThreads, BwdBarrier::kDqEmpty0, dq_buffer);
-          float* smem_dq = storage.dq.smem_dq.data() + dq_buffer * kDqChunkFloats;
+          float* smem_dq = storage.dq.smem_dq.data() + dq_buffer * kDqTileFloats;
           CUTLASS_PRAGMA_UNROLL
           for (int r = 0; r < kSteps; ++r) {
-            *reinterpret_cast<float4*>(smem_dq + dq_accum_offset<kDqChunkFloats>(warp_group, thread_in_group, r)) =
+            *reinterpret_cast<float4*>(smem_dq + dq_accum_offset<kDqTileFloats>(warp_group, thread_in_group, r)) =
                 make_float4(tdQrdQ(4 * r), tdQrdQ(4 * r + 1), tdQrdQ(4 * r + 2), tdQrdQ(4 * r + 3));
           }
           cutlass::arch::fence_view_async_shared();  // the bulk copy reads through the async proxy
@@ -527,14 +495,14 @@ struct BackwardMainloop {
           float* dq_tile = dq_head + int64_t(m_block) * kDqTileFloats;
           int* semaphore = dq_semaphore(params, blk.batch, head, m_block);
           // Deterministic: both warpgroups of key block n_block - 1 must have added first.
-          if (params.deterministic && chunk == 0) {
+          if (params.deterministic) {
             if (thread_in_group == 0) wait_for_turn(semaphore, blk.n_block * kNumMmaWarpGroups);
             named_barrier_sync(cutlass::NumThreadsPerWarpGroup, BwdBarrier::kDqTurn0, warp_group);
           }
-          // One base address a chunk, passed through an empty asm so that the compiler cannot
-          // hoist a 64-bit address per step out of the loop (it did: 16 of them, spilled, and every
+          // One base address, passed through an empty asm so that the compiler cannot hoist a
+          // 64-bit address per step out of the loop (it did: 16 of them, spilled, and every
           // atomicAdd waited for a local load; ncu, hdim 256). The steps are immediate offsets.
-          int thread_offset = dq_chunk_offset(warp_group, chunk) + thread_in_group * 4;
+          int thread_offset = dq_accum_offset<kDqTileFloats>(warp_group, thread_in_group, 0);
           asm volatile("" : "+r"(thread_offset));  // (an integer: a pointer would lose its address space)
           float* dq_thread = dq_tile + thread_offset;
           CUTLASS_PRAGMA_UNROLL
@@ -542,16 +510,12 @@ struct BackwardMainloop {
             atomicAdd(reinterpret_cast<float4*>(dq_thread + dq_accum_offset<kDqTileFloats>(0, 0, r)),
                       make_float4(tdQrdQ(4 * r), tdQrdQ(4 * r + 1), tdQrdQ(4 * r + 2), tdQrdQ(4 * r + 3)));
           }
-          if (params.deterministic && chunk == kDqChunks - 1) {
+          if (params.deterministic) {
             __threadfence();
             named_barrier_sync(cutlass::NumThreadsPerWarpGroup, BwdBarrier::kDqTurn0, warp_group);
             if (thread_in_group == 0) atomicAdd(semaphore, 1);
           }
         }
-      };
-      // dQ's head-dim slice `chunk` = dS K, with dS from shared buffer dS_buffer.
-      auto gemm_dq = [&](auto& tdQrdQ, int dS_buffer, int chunk) {
-        warpgroup_gemm<true, -1>(tiled_mma_dq, tdQrdS(_, _, _, dS_buffer), descriptors_per_use(tdQrKt(chunk)), tdQrdQ);
       };
       // One query block. masked: whether it crosses the causal diagonal or the key padding, as
       // a compile-time constant (causal) or a run-time bool (non-causal: the whole key block).
@@ -559,12 +523,6 @@ struct BackwardMainloop {
       auto step = [&](int m_block, auto masked) {
         cute::Tensor tSrS = partition_fragment_C(tiled_mma_sdp, select<0, 1>(TileShapeSdP{}));
         cute::Tensor tdPrdP = partition_fragment_C(tiled_mma_sdp, select<0, 1>(TileShapeSdP{}));
-        // The previous block's deferred dQ half goes first: the wait for S below covers it.
-        cute::Tensor tdQrdQ_deferred = partition_fragment_C(tiled_mma_dq, select<0, 1>(TileShapedQ{}));
-        [[maybe_unused]] const bool deferred_pending = defer_dq && deferred_m_block >= 0;
-        if constexpr (kDeferDqSecondHalf) {
-          if (deferred_pending) gemm_dq(tdQrdQ_deferred, buffer ^ 1, 1);
-        }
         pipeline_q.consumer_wait(pipe_q_read);
         warpgroup_gemm</*kZeroInit=*/true, /*kWait=*/-1>(tiled_mma_sdp, tSrQ(_, _, _, pipe_q_read.index()),
                                                          descriptors_per_use(tSrK), tSrS);
@@ -578,7 +536,7 @@ struct BackwardMainloop {
         float const* smem_dpsum = storage.smem_dpsum.data() + pipe_do_read.index() * kBlockM;
         CUTLASS_PRAGMA_UNROLL
         for (int i = 0; i < kRows; ++i) dpsum[i] = smem_dpsum[get<0>(coords(i, 0))];
-        warpgroup_wait<1>();  // S is ready (and the deferred dQ half)
+        warpgroup_wait<1>();  // S is ready
         cute::Tensor scores = make_tensor(tSrS.data(), accumulator_rowcol(tSrS.layout()));
         if constexpr (cute::is_same_v<decltype(masked), bool>) {
           if (masked) mask.apply(scores, coords, m_block, blk.n_block);
@@ -606,16 +564,12 @@ struct BackwardMainloop {
         const int p_buffer = buffer % kPBuffers;
         copy(smem_tiled_copy_pds, smem_copy_pds.retile_S(rP), tPsP(_, _, _, p_buffer));
         copy(smem_tiled_copy_pds, smem_copy_pds.retile_S(rdS), tdSsdS(_, _, _, buffer));
-        // Before the barrier below: past it, the other warpgroup may overwrite dS buffer ^ 1.
-        if constexpr (kDeferDqSecondHalf) {
-          if (deferred_pending) add_dq(tdQrdQ_deferred, 1, deferred_m_block);
-        }
         // The tensor cores read P and dS through the async proxy; dQ needs both halves of dS.
         cutlass::arch::fence_view_async_shared();
         named_barrier_sync(kNumMmaThreads, BwdBarrier::kPdS);
 
-        // dV first, so that the dO stage is freed as early as possible; then dQ (its first chunk)
-        // and dK. warpgroup_wait<n> waits for all but the last n.
+        // dV first, so that the dO stage is freed as early as possible; then dQ and dK.
+        // warpgroup_wait<n> waits for all but the last n.
         gemm_dkv(tdVrPt(_, _, _, p_buffer), tdVrdOt(_, _, _, pipe_do_read.index()), tdVrdV);
         if constexpr (!kComputeDq) {
           gemm_dkv(tdKrdSt(_, _, _, buffer), tdKrQt(_, _, _, pipe_q_read.index()), tdKrdK);
@@ -626,30 +580,15 @@ struct BackwardMainloop {
           pipeline_q.consumer_release(pipe_q_read);
         } else {
           cute::Tensor tdQrdQ = partition_fragment_C(tiled_mma_dq, select<0, 1>(TileShapedQ{}));
-          gemm_dq(tdQrdQ, buffer, 0);
+          warpgroup_gemm<true, -1>(tiled_mma_dq, tdQrdS(_, _, _, buffer), descriptors_per_use(tdQrKt), tdQrdQ);
           gemm_dkv(tdKrdSt(_, _, _, buffer), tdKrQt(_, _, _, pipe_q_read.index()), tdKrdK);
           warpgroup_wait<2>();  // dV is done with dO
           pipeline_do.consumer_release(pipe_do_read);
           ++pipe_do_read;
-          warpgroup_wait<1>();  // dQ's first chunk
-          add_dq(tdQrdQ, 0, m_block);
-          if constexpr (kDqChunks == 2) {
-            if (defer_dq) {
-              warpgroup_wait<0>();  // dK is done with Q
-              pipeline_q.consumer_release(pipe_q_read);
-              deferred_m_block = m_block;
-            } else {
-              gemm_dq(tdQrdQ, buffer, 1);  // into the same registers: the adds above have read them
-              warpgroup_wait<1>();  // dK is done with Q
-              pipeline_q.consumer_release(pipe_q_read);
-              warpgroup_wait<0>();
-              add_dq(tdQrdQ, 1, m_block);
-            }
-          } else {
-            static_assert(kDqChunks == 1);
-            warpgroup_wait<0>();  // dK is done with Q
-            pipeline_q.consumer_release(pipe_q_read);
-          }
+          warpgroup_wait<1>();  // dQ
+          add_dq(tdQrdQ, m_block);
+          warpgroup_wait<0>();  // dK is done with Q
+          pipeline_q.consumer_release(pipe_q_read);
         }
         ++pipe_q_read;
         buffer ^= 1;
@@ -669,14 +608,6 @@ struct BackwardMainloop {
         const bool padded = mask.crosses_boundary(blk.m_block_min, blk.n_block);  // same for every m_block
         CUTLASS_PRAGMA_NO_UNROLL
         for (int m_block = blk.m_block_min; m_block < blk.m_block_max; ++m_block) step(m_block, padded);
-      }
-      if constexpr (kDeferDqSecondHalf) {
-        if (defer_dq && deferred_m_block >= 0) {  // the head's last block
-          cute::Tensor tdQrdQ = partition_fragment_C(tiled_mma_dq, select<0, 1>(TileShapedQ{}));
-          gemm_dq(tdQrdQ, buffer ^ 1, 1);
-          warpgroup_wait<0>();
-          add_dq(tdQrdQ, 1, deferred_m_block);
-        }
       }
     }
     // K and V may be replaced by the next key block's.

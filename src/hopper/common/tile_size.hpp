@@ -44,11 +44,12 @@ struct ForwardTileSize<256, kCausal> {
 // compute dK^T and dV^T and split those by head dim) and dQ by head dim. Shared memory: K, V;
 // kStages Q tiles and kStagesDo dO tiles, each with its kBlockM floats of LSE or D; dS twice (so
 // one warpgroup may write block m + 1 while the other still reads block m) and P once, or twice
-// when dK and dV are computed transposed (BackwardMainloop::kPBuffers); and a
-// float32 dQ chunk (the tile, or with kDqChunks = 2 half of its head dim), kDqBuffers times, when
-// dQ goes to global memory through the TMA bulk reduce-add (kDqViaTma), else by atomicAdd from
-// registers. Registers a thread: S and dP kBlockM * kBlockN / 256 floats each, dK and dV
-// kBlockN * d / 256 each, dQ kBlockM * d / 256 / kDqChunks.
+// when dK and dV are computed transposed (BackwardMainloop::kPBuffers); and the float32 dQ tile
+// kDqBuffers times when dQ goes to global memory through the TMA bulk reduce-add (kDqViaTma),
+// else by atomicAdd from registers. kDqKernel: dQ is computed by the dQ kernel instead
+// (BackwardDqTileSize), so the kDq* fields are unused and dQ takes no shared memory here.
+// Registers a thread: S and dP kBlockM * kBlockN / 256 floats each, dK and dV kBlockN * d / 256
+// each, dQ kBlockM * d / 256.
 template <int kHeadDim>
 struct BackwardTileSize;
 
@@ -66,7 +67,6 @@ struct BackwardTileSize<64> {
   static constexpr bool kDqKernel = false;
   static constexpr bool kDqViaTma = true;
   static constexpr int kDqBuffers = 1;
-  static constexpr int kDqChunks = 1;
 };
 
 template <>
@@ -78,12 +78,14 @@ struct BackwardTileSize<128> {  // 209 KiB
   static constexpr bool kDqKernel = false;
   static constexpr bool kDqViaTma = true;
   static constexpr int kDqBuffers = 1;
-  static constexpr int kDqChunks = 1;
 };
 
-// hdim 256: dQ by its own kernel (BackwardDqTileSize), which frees the shared memory of the dQ
-// buffer for a second dO stage. Against dQ added to L2 from this kernel (in two head-dim halves by
-// the bulk reduce-add, the second one deferred to the next block), ... (bench/RESULTS.md).
+// hdim 256: dQ by the dQ kernel. Added from here, its 64 KiB a block pair at L2 bound the kernel
+// (keeping 1 add in 16 ran 1.3-1.7x faster); the dQ kernel recomputes S and dP instead (7 GEMMs a
+// block pair, not 5) and needs no adds and no turns in deterministic mode. Against dQ added here
+// (by the bulk reduce-add, in two head-dim halves, v11): non-causal +6-15% from 2k, causal 0 to
+// +22%, deterministic +29-45% (bench/RESULTS.md). At hdim 64 and 128 the same split measured
+// 0.77-0.87 of cuDNN against 0.93-1.10. 224 KiB: the freed dQ buffer holds a second dO stage.
 template <>
 struct BackwardTileSize<256> {
   static constexpr int kBlockM = 64;
@@ -91,9 +93,8 @@ struct BackwardTileSize<256> {
   static constexpr int kStages = 2;
   static constexpr int kStagesDo = 2;
   static constexpr bool kDqKernel = true;
-  static constexpr bool kDqViaTma = true;
-  static constexpr int kDqBuffers = 1;
-  static constexpr int kDqChunks = 2;
+  static constexpr bool kDqViaTma = true;  // unused (kDqKernel)
+  static constexpr int kDqBuffers = 1;     // unused (kDqKernel)
 };
 
 // The dQ kernel's tunables (head dims whose BackwardTileSize has kDqKernel): a CTA owns kBlockM
@@ -103,7 +104,8 @@ struct BackwardTileSize<256> {
 template <int kHeadDim>
 struct BackwardDqTileSize;
 
-// hdim 256: 224 KiB; V has one stage, as it is used by dP only, early in a block.
+// hdim 256: 224 KiB. V has one stage: only dP reads it, early in a block. Against 48 keys with
+// two K and two V stages (also 224 KiB): +2-5% non-causal, +1-5% causal (bench/RESULTS.md).
 template <>
 struct BackwardDqTileSize<256> {
   static constexpr int kBlockM = 128;

@@ -1,6 +1,7 @@
 // The backward's main kernel: warp roles, register split and the persistent loop over key blocks.
 // Warpgroup 0 is the producer: its warp 0 issues the TMA loads, its warp 1 adds dQ tiles to
-// dQaccum. Warpgroups 1 and 2 run the GEMMs and the epilogue of each key block.
+// dQaccum (where the mainloop computes dQ: kComputeDq). Warpgroups 1 and 2 run the GEMMs and the
+// epilogue of each key block.
 #pragma once
 
 #include <cute/tensor.hpp>

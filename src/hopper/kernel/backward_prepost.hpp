@@ -81,7 +81,7 @@ struct BackwardPostprocess {
   static constexpr int kBlockM = Mainloop::kBlockM;
   static constexpr int kHeadDim = Mainloop::kHeadDim;
   static constexpr int kThreads = Mainloop::kNumMmaThreads;
-  using ChunkShape = Shape<Int<kBlockM>, Int<kHeadDim / Mainloop::kDqChunks>>;  // the main kernel's dQ chunk
+  using TileShape = Shape<Int<kBlockM>, Int<kHeadDim>>;  // the main kernel's dQ tile
   using ShapedQ = Shape<int32_t, int32_t, int32_t, int32_t>;  // (seqlen_q, d, heads_q, batch)
   using StridedQ = Stride<int64_t, _1, int64_t, int64_t>;
 
@@ -107,23 +107,20 @@ struct BackwardPostprocess {
                            ((int64_t(batch) * get<2>(params.shape_dq) + head) * params.workspace.rows_padded +
                             int64_t(m_block) * kBlockM) * kHeadDim;
     Tensor mdQ = make_tensor(make_gmem_ptr(params.ptr_dq), params.shape_dq, params.stride_dq)(_, _, head, batch);
-    Tensor coords = tiled_mma_dq.get_thread_slice(thread_idx).partition_C(make_identity_tensor(ChunkShape{}));
+    Tensor coords = tiled_mma_dq.get_thread_slice(thread_idx).partition_C(make_identity_tensor(TileShape{}));
+    Tensor tdQrdQ = partition_fragment_C(tiled_mma_dq, TileShape{});
+    constexpr int kSteps = decltype(size(tdQrdQ))::value / 4;
     CUTLASS_PRAGMA_UNROLL
-    for (int chunk = 0; chunk < Mainloop::kDqChunks; ++chunk) {
-      Tensor tdQrdQ = partition_fragment_C(tiled_mma_dq, ChunkShape{});
-      constexpr int kSteps = decltype(size(tdQrdQ))::value / 4;
-      CUTLASS_PRAGMA_UNROLL
-      for (int r = 0; r < kSteps; ++r) {
-        const float4 v = *reinterpret_cast<float4 const*>(
-            dq_tile + dq_accum_offset<kBlockM * kHeadDim>(warp_group, thread_in_group, chunk * kSteps + r));
-        tdQrdQ(4 * r) = v.x * params.softmax_scale;
-        tdQrdQ(4 * r + 1) = v.y * params.softmax_scale;
-        tdQrdQ(4 * r + 2) = v.z * params.softmax_scale;
-        tdQrdQ(4 * r + 3) = v.w * params.softmax_scale;
-      }
-      Tensor gdQ = local_tile(mdQ, ChunkShape{}, make_coord(m_block, chunk));
-      store_accumulator_rows(tdQrdQ, coords, gdQ, get<0>(params.shape_dq) - m_block * kBlockM);
+    for (int r = 0; r < kSteps; ++r) {
+      const float4 v = *reinterpret_cast<float4 const*>(
+          dq_tile + dq_accum_offset<kBlockM * kHeadDim>(warp_group, thread_in_group, r));
+      tdQrdQ(4 * r) = v.x * params.softmax_scale;
+      tdQrdQ(4 * r + 1) = v.y * params.softmax_scale;
+      tdQrdQ(4 * r + 2) = v.z * params.softmax_scale;
+      tdQrdQ(4 * r + 3) = v.w * params.softmax_scale;
     }
+    Tensor gdQ = local_tile(mdQ, TileShape{}, make_coord(m_block, _0{}));
+    store_accumulator_rows(tdQrdQ, coords, gdQ, get<0>(params.shape_dq) - m_block * kBlockM);
   }
 };
 
