@@ -373,9 +373,13 @@ struct BackwardMainloop {
           const int m_block = query_block_at(blk, i);
           float* dq_tile = dq_head + int64_t(m_block) * kDqTileFloats;
           int* semaphore = dq_semaphore(params, blk.batch, head, m_block);
+          // Deterministic: the turn is awaited while the warpgroups still compute the tile, so
+          // that a turn already passed costs no round trip to L2 once the tile is ready. (With the
+          // release below: hdim 128 deterministic +2-5%, bench/RESULTS.md.)
+          if (params.deterministic && lane == 0) wait_for_turn(semaphore, blk.n_block);
+          __syncwarp();  // the barrier below is warp-aligned
           named_barrier_sync(kDqBarrierThreads, BwdBarrier::kDqFull0, dq_buffer);
           if (lane == 0) {
-            if (params.deterministic) wait_for_turn(semaphore, blk.n_block);
             bulk_reduce_add_f32(dq_tile, storage.dq.smem_dq.data() + dq_buffer * kDqTileFloats,
                                 kDqTileFloats * sizeof(float));
             tma_store_arrive();
@@ -383,8 +387,9 @@ struct BackwardMainloop {
               // The add must have landed, not just been read, before the next key block's turn.
               asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
               asm volatile("fence.proxy.async.global;\n" ::: "memory");
-              __threadfence();
-              atomicAdd(semaphore, 1);
+              // Release: the add (made visible to the generic proxy above) comes before the count.
+              // Lighter than __threadfence() and atomicAdd.
+              asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(semaphore) : "memory");
             } else {
               tma_store_wait<0>();
             }

@@ -20,6 +20,7 @@
 
 #include "hopper/common/mask.hpp"
 #include "hopper/common/tile_scheduler.hpp"
+#include "hopper/common/tma_pipeline.hpp"
 #include "hopper/common/utils.hpp"
 
 namespace flashhopper::hopper {
@@ -199,18 +200,8 @@ struct BackwardDqMainloop {
     Tensor tVgV = get<0>(v_parts);
     Tensor tVsV = get<1>(v_parts);
 
-    auto load_k = [&](int n_block) {
-      pipeline_k.producer_acquire(pipe_k_write);
-      copy(params.tma_k.with(*pipeline_k.producer_get_barrier(pipe_k_write)), tKgK(_, n_block),
-           tKsK(_, pipe_k_write.index()));
-      ++pipe_k_write;
-    };
-    auto load_v = [&](int n_block) {
-      pipeline_v.producer_acquire(pipe_v_write);
-      copy(params.tma_v.with(*pipeline_v.producer_get_barrier(pipe_v_write)), tVgV(_, n_block),
-           tVsV(_, pipe_v_write.index()));
-      ++pipe_v_write;
-    };
+    auto load_k = [&](int n_block) { tma_load_stage(pipeline_k, pipe_k_write, params.tma_k, tKgK(_, n_block), tKsK); };
+    auto load_v = [&](int n_block) { tma_load_stage(pipeline_v, pipe_v_write, params.tma_v, tVgV(_, n_block), tVsV); };
     load_k(n_block_max - 1);
     storage.qdo_empty.wait(qdo_empty_phase);
     qdo_empty_phase ^= 1;
@@ -239,8 +230,8 @@ struct BackwardDqMainloop {
     TiledMmadQ tiled_mma_dq;
     auto thr_mma_sdp = tiled_mma_sdp.get_thread_slice(thread_idx);
     auto thr_mma_dq = tiled_mma_dq.get_thread_slice(thread_idx);
-    Tensor tSrQ = thr_mma_sdp.partition_fragment_A(sQ);    // (MMA, MMA_M, MMA_K)
-    Tensor tSrK = thr_mma_sdp.partition_fragment_B(sK);    // (MMA, MMA_N, MMA_K, PIPE)
+    Tensor tSrQ = thr_mma_sdp.partition_fragment_A(sQ);  // (MMA, MMA_M, MMA_K)
+    Tensor tSrK = thr_mma_sdp.partition_fragment_B(sK);  // (MMA, MMA_N, MMA_K, PIPE)
     Tensor tdPrdO = thr_mma_sdp.partition_fragment_A(sdO);
     Tensor tdPrV = thr_mma_sdp.partition_fragment_B(sV);
     Tensor tdQrKt = thr_mma_dq.partition_fragment_B(sKt);  // (MMA, MMA_d, MMA_N, PIPE)

@@ -19,6 +19,7 @@
 #include "hopper/common/named_barrier.hpp"
 #include "hopper/common/softmax.hpp"
 #include "hopper/common/tile_scheduler.hpp"
+#include "hopper/common/tma_pipeline.hpp"
 #include "hopper/common/utils.hpp"
 
 namespace flashhopper::hopper {
@@ -175,17 +176,9 @@ struct ForwardMainloop {
     Tensor tVgVt = get<0>(tma_v_parts);
     Tensor tVsVt = get<1>(tma_v_parts);
 
-    auto load_k = [&](int n_block) {
-      pipeline_k.producer_acquire(pipe_k_write);
-      copy(params.tma_k.with(*pipeline_k.producer_get_barrier(pipe_k_write)), tKgK(_, n_block),
-           tKsK(_, pipe_k_write.index()));
-      ++pipe_k_write;
-    };
+    auto load_k = [&](int n_block) { tma_load_stage(pipeline_k, pipe_k_write, params.tma_k, tKgK(_, n_block), tKsK); };
     auto load_v = [&](int n_block) {
-      pipeline_v.producer_acquire(pipe_v_write);
-      copy(params.tma_vt.with(*pipeline_v.producer_get_barrier(pipe_v_write)), tVgVt(_, n_block),
-           tVsVt(_, pipe_v_write.index()));
-      ++pipe_v_write;
+      tma_load_stage(pipeline_v, pipe_v_write, params.tma_vt, tVgVt(_, n_block), tVsVt);
     };
     // The first K block goes out while the previous tile's last GEMMs may still read Q.
     load_k(n_block_max - 1);

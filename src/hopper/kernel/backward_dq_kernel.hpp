@@ -12,6 +12,7 @@
 #include "hopper/collective/mainloop_bwd_dq.hpp"
 #include "hopper/common/mask.hpp"
 #include "hopper/common/tile_scheduler.hpp"
+#include "hopper/common/tma_pipeline.hpp"
 #include "hopper/common/utils.hpp"
 
 namespace flashhopper::hopper {
@@ -37,16 +38,6 @@ struct BackwardDqKernel {
     typename Scheduler::Params scheduler;
   };
 
-  template <class Pipeline>
-  CUTLASS_DEVICE static Pipeline make_pipeline(typename Pipeline::SharedStorage& shared, int warp_group) {
-    typename Pipeline::Params pipeline_params;
-    pipeline_params.role = warp_group == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
-    pipeline_params.is_leader = threadIdx.x == 0;
-    pipeline_params.num_consumers = kNumMmaThreads;
-    pipeline_params.transaction_bytes = Mainloop::kTmaBytesKeys;
-    return Pipeline(shared, pipeline_params, Shape<_1, _1, _1>{});
-  }
-
   CUTLASS_DEVICE void operator()(Params const& params, char* smem_buf) {
     SharedStorage& storage = *reinterpret_cast<SharedStorage*>(smem_buf);
     const int warp_group = cutlass::canonical_warp_group_idx();
@@ -56,8 +47,10 @@ struct BackwardDqKernel {
       storage.qdo_full.init(/*arrive_count=*/1);
       storage.qdo_empty.init(kNumMmaThreads);  // every MMA thread, after its tile's last S and dP
     }
-    auto pipeline_k = make_pipeline<typename Mainloop::PipelineK>(storage.pipeline_k, warp_group);
-    auto pipeline_v = make_pipeline<typename Mainloop::PipelineV>(storage.pipeline_v, warp_group);
+    auto pipeline_k = make_tma_pipeline<typename Mainloop::PipelineK>(storage.pipeline_k, warp_group, kNumMmaThreads,
+                                                                      Mainloop::kTmaBytesKeys);
+    auto pipeline_v = make_tma_pipeline<typename Mainloop::PipelineV>(storage.pipeline_v, warp_group, kNumMmaThreads,
+                                                                      Mainloop::kTmaBytesKeys);
     cutlass::arch::fence_barrier_init();
     __syncthreads();
 

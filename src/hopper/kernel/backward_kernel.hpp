@@ -13,6 +13,7 @@
 #include "hopper/collective/mainloop_bwd.hpp"
 #include "hopper/common/mask.hpp"
 #include "hopper/common/tile_scheduler.hpp"
+#include "hopper/common/tma_pipeline.hpp"
 
 namespace flashhopper::hopper {
 
@@ -53,18 +54,6 @@ struct BackwardKernel {
     return blk;
   }
 
-  // The Q and the dO pipeline take the same parameters; their types differ when their stage
-  // counts do.
-  template <class Pipeline>
-  CUTLASS_DEVICE static Pipeline make_pipeline(typename Pipeline::SharedStorage& shared, int warp_group) {
-    typename Pipeline::Params pipeline_params;
-    pipeline_params.role = warp_group == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
-    pipeline_params.is_leader = threadIdx.x == 0;
-    pipeline_params.num_consumers = kNumMmaThreads;
-    pipeline_params.transaction_bytes = Mainloop::kTmaBytesPerStage;  // a Q (dO) tile and its LSE (D) rows
-    return Pipeline(shared, pipeline_params, Shape<_1, _1, _1>{});
-  }
-
   CUTLASS_DEVICE void operator()(Params const& params, char* smem_buf) {
     SharedStorage& storage = *reinterpret_cast<SharedStorage*>(smem_buf);
     const int warp_group = cutlass::canonical_warp_group_idx();
@@ -76,8 +65,11 @@ struct BackwardKernel {
       storage.kv_empty.init(kNumMmaThreads);  // every MMA thread, after its key block's last GEMM
     }
     using Pipeline = typename Mainloop::Pipeline;
-    Pipeline pipeline_q = make_pipeline<Pipeline>(storage.pipeline_q, warp_group);
-    auto pipeline_do = make_pipeline<typename Mainloop::PipelineDo>(storage.pipeline_do, warp_group);
+    // A stage: a Q (dO) tile and its LSE (D) rows.
+    Pipeline pipeline_q =
+        make_tma_pipeline<Pipeline>(storage.pipeline_q, warp_group, kNumMmaThreads, Mainloop::kTmaBytesPerStage);
+    auto pipeline_do = make_tma_pipeline<typename Mainloop::PipelineDo>(storage.pipeline_do, warp_group,
+                                                                      kNumMmaThreads, Mainloop::kTmaBytesPerStage);
     cutlass::arch::fence_barrier_init();
     __syncthreads();
 

@@ -13,6 +13,7 @@
 #include "hopper/common/named_barrier.hpp"
 #include "hopper/common/softmax.hpp"
 #include "hopper/common/tile_scheduler.hpp"
+#include "hopper/common/tma_pipeline.hpp"
 
 namespace flashhopper::hopper {
 
@@ -83,14 +84,10 @@ struct ForwardKernel {
     }
 
     using Pipeline = typename Mainloop::Pipeline;
-    typename Pipeline::Params pipeline_params;
-    pipeline_params.role = warp_group == 0 ? Pipeline::ThreadCategory::Producer : Pipeline::ThreadCategory::Consumer;
-    pipeline_params.is_leader = threadIdx.x == 0;
-    pipeline_params.num_consumers = kNumMmaThreads;
-    pipeline_params.transaction_bytes = Mainloop::kTmaBytesK;
-    Pipeline pipeline_k(storage.barriers.pipeline_k, pipeline_params, Shape<_1, _1, _1>{});
-    pipeline_params.transaction_bytes = Mainloop::kTmaBytesV;
-    Pipeline pipeline_v(storage.barriers.pipeline_v, pipeline_params, Shape<_1, _1, _1>{});
+    Pipeline pipeline_k =
+        make_tma_pipeline<Pipeline>(storage.barriers.pipeline_k, warp_group, kNumMmaThreads, Mainloop::kTmaBytesK);
+    Pipeline pipeline_v =
+        make_tma_pipeline<Pipeline>(storage.barriers.pipeline_v, warp_group, kNumMmaThreads, Mainloop::kTmaBytesV);
 
     cutlass::arch::fence_barrier_init();
     __syncthreads();
