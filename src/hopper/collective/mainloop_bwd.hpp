@@ -24,6 +24,7 @@
 
 #include "hopper/common/mask.hpp"
 #include "hopper/common/named_barrier.hpp"
+#include "hopper/common/softmax.hpp"
 #include "hopper/common/utils.hpp"
 
 namespace flashhopper::hopper {
@@ -548,20 +549,10 @@ struct BackwardMainloop {
         } else if constexpr (decltype(masked)::value) {
           mask.apply(scores, coords, m_block, blk.n_block);
         }
-        CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < kRows; ++i) {
-          CUTLASS_PRAGMA_UNROLL
-          for (int j = 0; j < size<1>(scores); ++j) {
-            scores(i, j) = exp2f(scores(i, j) * params.softmax_scale_log2 - lse_log2[i]);
-          }
-        }
+        scores_to_probabilities(scores, lse_log2, params.softmax_scale_log2);
         warpgroup_wait<0>();  // dP is ready
         cute::Tensor dS = make_tensor(tdPrdP.data(), scores.layout());
-        CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < kRows; ++i) {
-          CUTLASS_PRAGMA_UNROLL
-          for (int j = 0; j < size<1>(dS); ++j) dS(i, j) = scores(i, j) * (dS(i, j) - dpsum[i]);
-        }
+        dp_to_ds(dS, scores, dpsum);
         cute::Tensor rP = make_tensor_like<Element>(tSrS);
         cute::Tensor rdS = make_tensor_like<Element>(tdPrdP);
         convert_into(tSrS, rP);

@@ -19,6 +19,7 @@
 #include <cutlass/pipeline/pipeline.hpp>
 
 #include "hopper/common/mask.hpp"
+#include "hopper/common/softmax.hpp"
 #include "hopper/common/tile_scheduler.hpp"
 #include "hopper/common/tma_pipeline.hpp"
 #include "hopper/common/utils.hpp"
@@ -270,24 +271,14 @@ struct BackwardDqMainloop {
       warpgroup_wait<1>();  // S is ready, and the previous block's dQ GEMM is done with its K
       if (n_block < n_block_max - 1) pipeline_k.consumer_release(pipe_k_previous);
       if (mask.crosses_boundary(work.block, n_block)) mask.apply(scores, coords, work.block, n_block);
-      CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < kRows; ++i) {
-        CUTLASS_PRAGMA_UNROLL
-        for (int j = 0; j < size<1>(scores); ++j) {
-          scores(i, j) = exp2f(scores(i, j) * params.softmax_scale_log2 - lse_log2[i]);
-        }
-      }
+      scores_to_probabilities(scores, lse_log2, params.softmax_scale_log2);
       warpgroup_wait<0>();  // dP is ready
       pipeline_v.consumer_release(pipe_v_read);
       ++pipe_v_read;
       // Q and dO are free once the tile's last S and dP are done: the next tile's load overlaps
       // the last dQ GEMM and the epilogue.
       if (n_block == n_block_min) storage.qdo_empty.arrive();
-      CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < kRows; ++i) {
-        CUTLASS_PRAGMA_UNROLL
-        for (int j = 0; j < size<1>(dS); ++j) dS(i, j) = scores(i, j) * (dS(i, j) - dpsum[i]);
-      }
+      dp_to_ds(dS, scores, dpsum);
       convert_into(tdPrdP, tdQrdS);
       warpgroup_gemm<false, -1>(tiled_mma_dq, tdQrdS, tdQrKt(_, _, _, pipe_k_read.index()), tdQrdQ);
       pipe_k_previous = pipe_k_read;

@@ -1,5 +1,6 @@
-// Online softmax over the rows of a WGMMA accumulator held in registers.
-// Scores stay raw (unscaled) until the exponent: p = exp2(s * scale_log2 - max * scale_log2), one
+// Softmax over the rows of a WGMMA accumulator held in registers: the forward's online softmax, and
+// the backward's P and dS from the saved LSE.
+// Forward: scores stay raw (unscaled) until the exponent: p = exp2(s * scale_log2 - max * scale_log2), one
 // FFMA per element. The running sum is kept per thread and reduced over the quad only at the end.
 #pragma once
 
@@ -76,6 +77,27 @@ CUTLASS_DEVICE void scale_rows(TensorO& o, float const (&o_scale)[kRows]) {
   for (int m = 0; m < kRows; ++m) {
     CUTLASS_PRAGMA_UNROLL
     for (int n = 0; n < size<1>(o); ++n) o(m, n) *= o_scale[m];
+  }
+}
+
+// Backward: the scores s (rows, cols) become the probabilities in place, from the forward's
+// row LSE: p = exp2(s * scale_log2 - lse_log2[row]).
+template <int kRows, class TensorS>
+CUTLASS_DEVICE void scores_to_probabilities(TensorS& s, float const (&lse_log2)[kRows], float scale_log2) {
+  CUTLASS_PRAGMA_UNROLL
+  for (int m = 0; m < kRows; ++m) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int n = 0; n < size<1>(s); ++n) s(m, n) = exp2f(s(m, n) * scale_log2 - lse_log2[m]);
+  }
+}
+
+// Backward: dP (rows, cols) becomes dS = P * (dP - D[row]) in place.
+template <int kRows, class TensordP, class TensorP>
+CUTLASS_DEVICE void dp_to_ds(TensordP& dp, TensorP const& p, float const (&dpsum)[kRows]) {
+  CUTLASS_PRAGMA_UNROLL
+  for (int m = 0; m < kRows; ++m) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int n = 0; n < size<1>(dp); ++n) dp(m, n) = p(m, n) * (dp(m, n) - dpsum[m]);
   }
 }
 
