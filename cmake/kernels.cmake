@@ -28,9 +28,11 @@ endforeach()
 foreach(_dtype IN LISTS _fwd_dtypes)
   foreach(_hdim IN LISTS _fwd_head_dims)
     foreach(_pass fwd bwd)
-      foreach(_mask causal full)
-        list(APPEND FLASHHOPPER_KERNEL_SOURCES
-             ${PROJECT_SOURCE_DIR}/src/hopper/instantiations/${_pass}_${_dtype}_hdim${_hdim}_${_mask}.cu)
+      foreach(_mask full causal local)  # scripts/generate_kernels.py: MASKS, SOFTCAP
+        foreach(_softcap "" "_softcap")
+          list(APPEND FLASHHOPPER_KERNEL_SOURCES
+               ${PROJECT_SOURCE_DIR}/src/hopper/instantiations/${_pass}_${_dtype}_hdim${_hdim}_${_mask}${_softcap}.cu)
+        endforeach()
       endforeach()
     endforeach()
   endforeach()

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: GPU tests, compute-sanitizer on small cases, the demo, and the
-# side-by-side benchmark; prints a short summary last. Build here first (cmake --build build)
-# and carry the build folder. Usage: scripts/device_check.sh [tests|sanitize|demo|bench]...
+# side-by-side benchmarks; prints a short summary last. Build here first (cmake --build build)
+# and carry the build folder, or build there (step `build`: the full kernel set, with the
+# GoogleTest headers and archives carried in .gtest/). Usage:
+#   scripts/device_check.sh [build|tests|features|sanitize|demo|bench|features_bench]...
 set -uo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 build="${BUILD:-$root/build}"
@@ -28,6 +30,33 @@ sanitize() {
 
 for step in "${steps[@]}"; do
   case "$step" in
+    build)
+      # nvcc and ninja are there; GoogleTest is not (.gtest/ holds this machine's copy).
+      cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DFLASHHOPPER_KERNELS=full \
+        -DGTEST_ROOT="$root/.gtest" >"$out/build.log" 2>&1 &&
+        timeout 560 cmake --build "$build" -j "$(nproc)" >>"$out/build.log" 2>&1
+      rc=$?
+      tail -3 "$out/build.log"
+      summary+=("build: rc=$rc")
+      ;;
+    features)
+      # The masks and score transforms alone, both passes (a subset of `tests`).
+      timeout 420 "$build/tests/cpp/test_forward_gpu" --gtest_brief=1 --gtest_filter='Features/*' \
+        >"$out/gpu_tests_features_fwd.log" 2>&1
+      rc=$?
+      grep -E "FAILED|Failure|PASSED|SKIPPED" "$out/gpu_tests_features_fwd.log" | head -30
+      summary+=("forward features: rc=$rc, $(grep -E '^\[  PASSED  \]|^\[  FAILED  \]' "$out/gpu_tests_features_fwd.log" | tr '\n' ' ')")
+      timeout 420 "$build/tests/cpp/test_backward_gpu" --gtest_brief=1 --gtest_filter='Features/*:Repeat/*:Waves/*' \
+        >"$out/gpu_tests_features_bwd.log" 2>&1
+      rc=$?
+      grep -E "FAILED|Failure|PASSED|SKIPPED" "$out/gpu_tests_features_bwd.log" | head -30
+      summary+=("backward features: rc=$rc, $(grep -E '^\[  PASSED  \]|^\[  FAILED  \]' "$out/gpu_tests_features_bwd.log" | tr '\n' ' ')")
+      ;;
+    features_bench)
+      PYTHONUNBUFFERED=1 FLASHHOPPER_LIBRARY="$build/libflashhopper.so" PYTHONPATH="$root/python${PYTHONPATH:+:$PYTHONPATH}" \
+        timeout 400 python3 "$root/bench/bench_features.py" --out "$out" 2>&1 | tail -30
+      summary+=("features bench: see $out/bench_features_*.csv")
+      ;;
     tests)
       timeout 420 "$build/tests/cpp/test_forward_gpu" --gtest_brief=1 >"$out/gpu_tests.log" 2>&1
       rc=$?
@@ -47,6 +76,15 @@ for step in "${steps[@]}"; do
       sanitize backward test_backward_gpu "$(printf 'Grid/BackwardGpuTest.MatchesReference/%s:' \
         'bf16_d*_causal_b1_sq113_sk200_h4_hkv2' bf16_d256_full_b1_sq113_sk200_h4_hkv2 \
         bf16_d256_causal_b2_sq1000_sk513_h4_hkv1)"
+      # One small case of each mask and transform, both passes (windows, sinks, chunks, softcap,
+      # learnable sink), at head dims 128 and 256 (the dQ kernel).
+      features_filter="$(printf 'Features/*.MatchesReference/bf16_d%s_%s:' \
+        128 'full_b2_sq300_sk300_h4_hkv2_w5x3' 128 'full_b2_sq1000_sk513_h4_hkv1_w70x0_sinks4' \
+        128 'causal_b1_sq257_sk1000_h2_hkv2_chunk100' 128 'full_b1_sq113_sk200_h4_hkv2_cap30' \
+        128 'full_b1_sq600_sk500_h4_hkv2_w100x0_sinks2_cap20_lsink' 256 'full_b1_sq400_sk700_h4_hkv2_w64x0_cap5' \
+        256 'causal_b1_sq500_sk300_h2_hkv1_lsink')"
+      sanitize forward_features test_forward_gpu "$features_filter"
+      sanitize backward_features test_backward_gpu "$features_filter"
       ;;
     demo)
       timeout 300 "$build/examples/flashhopper_demo" 2048 128 2>&1 | tee "$out/demo.log"

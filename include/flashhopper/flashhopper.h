@@ -83,6 +83,9 @@ typedef struct fh_forward_params {
   int32_t window_right;           /* -1: unbounded */
   int32_t num_sink_tokens;        /* local windows only */
   int32_t num_splits;             /* 1: no split */
+  int32_t attention_chunk;        /* 0: none; c > 0: row i sees key j only in the same chunk of c keys */
+  fh_tensor learnable_sink;       /* optional float32 [Hq]: a logit per query head in every row's
+                                     softmax denominator, with no value (gpt-oss) */
 } fh_forward_params;
 
 /* Backward pass. Layouts as the forward; dq like q, dk like k, dv like v; lse from the
@@ -101,6 +104,10 @@ typedef struct fh_backward_params {
   int32_t window_left, window_right;
   int32_t num_sink_tokens;
   int32_t deterministic;          /* 1: bit-identical results run to run */
+  int32_t attention_chunk;        /* as the forward's */
+  fh_tensor learnable_sink;       /* optional float32 [Hq], as given to the forward */
+  fh_tensor dsink;                /* optional float32 [Hq] output (with learnable_sink only):
+                                     d loss / d learnable_sink, summed over batch and rows */
 } fh_backward_params;
 
 /* Merge split-KV partials: out_partial [num_splits, B, Hq, sq, dv] and

@@ -7,18 +7,25 @@ Same function names, argument names, defaults and return conventions, so that sw
 
 What the kernels do today: q [B, sq, Hq, d], k/v [B, sk, Hkv, d] in bf16 or fp16, d in 64/128/256
 (development builds of the library: bf16 and d = 128 only; others raise FlashHopperNotSupported, a
-NotImplementedError), causal or not (bottom-right aligned), GQA/MQA, any sq and sk, deterministic
-backward. Every argument the kernels cannot honour yet raises NotImplementedError naming it
-(window_size other than (-1, -1) or causal's, attention_chunk, softcap, num_splits > 1, qv, fp8
-descales, sm_margin); flash_attn_varlen_func, flash_attn_with_kvcache and flash_attn_combine raise
-NotImplementedError as a whole. Bad tensors (dtype, rank, shape, strides, device, alignment) raise
-ValueError naming the argument before anything is launched.
+NotImplementedError), causal or not (bottom-right aligned), local windows (window_size), chunked
+attention (attention_chunk), softcap, FlashAttention-4's learnable_sink (float32 [Hq]: one logit per
+query head in every row's softmax denominator, gpt-oss style; it gets a gradient), GQA/MQA, any sq
+and sk, deterministic backward. What a build of the library cannot run raises
+FlashHopperNotSupported with the library's message. Every argument FlashHopper cannot honour yet
+raises NotImplementedError naming it (num_splits > 1, qv, fp8 descales, sm_margin);
+flash_attn_varlen_func, flash_attn_with_kvcache and flash_attn_combine raise NotImplementedError as
+a whole. Bad tensors (dtype, rank, shape, strides, device, alignment) and bad options (window_size,
+softcap, attention_chunk, learnable_sink) raise ValueError naming the argument before anything is
+launched.
 
 Differences from FlashAttention-3 worth knowing:
 - The returned softmax_lse does not require grad (it is marked non-differentiable); FA3 returns one
   that seems differentiable but drops its gradient.
 - Inputs are not copied to make them contiguous: a last dim with stride != 1 (or other strides not
   a multiple of 16 bytes) raises ValueError; call .contiguous() yourself.
+- window_size also takes None for an unbounded side (FlashAttention-4's spelling, as -1); its
+  bounds must be ints >= -1 (FA3 converts with int()). learnable_sink is a keyword after FA3's
+  parameters, so FA3's positional calls keep their meaning.
 - pack_gqa is a tuning hint in FA3 and is accepted and ignored here; num_splits 0 (FA3's "choose
   for me") and 1 both mean one split.
 """
@@ -42,42 +49,22 @@ def _not_yet(argument: str, value, what: str):
     raise NotImplementedError(f"{argument}={value!r}: {what} is not supported by FlashHopper yet")
 
 
-def _resolve_options(q, k, causal, qv, q_descale, k_descale, v_descale, window_size, attention_chunk, softcap,
-                     num_splits, sm_margin) -> bool:
-    """Refuses what the kernels cannot do yet; returns the effective causal flag."""
+def _resolve_options(causal, qv, q_descale, k_descale, v_descale, window_size, attention_chunk, softcap,
+                     num_splits, sm_margin):
+    """Refuses what FlashHopper cannot do yet (NotImplementedError), checks the mask and score options
+    (ValueError); returns (causal, window_left, window_right, softcap, attention_chunk) for the op,
+    with FA3's rule that causal forces the right bound to 0. (The other FA3 rule, a bound covering
+    the whole sequence is no bound, is applied by the op, where the lengths are concrete.)"""
     if qv is not None:
         _not_yet("qv", "<tensor>", "the extra qv operand (hdim 64 x 512 MLA-style attention)")
     for name, descale in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
         if descale is not None:
             _not_yet(name, "<tensor>", "fp8 attention (descale factors)")
-    if attention_chunk not in (0, None):
-        _not_yet("attention_chunk", attention_chunk, "chunked attention")
-    if softcap != 0.0:
-        _not_yet("softcap", softcap, "softcapping")
     if num_splits not in (0, 1):
         _not_yet("num_splits", num_splits, "split-KV")
     if sm_margin != 0:
         _not_yet("sm_margin", sm_margin, "leaving SMs free")
-    if window_size is None:
-        window_size = (-1, -1)
-    try:
-        left, right = (int(w) for w in window_size)
-    except (TypeError, ValueError):
-        raise ValueError(f"window_size: expected a pair of ints (left, right), got {window_size!r}") from None
-    # FlashAttention's rule: a bound that covers the whole sequence is no bound.
-    if isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and q.dim() == 4 and k.dim() == 4:
-        seqlen_q, seqlen_k = q.shape[1], k.shape[1]
-        if left >= seqlen_k - 1:
-            left = -1
-        if right >= seqlen_q - 1:
-            right = -1
-    if causal:  # FA3: causal is the window (left, 0); with left < 0 plain causal
-        right = 0
-    if left < 0 and right < 0:
-        return bool(causal)
-    if left < 0 and right == 0:
-        return True
-    _not_yet("window_size", tuple(window_size), "local (sliding window) attention")
+    return interface.check_mask_args(causal, window_size, softcap, attention_chunk)
 
 
 def flash_attn_func(
@@ -96,6 +83,7 @@ def flash_attn_func(
     deterministic=False,
     sm_margin=0,
     return_attn_probs=False,
+    learnable_sink=None,
 ):
     """Exact attention, FlashAttention-3's flash_attn_func.
 
@@ -105,14 +93,24 @@ def flash_attn_func(
     gives 0 and lse -inf. softmax_scale defaults to 1/sqrt(headdim). deterministic=True makes the
     backward bit-reproducible.
 
+    window_size=(left, right): query i sees keys i + sk - sq - left .. i + sk - sq + right; -1 (or
+    None) unbounded; with causal=True the right bound is 0. attention_chunk=c > 0: query i sees only
+    the keys of its chunk, floor(p / c) * c <= j < floor(p / c) * c + c with p = i + sk - sq, on top
+    of the window. softcap > 0: scores s become softcap * tanh(s / softcap). learnable_sink
+    (FlashAttention-4's argument; keyword, after FA3's): a float32 tensor [nheads] on q's device, one
+    logit per query head added to every row's softmax denominator with no value:
+    out_i = sum_j exp(s_ij) v_j / (sum_j exp(s_ij) + exp(sink_h)); softmax_lse includes it, and it
+    gets a gradient when it requires one.
+
     Returns out (batch_size, seqlen_q, nheads, headdim), or (out, softmax_lse) with
     softmax_lse (batch_size, nheads, seqlen_q) float32 (natural log) when return_attn_probs=True.
     """
-    effective_causal = _resolve_options(q, k, causal, qv, q_descale, k_descale, v_descale, window_size,
-                                        attention_chunk, softcap, num_splits, sm_margin)
-    interface.check_forward_args(q, k, v, softmax_scale)
-    interface.check_devices((("q", q), ("k", k), ("v", v)))
-    out, softmax_lse = ops.fwd(q, k, v, softmax_scale, effective_causal, bool(deterministic))
+    causal, window_left, window_right, softcap, attention_chunk = _resolve_options(
+        causal, qv, q_descale, k_descale, v_descale, window_size, attention_chunk, softcap, num_splits, sm_margin)
+    interface.check_forward_args(q, k, v, softmax_scale, learnable_sink)
+    interface.check_devices((("q", q), ("k", k), ("v", v), ("learnable_sink", learnable_sink)))
+    out, softmax_lse = ops.fwd(q, k, v, softmax_scale, causal, bool(deterministic), window_left, window_right,
+                               softcap, attention_chunk, learnable_sink)
     return (out, softmax_lse) if return_attn_probs else out
 
 
@@ -128,9 +126,11 @@ def flash_attn_qkvpacked_func(
     num_heads_q=None,
     sm_margin=0,
     return_attn_probs=False,
+    learnable_sink=None,
 ):
     """FlashAttention-3's flash_attn_qkvpacked_func: qkv (batch_size, seqlen, 3, nheads, headdim), or
-    (batch_size, seqlen, nheads_q + 2 * nheads_k, headdim) with num_heads_q given (GQA)."""
+    (batch_size, seqlen, nheads_q + 2 * nheads_k, headdim) with num_heads_q given (GQA).
+    learnable_sink as flash_attn_func's."""
     if not isinstance(qkv, torch.Tensor):
         raise ValueError(f"qkv: expected a torch.Tensor, got {type(qkv).__name__}")
     if qkv.dim() == 5:
@@ -149,7 +149,8 @@ def flash_attn_qkvpacked_func(
     return flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal, q_descale=q_descale,
                            k_descale=k_descale, v_descale=v_descale, window_size=window_size,
                            attention_chunk=attention_chunk, softcap=softcap, deterministic=deterministic,
-                           sm_margin=sm_margin, return_attn_probs=return_attn_probs)
+                           sm_margin=sm_margin, return_attn_probs=return_attn_probs,
+                           learnable_sink=learnable_sink)
 
 
 def flash_attn_varlen_func(
@@ -174,9 +175,11 @@ def flash_attn_varlen_func(
     deterministic=False,
     sm_margin=0,
     return_attn_probs=False,
+    learnable_sink=None,
 ):
-    """FlashAttention-3's varlen attention (packed sequences, cu_seqlens). Not supported yet: the
-    library declares varlen in its C ABI but has no varlen kernels; raises NotImplementedError."""
+    """FlashAttention-3's varlen attention (packed sequences, cu_seqlens), with FlashAttention-4's
+    learnable_sink keyword. Not supported yet: the library declares varlen in its C ABI but has no
+    varlen kernels; raises NotImplementedError."""
     raise NotImplementedError("flash_attn_varlen_func: variable-length (cu_seqlens) attention is not supported "
                               "by FlashHopper yet; pad to a dense batch and use flash_attn_func")
 

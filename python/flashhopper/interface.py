@@ -4,14 +4,16 @@
 torch.library custom ops and `flashhopper.flash_attn_interface` offers FlashAttention-3's API on top.
 
 Argument checks run in this order, each naming the argument: what the kernels cannot do yet
-(NotImplementedError), dtypes, ranks, shapes and strides (ValueError), then devices and 16-byte
-alignment (ValueError); only then the library, which checks everything again and refuses with
+(NotImplementedError), the mask and score options (window_size, softcap, attention_chunk: ValueError),
+dtypes, ranks, shapes and strides, learnable_sink's dtype and shape (ValueError), then devices and
+16-byte alignment (ValueError); only then the library, which checks everything again and refuses with
 FlashHopperError (FlashHopperInvalidArgument is also a ValueError, FlashHopperNotSupported also a
 NotImplementedError). Nothing is launched on any error. No call here synchronises with the host:
 outputs and workspace come from PyTorch's caching allocator, the kernels go on PyTorch's current
 stream, so the calls can be captured in a CUDA graph."""
 import ctypes
 import math
+import numbers
 
 import torch
 
@@ -24,6 +26,9 @@ _FP8_DTYPES = tuple(getattr(torch, name) for name in ("float8_e4m3fn", "float8_e
                                                       "float8_e5m2fnuz") if hasattr(torch, name))
 MAX_HEAD_DIM = 256
 _TMA_BYTES = 16  # TMA: base addresses and all strides but the last (which is 1) multiples of 16 bytes
+_INT32_MAX = 2**31 - 1
+_FLOAT32_MAX = 3.4028234663852886e38
+_FLOAT32_MIN_NORMAL = 1.1754943508222875e-38
 
 _STATUS_INVALID_ARGUMENT = 1
 _STATUS_NOT_SUPPORTED = 2
@@ -85,8 +90,9 @@ def layout_ok(t: torch.Tensor) -> bool:
     return all(t.stride(d) % granule == 0 and (t.stride(d) != 0 or t.shape[d] <= 1) for d in range(t.dim() - 1))
 
 
-def check_forward_args(q, k, v, softmax_scale=None) -> None:
-    """Dtypes, ranks, shapes, strides and softmax_scale of a dense forward; no device access."""
+def check_forward_args(q, k, v, softmax_scale=None, learnable_sink=None) -> None:
+    """Dtypes, ranks, shapes, strides, softmax_scale and learnable_sink's dtype and shape of a dense
+    forward; no device access."""
     _check_input("q", q, 4, "[batch, seqlen_q, heads_q, head_dim]")
     _check_input("k", k, 4, "[batch, seqlen_k, heads_kv, head_dim]")
     _check_input("v", v, 4, "[batch, seqlen_k, heads_kv, head_dim]")
@@ -115,6 +121,108 @@ def check_forward_args(q, k, v, softmax_scale=None) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_layout(name, t)
     check_softmax_scale(softmax_scale)
+    check_learnable_sink(learnable_sink, heads_q)
+
+
+def check_learnable_sink(learnable_sink, heads_q) -> None:
+    """learnable_sink: None, or one float32 logit per query head, [heads_q], contiguous."""
+    if learnable_sink is None:
+        return
+    expected = f"a torch.float32 tensor of shape [heads_q] = ({heads_q},) (one logit per query head)"
+    if not isinstance(learnable_sink, torch.Tensor):
+        raise ValueError(f"learnable_sink: expected None or {expected}, got {type(learnable_sink).__name__}")
+    if (learnable_sink.dtype != torch.float32 or learnable_sink.dim() != 1
+            or learnable_sink.shape[0] != heads_q):
+        raise ValueError(f"learnable_sink: expected {expected}, got dtype {learnable_sink.dtype} shape "
+                         f"{tuple(learnable_sink.shape)}")
+    if heads_q > 1 and learnable_sink.stride(0) != 1:
+        raise ValueError(f"learnable_sink: must be contiguous (stride 1), got stride {learnable_sink.stride(0)}; "
+                         "call .contiguous()")
+
+
+def _int_option(name: str, value, what: str) -> int:
+    """An int-like value (int, numpy integer; not bool, float or tensor), or ValueError naming `name`."""
+    if isinstance(value, (bool, torch.Tensor)) or not isinstance(value, (numbers.Integral, torch.SymInt)):
+        raise ValueError(f"{name}: {what} must be an int, got {type(value).__name__} {value!r}")
+    return int(value)
+
+
+def check_window_size(window_size) -> tuple[int, int]:
+    """window_size (left, right): ints >= -1, -1 (or None, FlashAttention-4's spelling) unbounded.
+    Returns the pair as ints; None means (-1, -1)."""
+    if window_size is None:
+        return -1, -1
+    if isinstance(window_size, (str, bytes, torch.Tensor)):
+        raise ValueError(f"window_size: expected a pair of ints (left, right), got {window_size!r}")
+    try:
+        bounds = tuple(window_size)
+    except TypeError:
+        raise ValueError(f"window_size: expected a pair of ints (left, right), got {window_size!r}") from None
+    if len(bounds) != 2:
+        raise ValueError(f"window_size: expected a pair of ints (left, right), got {window_size!r}")
+    resolved = []
+    for side, bound in zip(("left", "right"), bounds):
+        bound = -1 if bound is None else _int_option("window_size", bound, f"the {side} bound")
+        if bound < -1:
+            raise ValueError(f"window_size: the {side} bound is {bound}; must be >= -1 (-1 means unbounded), "
+                             f"got {window_size!r}")
+        resolved.append(bound)
+    return resolved[0], resolved[1]
+
+
+def check_softcap(softcap) -> float:
+    """softcap: a finite float >= 0 (0 disables it); scores become softcap * tanh(scores / softcap)."""
+    if softcap is None:
+        return 0.0
+    if isinstance(softcap, (bool, torch.Tensor)) or not isinstance(softcap, numbers.Real):
+        raise ValueError(f"softcap: must be a Python float >= 0, got {type(softcap).__name__} {softcap!r}")
+    # comparisons only (no math.isfinite, no float() of a float): Dynamo traces them as constants
+    if softcap != softcap or softcap < 0 or softcap == math.inf:
+        raise ValueError(f"softcap: {softcap} must be finite and >= 0 (0 disables it)")
+    if softcap > _FLOAT32_MAX or 0 < softcap < _FLOAT32_MIN_NORMAL:  # the C ABI takes a float32
+        raise ValueError(f"softcap: {softcap} is outside float32's normal range (the C ABI's type)")
+    return softcap if isinstance(softcap, float) else float(softcap)
+
+
+def check_attention_chunk(attention_chunk) -> int:
+    """attention_chunk: an int >= 0 (0: none); c > 0 lets a row see keys of its own chunk of c only."""
+    if attention_chunk is None:
+        return 0
+    chunk = _int_option("attention_chunk", attention_chunk, "the chunk size")
+    if chunk < 0:
+        raise ValueError(f"attention_chunk: {chunk} must be >= 0 (0 means no chunking)")
+    if chunk > _INT32_MAX:
+        raise ValueError(f"attention_chunk: {chunk} does not fit in int32 (the C ABI's type)")
+    return chunk
+
+
+def check_mask_args(causal, window_size, softcap, attention_chunk):
+    """Checks the mask and score options; returns (causal, window_left, window_right, softcap,
+    attention_chunk) with FlashAttention-3's rule that causal forces the right bound to 0 (causal
+    with window (left, *) is the window (left, 0))."""
+    left, right = check_window_size(window_size)
+    softcap = check_softcap(softcap)
+    chunk = check_attention_chunk(attention_chunk)
+    causal = bool(causal)
+    if causal:
+        right = 0
+    return causal, left, right, softcap, chunk
+
+
+def library_mask(causal: bool, window_left: int, window_right: int, seqlen_q: int, seqlen_k: int):
+    """(causal, window_left, window_right) as the C ABI takes them, which refuses causal together
+    with a window: FlashAttention's rule first (a bound that covers the whole sequence is no bound:
+    left >= seqlen_k - 1, right >= seqlen_q - 1), then causal forces right = 0, then the window
+    (-1, 0) is passed as causal."""
+    if window_left >= seqlen_k - 1:
+        window_left = -1
+    if window_right >= seqlen_q - 1:
+        window_right = -1
+    if causal:
+        window_right = 0
+    if window_left < 0 and window_right == 0:
+        return 1, -1, -1
+    return 0, window_left, window_right
 
 
 def check_softmax_scale(softmax_scale) -> None:
@@ -122,15 +230,16 @@ def check_softmax_scale(softmax_scale) -> None:
         return
     if isinstance(softmax_scale, torch.Tensor):
         raise ValueError("softmax_scale: must be a Python float or None, not a tensor")
-    if not math.isfinite(softmax_scale) or softmax_scale < 0:
+    if softmax_scale != softmax_scale or softmax_scale < 0 or softmax_scale == math.inf:  # NaN, < 0, inf
         raise ValueError(f"softmax_scale: {softmax_scale} must be finite and > 0")
     if softmax_scale == 0:
         raise NotImplementedError("softmax_scale: 0.0 is not supported (the C ABI reads 0 as 1/sqrt(head_dim)); "
                                   "pass None for the default")
 
 
-def check_backward_args(dout, q, k, v, out, lse, softmax_scale=None, check_dout_layout=True) -> None:
-    check_forward_args(q, k, v, softmax_scale)
+def check_backward_args(dout, q, k, v, out, lse, softmax_scale=None, check_dout_layout=True,
+                        learnable_sink=None) -> None:
+    check_forward_args(q, k, v, softmax_scale, learnable_sink)
     expected = (q.shape[0], q.shape[1], q.shape[2], v.shape[3])
     for name, t in (("out", out), ("dout", dout)):
         _check_input(name, t, 4, "[batch, seqlen_q, heads_q, head_dim]")
@@ -196,14 +305,34 @@ def _run(workspace_size_fn, run_fn, params, device) -> None:
                       workspace_bytes.value, stream))
 
 
+def _set_mask(params, q, k, mask, learnable_sink) -> None:
+    """The mask and score fields both parameter structs share; `mask` from check_mask_args."""
+    causal, left, right, softcap, chunk = mask
+    params.causal, params.window_left, params.window_right = library_mask(causal, left, right, q.shape[1],
+                                                                          k.shape[1])
+    params.softcap = softcap
+    params.attention_chunk = chunk
+    if learnable_sink is not None:
+        params.learnable_sink = _view(learnable_sink)
+
+
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
             softmax_scale: float | None = None, out: torch.Tensor | None = None,
-            return_lse: bool = False):
+            return_lse: bool = False, *, window_size=(-1, -1), softcap: float = 0.0,
+            attention_chunk: int = 0, learnable_sink: torch.Tensor | None = None):
     """Attention forward. q [B, sq, Hq, d], k [B, sk, Hkv, d], v [B, sk, Hkv, d] on one CUDA
     device (bf16 or fp16). Returns out [B, sq, Hq, d] (and lse [B, Hq, sq] float32 when
-    return_lse). softmax_scale None means 1/sqrt(d); causal is aligned bottom-right."""
-    check_forward_args(q, k, v, softmax_scale)
-    named = [("q", q), ("k", k), ("v", v), ("out", out)]
+    return_lse). softmax_scale None means 1/sqrt(d); causal is aligned bottom-right.
+
+    Keyword options, as flash_attn_func's: window_size (left, right) bottom-right aligned, -1
+    unbounded (causal forces right = 0; a bound covering the whole sequence is no bound); softcap
+    > 0 replaces scores s by softcap * tanh(s / softcap); attention_chunk c > 0 lets query row i
+    see key j only within its chunk (floor(p / c) * c <= j < floor(p / c) * c + c, p = i + sk - sq),
+    on top of the window; learnable_sink float32 [Hq] adds exp(sink[h]) to every row's softmax
+    denominator (lse includes it)."""
+    mask = check_mask_args(causal, window_size, softcap, attention_chunk)
+    check_forward_args(q, k, v, softmax_scale, learnable_sink)
+    named = [("q", q), ("k", k), ("v", v), ("out", out), ("learnable_sink", learnable_sink)]
     check_devices(named)
     batch, seqlen_q, heads_q, _ = q.shape
     if out is None:
@@ -221,8 +350,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = Fa
     params.q, params.k, params.v, params.out = _view(q), _view(k), _view(v), _view(out)
     if lse is not None:
         params.lse = _view(lse)
-    params.causal = int(bool(causal))
     params.softmax_scale = _scale(softmax_scale)
+    _set_mask(params, q, k, mask, learnable_sink)
     _run(lib.fh_forward_workspace_size, lib.fh_forward, params, q.device)
     return (out, lse) if return_lse else out
 
@@ -230,14 +359,19 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = Fa
 def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
              lse: torch.Tensor, causal: bool = False, softmax_scale: float | None = None,
              deterministic: bool = False, dq: torch.Tensor | None = None, dk: torch.Tensor | None = None,
-             dv: torch.Tensor | None = None):
+             dv: torch.Tensor | None = None, *, window_size=(-1, -1), softcap: float = 0.0,
+             attention_chunk: int = 0, learnable_sink: torch.Tensor | None = None):
     """Attention backward. q, k, v, out and lse [B, Hq, sq] float32 as from
-    forward(..., return_lse=True) with the same causal and softmax_scale; dout like out.
-    Returns (dq, dk, dv), shaped like q, k, v (allocated with empty_like when not given).
-    deterministic=True gives bit-identical results run to run (slightly slower)."""
-    check_backward_args(dout, q, k, v, out, lse, softmax_scale)
+    forward(..., return_lse=True) with the same causal, softmax_scale, window_size, softcap,
+    attention_chunk and learnable_sink; dout like out.
+    Returns (dq, dk, dv), shaped like q, k, v (allocated with empty_like when not given), and with
+    learnable_sink (dq, dk, dv, dsink): dsink float32 [Hq], d loss / d learnable_sink summed over
+    the batch and the rows. deterministic=True gives bit-identical results run to run (slightly
+    slower)."""
+    mask = check_mask_args(causal, window_size, softcap, attention_chunk)
+    check_backward_args(dout, q, k, v, out, lse, softmax_scale, learnable_sink=learnable_sink)
     named = [("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse),
-             ("dq", dq), ("dk", dk), ("dv", dv)]
+             ("dq", dq), ("dk", dk), ("dv", dv), ("learnable_sink", learnable_sink)]
     check_devices(named)
     for name, grad, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
         if grad is not None:
@@ -248,6 +382,8 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     dq = torch.empty_like(q) if dq is None else dq
     dk = torch.empty_like(k) if dk is None else dk
     dv = torch.empty_like(v) if dv is None else dv
+    # the library writes every element of dsink (a fixed-order sum of per-CTA shares): no zero fill
+    dsink = None if learnable_sink is None else torch.empty(q.shape[2], dtype=torch.float32, device=q.device)
     check_alignment([("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("dq", dq), ("dk", dk),
                      ("dv", dv)])
     params = _ffi.BackwardParams()
@@ -256,8 +392,10 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     params.q, params.k, params.v, params.out = _view(q), _view(k), _view(v), _view(out)
     params.dout, params.lse = _view(dout), _view(lse)
     params.dq, params.dk, params.dv = _view(dq), _view(dk), _view(dv)
-    params.causal = int(bool(causal))
     params.softmax_scale = _scale(softmax_scale)
     params.deterministic = int(bool(deterministic))
+    _set_mask(params, q, k, mask, learnable_sink)
+    if dsink is not None:
+        params.dsink = _view(dsink)
     _run(lib.fh_backward_workspace_size, lib.fh_backward, params, q.device)
-    return dq, dk, dv
+    return (dq, dk, dv) if dsink is None else (dq, dk, dv, dsink)

@@ -169,7 +169,8 @@ Status forward(const ForwardParams& params, void* workspace, size_t workspace_by
   }
   if (!(status = check_device()).ok()) return status;
   const std::pair<const Tensor*, const char*> pointers[] = {
-      {&params.q, "q"}, {&params.k, "k"}, {&params.v, "v"}, {&params.out, "out"}, {&params.lse, "lse"}};
+      {&params.q, "q"},     {&params.k, "k"},     {&params.v, "v"},
+      {&params.out, "out"}, {&params.lse, "lse"}, {&params.learnable_sink, "learnable_sink"}};
   for (const auto& [tensor, name] : pointers) {
     if (!(status = check_device_pointer(*tensor, name)).ok()) return status;
   }
@@ -198,7 +199,8 @@ Status backward(const BackwardParams& params, void* workspace, size_t workspace_
   if (!(status = check_device()).ok()) return status;
   const std::pair<const Tensor*, const char*> pointers[] = {
       {&params.q, "q"},       {&params.k, "k"},     {&params.v, "v"},   {&params.out, "out"}, {&params.dout, "dout"},
-      {&params.lse, "lse"},   {&params.dq, "dq"},   {&params.dk, "dk"}, {&params.dv, "dv"}};
+      {&params.lse, "lse"},   {&params.dq, "dq"},   {&params.dk, "dk"}, {&params.dv, "dv"},
+      {&params.learnable_sink, "learnable_sink"},   {&params.dsink, "dsink"}};
   for (const auto& [tensor, name] : pointers) {
     if (!(status = check_device_pointer(*tensor, name)).ok()) return status;
   }

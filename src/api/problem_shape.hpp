@@ -30,13 +30,19 @@ struct ProblemShape {
 };
 
 // Window bounds after folding `causal` in: causal is (-1, 0). -1 means unbounded.
+// Query row i sees key j (off = sk - sq, p = i + off) iff
+//   (p - wl <= j or wl < 0 or j < num_sink_tokens) and (j <= p + wr or wr < 0), and, with
+//   attention_chunk = c > 0, floor(p / c) * c <= j < floor(p / c) * c + c (floor division, so a
+//   row with p < 0 sees no key of a chunk).
 struct MaskSpec {
   int32_t window_left = -1;
   int32_t window_right = -1;
   int32_t num_sink_tokens = 0;
-  bool is_causal() const { return window_left < 0 && window_right == 0; }
-  bool is_local() const { return window_left >= 0 || (window_right >= 0 && !is_causal()); }
-  bool is_masked() const { return window_left >= 0 || window_right >= 0; }
+  int32_t attention_chunk = 0;
+  bool is_causal() const { return window_left < 0 && window_right == 0 && attention_chunk == 0; }
+  // Anything beyond no mask and causal: a window bound, or chunks.
+  bool is_local() const { return is_masked() && !is_causal(); }
+  bool is_masked() const { return window_left >= 0 || window_right >= 0 || attention_chunk > 0; }
 };
 
 inline bool present(const Tensor& t) { return t.data != nullptr; }
@@ -86,8 +92,9 @@ inline ProblemShape backward_shape(const BackwardParams& p) {
 }
 
 inline MaskSpec mask_spec(int32_t causal, int32_t window_left, int32_t window_right,
-                          int32_t num_sink_tokens) {
+                          int32_t num_sink_tokens, int32_t attention_chunk = 0) {
   MaskSpec m;
+  m.attention_chunk = attention_chunk;
   if (causal) {
     m.window_left = -1;
     m.window_right = 0;
@@ -97,6 +104,11 @@ inline MaskSpec mask_spec(int32_t causal, int32_t window_left, int32_t window_ri
   }
   m.num_sink_tokens = num_sink_tokens;
   return m;
+}
+
+template <class Params>
+inline MaskSpec mask_spec(const Params& p) {
+  return mask_spec(p.causal, p.window_left, p.window_right, p.num_sink_tokens, p.attention_chunk);
 }
 
 inline double default_scale(float scale, int64_t head_dim) {

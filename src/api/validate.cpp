@@ -92,7 +92,7 @@ int64_t element_bytes(const Tensor& t) { return static_cast<int64_t>(dtype_size(
 // How the kernels reach a tensor, which decides its stride and alignment rules.
 enum class Access {
   kTma,      // bulk tensor copies: last dim contiguous, other strides and the base 16-byte aligned
-  kRows,     // element loads/stores along a contiguous last dim (lse, sequence lengths, page table)
+  kRows,     // element loads/stores along a contiguous last dim (lse, sequence lengths, page table, sinks)
   kStrided,  // element loads at any stride (descale factors)
 };
 
@@ -281,6 +281,8 @@ struct AttentionArgs {
   int32_t window_left;
   int32_t window_right;
   int32_t num_sink_tokens;
+  int32_t attention_chunk;
+  const Tensor& learnable_sink;
 
   bool varlen_q() const { return present(cu_seqlens_q); }
   bool varlen_k() const { return present(cu_seqlens_k); }
@@ -293,14 +295,14 @@ AttentionArgs attention_args(const ForwardParams& p) {
   return {p.q,           p.k,           p.v,           p.out,         p.lse,
           p.cu_seqlens_q, p.cu_seqlens_k, p.seqused_q,   p.seqused_k,   p.page_table,
           p.max_seqlen_q, p.max_seqlen_k, p.softmax_scale, p.softcap,   p.causal,
-          p.window_left,  p.window_right, p.num_sink_tokens};
+          p.window_left,  p.window_right, p.num_sink_tokens, p.attention_chunk, p.learnable_sink};
 }
 
 AttentionArgs attention_args(const BackwardParams& p) {
   return {p.q,           p.k,           p.v,           p.out,         p.lse,
           p.cu_seqlens_q, p.cu_seqlens_k, p.seqused_q,   p.seqused_k,   kAbsent,
           p.max_seqlen_q, p.max_seqlen_k, p.softmax_scale, p.softcap,   p.causal,
-          p.window_left,  p.window_right, p.num_sink_tokens};
+          p.window_left,  p.window_right, p.num_sink_tokens, p.attention_chunk, p.learnable_sink};
 }
 
 // Layouts on the query side (q, out, their gradients) and the key side (k, v, theirs).
@@ -323,6 +325,14 @@ Layout lse_layout(const AttentionArgs& a) {
 
 const Layout kSequenceLengths{1, "", "[B]"};
 const Layout kPrefixSums{1, "", "[B + 1]"};
+const Layout kPerQueryHead{1, "", "[Hq]"};  // learnable_sink, dsink
+
+// One float32 per query head (float64 too for the CPU reference, as lse).
+std::vector<fh_dtype> per_head_dtypes(Target target) {
+  std::vector<fh_dtype> allowed{FH_DTYPE_FP32};
+  if (target == Target::kHostReference) allowed.push_back(FH_DTYPE_FP64);
+  return allowed;
+}
 
 Status check_attention_combinations(const AttentionArgs& a) {
   if (a.paged() && a.varlen_k()) {
@@ -342,6 +352,9 @@ Status check_attention_ranks(const AttentionArgs& a) {
   if (a.varlen_k()) FLASHHOPPER_RETURN_IF_INVALID(check_rank(a.cu_seqlens_k, "cu_seqlens_k", kPrefixSums));
   if (present(a.seqused_q)) FLASHHOPPER_RETURN_IF_INVALID(check_rank(a.seqused_q, "seqused_q", kSequenceLengths));
   if (present(a.seqused_k)) FLASHHOPPER_RETURN_IF_INVALID(check_rank(a.seqused_k, "seqused_k", kSequenceLengths));
+  if (present(a.learnable_sink)) {
+    FLASHHOPPER_RETURN_IF_INVALID(check_rank(a.learnable_sink, "learnable_sink", kPerQueryHead));
+  }
   return {};
 }
 
@@ -388,6 +401,9 @@ Status check_attention_dtypes(const AttentionArgs& a, Target target, bool fp8_al
   FLASHHOPPER_RETURN_IF_INVALID(check_int32_index(a.cu_seqlens_k, "cu_seqlens_k"));
   FLASHHOPPER_RETURN_IF_INVALID(check_int32_index(a.seqused_q, "seqused_q"));
   FLASHHOPPER_RETURN_IF_INVALID(check_int32_index(a.seqused_k, "seqused_k"));
+  if (present(a.learnable_sink)) {
+    FLASHHOPPER_RETURN_IF_INVALID(check_dtype(a.learnable_sink, "learnable_sink", per_head_dtypes(target)));
+  }
   return {};
 }
 
@@ -450,6 +466,10 @@ Status check_attention_shapes(const AttentionArgs& a, const ProblemShape& s) {
   }
   if (present(a.seqused_q)) FLASHHOPPER_RETURN_IF_INVALID(check_shape(a.seqused_q, "seqused_q", {batch}));
   if (present(a.seqused_k)) FLASHHOPPER_RETURN_IF_INVALID(check_shape(a.seqused_k, "seqused_k", {batch}));
+  if (present(a.learnable_sink)) {
+    FLASHHOPPER_RETURN_IF_INVALID(
+        check_shape(a.learnable_sink, "learnable_sink", {{s.heads_q, "number of query heads", "q"}}));
+  }
   return {};
 }
 
@@ -509,6 +529,7 @@ Status check_mask_and_scale(const AttentionArgs& a) {
        {std::pair{a.window_left, "window_left"}, std::pair{a.window_right, "window_right"}}) {
     if (value < -1) return invalid(name, "is ", value, "; must be >= -1 (-1 means unbounded)");
   }
+  if (a.causal != 0 && a.causal != 1) return invalid("causal", "is ", a.causal, "; must be 0 or 1");
   const bool window_unset = a.window_left == -1 && a.window_right == -1;
   const bool window_causal = a.window_left == -1 && a.window_right == 0;
   if (a.causal && !window_unset && !window_causal) {
@@ -516,10 +537,13 @@ Status check_mask_and_scale(const AttentionArgs& a) {
                    a.window_right, "); causal is the window (-1, 0): give one or the other");
   }
   if (a.num_sink_tokens < 0) return invalid("num_sink_tokens", "is ", a.num_sink_tokens, "; must be >= 0");
-  const MaskSpec mask = mask_spec(a.causal, a.window_left, a.window_right, a.num_sink_tokens);
+  const MaskSpec mask = mask_spec(a);
   if (a.num_sink_tokens > 0 && mask.window_left < 0) {
     return invalid("num_sink_tokens", "is ", a.num_sink_tokens, " but window_left is ", mask.window_left,
                    "; sink tokens need a local window (window_left >= 0)");
+  }
+  if (a.attention_chunk < 0) {
+    return invalid("attention_chunk", "is ", a.attention_chunk, "; must be >= 0 (0 disables it)");
   }
   return {};
 }
@@ -638,6 +662,10 @@ Status check_backward_presence(const BackwardParams& p, const AttentionArgs& a, 
     if (forward_output && !needs_forward_outputs) continue;
     FLASHHOPPER_RETURN_IF_INVALID(require_present(*tensor, name));
   }
+  if (present(p.dsink) && !present(p.learnable_sink)) {
+    return invalid("dsink", "is given but learnable_sink is absent; dsink is the gradient of learnable_sink "
+                            "and needs it");
+  }
   return check_attention_combinations(a);
 }
 
@@ -646,7 +674,9 @@ Status check_backward_ranks(const BackwardParams& p, const AttentionArgs& a) {
   FLASHHOPPER_RETURN_IF_INVALID(check_rank(p.dout, "dout", query_layout(a, "dv")));
   FLASHHOPPER_RETURN_IF_INVALID(check_rank(p.dq, "dq", query_layout(a, "d")));
   FLASHHOPPER_RETURN_IF_INVALID(check_rank(p.dk, "dk", key_layout(a, "d")));
-  return check_rank(p.dv, "dv", key_layout(a, "dv"));
+  FLASHHOPPER_RETURN_IF_INVALID(check_rank(p.dv, "dv", key_layout(a, "dv")));
+  if (present(p.dsink)) FLASHHOPPER_RETURN_IF_INVALID(check_rank(p.dsink, "dsink", kPerQueryHead));
+  return {};
 }
 
 Status check_backward_dtypes(const BackwardParams& p, const AttentionArgs& a, Target target) {
@@ -655,6 +685,7 @@ Status check_backward_dtypes(const BackwardParams& p, const AttentionArgs& a, Ta
   for (const auto& [tensor, name] : NamedTensors{{&p.dout, "dout"}, {&p.dq, "dq"}, {&p.dk, "dk"}, {&p.dv, "dv"}}) {
     FLASHHOPPER_RETURN_IF_INVALID(check_dtype(*tensor, name, allowed, " (the dtype of q)"));
   }
+  if (present(p.dsink)) FLASHHOPPER_RETURN_IF_INVALID(check_dtype(p.dsink, "dsink", per_head_dtypes(target)));
   return {};
 }
 
@@ -663,7 +694,28 @@ Status check_backward_shapes(const BackwardParams& p, const AttentionArgs& a, co
   FLASHHOPPER_RETURN_IF_INVALID(check_out_shape(p.dout, "dout", a, s));
   FLASHHOPPER_RETURN_IF_INVALID(check_same_shape(p.dq, "dq", p.q, "q"));
   FLASHHOPPER_RETURN_IF_INVALID(check_same_shape(p.dk, "dk", p.k, "k"));
-  return check_same_shape(p.dv, "dv", p.v, "v");
+  FLASHHOPPER_RETURN_IF_INVALID(check_same_shape(p.dv, "dv", p.v, "v"));
+  if (present(p.dsink)) {
+    FLASHHOPPER_RETURN_IF_INVALID(check_shape(p.dsink, "dsink", {{s.heads_q, "number of query heads", "q"}}));
+  }
+  return {};
+}
+
+// dsink is written while learnable_sink is read. Compares the byte ranges the two span; both are
+// 1-d with extents and strides already checked.
+Status check_dsink_not_aliased(const BackwardParams& p) {
+  if (!present(p.dsink)) return {};
+  auto byte_range = [](const Tensor& t) {
+    const auto begin = static_cast<WideInt>(reinterpret_cast<uintptr_t>(t.data));
+    return std::pair{begin, begin + ((t.shape[0] - 1) * static_cast<WideInt>(t.stride[0]) + 1) * element_bytes(t)};
+  };
+  const auto [sink_begin, sink_end] = byte_range(p.learnable_sink);
+  const auto [dsink_begin, dsink_end] = byte_range(p.dsink);
+  if (dsink_begin < sink_end && sink_begin < dsink_end) {
+    return invalid("dsink", "overlaps learnable_sink in memory; the gradient must not alias the sink it is "
+                            "the gradient of");
+  }
+  return {};
 }
 
 Status check_backward_scalars(const BackwardParams& p, const AttentionArgs& a) {
@@ -700,6 +752,7 @@ Status validate(const ForwardParams& p, Target target) {
       {&p.q_descale, "q_descale", Access::kStrided},
       {&p.k_descale, "k_descale", Access::kStrided},
       {&p.v_descale, "v_descale", Access::kStrided},
+      {&p.learnable_sink, "learnable_sink", Access::kRows},
   };
   FLASHHOPPER_RETURN_IF_INVALID(check_tensors_extents(tensors, target));
   FLASHHOPPER_RETURN_IF_INVALID(check_paged_capacity(p));
@@ -732,12 +785,15 @@ Status validate(const BackwardParams& p, Target target) {
       {&p.cu_seqlens_k, "cu_seqlens_k", Access::kRows},
       {&p.seqused_q, "seqused_q", Access::kRows},
       {&p.seqused_k, "seqused_k", Access::kRows},
+      {&p.learnable_sink, "learnable_sink", Access::kRows},
+      {&p.dsink, "dsink", Access::kRows},
   };
   FLASHHOPPER_RETURN_IF_INVALID(check_tensors_extents(tensors, target));
   const ProblemShape shape = backward_shape(p);
   FLASHHOPPER_RETURN_IF_INVALID(check_backward_shapes(p, a, shape));
   FLASHHOPPER_RETURN_IF_INVALID(check_head_dims(a, shape, target));
   FLASHHOPPER_RETURN_IF_INVALID(check_tensors_layout(tensors, target));
+  FLASHHOPPER_RETURN_IF_INVALID(check_dsink_not_aliased(p));
   if (target == Target::kKernel) {
     // The backward's main kernel walks key-row tiles; its pre/postprocessing walks query-row tiles.
     FLASHHOPPER_RETURN_IF_INVALID(check_tile_count(shape, "q", shape.seqlen_q, "query sequence length"));

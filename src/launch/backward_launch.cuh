@@ -1,7 +1,7 @@
-// Composes the backward for one (dtype, head dim, causal) and enqueues its three kernels:
+// Composes the backward for one (dtype, head dim, mask kind, softcap) and enqueues its kernels:
 // preprocess (D, LSE2), the main kernel (dK, dV and dQaccum), postprocess (dQ); or, where the
 // tile table gives dQ a kernel of its own (kDqKernel): preprocess, the main kernel (dK, dV) and
-// the dQ kernel.
+// the dQ kernel. With a learnable sink's gradient asked for, a last small kernel sums it.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -19,19 +19,20 @@
 #include "launch/backward_launch.hpp"
 #include "launch/backward_workspace.hpp"
 #include "launch/element_of.cuh"
+#include "launch/launch_common.cuh"
 
 namespace flashhopper::launch {
 
 // The dQ kernel, with the main kernel's arguments (Q, K, V, dO and the preprocess's buffers).
-template <class Element, int kHeadDim, bool kCausal, class MainArguments>
+template <class Element, int kHeadDim, hopper::MaskKind kMask, bool kSoftcap, class MainArguments>
 cudaError_t run_backward_dq_kernel(const BackwardParams& p, MainArguments const& args, float scale, int num_sms,
                                    int l2_bytes, cudaStream_t stream) {
   using namespace cute;
   using namespace flashhopper::hopper;
   using Tile = BackwardDqTileSize<kHeadDim>;
-  using Mainloop =
-      BackwardDqMainloop<Element, Tile::kBlockM, Tile::kBlockN, kHeadDim, Tile::kStagesK, Tile::kStagesV, kCausal>;
-  using Scheduler = StaticPersistentScheduler</*kLongestFirst=*/kCausal>;
+  using Mainloop = BackwardDqMainloop<Element, Tile::kBlockM, Tile::kBlockN, kHeadDim, Tile::kStagesK, Tile::kStagesV,
+                                      kMask, kSoftcap>;
+  using Scheduler = StaticPersistentScheduler</*kLongestFirst=*/kMask == MaskKind::kCausal>;
   using Kernel = BackwardDqKernel<Mainloop, Scheduler>;
   static_assert(BackwardWorkspaceLayout::kRowAlign % Tile::kBlockM == 0);
 
@@ -50,6 +51,8 @@ cudaError_t run_backward_dq_kernel(const BackwardParams& p, MainArguments const&
                                        static_cast<Element*>(p.dq.data),
                                        make_stride(p.dq.stride[1], _1{}, p.dq.stride[2], p.dq.stride[0]),
                                        scale,
+                                       args.softcap,
+                                       args.local,
                                        args.workspace.lse_log2,
                                        args.workspace.dpsum,
                                        args.workspace.rows_padded};
@@ -59,25 +62,23 @@ cudaError_t run_backward_dq_kernel(const BackwardParams& p, MainArguments const&
   typename Kernel::Params params{
       Mainloop::to_underlying_arguments(dq_args),
       Scheduler::make_params(num_m_blocks, heads_q, batch, streamed_bytes_per_head, l2_bytes, num_sms)};
-  auto kernel = backward_dq_kernel_entry<Kernel>;
-  constexpr int kSmemBytes = Kernel::kSharedStorageSize;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
-  if (err != cudaSuccess) return err;
-  kernel<<<Scheduler::grid_size(params.scheduler, num_sms), Kernel::kNumThreads, kSmemBytes, stream>>>(params);
-  return cudaGetLastError();
+  return launch_kernel<Kernel>(backward_dq_kernel_entry<Kernel>, Scheduler::grid_size(params.scheduler, num_sms),
+                               params, stream);
 }
 
-template <fh_dtype kDType, int kHeadDim, bool kCausal>
+template <fh_dtype kDType, int kHeadDim, hopper::MaskKind kMask, bool kSoftcap>
 cudaError_t run_backward_hdim(const BackwardParams& p, const detail::ProblemShape& s, void* workspace,
                               cudaStream_t stream) {
   using namespace cute;
   using namespace flashhopper::hopper;
   using Element = typename ElementOf<kDType>::type;
   using Tile = BackwardTileSize<kHeadDim>;
-  using Mainloop =
-      BackwardMainloop<Element, Tile::kBlockM, Tile::kBlockN, kHeadDim, Tile::kStages, Tile::kStagesDo, kCausal,
-                       /*kComputeDq=*/!Tile::kDqKernel, Tile::kDqViaTma, Tile::kDqBuffers>;
+  constexpr bool kCausal = kMask == MaskKind::kCausal;
+  using Mainloop = BackwardMainloop<Element, Tile::kBlockM, Tile::kBlockN, kHeadDim, Tile::kStages, Tile::kStagesDo,
+                                    kMask, kSoftcap, /*kComputeDq=*/!Tile::kDqKernel>;
   using Epilogue = BackwardEpilogue<Element, Mainloop>;
+  // Causal: longest first (the backward reverses its key blocks). Otherwise key blocks in
+  // order, which the deterministic dQ order relies on.
   using Scheduler = StaticPersistentScheduler</*kLongestFirst=*/kCausal>;
   using Kernel = BackwardKernel<Mainloop, Epilogue, Scheduler>;
   using Preprocess = BackwardPreprocess<Element, kHeadDim>;
@@ -88,7 +89,8 @@ cudaError_t run_backward_hdim(const BackwardParams& p, const detail::ProblemShap
   const int batch = int(s.batch), seqlen_q = int(s.seqlen_q), seqlen_k = int(s.seqlen_k);
   const int heads_q = int(s.heads_q), heads_kv = int(s.heads_kv);
   const float scale = float(detail::default_scale(p.softmax_scale, kHeadDim));
-  const BackwardWorkspaceLayout layout = backward_workspace_layout(s);
+  const bool dsink = detail::present(p.learnable_sink) && detail::present(p.dsink);
+  const BackwardWorkspaceLayout layout = backward_workspace_layout(s, dsink);
   char* ws = static_cast<char*>(workspace);
   const BackwardWorkspacePointers pointers{reinterpret_cast<float*>(ws + layout.lse_log2),
                                            reinterpret_cast<float*>(ws + layout.dpsum),
@@ -97,15 +99,13 @@ cudaError_t run_backward_hdim(const BackwardParams& p, const detail::ProblemShap
   // Tensors are [batch, seqlen, heads, d]; CuTe sees (seqlen, d, heads, batch).
   auto stride_of = [](const Tensor& t) { return make_stride(t.stride[1], _1{}, t.stride[2], t.stride[0]); };
 
-  int device = 0, num_sms = 0, l2_bytes = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device);
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, device);
+  int num_sms = 0, l2_bytes = 0;
+  cudaError_t err = device_sms_and_l2(&num_sms, &l2_bytes);
   if (err != cudaSuccess) return err;
 
   // dQaccum and the semaphores start at zero; the preprocess fills the rest.
   if constexpr (!Tile::kDqKernel) {
-    err = cudaMemsetAsync(ws + layout.dq_accum, 0, layout.bytes - layout.dq_accum, stream);
+    err = cudaMemsetAsync(ws + layout.dq_accum, 0, layout.dsink_partial - layout.dq_accum, stream);
     if (err != cudaSuccess) return err;
   }
 
@@ -117,7 +117,10 @@ cudaError_t run_backward_hdim(const BackwardParams& p, const detail::ProblemShap
                                   {p.lse.stride[0], p.lse.stride[1], p.lse.stride[2]},
                                   seqlen_q,
                                   heads_q,
-                                  pointers};
+                                  pointers,
+                                  dsink ? static_cast<float const*>(p.learnable_sink.data) : nullptr,
+                                  reinterpret_cast<float*>(ws + layout.dsink_partial)};
+  static_assert(Preprocess::kRowsPerCta == kSinkRowsPerShare);
   const int64_t pre_ctas = layout.rows_padded / Preprocess::kRowsPerCta * heads_q * batch;
   backward_prepost_entry<Preprocess><<<unsigned(pre_ctas), Preprocess::kThreads, 0, stream>>>(pre);
   if ((err = cudaGetLastError()) != cudaSuccess) return err;
@@ -133,6 +136,8 @@ cudaError_t run_backward_hdim(const BackwardParams& p, const detail::ProblemShap
                                              static_cast<Element const*>(p.dout.data),
                                              stride_of(p.dout),
                                              scale,
+                                             p.softcap,
+                                             local_mask_params(p),
                                              pointers,
                                              p.deterministic != 0};
   typename Epilogue::Arguments epilogue_args{static_cast<Element*>(p.dk.data), stride_of(p.dk),
@@ -151,10 +156,6 @@ cudaError_t run_backward_hdim(const BackwardParams& p, const detail::ProblemShap
                                  Epilogue::to_underlying_arguments(epilogue_args),
                                  Scheduler::make_params(num_n_blocks, heads_kv, batch,
                                                         one_order ? 0 : streamed_bytes_per_head, l2_bytes, num_sms)};
-  auto kernel = backward_kernel_entry<Kernel>;
-  constexpr int kSmemBytes = Kernel::kSharedStorageSize;
-  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
-  if (err != cudaSuccess) return err;
   // Deterministic, non-causal: a head's key blocks are consecutive tiles that start together and
   // add to each dQ tile in key-block order, so key block n runs n hand-offs behind key block 0.
   // When the grid is a multiple of the key blocks, each CTA keeps its key block index from wave
@@ -165,18 +166,24 @@ cudaError_t run_backward_hdim(const BackwardParams& p, const detail::ProblemShap
     const int whole_heads = grid / num_n_blocks * num_n_blocks;
     if (whole_heads * 10 >= grid * 9) grid = whole_heads;
   }
-  kernel<<<grid, Kernel::kNumThreads, kSmemBytes, stream>>>(params);
-  if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  if ((err = launch_kernel<Kernel>(backward_kernel_entry<Kernel>, grid, params, stream)) != cudaSuccess) return err;
 
   if constexpr (Tile::kDqKernel) {
-    return run_backward_dq_kernel<Element, kHeadDim, kCausal>(p, mainloop_args, scale, num_sms, l2_bytes, stream);
+    err = run_backward_dq_kernel<Element, kHeadDim, kMask, kSoftcap>(p, mainloop_args, scale, num_sms, l2_bytes,
+                                                                     stream);
   } else {
     typename Postprocess::Params post{static_cast<Element*>(p.dq.data), make_shape(seqlen_q, kHeadDim, heads_q, batch),
                                       stride_of(p.dq), scale, pointers};
     const int64_t post_ctas = int64_t((seqlen_q + Tile::kBlockM - 1) / Tile::kBlockM) * heads_q * batch;
     backward_prepost_entry<Postprocess><<<unsigned(post_ctas), Postprocess::kThreads, 0, stream>>>(post);
-    return cudaGetLastError();
+    err = cudaGetLastError();
   }
+  if (err != cudaSuccess || !dsink) return err;
+  typename SinkGradientReduce::Params reduce{reinterpret_cast<float const*>(ws + layout.dsink_partial),
+                                             layout.dsink_partials_per_head, static_cast<float*>(p.dsink.data),
+                                             p.dsink.stride[0]};
+  backward_prepost_entry<SinkGradientReduce><<<heads_q, SinkGradientReduce::kThreads, 0, stream>>>(reduce);
+  return cudaGetLastError();
 }
 
 }  // namespace flashhopper::launch

@@ -21,6 +21,8 @@ struct BackwardWorkspaceLayout {
   size_t dpsum = 0;
   size_t dq_accum = 0;  // dq_accum and the semaphores are contiguous: one memset zeroes both
   size_t dq_semaphore = 0;  // both empty where dQ has a kernel of its own (BackwardTileSize::kDqKernel)
+  size_t dsink_partial = 0;  // the learnable sink's per-CTA gradient shares (empty without dsink)
+  int64_t dsink_partials_per_head = 0;
   size_t bytes = 0;
 };
 
@@ -34,7 +36,10 @@ inline bool backward_dq_kernel(int64_t head_dim) {
   }
 }
 
-inline BackwardWorkspaceLayout backward_workspace_layout(const detail::ProblemShape& s) {
+// The preprocess kernel's rows per CTA, each CTA writing one share of the sink's gradient.
+inline constexpr int64_t kSinkRowsPerShare = 8;
+
+inline BackwardWorkspaceLayout backward_workspace_layout(const detail::ProblemShape& s, bool dsink) {
   auto align = [](size_t bytes) { return (bytes + 255) / 256 * 256; };
   const bool dq_accum_used = !backward_dq_kernel(s.head_dim);
   BackwardWorkspaceLayout w;
@@ -44,7 +49,9 @@ inline BackwardWorkspaceLayout backward_workspace_layout(const detail::ProblemSh
   w.dpsum = align(rows * sizeof(float));
   w.dq_accum = w.dpsum + align(rows * sizeof(float));
   w.dq_semaphore = w.dq_accum + (dq_accum_used ? align(rows * s.head_dim * sizeof(float)) : 0);
-  w.bytes = w.dq_semaphore + (dq_accum_used ? align(rows / w.kSemaphoreRows * sizeof(int32_t)) : 0);
+  w.dsink_partial = w.dq_semaphore + (dq_accum_used ? align(rows / w.kSemaphoreRows * sizeof(int32_t)) : 0);
+  w.dsink_partials_per_head = dsink ? int64_t(s.batch) * w.rows_padded / kSinkRowsPerShare : 0;
+  w.bytes = w.dsink_partial + align(size_t(s.heads_q * w.dsink_partials_per_head) * sizeof(float));
   return w;
 }
 

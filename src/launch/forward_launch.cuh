@@ -1,4 +1,4 @@
-// Composes the forward kernel for one (dtype, head dim, causal) and launches it.
+// Composes the forward kernel for one (dtype, head dim, mask kind, softcap) and launches it.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -13,18 +13,21 @@
 #include "hopper/kernel/forward_kernel.hpp"
 #include "launch/element_of.cuh"
 #include "launch/forward_launch.hpp"
+#include "launch/launch_common.cuh"
 
 namespace flashhopper::launch {
 
-template <fh_dtype kDType, int kHeadDim, bool kCausal>
+template <fh_dtype kDType, int kHeadDim, hopper::MaskKind kMask, bool kSoftcap>
 cudaError_t run_forward_hdim(const ForwardParams& p, const detail::ProblemShape& s, cudaStream_t stream) {
   using namespace cute;
   using namespace flashhopper::hopper;
   using Element = typename ElementOf<kDType>::type;
-  using Tile = ForwardTileSize<kHeadDim, kCausal>;
-  using Mainloop = ForwardMainloop<Element, Tile::kBlockM, Tile::kBlockN, kHeadDim, Tile::kStages, kCausal>;
+  using Tile = ForwardTileSize<kHeadDim, /*kMasked=*/kMask != MaskKind::kNone>;
+  using Mainloop = ForwardMainloop<Element, Tile::kBlockM, Tile::kBlockN, kHeadDim, Tile::kStages, kMask, kSoftcap>;
   using Epilogue = ForwardEpilogue<Element, Tile::kBlockM, kHeadDim, typename Mainloop::TiledMmaPV>;
-  using Scheduler = StaticPersistentScheduler</*kLongestFirst=*/kCausal>;
+  // Causal tiles differ in length (longest first); a window's are alike, and those run together
+  // share their K/V in L2 when the blocks of a head go together.
+  using Scheduler = StaticPersistentScheduler</*kLongestFirst=*/kMask == MaskKind::kCausal>;
   using Kernel = ForwardKernel<Mainloop, Epilogue, Scheduler>;
 
   const int batch = int(s.batch), seqlen_q = int(s.seqlen_q), seqlen_k = int(s.seqlen_k);
@@ -39,7 +42,10 @@ cudaError_t run_forward_hdim(const ForwardParams& p, const detail::ProblemShape&
       static_cast<Element const*>(p.v.data),
       make_shape(kHeadDim, seqlen_k, heads_kv, batch),
       make_stride(_1{}, p.v.stride[1], p.v.stride[2], p.v.stride[0]),
-      float(detail::default_scale(p.softmax_scale, kHeadDim))};
+      float(detail::default_scale(p.softmax_scale, kHeadDim)),
+      p.softcap,
+      local_mask_params(p),
+      static_cast<float const*>(p.learnable_sink.data)};
   typename Epilogue::Arguments epilogue_args{
       static_cast<Element*>(p.out.data),
       make_shape(seqlen_q, kHeadDim, heads_q, batch),
@@ -47,10 +53,8 @@ cudaError_t run_forward_hdim(const ForwardParams& p, const detail::ProblemShape&
       static_cast<float*>(p.lse.data),
       make_stride(_1{}, p.lse.data ? p.lse.stride[1] : 0, p.lse.data ? p.lse.stride[0] : 0)};
 
-  int device = 0, num_sms = 0, l2_bytes = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device);
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, device);
+  int num_sms = 0, l2_bytes = 0;
+  cudaError_t err = device_sms_and_l2(&num_sms, &l2_bytes);
   if (err != cudaSuccess) return err;
 
   const int num_m_blocks = (seqlen_q + Tile::kBlockM - 1) / Tile::kBlockM;
@@ -60,13 +64,8 @@ cudaError_t run_forward_hdim(const ForwardParams& p, const detail::ProblemShape&
                                                         int64_t(seqlen_k) * 2 * kHeadDim * sizeof(Element), l2_bytes,
                                                         num_sms)};
 
-  auto kernel = forward_kernel_entry<Kernel>;
-  constexpr int kSmemBytes = Kernel::kSharedStorageSize;
-  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
-  if (err != cudaSuccess) return err;
-  const int grid = Scheduler::grid_size(params.scheduler, num_sms);
-  kernel<<<grid, Kernel::kNumThreads, kSmemBytes, stream>>>(params);
-  return cudaGetLastError();
+  return launch_kernel<Kernel>(forward_kernel_entry<Kernel>, Scheduler::grid_size(params.scheduler, num_sms),
+                               params, stream);
 }
 
 }  // namespace flashhopper::launch

@@ -6,10 +6,11 @@
 #include <cuda_runtime_api.h>
 
 #include "api/problem_shape.hpp"
+#include "hopper/common/mask_kind.hpp"
 
 namespace flashhopper::launch {
 
-template <fh_dtype kDType, int kHeadDim, bool kCausal>
+template <fh_dtype kDType, int kHeadDim, hopper::MaskKind kMask, bool kSoftcap>
 cudaError_t run_forward_hdim(const ForwardParams& params, const detail::ProblemShape& shape, cudaStream_t stream);
 
 }  // namespace flashhopper::launch

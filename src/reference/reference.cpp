@@ -288,7 +288,7 @@ struct KeyRange {
 };
 
 // The keys a query row sees, as two disjoint ascending ranges: the sink tokens not already in
-// the window, then the window.
+// the window, then the window (each cut to the row's chunk with attention_chunk).
 using VisibleKeys = std::array<KeyRange, 2>;
 
 // DESIGN.md's mask for one sequence, aligned at the bottom-right, restricted to the keys
@@ -305,13 +305,23 @@ class RowMask {
     const int64_t first =
         spec_.window_left < 0 ? 0 : std::max<int64_t>(0, diagonal - spec_.window_left);
     const int64_t sink_end = std::min({int64_t(spec_.num_sink_tokens), last + 1, first});
-    return {clip({0, sink_end}), clip({first, last + 1})};
+    KeyRange sinks{0, sink_end}, window{first, last + 1};
+    if (spec_.attention_chunk > 0) {
+      // The chunk [floor(p / c) * c, + c) holds the diagonal; floor division, so that a row with
+      // p < 0 gets a chunk of keys before the first one and sees nothing. Sinks are cut too.
+      const int64_t c = spec_.attention_chunk;
+      const int64_t chunk = diagonal >= 0 ? diagonal / c : -((-diagonal + c - 1) / c);
+      sinks = intersect(sinks, chunk * c, chunk * c + c);
+      window = intersect(window, chunk * c, chunk * c + c);
+    }
+    return {intersect(sinks, key_begin_, key_end_), intersect(window, key_begin_, key_end_)};
   }
 
  private:
-  KeyRange clip(KeyRange r) const {
-    r.begin = std::max(r.begin, key_begin_);
-    r.end = std::max(r.begin, std::min(r.end, key_end_));
+  // r cut to [lo, hi); an empty result has begin == end.
+  static KeyRange intersect(KeyRange r, int64_t lo, int64_t hi) {
+    r.begin = std::max(r.begin, lo);
+    r.end = std::max(r.begin, std::min(r.end, hi));
     return r;
   }
 
@@ -342,6 +352,7 @@ struct LowPrecisionMath {
 template <class Acc>
 struct HeadData {
   int64_t rows = 0, keys = 0, d = 0, dv = 0;
+  Acc sink = -std::numeric_limits<Acc>::infinity();  // learnable sink logit; -inf: none
   std::vector<Acc> q;     // [rows, d]
   std::vector<Acc> k;     // [keys, d]
   std::vector<Acc> k_t;   // [d, keys]: a row of scores is a sum of scaled rows of k_t
@@ -374,7 +385,7 @@ struct RowBlock {
   std::vector<VisibleKeys> visible;  // [rows]
   std::vector<Acc> scores;           // [rows, span], after scale, rounding and softcap
   std::vector<Acc> probs;            // [rows, span]
-  std::vector<Acc> lse;              // [rows], -inf where a row sees no key
+  std::vector<Acc> lse;              // [rows]; where a row sees no key: the sink (-inf without)
 };
 
 template <class Math>
@@ -383,7 +394,8 @@ struct Scaling {
   typename Math::Acc softcap;  // 0: none
 };
 
-// S = round(scale * Q K^T), softcapped; P = round(softmax(S)) over each row's visible keys.
+// S = round(scale * Q K^T), softcapped; P = round(softmax(S)) over each row's visible keys, with
+// the head's learnable sink in the denominator (it has no value, so it gets no entry in P).
 template <class Math>
 void compute_probabilities(const HeadData<typename Math::Acc>& head, const RowMask& mask,
                            const Scaling<Math>& scaling, int64_t row_begin, int64_t row_end,
@@ -434,18 +446,24 @@ void compute_probabilities(const HeadData<typename Math::Acc>& head, const RowMa
         sees_a_key = true;
       }
     }
-    if (!sees_a_key) continue;  // P = 0, LSE = -inf
+    const bool has_sink = head.sink > -std::numeric_limits<Acc>::infinity();
+    if (!sees_a_key) {  // P = 0: O = 0, and the sink alone makes up the denominator
+      blk.lse[r] = head.sink;
+      continue;
+    }
+    const Acc m = has_sink ? std::max(row_max, head.sink) : row_max;
     Acc sum = 0;
     for (const KeyRange& range : blk.visible[r]) {
       for (int64_t j = range.begin - span_begin; j < range.end - span_begin; ++j) {
-        p[j] = std::exp(s[j] - row_max);
+        p[j] = std::exp(s[j] - m);
         sum += p[j];
       }
     }
+    if (has_sink) sum += std::exp(head.sink - m);
     for (const KeyRange& range : blk.visible[r])
       for (int64_t j = range.begin - span_begin; j < range.end - span_begin; ++j)
         p[j] = Math::round(p[j] / sum);
-    blk.lse[r] = row_max + std::log(sum);
+    blk.lse[r] = m + std::log(sum);
   }
 }
 
@@ -475,12 +493,12 @@ struct KeyGradients {
   std::vector<Acc> dv;  // [keys, dv]
 };
 
-// The backward of one block of rows: writes the block's dQ into `dq` ([rows, d], final) and adds
-// its share of dK and dV into `grads`.
+// The backward of one block of rows: writes the block's dQ into `dq` ([rows, d], final), adds
+// its share of dK and dV into `grads` and, with a sink, its rows' terms into `dsink` in row order.
 template <class Math>
 void backward_block(const HeadData<typename Math::Acc>& head, const Scaling<Math>& scaling,
                     RowBlock<typename Math::Acc>* block, KeyGradients<typename Math::Acc>* grads,
-                    std::vector<typename Math::Acc>* dq) {
+                    std::vector<typename Math::Acc>* dq, typename Math::Acc* dsink) {
   using Acc = typename Math::Acc;
   RowBlock<Acc>& blk = *block;
   const int64_t d = head.d, dv = head.dv, span = blk.span, span_begin = blk.span_begin;
@@ -492,6 +510,10 @@ void backward_block(const HeadData<typename Math::Acc>& head, const Scaling<Math
   for (int64_t r = 0; r < blk.rows; ++r)
     for (int64_t c = 0; c < dv; ++c)
       delta[r] += head.dout[(blk.row_begin + r) * dv + c] * out[r * dv + c];
+  // The sink acts as a key whose value is 0: its dP is 0, so its dS is exp(sink - LSE_i) (0 - D_i),
+  // and d loss / d sink sums that over the rows.
+  if (head.sink > -std::numeric_limits<Acc>::infinity())
+    for (int64_t r = 0; r < blk.rows; ++r) *dsink -= std::exp(head.sink - blk.lse[r]) * delta[r];
 
   // dP = dO V^T over the visible entries, as dv rank-1 updates (contiguous keys innermost).
   std::vector<Acc> ds(blk.rows * span, Acc(0));
@@ -562,8 +584,14 @@ struct ForwardPlan {
   RowLayout lse;                       // tensor absent: not written
   RowLayout out_partial, lse_partial;  // split-KV only
   int64_t num_splits = 1;
+  std::vector<double> sinks;           // [Hq] learnable sink logits; empty: none
   std::vector<Sequence> sequences;
 };
+
+template <class Acc>
+Acc sink_of(const std::vector<double>& sinks, int64_t h) {
+  return sinks.empty() ? -std::numeric_limits<Acc>::infinity() : Acc(sinks[h]);
+}
 
 template <class Math>
 void run_forward(const ForwardPlan& plan, int num_threads) {
@@ -591,6 +619,8 @@ void run_forward(const ForwardPlan& plan, int num_threads) {
     RowBlock<Acc> blk;
     std::vector<Acc> out;
     for (int64_t s = 0; s < plan.num_splits; ++s) {
+      // The sink joins split 0 only, so that combining the splits counts it once.
+      head.sink = s == 0 ? sink_of<Acc>(plan.sinks, h) : -std::numeric_limits<Acc>::infinity();
       const int64_t key_begin = split ? std::min(s * chunk, head.keys) : 0;
       const int64_t key_end = split ? std::min((s + 1) * chunk, head.keys) : head.keys;
       const RowMask mask(plan.mask, head.rows, head.keys, key_begin, key_end);
@@ -644,6 +674,8 @@ struct BackwardPlan {
   MaskSpec mask;
   double scale = 0, softcap = 0;
   TokenLayout q, k, v, dout, dq, dk, dv;
+  std::vector<double> sinks;  // [Hq] learnable sink logits; empty: none
+  Tensor dsink{};             // absent: not written
   std::vector<Sequence> sequences;
 };
 
@@ -664,6 +696,8 @@ void run_backward(const BackwardPlan& plan, int num_threads) {
   const int64_t group = shape.heads_q / shape.heads_kv;
   const Scaling<Math> scaling{Acc(plan.scale), Acc(plan.softcap)};
   std::vector<GroupGradients<Acc>> groups(shape.batch * shape.heads_kv);
+  // Each (b, h)'s dsink term, summed over its rows in order; added over b in order at the end.
+  std::vector<Acc> dsink_terms(shape.batch * shape.heads_q, Acc(0));
 
   // Items are (b, h) in increasing order, so a group's heads are handed out in head order: the
   // head a thread waits for has been taken already and never waits for a later one.
@@ -675,6 +709,7 @@ void run_backward(const BackwardPlan& plan, int num_threads) {
     head.keys = seq.keys;
     head.d = shape.head_dim;
     head.dv = shape.head_dim_v;
+    head.sink = sink_of<Acc>(plan.sinks, h);
     gather_rows(plan.q, b, h, head.rows, head.d, &head.q);
     gather_rows(plan.dout, b, h, head.rows, head.dv, &head.dout);
     gather_rows(plan.k, b, hk, head.keys, head.d, &head.k);
@@ -691,7 +726,7 @@ void run_backward(const BackwardPlan& plan, int num_threads) {
     for (int64_t r0 = 0; r0 < head.rows; r0 += kBlockRows) {
       compute_probabilities<Math>(head, mask, scaling, r0, std::min(r0 + kBlockRows, head.rows),
                                   &blk);
-      backward_block<Math>(head, scaling, &blk, &grads, &dq);
+      backward_block<Math>(head, scaling, &blk, &grads, &dq, &dsink_terms[item]);
       for (int64_t r = 0; r < blk.rows; ++r)
         plan.dq.store_row(b, r0 + r, h, head.d, &dq[r * head.d]);
     }
@@ -723,6 +758,14 @@ void run_backward(const BackwardPlan& plan, int num_threads) {
     lock.unlock();
     g.turn.notify_all();
   });
+
+  if (present(plan.dsink)) {
+    for (int64_t h = 0; h < shape.heads_q; ++h) {
+      Acc sum = 0;
+      for (int64_t b = 0; b < shape.batch; ++b) sum += dsink_terms[b * shape.heads_q + h];
+      store_element(plan.dsink, h * plan.dsink.stride[0], double(sum));
+    }
+  }
 }
 
 // ---- dispatch on the arithmetic --------------------------------------------------------------
@@ -742,6 +785,28 @@ Status dispatch_math(const Options& options, int32_t q_dtype, const Run& run) {
                      std::string("emulate_low_precision needs q in bf16, fp16 or fp32, not ") +
                          dtype_name(q_dtype));
   }
+}
+
+// learnable_sink [Hq] (fp32 or fp64, host memory), read into `sinks`. A logit may be -inf (that
+// head has no sink) but neither NaN nor +inf, which would leave no defined softmax.
+Status read_sinks(const Tensor& t, int64_t heads, std::vector<double>* sinks) {
+  sinks->clear();
+  if (!present(t)) return {};
+  if (t.dtype != FH_DTYPE_FP32 && t.dtype != FH_DTYPE_FP64) {
+    return invalid(std::string("learnable_sink has dtype ") + dtype_name(t.dtype) +
+                   "; expected fp32 or fp64");
+  }
+  FLASHHOPPER_REFERENCE_CHECK(check_shape(t, "learnable_sink", {heads}));
+  sinks->resize(heads);
+  for (int64_t h = 0; h < heads; ++h) {
+    const double x = load_element(t, h * t.stride[0]);
+    if (std::isnan(x) || x == std::numeric_limits<double>::infinity()) {
+      return invalid("learnable_sink[" + std::to_string(h) + "] is " + std::to_string(x) +
+                     "; a sink logit must be finite or -inf (no sink)");
+    }
+    (*sinks)[h] = x;
+  }
+  return {};
 }
 
 Status check_heads(const ProblemShape& shape) {
@@ -848,7 +913,8 @@ Status forward(const ForwardParams& p, const Options& options, const Tensor* out
                         p.cache_seqlens, p.page_table,   shape.seqlen_new};
   FLASHHOPPER_REFERENCE_CHECK(sequence_lengths(shape, lengths, &plan.sequences));
 
-  plan.mask = detail::mask_spec(p.causal, p.window_left, p.window_right, p.num_sink_tokens);
+  FLASHHOPPER_REFERENCE_CHECK(read_sinks(p.learnable_sink, Hq, &plan.sinks));
+  plan.mask = detail::mask_spec(p);
   plan.scale = detail::default_scale(p.softmax_scale, d);
   plan.softcap = p.softcap > 0 ? double(p.softcap) : 0.0;
   plan.q = varlen_q ? TokenLayout::packed(p.q, p.cu_seqlens_q) : TokenLayout::dense(p.q);
@@ -927,7 +993,17 @@ Status backward(const BackwardParams& p, const Options& options) {
   LengthSources lengths{p.cu_seqlens_q, p.cu_seqlens_k, p.seqused_q, p.seqused_k, {}, {}, 0};
   FLASHHOPPER_REFERENCE_CHECK(sequence_lengths(shape, lengths, &plan.sequences));
 
-  plan.mask = detail::mask_spec(p.causal, p.window_left, p.window_right, p.num_sink_tokens);
+  FLASHHOPPER_REFERENCE_CHECK(read_sinks(p.learnable_sink, Hq, &plan.sinks));
+  if (present(p.dsink)) {
+    if (!present(p.learnable_sink)) return invalid("dsink needs learnable_sink");
+    if (p.dsink.dtype != FH_DTYPE_FP32 && p.dsink.dtype != FH_DTYPE_FP64) {
+      return invalid(std::string("dsink has dtype ") + dtype_name(p.dsink.dtype) +
+                     "; the CPU reference writes fp32 or fp64");
+    }
+    FLASHHOPPER_REFERENCE_CHECK(check_shape(p.dsink, "dsink", {Hq}));
+    plan.dsink = p.dsink;
+  }
+  plan.mask = detail::mask_spec(p);
   plan.scale = detail::default_scale(p.softmax_scale, d);
   plan.softcap = p.softcap > 0 ? double(p.softcap) : 0.0;
   auto q_layout = [&](const Tensor& t) {

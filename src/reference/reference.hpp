@@ -9,8 +9,18 @@
 //   (cache_seqlens wins over seqused_k).
 // - Only what takes part is written: out/lse rows past seqused_q are left untouched (as
 //   FlashAttention-3 does), and so are dq rows past seqused_q and dk/dv rows past a sequence's
-//   keys. A row that takes part but sees no key gets O = 0, LSE = -inf, dQ = 0; a key that
-//   takes part but that no row sees gets dK = dV = 0.
+//   keys. A row that takes part but sees no key gets O = 0, LSE = -inf (sigma_h with a learnable
+//   sink), dQ = 0; a key that takes part but that no row sees gets dK = dV = 0.
+// - Masks: problem_shape.hpp's MaskSpec rule, attention_chunk included (a chunk cuts the sink
+//   tokens too).
+// - Learnable sink sigma_h (learnable_sink, fp32 or fp64 [Hq] in host memory; -inf: none for
+//   that head, NaN/+inf refused): e^sigma_h joins every row's softmax denominator with no value,
+//   so LSE_i = log(sum_j e^S_ij + e^sigma_h) and O_i = sum_j e^(S_ij - LSE_i) V_j; with
+//   num_splits > 1 it joins split 0 only, so that combine() counts it once. The backward's
+//   dS/dQ/dK/dV formulas are unchanged given that LSE, and dsink (fp32 or fp64 [Hq], optional,
+//   with learnable_sink only) is -sum over sequences and rows of exp(sigma_h - LSE_i) D_i,
+//   D_i = rowsum(dO_i * O_i), summed over each sequence's rows in order, then over sequences in
+//   order (float32 accumulation in low-precision emulation, like the softmax).
 // - Outputs are written in their tensor's dtype (fp64, fp32, bf16, fp16; rounded to nearest
 //   even); lse may be fp32 or fp64.
 // - Results do not depend on the thread count: every sum runs in a fixed order (the GQA sums
@@ -29,7 +39,8 @@ struct Options {
   //       dtype: S = round(scale * Q K^T), P = round(softmax(S)), O = round(P V), each product
   //       accumulated in float32 and rounded to the dtype of q (bf16/fp16). Its error versus
   //       the exact result is the yardstick of the pass rule.
-  //       Softcap and mask act in float32 on the rounded S; softmax and LSE are float32.
+  //       Softcap and mask act in float32 on the rounded S; softmax (with the learnable sink)
+  //       and LSE are float32.
   //       Backward: D = rowsum(dO * O) from the rounded O; dP = round(dO V^T),
   //       dS = round(P * (dP - D) [* (1 - tanh^2)]), dQ = round(scale * dS K),
   //       dK = round(scale * dS^T Q), dV = round(P^T dO) per query head; for GQA the group's

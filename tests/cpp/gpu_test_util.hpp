@@ -24,6 +24,36 @@
 
 namespace flashhopper::test {
 
+// The masks and score transforms beyond causal: a window, sink tokens, chunks, softcap and a
+// learnable sink (random logits, one a query head).
+struct Features {
+  int window_left = -1, window_right = -1;
+  int num_sink_tokens = 0;
+  int chunk = 0;
+  float softcap = 0.f;
+  bool learnable_sink = false;
+
+  std::string tag() const {
+    std::ostringstream s;
+    if (window_left != -1 || window_right != -1)
+      s << "_w" << (window_left < 0 ? "inf" : std::to_string(window_left)) << "x"
+        << (window_right < 0 ? "inf" : std::to_string(window_right));
+    if (num_sink_tokens > 0) s << "_sinks" << num_sink_tokens;
+    if (chunk > 0) s << "_chunk" << chunk;
+    if (softcap > 0) s << "_cap" << int(softcap);
+    if (learnable_sink) s << "_lsink";
+    return s.str();
+  }
+  template <class Params>
+  void apply(Params& p) const {
+    p.window_left = window_left;
+    p.window_right = window_right;
+    p.num_sink_tokens = num_sink_tokens;
+    p.attention_chunk = chunk;
+    p.softcap = softcap;
+  }
+};
+
 // One problem of the GPU tests' grids; name() is the test's name.
 struct GridCase {
   fh_dtype dtype;
@@ -31,15 +61,59 @@ struct GridCase {
   bool causal;
   int batch, seqlen_q, seqlen_k, heads_q, heads_kv;
   bool heads_major_layout;  // inputs stored as [B, H, S, D] and passed as a strided [B, S, H, D] view
+  Features features{};
 
   std::string name() const {
     std::ostringstream s;
     s << (dtype == FH_DTYPE_BF16 ? "bf16" : "fp16") << "_d" << head_dim << (causal ? "_causal" : "_full") << "_b"
       << batch << "_sq" << seqlen_q << "_sk" << seqlen_k << "_h" << heads_q << "_hkv" << heads_kv
-      << (heads_major_layout ? "_bhsd" : "");
+      << (heads_major_layout ? "_bhsd" : "") << features.tag();
     return s.str();
   }
 };
+
+// Learnable-sink logits, one a query head, around the scores' own scale (so the sink matters).
+inline HostTensor make_sink_logits(int heads_q, uint32_t seed) {
+  HostTensor sink = random_tensor(FH_DTYPE_FP32, {heads_q}, seed);
+  float* x = static_cast<float*>(sink.data());
+  for (int h = 0; h < heads_q; ++h) x[h] = 2.f * x[h] + 1.f;
+  return sink;
+}
+
+// The feature cases both GPU tests run, at every dtype and head dim: each feature alone and
+// combined, windows of 0, 1, wider than the sequence and asymmetric, sq != sk both ways, GQA,
+// rows that see no key.
+inline std::vector<GridCase> feature_cases() {
+  struct Row {
+    bool causal;
+    int batch, seqlen_q, seqlen_k, heads_q, heads_kv;
+    Features f;
+  };
+  const std::vector<Row> rows = {
+      {false, 2, 300, 300, 4, 2, {5, 3}},
+      {false, 1, 113, 200, 2, 1, {0, 0}},
+      {false, 1, 257, 1000, 2, 2, {1, 1}},
+      {false, 1, 300, 200, 2, 2, {-1, 7}},
+      {false, 2, 1000, 513, 4, 1, {70, 0, 4}},
+      {false, 1, 200, 300, 2, 1, {1000, 2000}},
+      {false, 1, 600, 600, 2, 2, {150, 40, 3}},
+      {true, 1, 257, 1000, 2, 2, {-1, -1, 0, 100}},
+      {false, 1, 333, 333, 3, 3, {-1, -1, 0, 128}},
+      {false, 1, 500, 400, 2, 1, {90, 20, 0, 64}},
+      {false, 1, 113, 200, 4, 2, {-1, -1, 0, 0, 30.f}},
+      {true, 2, 1000, 513, 4, 1, {-1, -1, 0, 0, 30.f}},
+      {false, 1, 400, 700, 4, 2, {64, 0, 0, 0, 5.f}},
+      {false, 2, 300, 300, 4, 2, {-1, -1, 0, 0, 0.f, true}},
+      {true, 1, 500, 300, 2, 1, {-1, -1, 0, 0, 0.f, true}},
+      {false, 1, 600, 500, 4, 2, {100, 0, 2, 0, 20.f, true}},
+  };
+  std::vector<GridCase> cases;
+  for (fh_dtype dtype : {FH_DTYPE_BF16, FH_DTYPE_FP16})
+    for (int head_dim : {64, 128, 256})
+      for (const Row& r : rows)
+        cases.push_back({dtype, head_dim, r.causal, r.batch, r.seqlen_q, r.seqlen_k, r.heads_q, r.heads_kv, false, r.f});
+  return cases;
+}
 
 inline bool sm90_available(std::string* why) {
   int count = 0;

@@ -34,15 +34,17 @@ namespace {
 constexpr double kAbsSlack = 1e-4;
 constexpr int kRepeats = 20;  // runs of the determinism and spread tests
 
-// dq, dk, dv on the host, contiguous [B, S, H, D].
+// dq, dk, dv on the host, contiguous [B, S, H, D]; dsink [Hq] (float32, or float64 for the exact
+// reference), used only with a learnable sink.
 struct Gradients {
-  HostTensor dq, dk, dv;
+  HostTensor dq, dk, dv, dsink;
 };
 
 Gradients make_gradients(int32_t dtype, const GridCase& c) {
   return {HostTensor(dtype, {c.batch, c.seqlen_q, c.heads_q, c.head_dim}),
           HostTensor(dtype, {c.batch, c.seqlen_k, c.heads_kv, c.head_dim}),
-          HostTensor(dtype, {c.batch, c.seqlen_k, c.heads_kv, c.head_dim})};
+          HostTensor(dtype, {c.batch, c.seqlen_k, c.heads_kv, c.head_dim}),
+          HostTensor(dtype == FH_DTYPE_FP64 ? FH_DTYPE_FP64 : FH_DTYPE_FP32, {c.heads_q})};
 }
 
 constexpr std::array<const char*, 3> kGradientNames = {"dq", "dk", "dv"};
@@ -55,6 +57,7 @@ std::array<HostTensor*, 3> list(Gradients& g) { return {&g.dq, &g.dk, &g.dv}; }
 struct Expected {
   Gradients exact, plain;
   std::array<double, 3> plain_err{};
+  double dsink_plain_err = 0;
 };
 
 Tensor bshd_device_view(const DeviceTensor& t, bool heads_major) {
@@ -84,6 +87,9 @@ class BackwardProblem {
     f.out = out_.view();
     f.lse = lse_.view();
     f.causal = c.causal;
+    c.features.apply(f);
+    sink_ = make_sink_logits(c.heads_q, seed + 4);
+    if (c.features.learnable_sink) f.learnable_sink = sink_.view();
     const Status status = reference::forward(f);
     ASSERT_TRUE(status.ok()) << status.message;
 
@@ -97,8 +103,10 @@ class BackwardProblem {
     d_dq_ = std::make_unique<DeviceTensor>(shapes.dq);
     d_dk_ = std::make_unique<DeviceTensor>(shapes.dk);
     d_dv_ = std::make_unique<DeviceTensor>(shapes.dv);
+    d_sink_ = std::make_unique<DeviceTensor>(sink_);
+    d_dsink_ = std::make_unique<DeviceTensor>(shapes.dsink);
     for (const DeviceTensor* t : {d_q_.get(), d_k_.get(), d_v_.get(), d_dout_.get(), d_out_.get(), d_lse_.get(),
-                                  d_dq_.get(), d_dk_.get(), d_dv_.get()}) {
+                                  d_dq_.get(), d_dk_.get(), d_dv_.get(), d_sink_.get(), d_dsink_.get()}) {
       ASSERT_TRUE(t->ok()) << "cudaMalloc failed";
     }
     CUDA_CHECK(d_q_->upload(q_));
@@ -107,6 +115,7 @@ class BackwardProblem {
     CUDA_CHECK(d_dout_->upload(dout_));
     CUDA_CHECK(d_out_->upload(out_));
     CUDA_CHECK(d_lse_->upload(lse_));
+    CUDA_CHECK(d_sink_->upload(sink_));
 
     params_ = default_backward_params();
     params_.q = bshd_device_view(*d_q_, hm);
@@ -119,6 +128,11 @@ class BackwardProblem {
     params_.dk = d_dk_->view();
     params_.dv = d_dv_->view();
     params_.causal = c.causal;
+    c.features.apply(params_);
+    if (c.features.learnable_sink) {
+      params_.learnable_sink = d_sink_->view();
+      params_.dsink = d_dsink_->view();
+    }
   }
 
   // Poisons the gradients and the workspace (the kernel must write every gradient element and
@@ -142,12 +156,14 @@ class BackwardProblem {
     CUDA_CHECK(d_dq_->poison());
     CUDA_CHECK(d_dk_->poison());
     CUDA_CHECK(d_dv_->poison());
+    CUDA_CHECK(d_dsink_->poison());
   }
 
   void download(Gradients* grads) const {
     CUDA_CHECK(d_dq_->download(grads->dq));
     CUDA_CHECK(d_dk_->download(grads->dk));
     CUDA_CHECK(d_dv_->download(grads->dv));
+    if (c_.features.learnable_sink) CUDA_CHECK(d_dsink_->download(grads->dsink));
   }
 
   // The same problem over the host copies, writing into `grads` (for the CPU reference, and as
@@ -163,6 +179,10 @@ class BackwardProblem {
     p.dq = grads.dq.view();
     p.dk = grads.dk.view();
     p.dv = grads.dv.view();
+    if (c_.features.learnable_sink) {
+      p.learnable_sink = sink_.view();
+      p.dsink = grads.dsink.view();
+    }
     return p;
   }
 
@@ -178,7 +198,9 @@ class BackwardProblem {
     status = reference::backward(host_params(e->plain), plain);
     ASSERT_TRUE(status.ok()) << status.message;
     for (int i = 0; i < 3; ++i) e->plain_err[i] = max_abs_diff(list(e->plain)[i]->view(), list(e->exact)[i]->view());
+    if (c_.features.learnable_sink) e->dsink_plain_err = max_abs_diff(e->plain.dsink.view(), e->exact.dsink.view());
   }
+  bool has_sink() const { return c_.features.learnable_sink; }
 
   const BackwardParams& params() const { return params_; }
   void* workspace() const { return workspace_.data(); }
@@ -186,8 +208,8 @@ class BackwardProblem {
 
  private:
   GridCase c_{};
-  HostTensor q_, k_, v_, dout_, out_, lse_;
-  std::unique_ptr<DeviceTensor> d_q_, d_k_, d_v_, d_dout_, d_out_, d_lse_, d_dq_, d_dk_, d_dv_;
+  HostTensor q_, k_, v_, dout_, out_, lse_, sink_;
+  std::unique_ptr<DeviceTensor> d_q_, d_k_, d_v_, d_dout_, d_out_, d_lse_, d_dq_, d_dk_, d_dv_, d_sink_, d_dsink_;
   DeviceBuffer workspace_;
   size_t workspace_needed_ = 0;
   BackwardParams params_{};
@@ -195,7 +217,13 @@ class BackwardProblem {
 
 // The pass rule for dq, dk and dv; a failure message carries all three errors. Returns the
 // kernel's errors.
-std::array<double, 3> expect_matches(const Gradients& ours, const Expected& e) {
+std::array<double, 3> expect_matches(const Gradients& ours, const Expected& e, bool with_sink) {
+  if (with_sink) {
+    const double dsink_err = max_abs_diff(ours.dsink.view(), e.exact.dsink.view());
+    EXPECT_FALSE(has_nan(ours.dsink.view())) << "unwritten (poisoned) or NaN elements in dsink";
+    EXPECT_LE(dsink_err, 2 * e.dsink_plain_err + kAbsSlack)
+        << "dsink: ours " << dsink_err << ", plain " << e.dsink_plain_err;
+  }
   std::array<double, 3> err{};
   std::ostringstream summary;
   for (int i = 0; i < 3; ++i) {
@@ -254,7 +282,7 @@ TEST_P(BackwardGpuTest, MatchesReference) {
 
   Expected expected;
   ASSERT_NO_FATAL_FAILURE(problem.compute_expected(&expected));
-  const std::array<double, 3> err = expect_matches(ours, expected);
+  const std::array<double, 3> err = expect_matches(ours, expected, problem.has_sink());
   for (int i = 0; i < 3; ++i) {
     RecordProperty(std::string(kGradientNames[i]) + "_err", std::to_string(err[i]));
     RecordProperty(std::string(kGradientNames[i]) + "_plain_err", std::to_string(expected.plain_err[i]));
@@ -290,6 +318,8 @@ std::vector<GridCase> backward_cases() {
 
 INSTANTIATE_TEST_SUITE_P(Grid, BackwardGpuTest, ::testing::ValuesIn(backward_cases()),
                          [](const ::testing::TestParamInfo<GridCase>& info) { return info.param.name(); });
+INSTANTIATE_TEST_SUITE_P(Features, BackwardGpuTest, ::testing::ValuesIn(feature_cases()),
+                         [](const ::testing::TestParamInfo<GridCase>& info) { return info.param.name(); });
 
 // ---- repeated runs ------------------------------------------------------------------------------
 
@@ -305,7 +335,7 @@ void expect_deterministic_bit_identical(const GridCase& c) {
   ASSERT_NO_FATAL_FAILURE(problem.download(&first));
   Expected expected;
   ASSERT_NO_FATAL_FAILURE(problem.compute_expected(&expected));
-  expect_matches(first, expected);
+  expect_matches(first, expected, problem.has_sink());
 
   Gradients again = make_gradients(c.dtype, c);
   std::array<int, 3> differing_runs{};
@@ -314,6 +344,9 @@ void expect_deterministic_bit_identical(const GridCase& c) {
     ASSERT_NO_FATAL_FAILURE(problem.run(/*deterministic=*/1, &status));
     ASSERT_TRUE(status.ok()) << "run " << run << ": " << status.message;
     ASSERT_NO_FATAL_FAILURE(problem.download(&again));
+    if (problem.has_sink()) {
+      EXPECT_TRUE(same_bits(first.dsink, again.dsink)) << "run " << run << ": dsink differs from the first run";
+    }
     for (int i = 0; i < 3; ++i) {
       if (same_bits(*list(first)[i], *list(again)[i])) continue;
       ++differing_runs[i];
@@ -356,7 +389,7 @@ TEST_P(BackwardGpuRepeatTest, DefaultModeSpread) {
     ASSERT_NO_FATAL_FAILURE(problem.download(&ours));
     {
       SCOPED_TRACE("run " + std::to_string(run));
-      expect_matches(ours, expected);
+      expect_matches(ours, expected, problem.has_sink());
     }
     if (HasFailure()) break;  // one failing run says it; the next 19 would repeat it
     for (int i = 0; i < 3; ++i) {
@@ -394,6 +427,13 @@ std::vector<GridCase> repeat_cases() {
   // too (its key blocks walk different query ranges).
   cases.push_back({FH_DTYPE_BF16, 256, false, 2, 1000, 1000, 4, 2, false});
   cases.push_back({FH_DTYPE_BF16, 256, true, 2, 1000, 900, 4, 2, false});
+  // Windows, sinks and chunks: a left bound means lower key blocks never reach some query blocks,
+  // which the deterministic turns must not wait for; a learnable sink's gradient too.
+  for (int head_dim : {64, 128, 256}) {
+    cases.push_back({FH_DTYPE_BF16, head_dim, false, 2, 1000, 1000, 4, 2, false, {200, 0, 3}});
+    cases.push_back({FH_DTYPE_BF16, head_dim, false, 1, 1000, 900, 4, 2, false, {100, 100, 0, 0, 0.f, true}});
+    cases.push_back({FH_DTYPE_BF16, head_dim, true, 1, 900, 1000, 4, 2, false, {-1, -1, 0, 256, 10.f}});
+  }
   return cases;
 }
 
@@ -415,6 +455,8 @@ std::vector<GridCase> waves_cases() {
     cases.push_back({FH_DTYPE_BF16, 128, causal, 1, 1024, 45 * 128, 3, 3, false});
   }
   cases.push_back({FH_DTYPE_BF16, 128, true, 1, 2880, 2880, 6, 6, false});  // causal, sq = sk: 23 key blocks a head
+  // A window over two waves: each query block waits for only the key blocks of its window.
+  cases.push_back({FH_DTYPE_BF16, 128, false, 1, 45 * 128, 45 * 128, 3, 3, false, {1000, 0, 4}});
   return cases;
 }
 

@@ -29,8 +29,10 @@ TEST_P(ForwardGpuTest, MatchesReference) {
   HostTensor out(c.dtype, {c.batch, c.seqlen_q, c.heads_q, c.head_dim});
   HostTensor lse(FH_DTYPE_FP32, {c.batch, c.heads_q, c.seqlen_q});
 
-  DeviceTensor d_q(q), d_k(k), d_v(v), d_out(out), d_lse(lse);
-  ASSERT_TRUE(d_q.ok() && d_k.ok() && d_v.ok() && d_out.ok() && d_lse.ok());
+  HostTensor sink = make_sink_logits(c.heads_q, seed + 3);
+  DeviceTensor d_q(q), d_k(k), d_v(v), d_out(out), d_lse(lse), d_sink(sink);
+  ASSERT_TRUE(d_q.ok() && d_k.ok() && d_v.ok() && d_out.ok() && d_lse.ok() && d_sink.ok());
+  CUDA_CHECK(d_sink.upload(sink));
   CUDA_CHECK(d_q.upload(q));
   CUDA_CHECK(d_k.upload(k));
   CUDA_CHECK(d_v.upload(v));
@@ -49,6 +51,8 @@ TEST_P(ForwardGpuTest, MatchesReference) {
   p.out = d_out.view();
   p.lse = d_lse.view();
   p.causal = c.causal;
+  c.features.apply(p);
+  if (c.features.learnable_sink) p.learnable_sink = d_sink.view();
 
   size_t workspace_bytes = 0;
   Status status = workspace_size(p, &workspace_bytes);
@@ -71,6 +75,7 @@ TEST_P(ForwardGpuTest, MatchesReference) {
   host.q = bshd_view(q, c.heads_major_layout);
   host.k = bshd_view(k, c.heads_major_layout);
   host.v = bshd_view(v, c.heads_major_layout);
+  if (c.features.learnable_sink) host.learnable_sink = sink.view();
   HostTensor out_exact(FH_DTYPE_FP64, {c.batch, c.seqlen_q, c.heads_q, c.head_dim});
   HostTensor lse_exact(FH_DTYPE_FP64, {c.batch, c.heads_q, c.seqlen_q});
   host.out = out_exact.view();
@@ -119,6 +124,8 @@ std::vector<GridCase> forward_cases() {
 }
 
 INSTANTIATE_TEST_SUITE_P(Grid, ForwardGpuTest, ::testing::ValuesIn(forward_cases()),
+                         [](const ::testing::TestParamInfo<GridCase>& info) { return info.param.name(); });
+INSTANTIATE_TEST_SUITE_P(Features, ForwardGpuTest, ::testing::ValuesIn(feature_cases()),
                          [](const ::testing::TestParamInfo<GridCase>& info) { return info.param.name(); });
 
 // Bad input through the real entry point: refused with the argument's name, nothing launched.

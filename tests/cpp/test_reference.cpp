@@ -1,7 +1,7 @@
 // The CPU reference on its own: its backward against finite differences of its forward, and
-// the identities that tie the features together (masks, GQA, varlen, seqused, paged KV,
-// appending, split-KV). Inputs are random (fixed seeds, one per test) and fp64 unless a test
-// is about low precision.
+// the identities that tie the features together (masks, chunks, learnable sinks, GQA, varlen,
+// seqused, paged KV, appending, split-KV). Inputs are random (fixed seeds, one per test) and fp64
+// unless a test is about low precision.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -62,6 +62,7 @@ struct Mask {
   int sinks = 0;
   float softcap = 0;
   float scale = 0;
+  int chunk = 0;  // attention_chunk
 };
 
 template <class Params>
@@ -72,6 +73,19 @@ void apply(const Mask& m, Params* p) {
   p->num_sink_tokens = m.sinks;
   p->softcap = m.softcap;
   p->softmax_scale = m.scale;
+  p->attention_chunk = m.chunk;
+}
+
+Mask chunked(Mask m, int chunk) {
+  m.chunk = chunk;
+  return m;
+}
+
+// Learnable sink logits [Hq] in fp64, around 1.5 so that e^sigma weighs like a few keys.
+HostTensor sink_logits(int64_t heads, uint32_t seed) {
+  HostTensor sink = random_tensor(FH_DTYPE_FP64, {heads}, seed);
+  for (int64_t h = 0; h < heads; ++h) sink.set({h}, sink.get({h}) + 1.5);
+  return sink;
 }
 
 struct Dims {
@@ -233,6 +247,35 @@ void check_dense_gradients(const Dims& dims, const Mask& mask, uint32_t seed) {
                                              c.dout.view());
 }
 
+// dq/dk/dv and dsink with a learnable sink, each against the central difference of the loss.
+void check_sink_gradients(const Dims& dims, const Mask& mask, uint32_t seed) {
+  DenseCase c(dims, seed);
+  HostTensor sink = sink_logits(dims.hq, seed + 7);
+  HostTensor dsink(FH_DTYPE_FP64, {dims.hq});
+  fh::ForwardParams f = c.forward(mask);
+  f.learnable_sink = sink.view();
+  fh::BackwardParams g = c.backward(mask);
+  g.learnable_sink = sink.view();
+  g.dsink = dsink.view();
+  expect_backward_matches_finite_differences(f, g, {&c.q, &c.k, &c.v}, c.dout.view());
+
+  constexpr double h = 1e-5;
+  double worst = 0;
+  for (int64_t head = 0; head < dims.hq; ++head) {
+    const double x0 = sink.get({head});
+    sink.set({head}, x0 + h);
+    const double up = loss(f, c.dout.view());
+    sink.set({head}, x0 - h);
+    const double down = loss(f, c.dout.view());
+    sink.set({head}, x0);
+    const double numeric = (up - down) / (2 * h);
+    worst = std::max(worst, std::fabs(numeric - dsink.get({head})) / (1 + std::fabs(numeric)));
+  }
+  EXPECT_LT(worst, 1e-7) << "dsink";
+  EXPECT_GT(max_abs(dsink.view()), 1e-2) << "dsink is (nearly) all zero: nothing was tested";
+  EXPECT_FALSE(fh::test::has_nan(dsink.view()));
+}
+
 TEST(ReferenceGradients, Plain) { check_dense_gradients(Dims{}, Mask{}, 101); }
 
 TEST(ReferenceGradients, CausalMoreKeysThanQueries) {
@@ -264,6 +307,28 @@ TEST(ReferenceGradients, GroupedQueryAttention) {
 
 TEST(ReferenceGradients, HeadDimVDiffersFromHeadDim) {
   check_dense_gradients(Dims{2, 5, 7, 2, 1, 4, 6}, Mask{}, 161);
+}
+
+TEST(ReferenceGradients, AttentionChunk) {
+  check_dense_gradients(Dims{2, 6, 9, 2, 2, 4, 4}, chunked(Mask{}, 3), 181);
+}
+
+TEST(ReferenceGradients, AttentionChunkCausalWithWindowAndSinkTokens) {
+  check_dense_gradients(Dims{2, 6, 9, 2, 2, 4, 4}, chunked(Mask{1}, 4), 183);
+  check_dense_gradients(Dims{2, 6, 9, 2, 2, 4, 4}, chunked(Mask{0, 2, 1, 2}, 4), 185);
+}
+
+TEST(ReferenceGradients, LearnableSink) {
+  check_sink_gradients(Dims{2, 5, 7, 3, 1, 4, 4}, Mask{}, 191);
+}
+
+TEST(ReferenceGradients, LearnableSinkCausalWithBlindRows) {  // sq > sk: the first rows see no key
+  check_sink_gradients(Dims{2, 7, 4, 2, 2, 4, 4}, Mask{1}, 193);
+}
+
+TEST(ReferenceGradients, LearnableSinkWithAttentionChunk) {
+  check_sink_gradients(Dims{2, 6, 9, 4, 2, 4, 5}, chunked(Mask{}, 4), 195);
+  check_sink_gradients(Dims{2, 8, 6, 2, 1, 4, 4}, chunked(Mask{1}, 3), 197);  // rows with p < 0
 }
 
 TEST(ReferenceGradients, Varlen) {
@@ -751,6 +816,275 @@ TEST(ReferenceIdentities, MatchesDirectDefinition) {
   }
 }
 
+// ---- chunks and learnable sinks --------------------------------------------------------------
+
+// problem_shape.hpp's visibility rule, written out apart from the reference's key ranges.
+bool visible_by_definition(const Mask& m, int64_t sq, int64_t sk, int64_t i, int64_t j) {
+  if (j < 0 || j >= sk) return false;
+  const int64_t p = i + sk - sq;
+  const int64_t wl = m.causal ? -1 : m.window_left, wr = m.causal ? 0 : m.window_right;
+  bool seen = (wl < 0 || j >= p - wl || j < m.sinks) && (wr < 0 || j <= p + wr);
+  if (m.chunk > 0) {
+    const int64_t start = int64_t(std::floor(double(p) / m.chunk)) * m.chunk;
+    seen = seen && start <= j && j < start + m.chunk;
+  }
+  return seen;
+}
+
+// The largest difference of c's O and LSE (after ref::forward) from a brute-force attention
+// over visible_by_definition, with `sinks` ([Hq], empty: none) in each row's denominator.
+double difference_from_brute_force(const DenseCase& c, const Mask& m,
+                                   const std::vector<double>& sinks) {
+  const Dims& n = c.n;
+  const double scale = m.scale > 0 ? double(m.scale) : 1 / std::sqrt(double(n.d));
+  double worst = 0;
+  for (int64_t b = 0; b < n.batch; ++b)
+    for (int64_t h = 0; h < n.hq; ++h)
+      for (int64_t i = 0; i < n.sq; ++i) {
+        const int64_t hk = h / (n.hq / n.hkv);
+        std::vector<double> e(n.sk, 0.0);
+        double denominator = sinks.empty() ? 0.0 : std::exp(sinks[h]);
+        for (int64_t j = 0; j < n.sk; ++j) {
+          if (!visible_by_definition(m, n.sq, n.sk, i, j)) continue;
+          double s = 0;
+          for (int64_t x = 0; x < n.d; ++x) s += c.q.get({b, i, h, x}) * c.k.get({b, j, hk, x});
+          s *= scale;
+          if (m.softcap > 0) s = m.softcap * std::tanh(s / m.softcap);
+          e[j] = std::exp(s);
+          denominator += e[j];
+        }
+        const double lse = denominator > 0 ? std::log(denominator) : -kInf;
+        const double got_lse = c.lse.get({b, h, i});
+        worst = std::max(worst, lse == got_lse ? 0.0 : std::fabs(lse - got_lse));
+        for (int64_t x = 0; x < n.dv; ++x) {
+          double o = 0;
+          for (int64_t j = 0; j < n.sk; ++j)
+            if (e[j] > 0) o += e[j] / denominator * c.v.get({b, j, hk, x});
+          worst = std::max(worst, std::fabs(o - c.out.get({b, i, h, x})));
+        }
+      }
+  return worst;
+}
+
+TEST(ReferenceIdentities, ChunksAndSinksMatchBruteForce) {
+  uint32_t seed = 401;
+  for (Dims dims :
+       {Dims{2, 5, 11, 4, 2, 8, 6}, Dims{2, 11, 5, 4, 2, 8, 6}, Dims{1, 9, 9, 2, 1, 8, 8}}) {
+    for (const Mask& mask : {chunked(Mask{}, 3), chunked(Mask{1}, 4), chunked(Mask{1}, 1),
+                             chunked(Mask{0, 2, 1, 2}, 4), chunked(Mask{0, -1, 2}, 5),
+                             chunked(Mask{0, 3, -1, 0, 2.0f}, 2), Mask{1}, Mask{0, 2, 0, 1}}) {
+      for (bool with_sink : {false, true}) {
+        DenseCase c(dims, seed += 10);
+        const HostTensor sink = sink_logits(dims.hq, seed + 5);
+        std::vector<double> sinks;
+        fh::ForwardParams f = c.forward(mask);
+        if (with_sink) {
+          f.learnable_sink = sink.view();
+          for (int64_t h = 0; h < dims.hq; ++h) sinks.push_back(sink.get({h}));
+        }
+        ASSERT_OK(ref::forward(f));
+        EXPECT_LE(difference_from_brute_force(c, mask, sinks), kSameMaths)
+            << "sq " << dims.sq << " sk " << dims.sk << " causal " << mask.causal << " window ("
+            << mask.window_left << ", " << mask.window_right << ") sinks " << mask.sinks
+            << " chunk " << mask.chunk << " learnable sink " << with_sink;
+      }
+    }
+  }
+}
+
+// A sink of -inf adds e^-inf = 0 to each denominator: the same bits as no sink, dsink = 0.
+TEST(ReferenceIdentities, SinkOfMinusInfinityIsNoSink) {
+  const Dims dims{2, 6, 9, 4, 2, 8, 8};
+  for (bool emulate : {false, true}) {
+    SCOPED_TRACE(emulate ? "emulated bf16" : "exact");
+    const int32_t dtype = emulate ? FH_DTYPE_BF16 : FH_DTYPE_FP64;
+    ref::Options options;
+    options.emulate_low_precision = emulate;
+    DenseCase with(dims, 411, dtype), without(dims, 411, dtype);
+    HostTensor sink(FH_DTYPE_FP32, {dims.hq}), dsink(FH_DTYPE_FP32, {dims.hq});
+    sink.fill(-kInf);
+    dsink.fill(7);
+    Mask mask;
+    mask.causal = 1;
+    fh::ForwardParams f = with.forward(mask);
+    f.learnable_sink = sink.view();
+    ASSERT_OK(ref::forward(f, options));
+    ASSERT_OK(ref::forward(without.forward(mask), options));
+    EXPECT_EQ(max_abs_diff(with.out.view(), without.out.view()), 0);
+    EXPECT_EQ(max_abs_diff(with.lse.view(), without.lse.view()), 0);
+    fh::BackwardParams g = with.backward(mask);
+    g.learnable_sink = sink.view();
+    g.dsink = dsink.view();
+    ASSERT_OK(ref::backward(g, options));
+    ASSERT_OK(ref::backward(without.backward(mask), options));
+    EXPECT_EQ(max_abs_diff(with.dq.view(), without.dq.view()), 0);
+    EXPECT_EQ(max_abs_diff(with.dk.view(), without.dk.view()), 0);
+    EXPECT_EQ(max_abs_diff(with.dv.view(), without.dv.view()), 0);
+    EXPECT_EQ(max_abs(dsink.view()), 0);
+    EXPECT_FALSE(fh::test::has_nan(dsink.view()));
+  }
+  {  // per head: a -inf head is that head without a sink, whatever the other heads' sinks
+    DenseCase with(dims, 413), without(dims, 413);
+    HostTensor sink = sink_logits(dims.hq, 414);
+    sink.set({1}, -kInf);
+    fh::ForwardParams f = with.forward();
+    f.learnable_sink = sink.view();
+    ASSERT_OK(ref::forward(f));
+    ASSERT_OK(ref::forward(without.forward()));
+    auto head_out = [](const DenseCase& c, int64_t h) { return narrow(c.out.view(), 2, h, 1); };
+    auto head_lse = [](const DenseCase& c, int64_t h) { return narrow(c.lse.view(), 1, h, 1); };
+    EXPECT_EQ(max_abs_diff(head_out(with, 1), head_out(without, 1)), 0);
+    EXPECT_EQ(max_abs_diff(head_lse(with, 1), head_lse(without, 1)), 0);
+    EXPECT_GT(max_abs_diff(head_out(with, 0), head_out(without, 0)), 1e-3) << "head 0 has a sink";
+  }
+}
+
+// With sq <= sk every row's p = i + sk - sq is in [0, sk), so a chunk of sk keys or more holds
+// all of them.
+TEST(ReferenceIdentities, ChunkCoveringAllKeysIsNoChunk) {
+  for (Dims dims : {Dims{2, 5, 9, 4, 2, 8, 6}, Dims{2, 7, 7, 2, 1, 8, 8}}) {
+    for (int causal : {0, 1}) {
+      for (int64_t chunk : {dims.sk, dims.sk + 5}) {
+        SCOPED_TRACE(testing::Message() << "sq " << dims.sq << " sk " << dims.sk << " causal "
+                                        << causal << " chunk " << chunk);
+        DenseCase a(dims, 421), b(dims, 421);
+        Mask plain;
+        plain.causal = causal;
+        const Mask chunk_mask = chunked(plain, int(chunk));
+        ASSERT_OK(ref::forward(a.forward(chunk_mask)));
+        ASSERT_OK(ref::forward(b.forward(plain)));
+        EXPECT_EQ(max_abs_diff(a.out.view(), b.out.view()), 0);
+        EXPECT_EQ(max_abs_diff(a.lse.view(), b.lse.view()), 0);
+        ASSERT_OK(ref::backward(a.backward(chunk_mask)));
+        ASSERT_OK(ref::backward(b.backward(plain)));
+        EXPECT_EQ(max_abs_diff(a.dq.view(), b.dq.view()), 0);
+        EXPECT_EQ(max_abs_diff(a.dk.view(), b.dk.view()), 0);
+        EXPECT_EQ(max_abs_diff(a.dv.view(), b.dv.view()), 0);
+      }
+    }
+  }
+}
+
+// Window (-1, -1) is no mask, and so is a window wider than the sequences on both sides.
+TEST(ReferenceIdentities, UnboundedWindowIsNoMask) {
+  for (Dims dims : {Dims{2, 5, 9, 4, 2, 8, 6}, Dims{2, 9, 5, 4, 2, 8, 6}}) {
+    DenseCase none(dims, 431), unbounded(dims, 431), wide(dims, 431);
+    fh::ForwardParams f = fh::default_forward_params();  // the mask fields as a caller leaves them
+    f.q = none.q.view();
+    f.k = none.k.view();
+    f.v = none.v.view();
+    f.out = none.out.view();
+    f.lse = none.lse.view();
+    const Mask unbounded_mask{0, -1, -1};
+    const int wide_bound = int(dims.sq + dims.sk);
+    const Mask wide_mask{0, wide_bound, wide_bound};
+    ASSERT_OK(ref::forward(f));
+    ASSERT_OK(ref::forward(unbounded.forward(unbounded_mask)));
+    ASSERT_OK(ref::forward(wide.forward(wide_mask)));
+    for (const DenseCase* c : {&unbounded, &wide}) {
+      EXPECT_EQ(max_abs_diff(c->out.view(), none.out.view()), 0);
+      EXPECT_EQ(max_abs_diff(c->lse.view(), none.lse.view()), 0);
+    }
+    ASSERT_OK(ref::backward(none.backward()));
+    ASSERT_OK(ref::backward(unbounded.backward(unbounded_mask)));
+    ASSERT_OK(ref::backward(wide.backward(wide_mask)));
+    for (const DenseCase* c : {&unbounded, &wide}) {
+      EXPECT_EQ(max_abs_diff(c->dq.view(), none.dq.view()), 0);
+      EXPECT_EQ(max_abs_diff(c->dk.view(), none.dk.view()), 0);
+      EXPECT_EQ(max_abs_diff(c->dv.view(), none.dv.view()), 0);
+    }
+  }
+}
+
+// A row that sees no key but has a finite sink: the denominator is e^sigma alone, so O = 0 and
+// LSE = sigma (not -inf), and the row passes no gradient on. Causal with sq > sk, and a chunk
+// holding no key for rows with p < 0.
+TEST(ReferenceIdentities, BlindRowWithSinkHasZeroOutputAndSinkLse) {
+  const Dims dims{2, 7, 4, 2, 1, 8, 8};
+  const int64_t blind = dims.sq - dims.sk;
+  for (const Mask& mask : {Mask{1}, chunked(Mask{}, 2)}) {
+    for (bool emulate : {false, true}) {
+      SCOPED_TRACE(testing::Message()
+                   << "chunk " << mask.chunk << (emulate ? " emulated fp32" : " exact"));
+      ref::Options options;
+      options.emulate_low_precision = emulate;
+      DenseCase c(dims, 441, emulate ? FH_DTYPE_FP32 : FH_DTYPE_FP64);
+      const HostTensor sink = sink_logits(dims.hq, 442);
+      HostTensor dsink(FH_DTYPE_FP64, {dims.hq});
+      fh::ForwardParams f = c.forward(mask);
+      f.learnable_sink = sink.view();
+      ASSERT_OK(ref::forward(f, options));
+      EXPECT_EQ(max_abs(narrow(c.out.view(), 1, 0, blind)), 0);
+      EXPECT_GT(max_abs(narrow(c.out.view(), 1, blind, dims.sq - blind)), 0);
+      for (int64_t b = 0; b < dims.batch; ++b)
+        for (int64_t h = 0; h < dims.hq; ++h)
+          for (int64_t i = 0; i < blind; ++i) {
+            const double sigma = emulate ? double(float(sink.get({h}))) : sink.get({h});
+            EXPECT_EQ(c.lse.get({b, h, i}), sigma) << b << " " << h << " " << i;
+          }
+      fh::BackwardParams g = c.backward(mask);
+      g.learnable_sink = sink.view();
+      g.dsink = dsink.view();
+      c.dq.fill(7);
+      ASSERT_OK(ref::backward(g, options));
+      EXPECT_EQ(max_abs(narrow(c.dq.view(), 1, 0, blind)), 0);
+      for (const HostTensor* t : {&c.out, &c.lse, &c.dq, &c.dk, &c.dv, &dsink})
+        EXPECT_FALSE(fh::test::has_nan(t->view()));
+    }
+  }
+}
+
+// The sink joins split 0's partial only: combined, it is counted once, as unsplit.
+TEST(ReferenceIdentities, CombinedSplitsWithSinkAreUnsplit) {
+  const Dims dims{2, 6, 11, 4, 2, 8, 6};
+  const HostTensor sink = sink_logits(dims.hq, 451);
+  for (int num_splits : {2, 3, 5}) {
+    DenseCase whole(dims, 452), parts(dims, 452);
+    Mask mask;
+    mask.causal = 1;
+    fh::ForwardParams w = whole.forward(mask);
+    w.learnable_sink = sink.view();
+    ASSERT_OK(ref::forward(w));
+    HostTensor out_partial(FH_DTYPE_FP64, {num_splits, dims.batch, dims.hq, dims.sq, dims.dv});
+    HostTensor lse_partial(FH_DTYPE_FP64, {num_splits, dims.batch, dims.hq, dims.sq});
+    fh::ForwardParams p = parts.forward(mask);
+    p.learnable_sink = sink.view();
+    p.num_splits = num_splits;
+    const fh::Tensor op = out_partial.view(), lp = lse_partial.view();
+    ASSERT_OK(ref::forward(p, {}, &op, &lp));
+    fh::CombineParams c{};
+    c.out_partial = op;
+    c.lse_partial = lp;
+    c.out = parts.out.view();
+    c.lse = parts.lse.view();
+    ASSERT_OK(ref::combine(c));
+    EXPECT_LE(max_abs_diff(parts.out.view(), whole.out.view()), kSameMaths) << num_splits;
+    EXPECT_LE(max_abs_diff(parts.lse.view(), whole.lse.view()), kSameMaths) << num_splits;
+  }
+}
+
+// dsink sums over sequences and rows in one order whatever the thread count: same bits.
+TEST(ReferenceIdentities, ThreadCountDoesNotChangeDsinkBits) {
+  const Dims dims{3, 37, 41, 8, 2, 16, 16};
+  const HostTensor sink = sink_logits(dims.hq, 461);
+  HostTensor dsink_one(FH_DTYPE_FP32, {dims.hq}), dsink_many(FH_DTYPE_FP32, {dims.hq});
+  ref::Options many;
+  many.num_threads = 5;
+  for (bool emulate : {false, true}) {
+    ref::Options one = one_thread();
+    one.emulate_low_precision = many.emulate_low_precision = emulate;
+    DenseCase a(dims, 462, FH_DTYPE_BF16), b(dims, 462, FH_DTYPE_BF16);
+    fh::BackwardParams ga = a.backward(chunked(Mask{1}, 16)), gb = b.backward(chunked(Mask{1}, 16));
+    ga.learnable_sink = gb.learnable_sink = sink.view();
+    ga.dsink = dsink_one.view();
+    gb.dsink = dsink_many.view();
+    ASSERT_OK(ref::backward(ga, one));
+    ASSERT_OK(ref::backward(gb, many));
+    EXPECT_EQ(std::memcmp(dsink_one.data(), dsink_many.data(), dsink_one.bytes()), 0);
+    EXPECT_GT(max_abs(dsink_one.view()), 0);
+  }
+}
+
 // Any strides (padded, permuted, last dim not contiguous) equal contiguous tensors.
 TEST(ReferenceIdentities, StridedIsContiguous) {
   const Dims dims{2, 5, 7, 4, 2, 8, 6};
@@ -853,6 +1187,33 @@ TEST(ReferenceLowPrecision, EmulationErrorIsPlausible) {
   }
 }
 
+TEST(ReferenceLowPrecision, EmulationWithSinkIsPlausible) {
+  const Dims dims{1, 128, 128, 2, 2, 64, 64};
+  const HostTensor sink = sink_logits(dims.hq, 471);
+  DenseCase exact(dims, 472, FH_DTYPE_BF16), plain(dims, 472, FH_DTYPE_BF16);
+  HostTensor dsink_exact(FH_DTYPE_FP64, {dims.hq}), dsink_plain(FH_DTYPE_FP32, {dims.hq});
+  ref::Options emulate;
+  emulate.emulate_low_precision = true;
+  fh::ForwardParams fe = exact.forward(), fp = plain.forward();
+  fe.learnable_sink = fp.learnable_sink = sink.view();
+  ASSERT_OK(ref::forward(fe));
+  ASSERT_OK(ref::forward(fp, emulate));
+  fh::BackwardParams ge = exact.backward(), gp = plain.backward();
+  ge.learnable_sink = gp.learnable_sink = sink.view();
+  ge.dsink = dsink_exact.view();
+  gp.dsink = dsink_plain.view();
+  ASSERT_OK(ref::backward(ge));
+  ASSERT_OK(ref::backward(gp, emulate));
+  const double out_error = max_abs_diff(exact.out.view(), plain.out.view());
+  const double lse_error = max_abs_diff(exact.lse.view(), plain.lse.view());
+  const double dsink_error =
+      max_abs_diff(dsink_exact.view(), dsink_plain.view()) / max_abs(dsink_exact.view());
+  EXPECT_GT(out_error, 1e-4);
+  EXPECT_LT(out_error, 5e-2);
+  EXPECT_LT(lse_error, 5e-2);
+  EXPECT_LT(dsink_error, 5e-2);
+}
+
 TEST(ReferenceLowPrecision, OutputsInBf16AndFp16AreRoundedExactResults) {
   const Dims dims{1, 8, 8, 2, 2, 8, 8};
   DenseCase c(dims, 331);
@@ -923,6 +1284,35 @@ TEST(ReferenceRefusals, Fp8AndBadMetadataAreRefusedWithAMessage) {
   status = ref::forward(f);
   EXPECT_EQ(status.code, FH_ERROR_INVALID_ARGUMENT);
   EXPECT_NE(status.message.find("sequence 1"), std::string::npos) << status.message;
+}
+
+TEST(ReferenceRefusals, SinkArgumentsAreChecked) {
+  const Dims dims{};
+  DenseCase c(dims, 361);
+  HostTensor sink = sink_logits(dims.hq, 362);
+  const HostTensor wrong_shape = sink_logits(dims.hq + 1, 363);
+  const HostTensor wrong_dtype(FH_DTYPE_BF16, {dims.hq});
+  HostTensor dsink(FH_DTYPE_FP64, {dims.hq});
+  fh::ForwardParams f = c.forward();
+  for (const HostTensor* bad : {&wrong_shape, &wrong_dtype}) {
+    f.learnable_sink = bad->view();
+    const fh::Status status = ref::forward(f);
+    EXPECT_EQ(status.code, FH_ERROR_INVALID_ARGUMENT);
+    EXPECT_NE(status.message.find("learnable_sink"), std::string::npos) << status.message;
+  }
+  f.learnable_sink = sink.view();
+  sink.set({1}, std::nan(""));
+  fh::Status status = ref::forward(f);
+  EXPECT_EQ(status.code, FH_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(status.message.find("learnable_sink[1]"), std::string::npos) << status.message;
+  sink.set({1}, kInf);
+  EXPECT_EQ(ref::forward(f).code, FH_ERROR_INVALID_ARGUMENT);
+
+  fh::BackwardParams g = c.backward();
+  g.dsink = dsink.view();
+  status = ref::backward(g);
+  EXPECT_EQ(status.code, FH_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(status.message.find("dsink needs learnable_sink"), std::string::npos) << status.message;
 }
 
 // ---- speed ---------------------------------------------------------------------------------

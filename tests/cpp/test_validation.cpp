@@ -832,6 +832,41 @@ TEST(ForwardScalar, SinkTokensNeedALocalWindow) {
   EXPECT_PASSES(fh::check(p));
 }
 
+TEST(ForwardScalar, CausalIsZeroOrOne) {
+  for (int32_t causal : {7, -1, 2}) {
+    SCOPED_TRACE(causal);
+    fh::ForwardParams p = dense_forward();
+    p.causal = causal;
+    EXPECT_REFUSED(fh::check(p), "causal", "is " + std::to_string(causal) + "; must be 0 or 1");
+    EXPECT_REFUSED(check_for_reference(p), "causal", "must be 0 or 1");
+  }
+  fh::ForwardParams p = dense_forward();
+  p.causal = 1;
+  EXPECT_PASSES(fh::check(p));
+}
+
+TEST(ForwardScalar, AttentionChunkNonNegative) {
+  for (int32_t chunk : {-1, -128}) {
+    SCOPED_TRACE(chunk);
+    fh::ForwardParams p = dense_forward();
+    p.attention_chunk = chunk;
+    EXPECT_REFUSED(fh::check(p), "attention_chunk", "must be >= 0 (0 disables it)");
+  }
+  fh::ForwardParams p = dense_forward();
+  p.attention_chunk = 64;
+  EXPECT_PASSES(fh::check(p));
+  p.causal = 1;  // chunks combine with causal, windows and sink tokens
+  EXPECT_PASSES(fh::check(p));
+  p.causal = 0;
+  p.window_left = 32;
+  p.window_right = 0;
+  p.num_sink_tokens = 4;
+  EXPECT_PASSES(fh::check(p));
+  p = varlen_forward();
+  p.attention_chunk = 1;
+  EXPECT_PASSES(fh::check(p));
+}
+
 TEST(ForwardScalar, NumSplitsInRange) {
   for (int32_t splits : {0, -1, 257}) {
     SCOPED_TRACE(splits);
@@ -975,6 +1010,148 @@ TEST(Backward, SharesTheForwardsRules) {
   EXPECT_REFUSED(fh::check(p), "num_sink_tokens", "local window");
 }
 
+// ---- Learnable sink ---------------------------------------------------------------------------
+
+fh::Tensor sink_tensor(int index, fh::DType dtype = FH_DTYPE_FP32) {
+  return fh::make_tensor(fake_pointer(index), dtype, {kHeadsQ});
+}
+
+TEST(LearnableSink, ValidSinksPass) {
+  fh::ForwardParams p = dense_forward();
+  p.learnable_sink = sink_tensor(20);
+  EXPECT_PASSES(fh::check(p));
+  EXPECT_PASSES(check_for_reference(p));
+  p = varlen_forward();
+  p.learnable_sink = sink_tensor(20);
+  EXPECT_PASSES(fh::check(p));
+  p = paged_forward();
+  p.learnable_sink = sink_tensor(20);
+  EXPECT_PASSES(fh::check(p));
+  fh::BackwardParams b = dense_backward();
+  b.learnable_sink = sink_tensor(20);
+  EXPECT_PASSES(fh::check(b));  // without dsink: the sink's gradient is not asked for
+  b.dsink = sink_tensor(21);
+  EXPECT_PASSES(fh::check(b));
+  EXPECT_PASSES(check_for_reference(b));
+  b = varlen_backward();
+  b.learnable_sink = sink_tensor(20);
+  b.dsink = sink_tensor(21);
+  EXPECT_PASSES(fh::check(b));
+}
+
+TEST(LearnableSink, IsOneDimensional) {
+  fh::ForwardParams p = dense_forward();
+  p.learnable_sink = fh::make_tensor(fake_pointer(20), FH_DTYPE_FP32, {1, kHeadsQ});
+  EXPECT_REFUSED(fh::check(p), "learnable_sink", "ndim is 2 but learnable_sink must be 1-d [Hq]");
+  p.learnable_sink = fh::make_tensor(fake_pointer(20), FH_DTYPE_FP32, {});
+  EXPECT_REFUSED(fh::check(p), "learnable_sink", "1-d [Hq]");
+  fh::BackwardParams b = dense_backward();
+  b.learnable_sink = fh::make_tensor(fake_pointer(20), FH_DTYPE_FP32, {kBatch, kHeadsQ});
+  EXPECT_REFUSED(fh::check(b), "learnable_sink", "1-d [Hq]");
+}
+
+TEST(LearnableSink, IsFloat32) {
+  for (fh::DType dtype : {FH_DTYPE_BF16, FH_DTYPE_FP16, FH_DTYPE_INT32}) {
+    fh::ForwardParams p = dense_forward();
+    p.learnable_sink = sink_tensor(20, dtype);
+    EXPECT_REFUSED(fh::check(p), "learnable_sink", "; must be float32");
+    EXPECT_REFUSED(check_for_reference(p), "learnable_sink", "must be float32 or float64");
+  }
+  fh::ForwardParams p = dense_forward();
+  p.learnable_sink = sink_tensor(20, FH_DTYPE_FP64);
+  EXPECT_REFUSED(fh::check(p), "learnable_sink", "dtype is float64; must be float32");
+  EXPECT_PASSES(check_for_reference(p));  // the reference also reads float64, as for lse
+  fh::BackwardParams b = dense_backward();
+  b.learnable_sink = sink_tensor(20, FH_DTYPE_BF16);
+  EXPECT_REFUSED(fh::check(b), "learnable_sink", "must be float32");
+}
+
+TEST(LearnableSink, HasOneLogitPerQueryHead) {
+  for (int64_t heads : {kHeadsKV, kHeadsQ + 1}) {
+    SCOPED_TRACE(heads);
+    fh::ForwardParams p = dense_forward();
+    p.learnable_sink = fh::make_tensor(fake_pointer(20), FH_DTYPE_FP32, {heads});
+    EXPECT_REFUSED(fh::check(p), "learnable_sink",
+                   "shape[0] (number of query heads) is " + std::to_string(heads) +
+                       " but q's number of query heads is 8");
+    fh::BackwardParams b = dense_backward();
+    b.learnable_sink = p.learnable_sink;
+    EXPECT_REFUSED(fh::check(b), "learnable_sink", "number of query heads");
+  }
+  fh::ForwardParams p = dense_forward();
+  p.learnable_sink = fh::make_tensor(fake_pointer(20), FH_DTYPE_FP32, {0});
+  EXPECT_REFUSED(fh::check(p), "learnable_sink", "at least 1");
+}
+
+TEST(LearnableSink, KernelsNeedStrideOne) {
+  fh::ForwardParams p = dense_forward();
+  p.learnable_sink = fh::make_tensor(fake_pointer(20), FH_DTYPE_FP32, {kHeadsQ}, {2});
+  EXPECT_REFUSED(fh::check(p), "learnable_sink", "stride[0] is 2 but the last dim must be contiguous (stride 1)");
+  EXPECT_PASSES(check_for_reference(p));  // the reference reads at any stride
+  p.learnable_sink = sink_tensor(20);
+  p.learnable_sink.data = misaligned(p.learnable_sink.data, 2);
+  EXPECT_REFUSED(fh::check(p), "learnable_sink", "4-byte aligned");
+  p.learnable_sink = fh::make_tensor(fake_pointer(20), FH_DTYPE_FP32, {kHeadsQ}, {-1});
+  EXPECT_REFUSED(check_for_reference(p), "learnable_sink", "negative strides");
+}
+
+TEST(LearnableSink, DsinkNeedsTheSink) {
+  fh::BackwardParams b = dense_backward();
+  b.dsink = sink_tensor(21);
+  EXPECT_REFUSED(fh::check(b), "dsink", "is given but learnable_sink is absent");
+  EXPECT_REFUSED(check_for_reference(b), "dsink", "learnable_sink is absent");
+}
+
+TEST(LearnableSink, DsinkIsFloat32PerQueryHead) {
+  fh::BackwardParams b = dense_backward();
+  b.learnable_sink = sink_tensor(20);
+  b.dsink = fh::make_tensor(fake_pointer(21), FH_DTYPE_FP32, {kHeadsQ, 1});
+  EXPECT_REFUSED(fh::check(b), "dsink", "ndim is 2 but dsink must be 1-d [Hq]");
+  b.dsink = fh::make_tensor(fake_pointer(21), FH_DTYPE_FP32, {kHeadsKV});
+  EXPECT_REFUSED(fh::check(b), "dsink", "shape[0] (number of query heads) is 2 but q's number of query heads is 8");
+  b.dsink = sink_tensor(21, FH_DTYPE_BF16);
+  EXPECT_REFUSED(fh::check(b), "dsink", "dtype is bf16; must be float32");
+  b.dsink = sink_tensor(21, FH_DTYPE_FP64);
+  EXPECT_REFUSED(fh::check(b), "dsink", "must be float32");
+  EXPECT_PASSES(check_for_reference(b));
+  b.dsink = fh::make_tensor(fake_pointer(21), FH_DTYPE_FP32, {kHeadsQ}, {4});
+  EXPECT_REFUSED(fh::check(b), "dsink", "contiguous (stride 1)");
+}
+
+TEST(LearnableSink, DsinkDoesNotAliasTheSink) {
+  fh::BackwardParams b = dense_backward();
+  b.learnable_sink = sink_tensor(20);
+  b.dsink = sink_tensor(20);
+  EXPECT_REFUSED(fh::check(b), "dsink", "overlaps learnable_sink in memory");
+  EXPECT_REFUSED(check_for_reference(b), "dsink", "overlaps");
+  b.dsink.data = misaligned(b.learnable_sink.data, 4 * (kHeadsQ - 1));  // shares the last logit
+  EXPECT_REFUSED(fh::check(b), "dsink", "overlaps");
+  b.dsink.data = misaligned(b.learnable_sink.data, 4 * kHeadsQ);  // right after it
+  EXPECT_PASSES(fh::check(b));
+  b.dsink = sink_tensor(20);
+  b.learnable_sink.data = misaligned(b.dsink.data, 4 * kHeadsQ);
+  EXPECT_PASSES(fh::check(b));
+  // Strided (the reference accepts it): the span from the first to the last element counts.
+  b = dense_backward();
+  b.learnable_sink = fh::make_tensor(fake_pointer(20), FH_DTYPE_FP32, {kHeadsQ}, {2});
+  b.dsink = sink_tensor(20);
+  b.dsink.data = misaligned(b.dsink.data, 4);  // between the sink's elements, inside its span
+  EXPECT_REFUSED(check_for_reference(b), "dsink", "overlaps");
+}
+
+TEST(LearnableSink, BackwardChecksTheNewScalarsToo) {
+  fh::BackwardParams b = dense_backward();
+  b.attention_chunk = -1;
+  EXPECT_REFUSED(fh::check(b), "attention_chunk", ">= 0");
+  b.attention_chunk = 256;
+  EXPECT_PASSES(fh::check(b));
+  b = dense_backward();
+  b.causal = 7;
+  EXPECT_REFUSED(fh::check(b), "causal", "must be 0 or 1");
+  b.causal = -1;
+  EXPECT_REFUSED(fh::check(b), "causal", "must be 0 or 1");
+}
+
 // ---- Combine ----------------------------------------------------------------------------------
 
 TEST(Combine, PartialsAndOutRequired) {
@@ -1092,6 +1269,11 @@ TEST(CAbi, CheckReportsThroughLastError) {
 
   const fh_backward_params backward = dense_backward();
   EXPECT_EQ(fh_backward_check(&backward), FH_SUCCESS);
+
+  fh_backward_params with_dsink = dense_backward();
+  with_dsink.dsink = sink_tensor(21);
+  EXPECT_EQ(fh_backward_check(&with_dsink), FH_ERROR_INVALID_ARGUMENT);
+  EXPECT_THAT(std::string(fh_last_error()), StartsWith("dsink: is given but learnable_sink is absent"));
   const fh_combine_params combine = combine_call();
   EXPECT_EQ(fh_combine_check(&combine), FH_SUCCESS);
 }

@@ -39,31 +39,60 @@ def requires_gpu(fn):
     return wrapper
 
 
-def attention_reference(q, k, v, causal=False, softmax_scale=None, dtype=None):
+def visible_keys(seqlen_q, seqlen_k, causal=False, window_size=(-1, -1), attention_chunk=0, device=None):
+    """The explicit [seqlen_q, seqlen_k] boolean mask of FlashAttention's conventions, aligned
+    bottom-right (p = i + seqlen_k - seqlen_q): query i sees key j iff j >= p - left (left >= 0),
+    j <= p + right (right >= 0; causal forces right = 0), and, with attention_chunk c > 0,
+    floor(p / c) * c <= j < floor(p / c) * c + c. -1 or None: unbounded."""
+    left, right = (-1 if w is None else int(w) for w in window_size)
+    if causal:
+        right = 0
+    rows = torch.arange(seqlen_q, device=device)[:, None]
+    cols = torch.arange(seqlen_k, device=device)[None, :]
+    p = rows + (seqlen_k - seqlen_q)
+    visible = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=device)
+    if left >= 0:
+        visible &= cols >= p - left
+    if right >= 0:
+        visible &= cols <= p + right
+    if attention_chunk > 0:
+        start = torch.div(p, attention_chunk, rounding_mode="floor") * attention_chunk
+        visible &= (cols >= start) & (cols < start + attention_chunk)
+    return visible
+
+
+def attention_reference(q, k, v, causal=False, softmax_scale=None, dtype=None, window_size=(-1, -1), softcap=0.0,
+                        attention_chunk=0, learnable_sink=None):
     """softmax(q k^T * scale + mask) v with FlashAttention's conventions, computed in `dtype`
     (float64 for the reference, the input dtype for the "plain PyTorch" comparison).
 
-    q [B, sq, Hq, d], k/v [B, sk, Hkv, d]; GQA by repeat_interleave; causal aligned bottom-right
-    (query i sees key j iff j <= i + sk - sq). Rows that see no key give out 0 and lse -inf, and no
-    NaN anywhere (also in autograd). Returns out [B, sq, Hq, d] and lse [B, Hq, sq]."""
+    q [B, sq, Hq, d], k/v [B, sk, Hkv, d]; GQA by repeat_interleave; the mask of visible_keys
+    (causal, window_size, attention_chunk; bottom-right aligned); softcap > 0 caps the scaled
+    scores, s -> softcap * tanh(s / softcap); learnable_sink [Hq] is one more logit per row with no
+    value (a column of the softmax whose probability is dropped), so lse includes it. Rows that see
+    no key give out 0 and lse -inf (the sink's logit with a sink), and no NaN anywhere (also in
+    autograd). Returns out [B, sq, Hq, d] and lse [B, Hq, sq]."""
     dtype = dtype or q.dtype
-    seqlen_q, seqlen_k = q.shape[1], k.shape[1]
-    group = q.shape[2] // k.shape[2]
+    batch, seqlen_q, heads_q = q.shape[:3]
+    seqlen_k = k.shape[1]
+    group = heads_q // k.shape[2]
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
     qh = q.to(dtype).transpose(1, 2)                                     # [B, Hq, sq, d]
     kh = k.to(dtype).repeat_interleave(group, dim=2).transpose(1, 2)     # [B, Hq, sk, d]
     vh = v.to(dtype).repeat_interleave(group, dim=2).transpose(1, 2)
     scores = (qh * scale) @ kh.transpose(-1, -2)                         # [B, Hq, sq, sk]
-    if causal:
-        rows = torch.arange(seqlen_q, device=q.device)[:, None]
-        cols = torch.arange(seqlen_k, device=q.device)[None, :]
-        visible = cols <= rows + (seqlen_k - seqlen_q)
-        scores = scores.masked_fill(~visible, float("-inf"))
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    visible = visible_keys(seqlen_q, seqlen_k, causal, window_size, attention_chunk, device=q.device)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    if learnable_sink is not None:
+        sink = learnable_sink.to(dtype).view(1, heads_q, 1, 1).expand(batch, heads_q, seqlen_q, 1)
+        scores = torch.cat([scores, sink], dim=-1)                       # [B, Hq, sq, sk + 1]
     row_max = scores.amax(dim=-1, keepdim=True).detach()
     row_max = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)
     exp = torch.exp(scores - row_max)
     denom = exp.sum(dim=-1, keepdim=True)
     probs = exp / torch.where(denom == 0, torch.ones_like(denom), denom)
-    out = (probs @ vh).transpose(1, 2)                                   # [B, sq, Hq, d]
+    out = (probs[..., :seqlen_k] @ vh).transpose(1, 2)                   # [B, sq, Hq, d]
     lse = (torch.log(denom) + row_max).squeeze(-1)                       # log(0) = -inf for empty rows
     return out, lse

@@ -1,9 +1,17 @@
 """CPU-side tests (no GPU, no library load): the package imports, the ops are registered with the
-right schemas, FA3's API is matched, argument checks raise the right error naming the argument
-before anything reaches the library, and the fake (meta) implementations infer shapes, dtypes and
-strides, also through autograd."""
+right schemas, FA3's API is matched (plus FA4's learnable_sink), argument checks (tensors, window_size,
+softcap, attention_chunk, learnable_sink) raise the right error naming the argument before anything
+reaches the library, the parameter structs carry the options as the C ABI reads them and mirror the
+header's layout, and the fake (meta) implementations infer shapes, dtypes and strides, also through
+autograd and torch.compile."""
+import ctypes
+import functools
 import inspect
+import math
 import os
+import pathlib
+import re
+import shutil
 import subprocess
 import sys
 
@@ -16,7 +24,7 @@ import flashhopper
 import flashhopper.flash_attn_interface as fa3
 from flashhopper import _ffi, flash_attn_func
 
-from support import attention_reference
+from support import attention_reference, visible_keys
 
 
 @pytest.fixture(autouse=True)
@@ -51,11 +59,13 @@ def test_import_and_exports():
 def test_ops_registered():
     fwd_schema = str(torch.ops.flashhopper.fwd.default._schema)
     bwd_schema = str(torch.ops.flashhopper.bwd.default._schema)
+    options = ("SymInt window_left=-1, SymInt window_right=-1, float softcap=0., SymInt attention_chunk=0, "
+               "Tensor? learnable_sink=None")
     assert fwd_schema == ("flashhopper::fwd(Tensor q, Tensor k, Tensor v, float? softmax_scale=None, "
-                          "bool causal=False, bool deterministic=False) -> (Tensor, Tensor)")
+                          f"bool causal=False, bool deterministic=False, {options}) -> (Tensor, Tensor)")
     assert bwd_schema == ("flashhopper::bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
-                          "float? softmax_scale=None, bool causal=False, bool deterministic=False) "
-                          "-> (Tensor, Tensor, Tensor)")
+                          f"float? softmax_scale=None, bool causal=False, bool deterministic=False, {options}) "
+                          "-> (Tensor, Tensor, Tensor, Tensor)")
 
 
 # FlashAttention-3's hopper/flash_attn_interface.py parameter lists (names, order and defaults).
@@ -89,11 +99,17 @@ FA3_SIGNATURES = {
 }
 
 
+# FlashAttention-4's learnable_sink, accepted as a keyword after FA3's parameters (so that FA3's
+# positional calls keep their meaning).
+FA4_EXTRAS = {"flash_attn_func": [("learnable_sink", None)], "flash_attn_varlen_func": [("learnable_sink", None)],
+              "flash_attn_qkvpacked_func": [("learnable_sink", None)]}
+
+
 @pytest.mark.parametrize("name", sorted(FA3_SIGNATURES))
 def test_fa3_signatures(name):
     params = inspect.signature(getattr(fa3, name)).parameters.values()
     got = [(p.name, None if p.default is inspect.Parameter.empty else p.default) for p in params]
-    assert got == FA3_SIGNATURES[name]
+    assert got == FA3_SIGNATURES[name] + FA4_EXTRAS.get(name, [])
 
 
 def test_module_alias_import():
@@ -108,13 +124,7 @@ def test_module_alias_import():
 # What the kernels cannot do yet: NotImplementedError naming the argument, before device checks
 
 @pytest.mark.parametrize("kwargs, argument", [
-    (dict(window_size=(16, 16)), "window_size"),
-    (dict(window_size=(-1, 16)), "window_size"),
-    (dict(window_size=(16, -1)), "window_size"),
-    (dict(window_size=(16, 0), causal=True), "window_size"),
-    (dict(softcap=30.0), "softcap"),
     (dict(num_splits=2), "num_splits"),
-    (dict(attention_chunk=128), "attention_chunk"),
     (dict(sm_margin=8), "sm_margin"),
     (dict(q_descale=torch.ones(2, 2)), "q_descale"),
     (dict(k_descale=torch.ones(2, 2)), "k_descale"),
@@ -139,21 +149,29 @@ def test_not_implemented_dtypes_and_head_dim_v():
 
 @pytest.mark.parametrize("function, args", [
     (fa3.flash_attn_varlen_func, (None,) * 7),
+    (functools.partial(fa3.flash_attn_varlen_func, learnable_sink=torch.zeros(8)), (None,) * 7),
     (fa3.flash_attn_with_kvcache, (None,) * 3),
     (fa3.flash_attn_combine, (None, None)),
 ])
 def test_not_implemented_functions(function, args):
-    with pytest.raises(NotImplementedError, match=function.__name__):
+    name = getattr(function, "func", function).__name__
+    with pytest.raises(NotImplementedError, match=name):
         function(*args)
 
 
 @pytest.mark.parametrize("kwargs", [
     dict(), dict(causal=True), dict(window_size=(-1, 0)), dict(window_size=(95, 0)), dict(window_size=(-1, 63)),
     dict(window_size=(200, 200)), dict(num_splits=0), dict(pack_gqa=True), dict(deterministic=True),
+    dict(window_size=(16, 16)), dict(window_size=(-1, 16)), dict(window_size=(16, -1)), dict(window_size=(0, 0)),
+    dict(window_size=(16, 0), causal=True), dict(window_size=(16, 16), causal=True), dict(window_size=None),
+    dict(window_size=(None, 0)), dict(window_size=[8, 8]), dict(softcap=30.0), dict(softcap=1),
+    dict(attention_chunk=128), dict(attention_chunk=None), dict(attention_chunk=32, causal=True),
+    dict(softcap=15.0, window_size=(32, 0), attention_chunk=64),
+    dict(learnable_sink=torch.zeros(8)),  # CPU: refused by the device check, after q's
 ])
 def test_supported_options_reach_the_device_check(kwargs):
-    """Windows equal to causal or to no window (FA3's rule: a bound covering the sequence is no
-    bound), num_splits 0/1 and the pack_gqa hint are accepted: the next refusal is the CPU device."""
+    """Local windows, causal with a window, chunks, softcap and learnable_sink are accepted, as are
+    num_splits 0/1 and the pack_gqa hint: the next refusal is the CPU device."""
     q, k, v = qkv()  # seqlen_q 64, seqlen_k 96
     with pytest.raises(ValueError, match="q: must be a CUDA tensor"):
         flash_attn_func(q, k, v, **kwargs)
@@ -236,6 +254,308 @@ def test_devices_must_match_under_fake_tensors():
 
 
 # ----------------------------------------------------------------------------------------------
+# Bad mask and score options, bad learnable_sink: ValueError naming the argument, before devices
+
+@pytest.mark.parametrize("kwargs, pattern", [
+    (dict(window_size=(-2, 0)), r"window_size: the left bound is -2; must be >= -1"),
+    (dict(window_size=(0, -5)), r"window_size: the right bound is -5; must be >= -1"),
+    (dict(window_size=(-3, 4), causal=True), r"window_size: the left bound is -3"),
+    (dict(window_size=(2.5, 0)), r"window_size: the left bound must be an int, got float 2.5"),
+    (dict(window_size=(0, 1.0)), r"window_size: the right bound must be an int, got float 1.0"),
+    (dict(window_size=(True, 0)), r"window_size: the left bound must be an int, got bool"),
+    (dict(window_size=(8, torch.tensor(8))), r"window_size: the right bound must be an int, got Tensor"),
+    (dict(window_size=(1, 2, 3)), r"window_size: expected a pair of ints"),
+    (dict(window_size=8), r"window_size: expected a pair of ints"),
+    (dict(window_size="88"), r"window_size: expected a pair of ints"),
+    (dict(softcap=-1.0), r"softcap: -1.0 must be finite and >= 0"),
+    (dict(softcap=float("nan")), r"softcap: nan must be finite"),
+    (dict(softcap=float("inf")), r"softcap: inf must be finite"),
+    (dict(softcap=1e39), r"softcap: .* outside float32's normal range"),
+    (dict(softcap=torch.tensor(30.0)), r"softcap: must be a Python float >= 0, got Tensor"),
+    (dict(softcap="30"), r"softcap: must be a Python float >= 0, got str"),
+    (dict(attention_chunk=-1), r"attention_chunk: -1 must be >= 0"),
+    (dict(attention_chunk=64.0), r"attention_chunk: the chunk size must be an int, got float 64.0"),
+    (dict(attention_chunk=True), r"attention_chunk: the chunk size must be an int, got bool"),
+    (dict(attention_chunk=2**31), r"attention_chunk: 2147483648 does not fit in int32"),
+])
+def test_bad_mask_options(kwargs, pattern):
+    q, k, v = qkv()  # CPU tensors: the option check comes before the device check
+    with pytest.raises(ValueError, match=pattern):
+        flash_attn_func(q, k, v, **kwargs)
+    with pytest.raises(ValueError, match=pattern):  # the plain calls check the same way
+        flashhopper.forward(q, k, v, **kwargs)
+
+
+def test_bad_mask_options_in_the_ops_and_backward():
+    q, k, v = qkv()
+    out, lse = torch.empty_like(q), torch.empty(2, 8, 64)
+    with pytest.raises(ValueError, match="window_size: the left bound is -2"):
+        torch.ops.flashhopper.fwd(q, k, v, None, False, False, -2, 0)
+    with pytest.raises(ValueError, match="softcap: -2.0 must be finite"):
+        torch.ops.flashhopper.fwd(q, k, v, None, False, False, -1, -1, -2.0)
+    with pytest.raises(ValueError, match="attention_chunk: -4 must be >= 0"):
+        torch.ops.flashhopper.bwd(out, q, k, v, out, lse, None, False, False, -1, -1, 0.0, -4)
+    with pytest.raises(ValueError, match="window_size: the right bound is -7"):
+        flashhopper.backward(out, q, k, v, out, lse, window_size=(3, -7))
+    with pytest.raises(ValueError, match="softcap: nan"):
+        flashhopper.backward(out, q, k, v, out, lse, softcap=math.nan)
+    with FakeTensorMode():  # the fake implementations check them too
+        fq, fk, fv = qkv(device="cuda")
+        with pytest.raises(ValueError, match="attention_chunk: -1"):
+            torch.ops.flashhopper.fwd(fq, fk, fv, None, False, False, -1, -1, 0.0, -1)
+
+
+@pytest.mark.parametrize("make_sink, pattern", [
+    (lambda: torch.zeros(8, dtype=torch.bfloat16),
+     r"learnable_sink: expected a torch.float32 tensor of shape \[heads_q\] = \(8,\) .*got dtype torch.bfloat16 "
+     r"shape \(8,\)"),
+    (lambda: torch.zeros(8, dtype=torch.float64), r"learnable_sink: expected a torch.float32 .*got dtype torch.float64"),
+    (lambda: torch.zeros(2), r"learnable_sink: expected a torch.float32 tensor of shape \[heads_q\] = \(8,\).*"
+                             r"got dtype torch.float32 shape \(2,\)"),
+    (lambda: torch.zeros(1, 8), r"learnable_sink: expected .* got dtype torch.float32 shape \(1, 8\)"),
+    (lambda: torch.zeros(()), r"learnable_sink: expected .* got dtype torch.float32 shape \(\)"),
+    (lambda: [0.0] * 8, r"learnable_sink: expected None or a torch.float32 tensor .* got list"),
+    (lambda: torch.zeros(16)[::2], r"learnable_sink: must be contiguous \(stride 1\), got stride 2"),
+])
+def test_bad_learnable_sink(make_sink, pattern):
+    q, k, v = qkv()  # heads_q 8; CPU tensors: the sink's dtype and shape come before the device check
+    with pytest.raises(ValueError, match=pattern):
+        flash_attn_func(q, k, v, learnable_sink=make_sink())
+    with pytest.raises(ValueError, match=pattern):
+        flashhopper.forward(q, k, v, learnable_sink=make_sink())
+    with pytest.raises(ValueError, match=pattern):
+        flashhopper.backward(q, q, k, v, q, torch.empty(2, 8, 64), learnable_sink=make_sink())
+    with pytest.raises(ValueError, match=pattern):
+        fa3.flash_attn_qkvpacked_func(torch.randn(2, 64, 3, 8, 64, dtype=torch.bfloat16), learnable_sink=make_sink())
+
+
+def test_learnable_sink_device_must_match():
+    """Under fake tensors (no GPU needed): a sink on the CPU, or on another GPU than q's, is refused."""
+    with FakeTensorMode():
+        q, k, v = qkv(device="cuda")
+        with pytest.raises(ValueError, match="learnable_sink: must be a CUDA tensor, got device cpu"):
+            flash_attn_func(q, k, v, learnable_sink=torch.zeros(8, device="cpu"))
+        with pytest.raises(ValueError, match="learnable_sink: must be a CUDA tensor, got device cpu"):
+            flashhopper.forward(q, k, v, learnable_sink=torch.zeros(8, device="cpu"))
+        q0, k0, v0 = (torch.empty(t.shape, dtype=t.dtype, device="cuda:0") for t in (q, k, v))
+        with pytest.raises(ValueError, match="learnable_sink: is on cuda:1 but the other tensors are on cuda:0"):
+            flash_attn_func(q0, k0, v0, learnable_sink=torch.zeros(8, device="cuda:1"))
+
+
+@pytest.mark.parametrize("causal, window, seqlen_q, seqlen_k, expected", [
+    (False, (-1, -1), 64, 96, (0, -1, -1)),
+    (True, (-1, -1), 64, 96, (1, -1, -1)),
+    (False, (-1, 0), 64, 96, (1, -1, -1)),        # the window (-1, 0) is causal
+    (False, (95, 0), 64, 96, (1, -1, -1)),        # left covers all keys: no bound
+    (False, (94, 0), 64, 96, (0, 94, 0)),
+    (False, (-1, 63), 64, 96, (0, -1, -1)),       # right covers all rows: no bound
+    (False, (-1, 62), 64, 96, (0, -1, 62)),
+    (True, (16, 16), 64, 96, (0, 16, 0)),         # causal forces right = 0; the ABI gets no causal flag
+    (True, (200, 5), 64, 96, (1, -1, -1)),
+    (False, (16, 16), 64, 96, (0, 16, 16)),
+    (True, (-1, -1), 1, 96, (1, -1, -1)),         # single-row decode stays causal
+    (False, (0, 0), 1, 1, (0, -1, -1)),          # one row, one key: both bounds cover it
+])
+def test_library_mask(causal, window, seqlen_q, seqlen_k, expected):
+    """What reaches the C ABI, which refuses causal together with a window: FA3's rules applied."""
+    from flashhopper import interface
+    resolved = interface.check_mask_args(causal, window, 0.0, 0)
+    assert interface.library_mask(resolved[0], resolved[1], resolved[2], seqlen_q, seqlen_k) == expected
+
+
+def _captured_params(monkeypatch):
+    """Stands in for the library: interface's calls fill the parameter struct, which is kept instead
+    of being run (CPU tensors, device check off)."""
+    from flashhopper import interface
+    captured = []
+
+    class FakeLib:
+        fh_forward_params_init = fh_backward_params_init = staticmethod(lambda params: None)
+        fh_forward_workspace_size = fh_forward = fh_backward_workspace_size = fh_backward = None
+
+    monkeypatch.setattr(_ffi, "lib", lambda: FakeLib)
+    monkeypatch.setattr(interface, "check_devices", lambda named: None)
+    monkeypatch.setattr(interface, "_run", lambda size_fn, run_fn, params, device: captured.append(params))
+    return captured
+
+
+@pytest.mark.parametrize("causal, window, expected", [
+    (False, (-1, -1), (0, -1, -1)), (True, (-1, -1), (1, -1, -1)), (True, (16, 16), (0, 16, 0)),
+    (False, (-1, 0), (1, -1, -1)), (False, (16, 8), (0, 16, 8)), (False, (500, 500), (0, -1, -1)),
+])
+def test_plain_calls_fill_the_structs(monkeypatch, causal, window, expected):
+    """flashhopper.forward / backward put the options where the C ABI reads them: causal folded
+    in (never causal together with a window), softcap, attention_chunk, learnable_sink and dsink."""
+    captured = _captured_params(monkeypatch)
+    q, k, v = qkv(heads_q=8)
+    sink = torch.randn(8)
+    out, lse = flashhopper.forward(q, k, v, causal=causal, softmax_scale=0.25, return_lse=True, window_size=window,
+                                   softcap=12.5, attention_chunk=40, learnable_sink=sink)
+    dq, dk, dv, dsink = flashhopper.backward(out, q, k, v, out, lse, causal=causal, softmax_scale=0.25,
+                                             deterministic=True, window_size=window, softcap=12.5,
+                                             attention_chunk=40, learnable_sink=sink)
+    assert dsink.shape == (8,) and dsink.dtype == torch.float32 and dsink.is_contiguous()
+    fwd_params, bwd_params = captured
+    for params in captured:
+        assert (params.causal, params.window_left, params.window_right) == expected
+        assert params.softcap == 12.5 and params.attention_chunk == 40 and params.softmax_scale == 0.25
+        assert params.num_sink_tokens == 0
+        sink_view = params.learnable_sink
+        assert sink_view.data == sink.data_ptr() and sink_view.dtype == _ffi.DTYPE_FP32 and sink_view.ndim == 1
+        assert sink_view.shape[0] == 8 and sink_view.stride[0] == 1
+    assert bwd_params.deterministic == 1
+    assert bwd_params.dsink.data == dsink.data_ptr() and bwd_params.dsink.shape[0] == 8
+    assert fwd_params.lse.data == lse.data_ptr()
+    # without a sink: the tensors stay absent and backward returns three gradients
+    captured.clear()
+    out = flashhopper.forward(q, k, v, causal=causal, window_size=window)
+    grads = flashhopper.backward(out, q, k, v, out, lse, causal=causal, window_size=window)
+    assert len(grads) == 3
+    assert all(not params.learnable_sink.data and not params.softcap and not params.attention_chunk
+               for params in captured)
+    assert not captured[1].dsink.data
+
+
+def test_reference_masks_softcap_and_sink():
+    """The test reference itself: the explicit mask (window, chunk, bottom-right), softcap, and the
+    sink as a value-less logit, whose autograd gradient is FlashAttention's closed form
+    dsink_h = -sum_{b,i} exp(sink_h - lse_bhi) * D_bhi with D = rowsum(dout * out)."""
+    visible = visible_keys(3, 6, window_size=(1, 0))  # p = i + 3
+    assert visible.int().tolist() == [[0, 0, 1, 1, 0, 0], [0, 0, 0, 1, 1, 0], [0, 0, 0, 0, 1, 1]]
+    assert torch.equal(visible_keys(3, 6, causal=True, window_size=(1, 5)), visible)
+    chunks = visible_keys(4, 4, attention_chunk=2)  # p = i: rows 0, 1 see keys 0, 1; rows 2, 3 keys 2, 3
+    assert chunks.int().tolist() == [[1, 1, 0, 0], [1, 1, 0, 0], [0, 0, 1, 1], [0, 0, 1, 1]]
+    assert not visible_keys(4, 2, attention_chunk=4)[:2].any()  # p < 0: floor division, chunk [-4, 0)
+    assert visible_keys(4, 2, attention_chunk=4)[2:].all()
+
+    torch.manual_seed(0)
+    q = torch.randn(2, 5, 4, 8, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, 7, 2, 8, dtype=torch.float64)
+    v = torch.randn(2, 7, 2, 8, dtype=torch.float64)
+    sink = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    out, lse = attention_reference(q, k, v, window_size=(2, 1), softcap=3.0, learnable_sink=sink)
+    # the same by hand, per head
+    kr, vr = k.repeat_interleave(2, dim=2), v.repeat_interleave(2, dim=2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q, kr) / math.sqrt(8)
+    s = 3.0 * torch.tanh(s / 3.0)
+    s = s.masked_fill(~visible_keys(5, 7, window_size=(2, 1)), float("-inf"))
+    denom = s.exp().sum(-1) + sink.view(1, 4, 1).exp()
+    expected = torch.einsum("bhqk,bkhd->bqhd", s.exp() / denom[..., None], vr)
+    assert torch.allclose(out, expected) and torch.allclose(lse, denom.log())
+    dout = torch.randn_like(out)
+    (dsink,) = torch.autograd.grad(out, sink, dout)
+    D = (dout * out).sum(-1).transpose(1, 2)  # [B, Hq, sq]
+    closed_form = -(torch.exp(sink.view(1, 4, 1) - lse) * D).sum(dim=(0, 2))
+    assert torch.allclose(dsink, closed_form)
+    # rows that see no key (causal, sq 5 > sk 2: rows 0-2): out 0, lse the sink's logit, no NaN in autograd
+    out, lse = attention_reference(q, k[:, :2], v[:, :2], causal=True, learnable_sink=sink)
+    assert torch.all(out[:, :3] == 0) and torch.equal(lse[:, :, :3], sink.view(1, 4, 1).expand(2, 4, 3))
+    grads = torch.autograd.grad(out, (q, sink), torch.randn_like(out))
+    assert not any(torch.isnan(g).any() for g in grads)
+
+
+# ----------------------------------------------------------------------------------------------
+# The ctypes structs mirror include/flashhopper/flashhopper.h
+
+HEADER = pathlib.Path(__file__).resolve().parents[2] / "include" / "flashhopper" / "flashhopper.h"
+_C_TYPES = {"fh_tensor": _ffi.Tensor, "int32_t": ctypes.c_int32, "float": ctypes.c_float, "void*": ctypes.c_void_p,
+            "int64_t": ctypes.c_int64}
+
+
+def _header_fields(struct_name):
+    """(name, ctypes type) of a struct in the header, in declaration order (comments stripped)."""
+    text = re.sub(r"/\*.*?\*/", "", HEADER.read_text(), flags=re.S)
+    body = re.search(r"typedef struct %s \{(.*?)\} %s;" % (struct_name, struct_name), text, re.S).group(1)
+    fields = []
+    for declaration in body.split(";"):
+        declaration = declaration.strip()
+        if not declaration:
+            continue
+        type_name, names = re.match(r"(fh_tensor|int32_t|int64_t|float|void\*)\s+(.*)", declaration).groups()
+        for name in names.split(","):
+            name = name.strip()
+            array = re.match(r"(\w+)\[(\w+)\]", name)
+            if array:
+                fields.append((array.group(1), _C_TYPES[type_name] * _ffi.MAX_DIMS))
+            else:
+                fields.append((name, _C_TYPES[type_name]))
+    return fields
+
+
+def _ctypes_layout(fields):
+    """sizeof and offsets by the C rules (each field at a multiple of its alignment)."""
+    offset, align, offsets = 0, 1, []
+    for _, ctype in fields:
+        a = ctypes.alignment(ctype)
+        offset = (offset + a - 1) // a * a
+        offsets.append(offset)
+        offset += ctypes.sizeof(ctype)
+        align = max(align, a)
+    return (offset + align - 1) // align * align, offsets
+
+
+@pytest.mark.parametrize("struct_name, mirror", [
+    ("fh_tensor", _ffi.Tensor), ("fh_forward_params", _ffi.ForwardParams), ("fh_backward_params", _ffi.BackwardParams),
+])
+def test_ffi_structs_match_the_header(struct_name, mirror):
+    if not HEADER.exists():
+        pytest.skip(f"no header at {HEADER} (not a checkout)")
+    expected = _header_fields(struct_name)
+    got = [(name, ctype) for name, ctype in mirror._fields_]
+    assert [name for name, _ in got] == [name for name, _ in expected]
+    for (name, ours), (_, theirs) in zip(got, expected):
+        assert ctypes.sizeof(ours) == ctypes.sizeof(theirs) and ctypes.alignment(ours) == ctypes.alignment(theirs), name
+    size, offsets = _ctypes_layout(expected)
+    assert ctypes.sizeof(mirror) == size
+    assert [getattr(mirror, name).offset for name, _ in got] == offsets
+
+
+def test_ffi_struct_sizes_and_new_fields():
+    """The sizes on x86-64 (fh_tensor: 8 + 4 + 4 + 2 * 5 * 8 = 96 bytes), and the fields appended last."""
+    assert ctypes.sizeof(_ffi.Tensor) == 96
+    fwd_fields = [name for name, _ in _ffi.ForwardParams._fields_]
+    bwd_fields = [name for name, _ in _ffi.BackwardParams._fields_]
+    assert fwd_fields[-3:] == ["num_splits", "attention_chunk", "learnable_sink"]
+    assert bwd_fields[-4:] == ["deterministic", "attention_chunk", "learnable_sink", "dsink"]
+    # forward: 9 tensors, max_seqlen_q/k (2 x 4), 7 more tensors, softmax_scale .. num_splits (7 x 4),
+    # attention_chunk (4; ends at a multiple of 8, so no padding before the tensor), learnable_sink
+    assert _ffi.ForwardParams.attention_chunk.offset == 16 * 96 + 8 + 28 == 1572
+    assert _ffi.ForwardParams.learnable_sink.offset == 1576
+    assert ctypes.sizeof(_ffi.ForwardParams) == 1576 + 96
+    # backward: 13 tensors, max_seqlen_q/k, softmax_scale .. deterministic (7 x 4), attention_chunk, 2 tensors
+    assert _ffi.BackwardParams.attention_chunk.offset == 13 * 96 + 8 + 28 == 1284
+    assert _ffi.BackwardParams.learnable_sink.offset == 1288
+    assert _ffi.BackwardParams.dsink.offset == 1288 + 96
+    assert ctypes.sizeof(_ffi.BackwardParams) == 1288 + 2 * 96
+
+
+def test_ffi_structs_match_the_c_compiler(tmp_path):
+    """sizeof and offsetof of every field as the C compiler lays the header out."""
+    compiler = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if compiler is None or not HEADER.exists():
+        pytest.skip("no C compiler or no header")
+    lines = []
+    for struct_name, mirror in (("fh_forward_params", _ffi.ForwardParams), ("fh_backward_params", _ffi.BackwardParams),
+                                ("fh_tensor", _ffi.Tensor)):
+        lines.append(f'printf("{struct_name} sizeof %zu\\n", sizeof({struct_name}));')
+        for name, _ in mirror._fields_:
+            lines.append(f'printf("{struct_name} {name} %zu\\n", offsetof({struct_name}, {name}));')
+    source = tmp_path / "layout.c"
+    source.write_text("#include <stdio.h>\n#include <stddef.h>\n#include <flashhopper/flashhopper.h>\n"
+                      "int main(void) {\n" + "\n".join(lines) + "\nreturn 0;\n}\n")
+    binary = tmp_path / "layout"
+    subprocess.run([compiler, "-I", str(HEADER.parents[1]), str(source), "-o", str(binary)], check=True,
+                   capture_output=True, timeout=120)
+    output = subprocess.run([str(binary)], check=True, capture_output=True, text=True, timeout=60).stdout
+    c_layout = {tuple(line.split()[:2]): int(line.split()[2]) for line in output.splitlines()}
+    for struct_name, mirror in (("fh_forward_params", _ffi.ForwardParams), ("fh_backward_params", _ffi.BackwardParams),
+                                ("fh_tensor", _ffi.Tensor)):
+        assert c_layout[(struct_name, "sizeof")] == ctypes.sizeof(mirror), struct_name
+        for name, _ in mirror._fields_:
+            assert c_layout[(struct_name, name)] == getattr(mirror, name).offset, f"{struct_name}.{name}"
+
+
+# ----------------------------------------------------------------------------------------------
 # Fake tensors: shape, dtype and stride inference without a GPU
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -260,10 +580,29 @@ def test_fake_backward_strides():
         v = torch.empty(2, 80, 2, 128, dtype=torch.bfloat16, device="cuda")
         out, lse = torch.ops.flashhopper.fwd(q, k, v, 0.1, False, False)
         dout = torch.empty(2, 64, 4, 128, dtype=torch.bfloat16, device="cuda").expand(2, 64, 4, 128)
-        dq, dk, dv = torch.ops.flashhopper.bwd(dout, q, k, v, out, lse, 0.1, False, True)
+        dq, dk, dv, dsink = torch.ops.flashhopper.bwd(dout, q, k, v, out, lse, 0.1, False, True)
+        assert dsink.shape == (0,) and dsink.dtype == torch.float32  # no learnable_sink: empty
         assert dq.shape == q.shape and dq.stride() == q.stride()
         assert dk.shape == k.shape and dk.stride() == k.stride() and dv.shape == v.shape
         assert dq.dtype == dk.dtype == dv.dtype == torch.bfloat16
+
+
+def test_fake_shapes_with_options_and_sink():
+    """fwd with every option and a sink: same out/lse shapes; bwd returns dsink float32 [Hq] then."""
+    with FakeTensorMode():
+        q, k, v = qkv(batch=2, seqlen_q=70, seqlen_k=130, heads_q=6, heads_kv=2, head_dim=64, device="cuda")
+        sink = torch.empty(6, device="cuda")
+        out, lse = torch.ops.flashhopper.fwd(q, k, v, 0.2, False, False, 16, 4, 30.0, 64, sink)
+        assert out.shape == (2, 70, 6, 64) and lse.shape == (2, 6, 70) and lse.dtype == torch.float32
+        dq, dk, dv, dsink = torch.ops.flashhopper.bwd(out, q, k, v, out, lse, 0.2, False, False, 16, 4, 30.0, 64,
+                                                      sink)
+        assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+        assert dsink.shape == (6,) and dsink.dtype == torch.float32 and dsink.device.type == "cuda"
+        out2, lse2 = flash_attn_func(q, k, v, window_size=(16, 4), softcap=30.0, attention_chunk=64,
+                                     learnable_sink=sink, return_attn_probs=True)
+        assert out2.shape == out.shape and lse2.shape == lse.shape
+        with pytest.raises(ValueError, match=r"learnable_sink: expected .* \(6,\).* shape \(8,\)"):
+            torch.ops.flashhopper.fwd(q, k, v, None, False, False, -1, -1, 0.0, 0, torch.empty(8, device="cuda"))
 
 
 def test_fake_impl_checks_shapes():
@@ -303,18 +642,51 @@ def test_autograd_graph(deterministic):
     flags = list(bwd.args[6:9])  # (softmax_scale, causal, deterministic); a default value may be left out
     flags += [False] * (3 - len(flags))
     assert flags == [0.125, True, deterministic]
+    assert "learnable_sink" not in bwd.kwargs and len(bwd.args) <= 13  # no sink: none handed to bwd
 
 
+@pytest.mark.parametrize("sink_requires_grad", [False, True])
+def test_autograd_graph_with_options_and_sink(sink_requires_grad):
+    """The options reach bwd unchanged, with the sink; the sink gets dsink when it requires grad."""
+    def loss_grads(q, k, v, sink):
+        out, _ = torch.ops.flashhopper.fwd(q, k, v, 0.125, True, False, 24, 0, 15.0, 32, sink)
+        inputs = (q, k, v, sink) if sink_requires_grad else (q, k, v)
+        return torch.autograd.grad(out.float().sum(), inputs)
+
+    q, k, v = qkv(batch=2, seqlen_q=48, seqlen_k=64, heads_q=4, heads_kv=2, device="meta", requires_grad=True)
+    sink = torch.zeros(4, device="meta", requires_grad=sink_requires_grad)
+    grads = loss_grads(q, k, v, sink)
+    if sink_requires_grad:
+        assert grads[3].shape == (4,) and grads[3].dtype == torch.float32
+    graph = make_fx(loss_grads, tracing_mode="symbolic")(q, k, v, sink)
+    calls = {node.target: node for node in graph.graph.nodes if node.op == "call_function"}
+    bwd = calls[torch.ops.flashhopper.bwd.default]
+    assert list(bwd.args[6:13]) == [0.125, True, False, 24, 0, 15.0, 32]
+    assert bwd.args[13].op == "placeholder"  # the sink itself
+    if not sink_requires_grad:  # a sink without grad: no gradient is asked of it
+        with pytest.raises(RuntimeError, match="does not require grad"):
+            torch.autograd.grad(torch.ops.flashhopper.fwd(q, k, v, None, False, False, -1, -1, 0.0, 0, sink)[0].sum(),
+                                (sink,))
+
+
+@pytest.mark.parametrize("options", [False, True], ids=["causal", "softcap-window-sink"])
 @pytest.mark.parametrize("dynamic", [False, True])
-def test_torch_compile_fullgraph_traces(monkeypatch, dynamic):
+def test_torch_compile_fullgraph_traces(monkeypatch, dynamic, options):
     """Dynamo traces flash_attn_func (its checks included) into one graph with the op, and AOT
-    autograd adds bwd: run on meta tensors with the CUDA-device check switched off."""
+    autograd adds bwd: run on meta tensors with the CUDA-device check switched off. With softcap,
+    a local window, a chunk, a scale and a learnable_sink that requires grad, the sink gets its
+    gradient through the compiled backward."""
     from flashhopper import interface
     monkeypatch.setattr(interface, "check_devices", lambda named: None)
     torch._dynamo.reset()
+    sink = torch.zeros(8, device="meta", requires_grad=True)
 
     def block(q, k, v):
-        out, lse = flash_attn_func(q, k, v, causal=True, return_attn_probs=True, deterministic=True)
+        if options:
+            out, lse = flash_attn_func(q, k, v, softmax_scale=0.1, causal=True, window_size=(32, 8), softcap=20.0,
+                                       attention_chunk=48, return_attn_probs=True, learnable_sink=sink)
+        else:
+            out, lse = flash_attn_func(q, k, v, causal=True, return_attn_probs=True, deterministic=True)
         return out * 2, lse
 
     graphs = []
@@ -331,6 +703,10 @@ def test_torch_compile_fullgraph_traces(monkeypatch, dynamic):
     out.sum().backward()
     assert out.shape == q.shape and lse.shape == (2, 8, 64) and q.grad.shape == q.shape
     assert graphs and all(torch.ops.flashhopper.fwd.default in targets for targets in graphs)
+    if options:
+        assert sink.grad is not None and sink.grad.shape == (8,) and sink.grad.dtype == torch.float32
+    else:
+        assert sink.grad is None
     torch._dynamo.reset()
 
 

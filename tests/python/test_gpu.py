@@ -1,6 +1,7 @@
 """GPU tests (sm_90 only; each skips with its reason elsewhere, or when the library says this build
-lacks the case's (dtype, head dim)): outputs, LSE and gradients against a float64 reference with
-FlashAttention's rule (our error <= 2 x the error of plain PyTorch in the input dtype + slack),
+lacks the case's (dtype, head dim, mask or option)): outputs, LSE and gradients against a float64
+reference with FlashAttention's rule (our error <= 2 x the error of plain PyTorch in the input dtype +
+slack), also with local windows, softcap, attention_chunk and learnable_sink (and its gradient),
 determinism, torch.compile(fullgraph=True), torch.export, CUDA-graph capture and replay, opcheck, the SDPA
 backend and the error paths on CUDA tensors."""
 import math
@@ -12,7 +13,7 @@ import torch
 import flashhopper
 from flashhopper import FlashHopperNotSupported, flash_attn_func
 
-from support import attention_reference, requires_gpu
+from support import attention_reference, requires_gpu, visible_keys
 
 OUT_SLACK = 1e-5
 GRAD_SLACK = 1e-4
@@ -97,6 +98,183 @@ def test_against_reference(dtype, head_dim, batch, seqlen_q, seqlen_k, heads_q, 
     for name, ours, ref, plain in zip(("dq", "dk", "dv"), (dq, dk, dv), grads_ref, grads_pt):
         err, err_pt = max_error(ours, ref), max_error(plain, ref)
         assert err <= 2 * err_pt + GRAD_SLACK, f"{name}: error {err:.3g} vs plain PyTorch's {err_pt:.3g}"
+
+
+# (id, dtype, head_dim, batch, seqlen_q, seqlen_k, heads_q, heads_kv, options for flash_attn_func, with_sink).
+# Windows (both sides, one side, with causal, the diagonal only), chunks (multiples of the tile sizes
+# or not, with a window, with causal), softcap (loose and tight), sinks (with rows that see no key,
+# decode, GQA/MQA), and all of them at once; sq != sk both ways.
+OPTION_CASES = [
+    ("window-both", torch.bfloat16, 128, 2, 256, 256, 4, 2, dict(window_size=(64, 64)), False),
+    ("window-left-causal", torch.bfloat16, 128, 2, 300, 300, 4, 4, dict(window_size=(100, -1), causal=True), False),
+    ("window-right-only", torch.bfloat16, 128, 1, 200, 333, 4, 2, dict(window_size=(-1, 32)), False),
+    ("window-empty-rows", torch.bfloat16, 128, 2, 300, 150, 4, 4, dict(window_size=(20, 0)), False),
+    ("window-diagonal", torch.bfloat16, 128, 1, 190, 190, 2, 2, dict(window_size=(0, 0)), False),
+    ("window-sq-lt-sk", torch.bfloat16, 128, 2, 113, 503, 4, 1, dict(window_size=(77, 5)), False),
+    ("softcap", torch.bfloat16, 128, 2, 128, 200, 4, 2, dict(softcap=30.0), False),
+    ("softcap-tight-causal", torch.bfloat16, 128, 2, 257, 257, 4, 2, dict(softcap=2.0, causal=True), False),
+    ("chunk-causal", torch.bfloat16, 128, 2, 256, 256, 4, 2, dict(attention_chunk=64, causal=True), False),
+    ("chunk-odd", torch.bfloat16, 128, 1, 250, 410, 4, 2, dict(attention_chunk=100), False),
+    ("chunk-window", torch.bfloat16, 128, 2, 384, 384, 4, 4, dict(attention_chunk=128, window_size=(50, 0)), False),
+    ("chunk-empty-rows", torch.bfloat16, 128, 1, 200, 120, 2, 2, dict(attention_chunk=48), False),
+    ("sink", torch.bfloat16, 128, 2, 256, 256, 4, 2, dict(), True),
+    ("sink-causal-empty-rows", torch.bfloat16, 128, 2, 300, 150, 4, 4, dict(causal=True), True),
+    ("sink-decode-mqa", torch.bfloat16, 128, 3, 1, 239, 8, 1, dict(causal=True), True),
+    ("sink-window", torch.bfloat16, 128, 2, 200, 260, 6, 2, dict(window_size=(40, 0)), True),
+    ("all", torch.bfloat16, 128, 2, 333, 397, 4, 2,
+     dict(softcap=15.0, window_size=(96, 8), attention_chunk=160, softmax_scale=0.1), True),
+    ("all-causal", torch.bfloat16, 128, 1, 256, 512, 4, 4,
+     dict(softcap=20.0, window_size=(128, 64), causal=True, attention_chunk=96), True),
+    ("window-fp16-d64", torch.float16, 64, 2, 200, 200, 4, 2, dict(window_size=(30, 30)), False),
+    ("all-fp16-d64", torch.float16, 64, 2, 150, 220, 4, 2,
+     dict(softcap=10.0, window_size=(50, 0), attention_chunk=64), True),
+    ("all-bf16-d256", torch.bfloat16, 256, 1, 200, 300, 4, 2,
+     dict(softcap=25.0, window_size=(64, 16), attention_chunk=128), True),
+]
+
+
+def make_sink(heads_q, seed, requires_grad=True):
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    sink = torch.randn(heads_q, device="cuda", dtype=torch.float32, generator=generator) * 2
+    return sink.requires_grad_(requires_grad)
+
+
+@pytest.mark.parametrize("dtype, head_dim, batch, seqlen_q, seqlen_k, heads_q, heads_kv, options, with_sink",
+                         [pytest.param(*case[1:], id=case[0]) for case in OPTION_CASES])
+@requires_gpu
+def test_options_against_reference(dtype, head_dim, batch, seqlen_q, seqlen_k, heads_q, heads_kv, options,
+                                   with_sink):
+    """window_size, softcap, attention_chunk and learnable_sink against the float64 reference with
+    the mask materialised (support.visible_keys): out, lse, dq, dk, dv and dsink."""
+    q, k, v = make_inputs(batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype,
+                          seed=seqlen_q * 1000 + seqlen_k + head_dim + 7)
+    sink = make_sink(heads_q, seed=seqlen_q + 3) if with_sink else None
+    out, lse = run_or_skip(flash_attn_func, q, k, v, return_attn_probs=True, learnable_sink=sink, **options)
+    assert out.shape == q.shape and out.dtype == dtype
+    assert lse.shape == (batch, heads_q, seqlen_q) and lse.dtype == torch.float32 and not lse.requires_grad
+    dout = torch.randn_like(out)
+    leaves = (q, k, v) + ((sink,) if with_sink else ())
+    grads = run_or_skip(torch.autograd.grad, out, leaves, dout)
+
+    reference_options = dict(options)
+    reference_options.setdefault("window_size", (-1, -1))
+    leaves_ref = [t.detach().double().requires_grad_() for t in leaves]
+    leaves_pt = [t.detach().clone().requires_grad_() for t in leaves]
+    out_ref, lse_ref = attention_reference(*leaves_ref[:3], dtype=torch.float64,
+                                           learnable_sink=leaves_ref[3] if with_sink else None, **reference_options)
+    out_pt, lse_pt = attention_reference(*leaves_pt[:3], dtype=dtype,
+                                         learnable_sink=leaves_pt[3] if with_sink else None, **reference_options)
+    grads_ref = torch.autograd.grad(out_ref, leaves_ref, dout.double())
+    grads_pt = torch.autograd.grad(out_pt, leaves_pt, dout)
+
+    for name, t in (("out", out), ("lse", lse)) + tuple(zip(("dq", "dk", "dv", "dsink"), grads)):
+        assert not torch.isnan(t).any(), f"{name} has NaN"
+    # rows that see no key: lse -inf without a sink (the sink's logit with one), out 0
+    assert torch.equal(torch.isinf(lse), torch.isinf(lse_ref))
+    empty_rows = ~visible_keys(seqlen_q, seqlen_k, options.get("causal", False), reference_options["window_size"],
+                               options.get("attention_chunk", 0), device=out.device).any(dim=1)
+    assert torch.all(out[:, empty_rows] == 0)
+    assert max_error(out, out_ref) <= 2 * max_error(out_pt, out_ref) + OUT_SLACK
+    assert max_error(lse, lse_ref, finite_only=True) <= 2 * max_error(lse_pt.float(), lse_ref, True) + GRAD_SLACK
+    for name, ours, ref, plain in zip(("dq", "dk", "dv", "dsink"), grads, grads_ref, grads_pt):
+        assert ours.shape == ref.shape and ours.dtype == (torch.float32 if name == "dsink" else dtype), name
+        err, err_pt = max_error(ours, ref), max_error(plain, ref)
+        assert err <= 2 * err_pt + GRAD_SLACK, f"{name}: error {err:.3g} vs plain PyTorch's {err_pt:.3g}"
+
+
+@requires_gpu
+def test_sink_without_grad_and_deterministic_options():
+    """A sink that does not require grad gets none (q, k, v still do); the deterministic backward with
+    every option is bit-reproducible, dsink included."""
+    q, k, v = make_inputs(2, 256, 300, 4, 2, 128, torch.bfloat16, seed=31)
+    sink = make_sink(4, seed=2, requires_grad=False)
+    options = dict(softcap=20.0, window_size=(64, 0), attention_chunk=128)
+    out = run_or_skip(flash_attn_func, q, k, v, learnable_sink=sink, **options)
+    run_or_skip(out.sum().backward)
+    assert sink.grad is None and q.grad is not None
+    sink.requires_grad_()
+    out = flash_attn_func(q, k, v, learnable_sink=sink, deterministic=True, **options)
+    dout = torch.randn_like(out)
+    first = torch.autograd.grad(out, (q, k, v, sink), dout, retain_graph=True)
+    for _ in range(2):
+        again = torch.autograd.grad(out, (q, k, v, sink), dout, retain_graph=True)
+        assert all(torch.equal(a, b) for a, b in zip(first, again))
+
+
+@requires_gpu
+def test_plain_calls_match_flash_attn_func_with_options():
+    """flashhopper.forward / backward with the same options give flash_attn_func's out, lse and
+    gradients, dsink included (deterministic backward on both sides)."""
+    q, k, v = make_inputs(2, 200, 264, 4, 2, 128, torch.bfloat16, seed=41)
+    sink = make_sink(4, seed=4)
+    options = dict(causal=True, window_size=(80, 40), softcap=18.0, attention_chunk=120)
+    out, lse = run_or_skip(flash_attn_func, q, k, v, learnable_sink=sink, deterministic=True,
+                           return_attn_probs=True, **options)
+    dout = torch.randn_like(out)
+    grads = run_or_skip(torch.autograd.grad, out, (q, k, v, sink), dout)
+    detached = [t.detach() for t in (q, k, v)]
+    out2, lse2 = flashhopper.forward(*detached, return_lse=True, learnable_sink=sink.detach(), **options)
+    assert torch.equal(out, out2) and torch.equal(lse, lse2)
+    grads2 = flashhopper.backward(dout, *detached, out2, lse2, deterministic=True, learnable_sink=sink.detach(),
+                                  **options)
+    assert len(grads2) == 4
+    for name, a, b in zip(("dq", "dk", "dv", "dsink"), grads, grads2):
+        assert torch.equal(a, b), name
+
+
+@requires_gpu
+def test_torch_compile_fullgraph_with_softcap_window_sink():
+    q, k, v = make_inputs(2, 256, 320, 8, 2, 128, torch.bfloat16, seed=17)
+    sink = make_sink(8, seed=5)
+
+    def attention_block(q, k, v, sink):
+        out = flash_attn_func(q, k, v, causal=True, window_size=(96, -1), softcap=25.0, attention_chunk=128,
+                              learnable_sink=sink)
+        return (out.float() * 1.5).to(q.dtype)
+
+    eager = run_or_skip(attention_block, q, k, v, sink)
+    dout = torch.randn_like(eager)
+    eager_grads = run_or_skip(torch.autograd.grad, eager, (q, k, v, sink), dout)
+    torch._dynamo.reset()
+    compiled = torch.compile(attention_block, fullgraph=True)
+    out = compiled(q, k, v, sink)
+    grads = torch.autograd.grad(out, (q, k, v, sink), dout)
+    torch._dynamo.reset()
+    assert torch.allclose(out.float(), eager.float(), atol=1e-2, rtol=0)
+    for a, b in zip(grads, eager_grads):
+        assert torch.allclose(a.float(), b.float(), atol=2e-2, rtol=1e-3)
+
+
+@requires_gpu
+def test_cuda_graph_with_options():
+    """Capture and replay with softcap, a window, a chunk and a sink (dsink included): no host sync."""
+    q, k, v = make_inputs(2, 192, 256, 4, 2, 128, torch.bfloat16, seed=23)
+    sink = make_sink(4, seed=8)
+    dout = torch.randn(2, 192, 4, 128, device="cuda", dtype=torch.bfloat16)
+    options = dict(softcap=12.0, window_size=(48, 16), attention_chunk=96, learnable_sink=sink, deterministic=True)
+    run_or_skip(flash_attn_func, q, k, v, **options)
+
+    def step():
+        out = flash_attn_func(q, k, v, **options)
+        return (out, *torch.autograd.grad(out, (q, k, v, sink), dout))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    new_q, _, _ = make_inputs(2, 192, 256, 4, 2, 128, torch.bfloat16, seed=24, requires_grad=False)
+    with torch.no_grad():
+        q.copy_(new_q), sink.mul_(0.5)
+    graph.replay()
+    torch.cuda.synchronize()
+    eager = step()
+    for name, a, b in zip(("out", "dq", "dk", "dv", "dsink"), captured, eager):
+        assert torch.equal(a, b), f"{name}: replay differs from eager"
 
 
 @requires_gpu
@@ -224,6 +402,24 @@ def test_opcheck():
 
 
 @requires_gpu
+def test_opcheck_with_options_and_sink():
+    q, k, v = make_inputs(1, 96, 160, 4, 2, 128, torch.bfloat16, seed=10)
+    sink = make_sink(4, seed=1)
+    options = (32, 16, 20.0, 64, sink)  # window_left, window_right, softcap, attention_chunk, learnable_sink
+    run_or_skip(torch.ops.flashhopper.fwd, q.detach(), k.detach(), v.detach(), None, False, False, *options)
+    torch.library.opcheck(torch.ops.flashhopper.fwd.default, (q, k, v, None, False, False, *options))
+    out, lse = torch.ops.flashhopper.fwd(q.detach(), k.detach(), v.detach(), None, False, False, *options)
+    dout = torch.randn_like(out)
+    args = (dout, q.detach(), k.detach(), v.detach(), out, lse, None, False, False, *options[:4], sink.detach())
+    run_or_skip(torch.ops.flashhopper.bwd, *args)
+    torch.library.opcheck(torch.ops.flashhopper.bwd.default, args)
+    dq, dk, dv, dsink = torch.ops.flashhopper.bwd(*args)
+    assert dsink.shape == (4,) and dsink.dtype == torch.float32
+    *_, no_dsink = torch.ops.flashhopper.bwd(dout, q.detach(), k.detach(), v.detach(), out, lse, None, True, False)
+    assert no_dsink.shape == (0,) and no_dsink.dtype == torch.float32
+
+
+@requires_gpu
 def test_sdpa_flash_backend():
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -261,15 +457,23 @@ def test_errors_on_cuda_tensors():
     misaligned = flat[1:].view(q.shape)  # 2-byte offset; strides fine
     with pytest.raises(ValueError, match="q: data pointer .* not 16-byte aligned"):
         flash_attn_func(misaligned, k, v)
-    with pytest.raises(NotImplementedError, match="softcap"):
-        flash_attn_func(q, k, v, softcap=5.0)
-    with pytest.raises(NotImplementedError, match="window_size"):
-        flash_attn_func(q, k, v, window_size=(8, 8))
+    with pytest.raises(NotImplementedError, match="num_splits"):
+        flash_attn_func(q, k, v, num_splits=2)
+    with pytest.raises(ValueError, match="softcap: -5.0"):
+        flash_attn_func(q, k, v, softcap=-5.0)
+    with pytest.raises(ValueError, match="window_size: the left bound is -2"):
+        flash_attn_func(q, k, v, window_size=(-2, 8))
+    with pytest.raises(ValueError, match="learnable_sink: must be a CUDA tensor, got device cpu"):
+        flash_attn_func(q, k, v, learnable_sink=torch.zeros(4))
+    with pytest.raises(ValueError, match="learnable_sink: expected a torch.float32 .* got dtype torch.bfloat16"):
+        flash_attn_func(q, k, v, learnable_sink=torch.zeros(4, device="cuda", dtype=torch.bfloat16))
     with pytest.raises(NotImplementedError, match="flash_attn_with_kvcache"):
         flashhopper.flash_attn_with_kvcache(q, k, v, cache_seqlens=64)
     if torch.cuda.device_count() > 1:
         with pytest.raises(ValueError, match="k: is on cuda:1"):
             flash_attn_func(q, k.to("cuda:1"), v)
+        with pytest.raises(ValueError, match="learnable_sink: is on cuda:1"):
+            flash_attn_func(q, k, v, learnable_sink=torch.zeros(4, device="cuda:1"))
 
 
 @requires_gpu

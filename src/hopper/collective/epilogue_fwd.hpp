@@ -133,7 +133,9 @@ struct ForwardEpilogue {
   CUTLASS_DEVICE static void wait_for_store() { tma_store_wait<0>(); }
 
   // A tile whose rows see no key: O = 0 and LSE = -inf, by predicated 16-byte stores.
-  CUTLASS_DEVICE static void store_empty(Params const& params, int thread_idx, WorkTile const& work) {
+  // lse_value: -inf, or the learnable sink's logit (the only term of an empty row's sum).
+  CUTLASS_DEVICE static void store_empty(Params const& params, int thread_idx, WorkTile const& work,
+                                         float lse_value) {
     constexpr int kElemsPerStore = 16 / sizeof(Element);
     constexpr int kStoresPerRow = kHeadDimV / kElemsPerStore;
     const int seqlen_q = get<0>(params.shape_o);
@@ -149,7 +151,7 @@ struct ForwardEpilogue {
                                 make_shape(seqlen_q, get<2>(params.shape_o), get<3>(params.shape_o)),
                                 params.stride_lse)(_, work.head, work.batch);
       for (int i = thread_idx; i < kBlockM; i += kNumMmaThreads) {
-        if (row0 + i < seqlen_q) mLse(row0 + i) = -INFINITY;
+        if (row0 + i < seqlen_q) mLse(row0 + i) = lse_value;
       }
     }
   }

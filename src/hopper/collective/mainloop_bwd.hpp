@@ -24,6 +24,7 @@
 
 #include "hopper/common/mask.hpp"
 #include "hopper/common/named_barrier.hpp"
+#include "hopper/common/score_transform.hpp"
 #include "hopper/common/softmax.hpp"
 #include "hopper/common/utils.hpp"
 
@@ -66,8 +67,8 @@ CUTLASS_DEVICE void bulk_reduce_add_f32(float* gmem, float const* smem, int byte
                : "memory");
 }
 
-template <class Element_, int kBlockM_, int kBlockN_, int kHeadDim_, int kStages_, int kStagesDo_, bool kCausal_,
-          bool kComputeDq_, bool kDqViaTma_, int kDqBuffers_>
+template <class Element_, int kBlockM_, int kBlockN_, int kHeadDim_, int kStages_, int kStagesDo_, MaskKind kMask_,
+          bool kSoftcap_, bool kComputeDq_>
 struct BackwardMainloop {
   using Element = Element_;
   static constexpr int kBlockM = kBlockM_;
@@ -75,13 +76,14 @@ struct BackwardMainloop {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kStages = kStages_;      // Q
   static constexpr int kStagesDo = kStagesDo_;  // dO
-  static constexpr bool kCausal = kCausal_;
-  // false: dK and dV only; dQ comes from the dQ kernel (BackwardDqMainloop), and the kDq*
-  // parameters below are unused.
+  static constexpr MaskKind kMask = kMask_;
+  static constexpr bool kCausal = kMask == MaskKind::kCausal;
+  using Mask = AttentionMask<kBlockM_, kBlockN_, kMask_>;
+  using Transform = ScoreTransform<kSoftcap_>;
+  // true: each query block's partial dQ goes to dQaccum through one shared float32 buffer and the
+  // dQ writer warp's TMA bulk reduce-add. false: dK and dV only; dQ comes from the dQ kernel
+  // (BackwardDqMainloop).
   static constexpr bool kComputeDq = kComputeDq_;
-  static constexpr bool kDqViaTma = kDqViaTma_ && kComputeDq;
-  static constexpr int kDqBuffers = kDqBuffers_;  // TMA path: with two, the next dQ tile is written while one is added
-  static_assert(kDqBuffers == 1 || kDqBuffers == 2);
   static constexpr int kNumMmaWarpGroups = 2;
   static constexpr int kNumMmaThreads = kNumMmaWarpGroups * cutlass::NumThreadsPerWarpGroup;
   // dK/dV split by key rows while each warpgroup still gets a 64-row WGMMA; else the
@@ -178,7 +180,7 @@ struct BackwardMainloop {
   static constexpr uint32_t kTmaBytesKV = 2 * cosize_v<SmemLayoutK> * sizeof(Element);
 
   struct SharedStorageDq {
-    cute::array_aligned<float, kDqTileFloats * kDqBuffers, 128> smem_dq;
+    cute::array_aligned<float, kDqTileFloats, 128> smem_dq;
   };
   struct SharedStorage {
     cute::array_aligned<Element, cosize_v<SmemLayoutK>, 1024> smem_k;
@@ -189,7 +191,7 @@ struct BackwardMainloop {
     cute::array_aligned<float, kBlockM * kStagesDo, 128> smem_dpsum;   // per dO stage
     cute::array_aligned<Element, cosize_v<SmemLayoutP>, 1024> smem_p;
     cute::array_aligned<Element, cosize_v<SmemLayoutdS>, 1024> smem_ds;
-    cute::conditional_t<kDqViaTma, SharedStorageDq, cute::array<float, 0>> dq;
+    cute::conditional_t<kComputeDq, SharedStorageDq, cute::array<float, 0>> dq;
     cutlass::arch::ClusterTransactionBarrier kv_full;
     cutlass::arch::ClusterBarrier kv_empty;
     typename Pipeline::SharedStorage pipeline_q;
@@ -208,6 +210,8 @@ struct BackwardMainloop {
     Element const* ptr_do;
     StrideQKV stride_do;
     float softmax_scale;
+    float softcap;          // > 0 only with kSoftcap
+    LocalMaskParams local;  // kLocal only
     BackwardWorkspacePointers workspace;
     bool deterministic;
   };
@@ -219,7 +223,9 @@ struct BackwardMainloop {
     TmaQ tma_do;
     TmaK tma_k;
     TmaK tma_v;
-    float softmax_scale_log2;
+    float softmax_scale_log2;  // after the score transform
+    Transform transform;
+    LocalMaskParams local;
     BackwardWorkspacePointers workspace;
     int heads_per_kv_head;
     bool deterministic;
@@ -240,7 +246,9 @@ struct BackwardMainloop {
             q_tma(args.ptr_do, args.stride_do),
             k_tma(args.ptr_k, args.stride_k),
             k_tma(args.ptr_v, args.stride_v),
-            float(args.softmax_scale * M_LOG2E),
+            float(Transform::softmax_scale(args.softmax_scale, args.softcap) * M_LOG2E),
+            Transform::make(args.softmax_scale, args.softcap),
+            args.local,
             args.workspace,
             get<2>(args.shape_q) / get<2>(args.shape_k),
             args.deterministic};
@@ -253,8 +261,10 @@ struct BackwardMainloop {
     cute::prefetch_tma_descriptor(params.tma_v.get_tma_descriptor());
   }
 
-  CUTLASS_DEVICE static int seqlen_q(Params const& params) { return get<0>(params.shape_q); }
-  CUTLASS_DEVICE static int seqlen_k(Params const& params) { return get<0>(params.shape_k); }
+  CUTLASS_DEVICE static SeqlenInfo seqlen_info(Params const& params) {
+    return {get<0>(params.shape_q), get<0>(params.shape_k)};
+  }
+  CUTLASS_DEVICE static Mask make_mask(Params const& params) { return Mask(seqlen_info(params), params.local); }
 
   // The i-th query block of key block blk's walk, the same in the producer, the MMA warpgroups
   // and the dQ writer. Causal walks down from the last block to the diagonal, so that all key
@@ -328,11 +338,11 @@ struct BackwardMainloop {
     }
   }
 
-  // Deterministic mode: dQaccum of (batch, head, m_block) takes the key blocks' partials in
-  // order n_block = 0, 1, ...; `arrivals_per_block` adders each count once per key block.
-  // Every key block below n_block also reaches this query block (causal: a lower key is seen by
-  // every row that sees a higher one), and the scheduler hands lower key blocks out first, so
-  // the wait always ends.
+  // Deterministic mode: dQaccum of (batch, head, m_block) takes the partials of the key blocks
+  // that visit it in key-block order; Mask::key_blocks_before says how many come before n_block
+  // (all lower ones, but for a window's left bound). The scheduler hands lower key blocks of a
+  // head out first, and every key block walks its query blocks in the same order, so the wait
+  // always ends.
   CUTLASS_DEVICE static int* dq_semaphore(Params const& params, int batch, int head, int m_block) {
     const int64_t blocks_per_head = params.workspace.rows_padded / kBlockM;
     return params.workspace.dq_semaphore + (int64_t(batch) * get<2>(params.shape_q) + head) * blocks_per_head + m_block;
@@ -344,29 +354,24 @@ struct BackwardMainloop {
     } while (seen < expected);
   }
 
-  // dQ writer warp and MMA warpgroups (TMA path) hand the kDqBuffers shared dQ buffers back and
-  // forth through named barriers of all of them: kDqFull (written) and kDqEmpty (read by the
-  // bulk reduce-add, may be written again). The writer frees every buffer once at the start and
-  // once after each add; the warpgroups wait for each buffer once more at the end.
+  // dQ writer warp and MMA warpgroups hand the shared dQ buffer back and forth through named
+  // barriers of all of them: kDqFull (written) and kDqEmpty (read by the bulk reduce-add, may be
+  // written again). The writer frees it once at the start and once after each add; the
+  // warpgroups wait for it once more at the end.
   static constexpr int kDqBarrierThreads = kNumMmaThreads + cutlass::NumThreadsPerWarp;
   CUTLASS_DEVICE static void store_dq_start() {
-    if constexpr (kDqViaTma) {
-      for (int b = 0; b < kDqBuffers; ++b) named_barrier_arrive(kDqBarrierThreads, BwdBarrier::kDqEmpty0, b);
-    }
+    if constexpr (kComputeDq) named_barrier_arrive(kDqBarrierThreads, BwdBarrier::kDqEmpty0, 0);
   }
   CUTLASS_DEVICE static void mma_done() {
-    if constexpr (kDqViaTma) {
-      for (int b = 0; b < kDqBuffers; ++b) named_barrier_sync(kDqBarrierThreads, BwdBarrier::kDqEmpty0, b);
-    }
+    if constexpr (kComputeDq) named_barrier_sync(kDqBarrierThreads, BwdBarrier::kDqEmpty0, 0);
   }
 
-  // dQ writer warp (TMA path): adds each query block's dQ tile, as the warpgroups finish it, to
-  // dQaccum with one bulk reduce-add, then frees its buffer. dq_buffer: the next tile's buffer,
-  // kept across key blocks as the warpgroups keep theirs.
-  CUTLASS_DEVICE static void store_dq(Params const& params, SharedStorage& storage, BackwardBlock const& blk,
-                                      int& dq_buffer) {
-    if constexpr (kDqViaTma) {
+  // dQ writer warp: adds each query block's dQ tile, as the warpgroups finish it, to dQaccum
+  // with one bulk reduce-add, then frees the buffer.
+  CUTLASS_DEVICE static void store_dq(Params const& params, SharedStorage& storage, BackwardBlock const& blk) {
+    if constexpr (kComputeDq) {
       const int lane = threadIdx.x % cutlass::NumThreadsPerWarp;
+      const Mask mask = make_mask(params);
       for (int g = 0; g < params.heads_per_kv_head; ++g) {
         const int head = blk.head_kv * params.heads_per_kv_head + g;
         float* dq_head = params.workspace.dq_accum + workspace_row0(params, blk.batch, head) * kHeadDim;
@@ -375,14 +380,13 @@ struct BackwardMainloop {
           float* dq_tile = dq_head + int64_t(m_block) * kDqTileFloats;
           int* semaphore = dq_semaphore(params, blk.batch, head, m_block);
           // Deterministic: the turn is awaited while the warpgroups still compute the tile, so
-          // that a turn already passed costs no round trip to L2 once the tile is ready. (With the
-          // release below: hdim 128 deterministic +2-5%, bench/RESULTS.md.)
-          if (params.deterministic && lane == 0) wait_for_turn(semaphore, blk.n_block);
+          // that a turn already passed costs no round trip to L2 once the tile is ready.
+          if (params.deterministic && lane == 0)
+            wait_for_turn(semaphore, mask.key_blocks_before(m_block, blk.n_block));
           __syncwarp();  // the barrier below is warp-aligned
-          named_barrier_sync(kDqBarrierThreads, BwdBarrier::kDqFull0, dq_buffer);
+          named_barrier_sync(kDqBarrierThreads, BwdBarrier::kDqFull0, 0);
           if (lane == 0) {
-            bulk_reduce_add_f32(dq_tile, storage.dq.smem_dq.data() + dq_buffer * kDqTileFloats,
-                                kDqTileFloats * sizeof(float));
+            bulk_reduce_add_f32(dq_tile, storage.dq.smem_dq.data(), kDqTileFloats * sizeof(float));
             tma_store_arrive();
             if (params.deterministic) {
               // The add must have landed, not just been read, before the next key block's turn.
@@ -396,15 +400,14 @@ struct BackwardMainloop {
             }
           }
           __syncwarp();
-          named_barrier_arrive(kDqBarrierThreads, BwdBarrier::kDqEmpty0, dq_buffer);
-          dq_buffer = (dq_buffer + 1) % kDqBuffers;
+          named_barrier_arrive(kDqBarrierThreads, BwdBarrier::kDqEmpty0, 0);
         }
       }
     }
   }
 
   CUTLASS_DEVICE static void store_dq_done() {
-    if constexpr (kDqViaTma) {
+    if constexpr (kComputeDq) {
       if (threadIdx.x % cutlass::NumThreadsPerWarp == 0) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
     }
   }
@@ -465,7 +468,7 @@ struct BackwardMainloop {
     Tensor tScS = thr_mma_sdp.partition_C(make_identity_tensor(select<0, 1>(TileShapeSdP{})));
     Tensor coords = make_tensor(tScS.data(), accumulator_rowcol(tScS.layout()));  // (rows, cols)
     constexpr int kRows = decltype(size<0>(coords))::value;
-    const AttentionMask<kBlockM, kBlockN, kCausal> mask{seqlen_q(params), seqlen_k(params)};
+    const Mask mask = make_mask(params);
 
     const int warp_group = thread_idx / cutlass::NumThreadsPerWarpGroup;
     const int thread_in_group = thread_idx % cutlass::NumThreadsPerWarpGroup;
@@ -477,54 +480,23 @@ struct BackwardMainloop {
 
     for (int g = 0; g < params.heads_per_kv_head; ++g) {
       const int head = blk.head_kv * params.heads_per_kv_head + g;
-      const int64_t row0_head = workspace_row0(params, blk.batch, head);
-      float* dq_head = params.workspace.dq_accum + row0_head * kHeadDim;
-      // Adds query block m_block's dQ to dQaccum: through the shared buffer and the dQ writer
-      // warp's bulk reduce-add (kDqViaTma), else by atomicAdd. Deterministic mode waits for this
-      // key block's turn before and passes it on after.
-      auto add_dq = [&](auto const& tdQrdQ, int m_block) {
+      // Hands query block m_block's dQ to the dQ writer warp through the shared buffer (its
+      // bulk reduce-add, in deterministic mode after this key block's turn).
+      auto add_dq = [&](auto const& tdQrdQ) {
         static_assert(decltype(size(tdQrdQ))::value % 4 == 0);
         constexpr int kSteps = decltype(size(tdQrdQ))::value / 4;
-        if constexpr (kDqViaTma) {
-          // Blocks take the buffers in turn, as the writer counts them and as dS alternates.
-          const int dq_buffer = buffer % kDqBuffers;
-          named_barrier_sync(kDqBarrierThreads, BwdBarrier::kDqEmpty0, dq_buffer);
-          float* smem_dq = storage.dq.smem_dq.data() + dq_buffer * kDqTileFloats;
-          CUTLASS_PRAGMA_UNROLL
-          for (int r = 0; r < kSteps; ++r) {
-            *reinterpret_cast<float4*>(smem_dq + dq_accum_offset<kDqTileFloats>(warp_group, thread_in_group, r)) =
-                make_float4(tdQrdQ(4 * r), tdQrdQ(4 * r + 1), tdQrdQ(4 * r + 2), tdQrdQ(4 * r + 3));
-          }
-          cutlass::arch::fence_view_async_shared();  // the bulk copy reads through the async proxy
-          named_barrier_arrive(kDqBarrierThreads, BwdBarrier::kDqFull0, dq_buffer);
-        } else {
-          float* dq_tile = dq_head + int64_t(m_block) * kDqTileFloats;
-          int* semaphore = dq_semaphore(params, blk.batch, head, m_block);
-          // Deterministic: both warpgroups of key block n_block - 1 must have added first.
-          if (params.deterministic) {
-            if (thread_in_group == 0) wait_for_turn(semaphore, blk.n_block * kNumMmaWarpGroups);
-            named_barrier_sync(cutlass::NumThreadsPerWarpGroup, BwdBarrier::kDqTurn0, warp_group);
-          }
-          // One base address, passed through an empty asm so that the compiler cannot hoist a
-          // 64-bit address per step out of the loop (it did: 16 of them, spilled, and every
-          // atomicAdd waited for a local load; ncu, hdim 256). The steps are immediate offsets.
-          int thread_offset = dq_accum_offset<kDqTileFloats>(warp_group, thread_in_group, 0);
-          asm volatile("" : "+r"(thread_offset));  // (an integer: a pointer would lose its address space)
-          float* dq_thread = dq_tile + thread_offset;
-          CUTLASS_PRAGMA_UNROLL
-          for (int r = 0; r < kSteps; ++r) {
-            atomicAdd(reinterpret_cast<float4*>(dq_thread + dq_accum_offset<kDqTileFloats>(0, 0, r)),
-                      make_float4(tdQrdQ(4 * r), tdQrdQ(4 * r + 1), tdQrdQ(4 * r + 2), tdQrdQ(4 * r + 3)));
-          }
-          if (params.deterministic) {
-            __threadfence();
-            named_barrier_sync(cutlass::NumThreadsPerWarpGroup, BwdBarrier::kDqTurn0, warp_group);
-            if (thread_in_group == 0) atomicAdd(semaphore, 1);
-          }
+        named_barrier_sync(kDqBarrierThreads, BwdBarrier::kDqEmpty0, 0);
+        float* smem_dq = storage.dq.smem_dq.data();
+        CUTLASS_PRAGMA_UNROLL
+        for (int r = 0; r < kSteps; ++r) {
+          *reinterpret_cast<float4*>(smem_dq + dq_accum_offset<kDqTileFloats>(warp_group, thread_in_group, r)) =
+              make_float4(tdQrdQ(4 * r), tdQrdQ(4 * r + 1), tdQrdQ(4 * r + 2), tdQrdQ(4 * r + 3));
         }
+        cutlass::arch::fence_view_async_shared();  // the bulk copy reads through the async proxy
+        named_barrier_arrive(kDqBarrierThreads, BwdBarrier::kDqFull0, 0);
       };
-      // One query block. masked: whether it crosses the causal diagonal or the key padding, as
-      // a compile-time constant (causal) or a run-time bool (non-causal: the whole key block).
+      // One query block. masked: whether it crosses a mask boundary or the key padding, as a
+      // compile-time constant (causal) or a run-time bool (the others).
       // (cute::Tensor spelled out: in a generic lambda, flashhopper::Tensor would be found.)
       auto step = [&](int m_block, auto masked) {
         cute::Tensor tSrS = partition_fragment_C(tiled_mma_sdp, select<0, 1>(TileShapeSdP{}));
@@ -544,6 +516,7 @@ struct BackwardMainloop {
         for (int i = 0; i < kRows; ++i) dpsum[i] = smem_dpsum[get<0>(coords(i, 0))];
         warpgroup_wait<1>();  // S is ready
         cute::Tensor scores = make_tensor(tSrS.data(), accumulator_rowcol(tSrS.layout()));
+        params.transform.apply(scores);
         if constexpr (cute::is_same_v<decltype(masked), bool>) {
           if (masked) mask.apply(scores, coords, m_block, blk.n_block);
         } else if constexpr (decltype(masked)::value) {
@@ -552,7 +525,8 @@ struct BackwardMainloop {
         scores_to_probabilities(scores, lse_log2, params.softmax_scale_log2);
         warpgroup_wait<0>();  // dP is ready
         cute::Tensor dS = make_tensor(tdPrdP.data(), scores.layout());
-        dp_to_ds(dS, scores, dpsum);
+        if constexpr (Transform::kSoftcap) dp_to_ds_softcap(dS, scores, dpsum, lse_log2, params.softmax_scale_log2);
+        else dp_to_ds(dS, scores, dpsum);
         cute::Tensor rP = make_tensor_like<Element>(tSrS);
         cute::Tensor rdS = make_tensor_like<Element>(tdPrdP);
         convert_into(tSrS, rP);
@@ -582,7 +556,7 @@ struct BackwardMainloop {
           pipeline_do.consumer_release(pipe_do_read);
           ++pipe_do_read;
           warpgroup_wait<1>();  // dQ
-          add_dq(tdQrdQ, m_block);
+          add_dq(tdQrdQ);
           warpgroup_wait<0>();  // dK is done with Q
           pipeline_q.consumer_release(pipe_q_read);
         }
@@ -600,6 +574,11 @@ struct BackwardMainloop {
         for (int m_block = blk.m_block_max - 1; m_block >= m_masked_end; --m_block) step(m_block, cute::false_type{});
         CUTLASS_PRAGMA_NO_UNROLL
         for (int m_block = m_masked_end - 1; m_block >= blk.m_block_min; --m_block) step(m_block, cute::true_type{});
+      } else if constexpr (Mask::kLocal) {
+        // A window masks the query blocks at both ends of the range (and all, with padding).
+        CUTLASS_PRAGMA_NO_UNROLL
+        for (int m_block = blk.m_block_min; m_block < blk.m_block_max; ++m_block)
+          step(m_block, mask.crosses_boundary(m_block, blk.n_block));
       } else {
         const bool padded = mask.crosses_boundary(blk.m_block_min, blk.n_block);  // same for every m_block
         CUTLASS_PRAGMA_NO_UNROLL

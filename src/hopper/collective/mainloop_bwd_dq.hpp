@@ -19,6 +19,7 @@
 #include <cutlass/pipeline/pipeline.hpp>
 
 #include "hopper/common/mask.hpp"
+#include "hopper/common/score_transform.hpp"
 #include "hopper/common/softmax.hpp"
 #include "hopper/common/tile_scheduler.hpp"
 #include "hopper/common/tma_pipeline.hpp"
@@ -28,7 +29,8 @@ namespace flashhopper::hopper {
 
 using namespace cute;
 
-template <class Element_, int kBlockM_, int kBlockN_, int kHeadDim_, int kStagesK_, int kStagesV_, bool kCausal_>
+template <class Element_, int kBlockM_, int kBlockN_, int kHeadDim_, int kStagesK_, int kStagesV_, MaskKind kMask_,
+          bool kSoftcap_>
 struct BackwardDqMainloop {
   using Element = Element_;
   static constexpr int kBlockM = kBlockM_;
@@ -36,7 +38,9 @@ struct BackwardDqMainloop {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kStagesK = kStagesK_;
   static constexpr int kStagesV = kStagesV_;
-  static constexpr bool kCausal = kCausal_;
+  static constexpr MaskKind kMask = kMask_;
+  using Mask = AttentionMask<kBlockM_, kBlockN_, kMask_>;
+  using Transform = ScoreTransform<kSoftcap_>;
   static constexpr int kNumMmaWarpGroups = kBlockM / 64;
   static constexpr int kNumMmaThreads = kNumMmaWarpGroups * cutlass::NumThreadsPerWarpGroup;
   static_assert(kBlockM % 64 == 0 && kBlockN % 16 == 0);
@@ -110,6 +114,8 @@ struct BackwardDqMainloop {
     Element* ptr_dq;
     StrideQKV stride_dq;
     float softmax_scale;
+    float softcap;          // > 0 only with kSoftcap
+    LocalMaskParams local;  // kLocal only
     float const* lse_log2;  // the preprocess kernel's [batch, heads_q, rows_padded] buffers
     float const* dpsum;
     int rows_padded;
@@ -124,8 +130,10 @@ struct BackwardDqMainloop {
     TmaK tma_v;
     Element* ptr_dq;
     StrideQKV stride_dq;
-    float softmax_scale;
-    float softmax_scale_log2;
+    float softmax_scale;       // dQ's factor
+    float softmax_scale_log2;  // after the score transform
+    Transform transform;
+    LocalMaskParams local;
     float const* lse_log2;
     float const* dpsum;
     int rows_padded;
@@ -150,7 +158,9 @@ struct BackwardDqMainloop {
             args.ptr_dq,
             args.stride_dq,
             args.softmax_scale,
-            float(args.softmax_scale * M_LOG2E),
+            float(Transform::softmax_scale(args.softmax_scale, args.softcap) * M_LOG2E),
+            Transform::make(args.softmax_scale, args.softcap),
+            args.local,
             args.lse_log2,
             args.dpsum,
             args.rows_padded,
@@ -164,15 +174,20 @@ struct BackwardDqMainloop {
     cute::prefetch_tma_descriptor(params.tma_v.get_tma_descriptor());
   }
 
-  CUTLASS_DEVICE static int seqlen_q(Params const& params) { return get<0>(params.shape_q); }
-  CUTLASS_DEVICE static int seqlen_k(Params const& params) { return get<0>(params.shape_k); }
+  CUTLASS_DEVICE static SeqlenInfo seqlen_info(Params const& params, WorkTile const&) {
+    return {get<0>(params.shape_q), get<0>(params.shape_k)};
+  }
+  CUTLASS_DEVICE static Mask make_mask(Params const& params, WorkTile const& work) {
+    return Mask(seqlen_info(params, work), params.local);
+  }
 
   // Producer (one thread): the first K block, then Q and dO once the previous tile is done with
-  // theirs, then K and V from the last key block (the one that may need masking) down, K one
-  // block ahead of V in the order the warpgroups use them.
+  // theirs, then K and V in the walk's order (the last key block, which may need masking,
+  // first), K one block ahead of V in the order the warpgroups use them.
   CUTLASS_DEVICE static void load(Params const& params, PipelineK& pipeline_k, PipelineV& pipeline_v,
                                   PipelineStateK& pipe_k_write, PipelineStateV& pipe_v_write, SharedStorage& storage,
-                                  int& qdo_empty_phase, WorkTile const& work, int n_block_min, int n_block_max) {
+                                  int& qdo_empty_phase, WorkTile const& work,
+                                  typename Mask::KeyBlocks const& blocks) {
     Tensor sQ = make_tensor(make_smem_ptr(storage.smem_q.data()), SmemLayoutQ{});
     Tensor sdO = make_tensor(make_smem_ptr(storage.smem_do.data()), SmemLayoutQ{});
     Tensor sK = make_tensor(make_smem_ptr(storage.smem_k.data()), SmemLayoutK{});
@@ -203,15 +218,16 @@ struct BackwardDqMainloop {
 
     auto load_k = [&](int n_block) { tma_load_stage(pipeline_k, pipe_k_write, params.tma_k, tKgK(_, n_block), tKsK); };
     auto load_v = [&](int n_block) { tma_load_stage(pipeline_v, pipe_v_write, params.tma_v, tVgV(_, n_block), tVsV); };
-    load_k(n_block_max - 1);
+    const int num_blocks = blocks.count();
+    load_k(blocks.at(0));
     storage.qdo_empty.wait(qdo_empty_phase);
     qdo_empty_phase ^= 1;
     storage.qdo_full.arrive_and_expect_tx(kTmaBytesQdO);
     copy(params.tma_q.with(reinterpret_cast<uint64_t&>(storage.qdo_full)), tQgQ, tQsQ);
     copy(params.tma_do.with(reinterpret_cast<uint64_t&>(storage.qdo_full)), tdOgdO, tdOsdO);
-    for (int n_block = n_block_max - 1; n_block >= n_block_min; --n_block) {
-      load_v(n_block);
-      if (n_block > n_block_min) load_k(n_block - 1);
+    for (int i = 0; i < num_blocks; ++i) {
+      load_v(blocks.at(i));
+      if (i + 1 < num_blocks) load_k(blocks.at(i + 1));
     }
   }
 
@@ -220,7 +236,7 @@ struct BackwardDqMainloop {
   CUTLASS_DEVICE static void mma(Params const& params, PipelineK& pipeline_k, PipelineV& pipeline_v,
                                  PipelineStateK& pipe_k_read, PipelineStateV& pipe_v_read, SharedStorage& storage,
                                  int& qdo_full_phase, TensordQ& tdQrdQ, int thread_idx, WorkTile const& work,
-                                 int n_block_min, int n_block_max) {
+                                 typename Mask::KeyBlocks const& blocks) {
     Tensor sQ = make_tensor(make_smem_ptr(storage.smem_q.data()), SmemLayoutQ{});
     Tensor sdO = make_tensor(make_smem_ptr(storage.smem_do.data()), SmemLayoutQ{});
     Tensor sK = make_tensor(make_smem_ptr(storage.smem_k.data()), SmemLayoutK{});
@@ -255,7 +271,8 @@ struct BackwardDqMainloop {
       lse_log2[i] = params.lse_log2[row0 + get<0>(coords(i, 0))];
       dpsum[i] = params.dpsum[row0 + get<0>(coords(i, 0))];
     }
-    const AttentionMask<kBlockM, kBlockN, kCausal> mask{seqlen_q(params), seqlen_k(params)};
+    const Mask mask = make_mask(params, work);
+    const int num_blocks = blocks.count();
 
     storage.qdo_full.wait(qdo_full_phase);
     qdo_full_phase ^= 1;
@@ -263,13 +280,15 @@ struct BackwardDqMainloop {
 
     PipelineStateK pipe_k_previous;  // the previous block's K stage, read by its dQ GEMM
     CUTLASS_PRAGMA_NO_UNROLL
-    for (int n_block = n_block_max - 1; n_block >= n_block_min; --n_block) {
+    for (int i = 0; i < num_blocks; ++i) {
+      const int n_block = blocks.at(i);
       pipeline_k.consumer_wait(pipe_k_read);
       warpgroup_gemm</*kZeroInit=*/true, /*kWait=*/-1>(tiled_mma_sdp, tSrQ, tSrK(_, _, _, pipe_k_read.index()), tSrS);
       pipeline_v.consumer_wait(pipe_v_read);
       warpgroup_gemm<true, -1>(tiled_mma_sdp, tdPrdO, tdPrV(_, _, _, pipe_v_read.index()), tdPrdP);
       warpgroup_wait<1>();  // S is ready, and the previous block's dQ GEMM is done with its K
-      if (n_block < n_block_max - 1) pipeline_k.consumer_release(pipe_k_previous);
+      if (i > 0) pipeline_k.consumer_release(pipe_k_previous);
+      params.transform.apply(scores);
       if (mask.crosses_boundary(work.block, n_block)) mask.apply(scores, coords, work.block, n_block);
       scores_to_probabilities(scores, lse_log2, params.softmax_scale_log2);
       warpgroup_wait<0>();  // dP is ready
@@ -277,8 +296,9 @@ struct BackwardDqMainloop {
       ++pipe_v_read;
       // Q and dO are free once the tile's last S and dP are done: the next tile's load overlaps
       // the last dQ GEMM and the epilogue.
-      if (n_block == n_block_min) storage.qdo_empty.arrive();
-      dp_to_ds(dS, scores, dpsum);
+      if (i == num_blocks - 1) storage.qdo_empty.arrive();
+      if constexpr (Transform::kSoftcap) dp_to_ds_softcap(dS, scores, dpsum, lse_log2, params.softmax_scale_log2);
+      else dp_to_ds(dS, scores, dpsum);
       convert_into(tdPrdP, tdQrdS);
       warpgroup_gemm<false, -1>(tiled_mma_dq, tdQrdS, tdQrKt(_, _, _, pipe_k_read.index()), tdQrdQ);
       pipe_k_previous = pipe_k_read;

@@ -17,6 +17,7 @@
 
 #include "hopper/common/mask.hpp"
 #include "hopper/common/named_barrier.hpp"
+#include "hopper/common/score_transform.hpp"
 #include "hopper/common/softmax.hpp"
 #include "hopper/common/tile_scheduler.hpp"
 #include "hopper/common/tma_pipeline.hpp"
@@ -26,14 +27,16 @@ namespace flashhopper::hopper {
 
 using namespace cute;
 
-template <class Element_, int kBlockM_, int kBlockN_, int kHeadDim_, int kStages_, bool kCausal_>
+template <class Element_, int kBlockM_, int kBlockN_, int kHeadDim_, int kStages_, MaskKind kMask_, bool kSoftcap_>
 struct ForwardMainloop {
   using Element = Element_;
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kStages = kStages_;
-  static constexpr bool kCausal = kCausal_;
+  static constexpr MaskKind kMask = kMask_;
+  using Mask = AttentionMask<kBlockM_, kBlockN_, kMask_>;
+  using Transform = ScoreTransform<kSoftcap_>;
   static constexpr int kNumMmaWarpGroups = kBlockM / 64;
   static constexpr int kNumMmaThreads = kNumMmaWarpGroups * cutlass::NumThreadsPerWarpGroup;
 
@@ -100,6 +103,9 @@ struct ForwardMainloop {
     ShapeQKV shape_vt;  // (dv, seqlen_k, heads_kv, batch)
     StrideVt stride_vt;
     float softmax_scale;
+    float softcap;                 // > 0 only with kSoftcap
+    LocalMaskParams local;         // kLocal only
+    float const* learnable_sink;   // [heads_q] or null
   };
 
   struct Params {
@@ -109,8 +115,11 @@ struct ForwardMainloop {
     TmaQ tma_q;
     TmaK tma_k;
     TmaVt tma_vt;
-    float softmax_scale;
+    float softmax_scale;       // after the score transform (ScoreTransform::softmax_scale)
     float softmax_scale_log2;
+    Transform transform;
+    LocalMaskParams local;
+    float const* learnable_sink;
     cutlass::FastDivmod heads_per_kv_head;
   };
 
@@ -124,14 +133,18 @@ struct ForwardMainloop {
     TmaVt tma_vt = make_tma_copy(SM90_TMA_LOAD{}, mVt, take<0, 2>(SmemLayoutVt{}),
                                  Shape<Int<kHeadDim>, Int<kBlockN>>{}, _1{});
     const int heads_per_kv_head = get<2>(args.shape_q) / get<2>(args.shape_k);
+    const float scale = Transform::softmax_scale(args.softmax_scale, args.softcap);
     return {args.shape_q,
             args.shape_k,
             args.shape_vt,
             tma_q,
             tma_k,
             tma_vt,
-            args.softmax_scale,
-            float(args.softmax_scale * M_LOG2E),
+            scale,
+            float(scale * M_LOG2E),
+            Transform::make(args.softmax_scale, args.softcap),
+            args.local,
+            args.learnable_sink,
             cutlass::FastDivmod(heads_per_kv_head)};
   }
 
@@ -141,18 +154,27 @@ struct ForwardMainloop {
     cute::prefetch_tma_descriptor(params.tma_vt.get_tma_descriptor());
   }
 
-  CUTLASS_DEVICE static int seqlen_q(Params const& params) { return get<0>(params.shape_q); }
-  CUTLASS_DEVICE static int seqlen_k(Params const& params) { return get<0>(params.shape_k); }
+  CUTLASS_DEVICE static SeqlenInfo seqlen_info(Params const& params, WorkTile const&) {
+    return {get<0>(params.shape_q), get<0>(params.shape_k)};
+  }
+  CUTLASS_DEVICE static Mask make_mask(Params const& params, WorkTile const& work) {
+    return Mask(seqlen_info(params, work), params.local);
+  }
+  // The learnable sink's logit * log2 e for the tile's head; -inf without one.
+  CUTLASS_DEVICE static float sink_log2(Params const& params, WorkTile const& work) {
+    return params.learnable_sink ? params.learnable_sink[work.head] * float(M_LOG2E) : -INFINITY;
+  }
 
-  // Producer: called by one thread. Loads K/V blocks from the last (the one that may need
-  // masking) down, interleaved as K[n], V[n+1] in the order the consumers use them, and Q once
-  // its buffer is free (every consumer is done with the previous tile's Q K^T).
+  // Producer: called by one thread. Loads K/V blocks in the walk's order (the last block, which
+  // may need masking, first), interleaved as K of one block and V of the one before, as the
+  // consumers use them, and Q once its buffer is free (every consumer is done with the previous
+  // tile's Q K^T).
   CUTLASS_DEVICE static void load(Params const& params, Pipeline& pipeline_k, Pipeline& pipeline_v,
                                   PipelineState& pipe_k_write, PipelineState& pipe_v_write,
                                   cutlass::arch::ClusterTransactionBarrier& barrier_q_full,
                                   cutlass::arch::ClusterBarrier& barrier_q_empty, int& q_empty_phase,
                                   Element* smem_q, SharedStorageKV& storage, WorkTile const& work,
-                                  int n_block_min, int n_block_max) {
+                                  typename Mask::KeyBlocks const& blocks) {
     Tensor sQ = make_tensor(make_smem_ptr(smem_q), SmemLayoutQ{});
     Tensor sK = make_tensor(make_smem_ptr(storage.smem_k.data()), SmemLayoutK{});
     Tensor sVt = make_tensor(make_smem_ptr(storage.smem_v.data()), SmemLayoutVt{});
@@ -181,16 +203,17 @@ struct ForwardMainloop {
       tma_load_stage(pipeline_v, pipe_v_write, params.tma_vt, tVgVt(_, n_block), tVsVt);
     };
     // The first K block goes out while the previous tile's last GEMMs may still read Q.
-    load_k(n_block_max - 1);
+    const int num_blocks = blocks.count();
+    load_k(blocks.at(0));
     barrier_q_empty.wait(q_empty_phase);
     q_empty_phase ^= 1;
     barrier_q_full.arrive_and_expect_tx(kTmaBytesQ);
     copy(params.tma_q.with(reinterpret_cast<uint64_t&>(barrier_q_full)), tQgQ, tQsQ);
-    for (int n_block = n_block_max - 2; n_block >= n_block_min; --n_block) {
-      load_k(n_block);
-      load_v(n_block + 1);
+    for (int i = 1; i < num_blocks; ++i) {
+      load_k(blocks.at(i));
+      load_v(blocks.at(i - 1));
     }
-    load_v(n_block_min);
+    load_v(blocks.at(num_blocks - 1));
   }
 
   // Consumer: one 64-row slice per warpgroup. On return tOrO holds the unnormalised O and
@@ -201,7 +224,7 @@ struct ForwardMainloop {
                                  cutlass::arch::ClusterTransactionBarrier& barrier_q_full, int& q_full_phase,
                                  cutlass::arch::ClusterBarrier& barrier_q_empty, Element* smem_q,
                                  SharedStorageKV& storage, TensorO& tOrO, Softmax& softmax,
-                                 int thread_idx, WorkTile const& work, int n_block_min, int n_block_max) {
+                                 int thread_idx, WorkTile const& work, typename Mask::KeyBlocks const& blocks) {
     Tensor sQ = make_tensor(make_smem_ptr(smem_q), SmemLayoutQ{});
     Tensor sK = make_tensor(make_smem_ptr(storage.smem_k.data()), SmemLayoutK{});
     Tensor sVt = make_tensor(make_smem_ptr(storage.smem_v.data()), SmemLayoutVt{});
@@ -223,7 +246,13 @@ struct ForwardMainloop {
     constexpr int kRows = decltype(size<0>(scores))::value;
     float o_scale[kRows];
 
-    const AttentionMask<kBlockM, kBlockN, kCausal> mask{seqlen_q(params), seqlen_k(params)};
+    const Mask mask = make_mask(params, work);
+    const int num_blocks = blocks.count();
+    // The score transform, then the mask where the block crosses its boundary.
+    auto mask_scores = [&](int n_block) {
+      params.transform.apply(scores);
+      if (mask.crosses_boundary(work.block, n_block)) mask.apply(scores, coords, work.block, n_block);
+    };
     const int warp_group = thread_idx / cutlass::NumThreadsPerWarpGroup;
     // Ping-pong: wait for this warpgroup's turn at the tensor cores, then pass it on.
     auto take_turn = [&] {
@@ -240,7 +269,7 @@ struct ForwardMainloop {
     q_full_phase ^= 1;
 
     // First block: S only.
-    int n_block = n_block_max - 1;
+    int n_block = blocks.at(0);
     pipeline_k.consumer_wait(pipe_k_read);
     take_turn();
     warpgroup_gemm</*kZeroInit=*/true, /*kWait=*/-1>(tiled_mma_qk, tSrQ, tSrK(_, _, _, pipe_k_read.index()), tSrS);
@@ -249,8 +278,8 @@ struct ForwardMainloop {
     pipeline_k.consumer_release(pipe_k_read);
     ++pipe_k_read;
     // Q is free once the tile's last Q K^T is done: the next tile's Q loads during the rest.
-    if (n_block == n_block_min) barrier_q_empty.arrive();
-    if (mask.crosses_boundary(work.block, n_block)) mask.apply(scores, coords, work.block, n_block);
+    if (num_blocks == 1) barrier_q_empty.arrive();
+    mask_scores(n_block);
     softmax.template update</*kFirst=*/true>(scores, o_scale);
     clear(tOrO);
 
@@ -269,9 +298,10 @@ struct ForwardMainloop {
       }
       convert_into(tSrS, tOrP);
     };
-    for (--n_block; n_block >= n_block_min; --n_block) {
+    for (int i = 1; i < num_blocks; ++i) {
+      n_block = blocks.at(i);
       pipeline_k.consumer_wait(pipe_k_read);
-      write_p(n_block < n_block_max - 2);
+      write_p(i > 1);
       take_turn();
       warpgroup_gemm<true, -1>(tiled_mma_qk, tSrQ, tSrK(_, _, _, pipe_k_read.index()), tSrS);
       // O shrinks for the previous block's maximum while Q K^T runs, before P V adds to it.
@@ -282,13 +312,13 @@ struct ForwardMainloop {
       warpgroup_wait<1>();  // S is ready; P V may still run
       pipeline_k.consumer_release(pipe_k_read);
       ++pipe_k_read;
-      if (n_block == n_block_min) barrier_q_empty.arrive();
-      if (mask.crosses_boundary(work.block, n_block)) mask.apply(scores, coords, work.block, n_block);
+      if (i == num_blocks - 1) barrier_q_empty.arrive();
+      mask_scores(n_block);
       softmax.template update</*kFirst=*/false>(scores, o_scale);
     }
 
     // Last block: P V only.
-    write_p(n_block_min < n_block_max - 1);
+    write_p(num_blocks > 1);
     scale_rows(o_rowcol, o_scale);
     pipeline_v.consumer_wait(pipe_v_read);
     take_turn();

@@ -1,46 +1,175 @@
-// Which scores a query row may see: keys past the sequence end never, and with causal masking
-// only keys j <= i + (seqlen_k - seqlen_q) (bottom-right aligned). Applied only to the key blocks
-// that cross a boundary; the block range skips blocks wholly outside.
+// Which scores a query row may see, as one policy type that every mainloop takes: the key blocks
+// a query block visits (forward, dQ kernel), the query blocks a key block visits (dK/dV kernel),
+// which of those blocks hold an invisible score, masking a score tile, and what the deterministic
+// backward counts. Rows and columns are aligned at the bottom-right: with off = seqlen_k - seqlen_q
+// and p = row + off, row `row` sees key j iff j < seqlen_k and
+//   kCausal: j <= p;
+//   kLocal:  (wl < 0 or j >= p - wl or j < num_sink_tokens) and (wr < 0 or j <= p + wr) and, with
+//            chunk c > 0, floor(p / c) * c <= j < floor(p / c) * c + c.
+// Masks are applied only to the blocks that cross a boundary; blocks wholly outside are skipped.
 #pragma once
 
 #include <cmath>
 
 #include <cute/tensor.hpp>
 
+#include "hopper/common/mask_kind.hpp"
 #include "hopper/common/utils.hpp"
 
 namespace flashhopper::hopper {
 
 using namespace cute;
 
-template <int kBlockM, int kBlockN, bool kCausal>
-struct AttentionMask {
+// The run-time half of a kLocal mask (the other kinds ignore it).
+struct LocalMaskParams {
+  int window_left = -1;  // -1: unbounded
+  int window_right = -1;
+  int num_sink_tokens = 0;
+  int chunk = 0;  // 0: none
+};
+
+// The sequence lengths a tile works with (dense today; varlen will set them per sequence).
+struct SeqlenInfo {
   int seqlen_q;
   int seqlen_k;
+};
 
+CUTLASS_HOST_DEVICE int floor_div(int a, int b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
+CUTLASS_HOST_DEVICE int ceil_div_pos(int a, int b) { return a <= 0 ? 0 : (a + b - 1) / b; }
+
+template <int kBlockM, int kBlockN, MaskKind kKind>
+struct AttentionMask {
+  static constexpr bool kCausal = kKind == MaskKind::kCausal;
+  static constexpr bool kLocal = kKind == MaskKind::kLocal;
+  int seqlen_q;
+  int seqlen_k;
+  LocalMaskParams local;
+
+  CUTLASS_HOST_DEVICE AttentionMask(SeqlenInfo const& seq, LocalMaskParams const& local_ = {})
+      : seqlen_q(seq.seqlen_q), seqlen_k(seq.seqlen_k), local(local_) {}
+
+  CUTLASS_HOST_DEVICE int offset() const { return seqlen_k - seqlen_q; }
+  CUTLASS_HOST_DEVICE bool has_sinks() const { return kLocal && local.num_sink_tokens > 0; }
+
+  // ---- Visible key columns [lo, hi) of the rows [row_first, row_last] (their union) --------------
+  // (Exact: each row's visible columns are an interval whose ends grow with the row, so the union
+  // is [lo(first), hi(last)). The sink tokens come on top of it, below lo.)
+  CUTLASS_HOST_DEVICE int cols_lo(int row_first) const {
+    if constexpr (!kLocal) {
+      return 0;
+    } else {
+      const int p = row_first + offset();
+      int lo = local.window_left < 0 ? 0 : p - local.window_left;
+      if (local.chunk > 0) lo = max(lo, floor_div(p, local.chunk) * local.chunk);
+      return max(lo, 0);
+    }
+  }
+  CUTLASS_HOST_DEVICE int cols_hi(int row_last) const {
+    const int p = row_last + offset();
+    int hi = seqlen_k;
+    if constexpr (kCausal) hi = min(hi, p + 1);
+    if constexpr (kLocal) {
+      if (local.window_right >= 0) hi = min(hi, p + local.window_right + 1);
+      if (local.chunk > 0) hi = min(hi, floor_div(p, local.chunk) * local.chunk + local.chunk);
+    }
+    return max(hi, 0);
+  }
+
+  // ---- Forward and dQ kernel: the key blocks query block m_block visits ------------------------
+  // The window's blocks [n_min, n_max), visited from the last down, then the sink tokens' blocks
+  // below n_min (kLocal with sinks), from the last down.
+  struct KeyBlocks {
+    int n_min;
+    int n_max;
+    int num_sink_blocks;  // blocks [0, num_sink_blocks), all below n_min
+    CUTLASS_DEVICE int count() const { return max(n_max - n_min, 0) + num_sink_blocks; }
+    // The i-th block of the walk, i in [0, count()).
+    CUTLASS_DEVICE int at(int i) const {
+      const int window = max(n_max - n_min, 0);
+      return i < window ? n_max - 1 - i : num_sink_blocks - 1 - (i - window);
+    }
+  };
+  CUTLASS_DEVICE KeyBlocks key_blocks(int m_block) const {
+    const int row_first = m_block * kBlockM;
+    const int row_last = min(row_first + kBlockM, seqlen_q) - 1;
+    const int lo = cols_lo(row_first), hi = cols_hi(row_last);
+    KeyBlocks b;
+    b.n_min = lo / kBlockN;
+    b.n_max = lo < hi ? ceil_div_pos(hi, kBlockN) : b.n_min;
+    b.num_sink_blocks = 0;
+    if (has_sinks()) {
+      // Sink keys are visible within the right bound, to rows whose window starts past them.
+      const int sink_hi = min(local.num_sink_tokens, cols_hi(row_last));
+      b.num_sink_blocks = min(ceil_div_pos(sink_hi, kBlockN), b.n_min);
+    }
+    return b;
+  }
+
+  // ---- dK/dV kernel: the query blocks key block n_block visits, [m_min, m_max) ------------------
+  CUTLASS_DEVICE void query_blocks(int n_block, int& m_min, int& m_max) const {
+    const int col_first = n_block * kBlockN;
+    const int col_last = min(col_first + kBlockN, seqlen_k) - 1;
+    int p_min = -(1 << 30), p_max = 1 << 30;  // rows p (= row + offset) that see a column of the block
+    if constexpr (kCausal) p_min = col_first;
+    if constexpr (kLocal) {
+      if (local.window_right >= 0) p_min = col_first - local.window_right;
+      const bool sinks_here = col_first < local.num_sink_tokens;
+      if (local.window_left >= 0 && !sinks_here) p_max = col_last + local.window_left;
+      if (local.chunk > 0) {
+        p_min = max(p_min, floor_div(col_first, local.chunk) * local.chunk);
+        p_max = min(p_max, floor_div(col_last, local.chunk) * local.chunk + local.chunk - 1);
+      }
+    }
+    const int row_min = max(p_min - offset(), 0);
+    const int row_end = int(min<int64_t>(int64_t(p_max) - offset() + 1, seqlen_q));  // exclusive
+    m_min = row_min / kBlockM;
+    m_max = row_min < row_end ? ceil_div_pos(row_end, kBlockM) : m_min;
+  }
+
+  // Deterministic backward: how many key blocks below n_block add to query block m_block's dQ
+  // before it does (the key blocks visiting a query block are the ones key_blocks() gives it).
+  CUTLASS_DEVICE int key_blocks_before(int m_block, int n_block) const {
+    if constexpr (!kLocal) {
+      return n_block;
+    } else {
+      // The visitors: the sink tokens' blocks [0, num_sink_blocks), then the window's [n_min, n_max).
+      const KeyBlocks b = key_blocks(m_block);
+      return n_block < b.n_min ? n_block : n_block - b.n_min + b.num_sink_blocks;
+    }
+  }
+
+  // ---- Which blocks need masking --------------------------------------------------------------
   // True when block (m_block, n_block) holds a score that some row of the tile may not see.
   CUTLASS_DEVICE bool crosses_boundary(int m_block, int n_block) const {
-    const int last_col = (n_block + 1) * kBlockN - 1;
-    if (last_col >= seqlen_k) return true;
-    if constexpr (kCausal) return last_col > m_block * kBlockM + seqlen_k - seqlen_q;
+    const int col_first = n_block * kBlockN, col_last = col_first + kBlockN - 1;
+    if (col_last >= seqlen_k) return true;
+    const int row_first = m_block * kBlockM, row_last = row_first + kBlockM - 1;
+    if constexpr (kCausal) return col_last > row_first + offset();
+    if constexpr (kLocal) {
+      // Wholly visible iff every row's interval covers the block: the first row's right end and
+      // the last row's left end bound it (a chunk boundary inside the rows always masks).
+      if (col_last >= cols_hi(row_first)) return true;
+      if (col_first < cols_lo(row_last)) return true;
+      if (local.chunk > 0 &&
+          floor_div(row_first + offset(), local.chunk) != floor_div(row_last + offset(), local.chunk))
+        return true;
+    }
     return false;
   }
 
-  // The backward visits key block n_block's query blocks [m_block_min, m_block_max) and masks
-  // only those that cross a boundary. They form the start of the range; this returns where that
-  // run ends: m_block_max when the key block holds padding, else (causal) the first m for which
-  // crosses_boundary(m, n_block) is false.
+  // The backward visits key block n_block's query blocks [m_block_min, m_block_max) and masks only
+  // those that cross a boundary. Causal: they form the start of the range, and this returns where
+  // that run ends (m_block_max when the key block holds padding).
   CUTLASS_DEVICE int masked_query_blocks_end(int n_block, int m_block_min, int m_block_max) const {
+    static_assert(kCausal);
     const int last_col = (n_block + 1) * kBlockN - 1;
     if (last_col >= seqlen_k) return m_block_max;
-    int end = m_block_min;
-    if constexpr (kCausal) {
-      const int diagonal = last_col - (seqlen_k - seqlen_q);  // crossed while m * kBlockM < diagonal
-      if (diagonal > 0) end = (diagonal + kBlockM - 1) / kBlockM;
-    }
+    const int diagonal = last_col - offset();  // crossed while m * kBlockM < diagonal
+    const int end = diagonal > 0 ? (diagonal + kBlockM - 1) / kBlockM : m_block_min;
     return max(m_block_min, min(end, m_block_max));
   }
 
+  // ---- Masking a score tile -------------------------------------------------------------------
   // s: scores (rows, cols) in registers; coords: the matching (row, col) tile coordinates.
   template <class TensorS, class TensorCoord>
   CUTLASS_DEVICE void apply(TensorS& s, TensorCoord const& coords, int m_block, int n_block) const {
@@ -48,41 +177,26 @@ struct AttentionMask {
     const int col0 = n_block * kBlockN;
     CUTLASS_PRAGMA_UNROLL
     for (int m = 0; m < size<0>(s); ++m) {
-      int col_end = seqlen_k - col0;  // first invisible column, relative to the block
-      if constexpr (kCausal) {
-        const int row = row0 + get<0>(coords(m, 0));
-        col_end = min(col_end, row + seqlen_k - seqlen_q + 1 - col0);
+      const int row = row0 + get<0>(coords(m, 0));
+      // Visible columns of the row, relative to the block: [col_begin, col_end), plus the sinks.
+      int col_end = seqlen_k - col0;
+      int col_begin = 0;
+      int sink_end = 0;
+      if constexpr (kCausal) col_end = min(col_end, row + offset() + 1 - col0);
+      if constexpr (kLocal) {
+        col_end = min(col_end, cols_hi(row) - col0);
+        col_begin = cols_lo(row) - col0;
+        if (local.num_sink_tokens > 0) sink_end = min(local.num_sink_tokens - col0, col_end);
       }
       CUTLASS_PRAGMA_UNROLL
       for (int n = 0; n < size<1>(s); ++n) {
-        if (get<1>(coords(m, n)) >= col_end) s(m, n) = -INFINITY;
+        const int col = get<1>(coords(m, n));
+        bool invisible = col >= col_end;
+        if constexpr (kLocal) invisible = invisible || (col < col_begin && col >= sink_end);
+        if (invisible) s(m, n) = -INFINITY;
       }
     }
   }
 };
-
-// Key blocks [n_block_min, n_block_max) that query block m_block must visit.
-template <int kBlockM, int kBlockN, bool kCausal>
-CUTLASS_DEVICE void key_block_range(int seqlen_q, int seqlen_k, int m_block, int& n_block_min,
-                                    int& n_block_max) {
-  n_block_min = 0;
-  int visible_cols = seqlen_k;
-  if constexpr (kCausal) {
-    const int rows_end = min((m_block + 1) * kBlockM, seqlen_q);
-    visible_cols = max(0, min(seqlen_k, rows_end + seqlen_k - seqlen_q));
-  }
-  n_block_max = (visible_cols + kBlockN - 1) / kBlockN;
-}
-
-// Query blocks [m_block_min, m_block_max) that key block n_block must visit (the backward).
-// With causal masking row i sees key j iff j <= i + seqlen_k - seqlen_q, so the first row that
-// sees the block's first key is n_block * kBlockN - (seqlen_k - seqlen_q).
-template <int kBlockM, int kBlockN, bool kCausal>
-CUTLASS_DEVICE void query_block_range(int seqlen_q, int seqlen_k, int n_block, int& m_block_min,
-                                      int& m_block_max) {
-  m_block_min = 0;
-  if constexpr (kCausal) m_block_min = max(0, n_block * kBlockN - (seqlen_k - seqlen_q)) / kBlockM;
-  m_block_max = (seqlen_q + kBlockM - 1) / kBlockM;
-}
 
 }  // namespace flashhopper::hopper

@@ -58,14 +58,26 @@ struct OnlineSoftmax {
   }
 
   // Normalisation factor 1/sum per row (0 for rows that saw no key) and the natural-log LSE
-  // (-inf for those rows). `softmax_scale` is the unscaled-to-logit factor.
-  CUTLASS_DEVICE void finalize(float softmax_scale, float (&o_scale)[kRows], float (&lse)[kRows]) {
+  // (-inf for those rows). `softmax_scale` is the unscaled-to-logit factor. A learnable sink
+  // (sink_log2 = its logit * log2 e; -inf: none) joins each row's sum with no value, so it shrinks
+  // O and raises the LSE; a row that saw no key then has LSE = the sink's logit.
+  CUTLASS_DEVICE void finalize(float softmax_scale, float (&o_scale)[kRows], float (&lse)[kRows],
+                               float sink_log2 = -INFINITY) {
     CUTLASS_PRAGMA_UNROLL
     for (int m = 0; m < kRows; ++m) {
-      const float sum = quad_allreduce(row_sum[m], [](float a, float b) { return a + b; });
-      const bool empty = sum == 0.f || sum != sum;
-      o_scale[m] = empty ? 0.f : 1.f / sum;
-      lse[m] = empty ? -INFINITY : row_max[m] * softmax_scale + logf(sum);
+      float sum = quad_allreduce(row_sum[m], [](float a, float b) { return a + b; });
+      if (sink_log2 != -INFINITY) {
+        const float max_log2 = row_max[m] == -INFINITY ? -INFINITY : row_max[m] * scale_log2;
+        const float new_max = fmaxf(max_log2, sink_log2);
+        const float shrink = max_log2 == -INFINITY ? 0.f : exp2f(max_log2 - new_max);
+        sum = sum * shrink + exp2f(sink_log2 - new_max);
+        o_scale[m] = shrink / sum;
+        lse[m] = new_max * float(M_LN2) + logf(sum);
+      } else {
+        const bool empty = sum == 0.f || sum != sum;
+        o_scale[m] = empty ? 0.f : 1.f / sum;
+        lse[m] = empty ? -INFINITY : row_max[m] * softmax_scale + logf(sum);
+      }
     }
   }
 };
@@ -98,6 +110,23 @@ CUTLASS_DEVICE void dp_to_ds(TensordP& dp, TensorP const& p, float const (&dpsum
   for (int m = 0; m < kRows; ++m) {
     CUTLASS_PRAGMA_UNROLL
     for (int n = 0; n < size<1>(dp); ++n) dp(m, n) = p(m, n) * (dp(m, n) - dpsum[m]);
+  }
+}
+// Backward with softcap: dS = P * (dP - D) * (1 - t^2), where t = tanh(scale * s / cap) is
+// recovered from P = exp2(t * scale_log2 - LSE2) as t = (log2 P + LSE2) / scale_log2 (scale_log2 =
+// cap * log2 e). Clamping t to [-1, 1] also maps P = 0 (t = -inf, or NaN for a row with
+// LSE2 = +inf) to a factor 0.
+template <int kRows, class TensordP, class TensorP>
+CUTLASS_DEVICE void dp_to_ds_softcap(TensordP& dp, TensorP const& p, float const (&dpsum)[kRows],
+                                     float const (&lse_log2)[kRows], float scale_log2) {
+  const float inv_scale_log2 = 1.f / scale_log2;
+  CUTLASS_PRAGMA_UNROLL
+  for (int m = 0; m < kRows; ++m) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int n = 0; n < size<1>(dp); ++n) {
+      const float t = fmaxf(fminf((__log2f(p(m, n)) + lse_log2[m]) * inv_scale_log2, 1.f), -1.f);
+      dp(m, n) = p(m, n) * (dp(m, n) - dpsum[m]) * (1.f - t * t);
+    }
   }
 }
 

@@ -7,12 +7,13 @@
 
 namespace flashhopper::hopper {
 
-template <int kHeadDim, bool kCausal>
+// kMasked: causal or local (blocks cross a mask boundary; narrower key blocks waste less there).
+template <int kHeadDim, bool kMasked>
 struct ForwardTileSize;
 
 // hdim 64: three consumer warpgroups (192 rows) amortise each K/V tile over more rows.
-template <bool kCausal>
-struct ForwardTileSize<64, kCausal> {
+template <bool kMasked>
+struct ForwardTileSize<64, kMasked> {
   static constexpr int kBlockM = 192;
   static constexpr int kBlockN = 128;  // 192 spills: S, P and O exceed 160 registers
   static constexpr int kStages = 2;
@@ -22,17 +23,17 @@ struct ForwardTileSize<64, kCausal> {
 // against 176 (O from registers, 208 KiB) it measured +5% at 2k and +3% at 4k and the same from
 // 8k (690 TFLOP/s at 16k on the H200); 128 and 144 measured slower (bench/RESULTS.md). Causal
 // keeps 128, so the diagonal blocks waste less (192 KiB); 176 measured the same within noise.
-template <bool kCausal>
-struct ForwardTileSize<128, kCausal> {
+template <bool kMasked>
+struct ForwardTileSize<128, kMasked> {
   static constexpr int kBlockM = 128;
-  static constexpr int kBlockN = kCausal ? 128 : 160;
+  static constexpr int kBlockN = kMasked ? 128 : 160;
   static constexpr int kStages = 2;
 };
 
 // hdim 256: O alone is 128 registers a thread; 80 key columns keep S small and fit 224 KiB
 // (O from registers).
-template <bool kCausal>
-struct ForwardTileSize<256, kCausal> {
+template <bool kMasked>
+struct ForwardTileSize<256, kMasked> {
   static constexpr int kBlockM = 128;
   static constexpr int kBlockN = 80;
   static constexpr int kStages = 2;
@@ -45,9 +46,8 @@ struct ForwardTileSize<256, kCausal> {
 // kStages Q tiles and kStagesDo dO tiles, each with its kBlockM floats of LSE or D; dS twice (so
 // one warpgroup may write block m + 1 while the other still reads block m) and P once, or twice
 // when dK and dV are computed transposed (BackwardMainloop::kPBuffers); and the float32 dQ tile
-// kDqBuffers times when dQ goes to global memory through the TMA bulk reduce-add (kDqViaTma),
-// else by atomicAdd from registers. kDqKernel: dQ is computed by the dQ kernel instead
-// (BackwardDqTileSize), so the kDq* fields are unused and dQ takes no shared memory here.
+// once, which the TMA bulk reduce-add adds to global memory. kDqKernel: dQ is computed by the dQ
+// kernel instead (BackwardDqTileSize) and takes no shared memory here.
 // Registers a thread: S and dP kBlockM * kBlockN / 256 floats each, dK and dV kBlockN * d / 256
 // each, dQ kBlockM * d / 256.
 template <int kHeadDim>
@@ -65,8 +65,6 @@ struct BackwardTileSize<64> {
   static constexpr int kStages = 2;
   static constexpr int kStagesDo = 2;
   static constexpr bool kDqKernel = false;
-  static constexpr bool kDqViaTma = true;
-  static constexpr int kDqBuffers = 1;
 };
 
 template <>
@@ -76,8 +74,6 @@ struct BackwardTileSize<128> {  // 209 KiB
   static constexpr int kStages = 2;
   static constexpr int kStagesDo = 2;
   static constexpr bool kDqKernel = false;
-  static constexpr bool kDqViaTma = true;
-  static constexpr int kDqBuffers = 1;
 };
 
 // hdim 256: dQ by the dQ kernel. Added from here, its 64 KiB a block pair at L2 bound the kernel
@@ -93,8 +89,6 @@ struct BackwardTileSize<256> {
   static constexpr int kStages = 2;
   static constexpr int kStagesDo = 2;
   static constexpr bool kDqKernel = true;
-  static constexpr bool kDqViaTma = true;  // unused (kDqKernel)
-  static constexpr int kDqBuffers = 1;     // unused (kDqKernel)
 };
 
 // The dQ kernel's tunables (head dims whose BackwardTileSize has kDqKernel): a CTA owns kBlockM

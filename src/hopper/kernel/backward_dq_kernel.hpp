@@ -31,7 +31,7 @@ struct BackwardDqKernel {
 
   using SharedStorage = typename Mainloop::SharedStorage;
   static constexpr int kSharedStorageSize = sizeof(SharedStorage);
-  static_assert(kSharedStorageSize <= 227 * 1024, "shared memory over the sm_90 limit: shrink the tile");
+  static_assert(kSharedStorageSize <= kSmemLimitBytes, "shared memory over the sm_90 limit: shrink the tile");
 
   struct Params {
     typename Mainloop::Params mainloop;
@@ -54,12 +54,6 @@ struct BackwardDqKernel {
     cutlass::arch::fence_barrier_init();
     __syncthreads();
 
-    const int seqlen_q = Mainloop::seqlen_q(params.mainloop);
-    const int seqlen_k = Mainloop::seqlen_k(params.mainloop);
-    auto block_range = [&](WorkTile const& work, int& n_block_min, int& n_block_max) {
-      key_block_range<Mainloop::kBlockM, Mainloop::kBlockN, Mainloop::kCausal>(seqlen_q, seqlen_k, work.block,
-                                                                               n_block_min, n_block_max);
-    };
 
     if (warp_group == 0) {
       cutlass::arch::warpgroup_reg_dealloc<kProducerRegisters>();
@@ -70,11 +64,10 @@ struct BackwardDqKernel {
       for (int tile = Scheduler::first_tile();; tile = Scheduler::next_tile(tile)) {
         const WorkTile work = Scheduler::decode(params.scheduler, tile);
         if (!work.valid) break;
-        int n_block_min, n_block_max;
-        block_range(work, n_block_min, n_block_max);
-        if (n_block_min >= n_block_max) continue;  // the MMA warpgroups write zeros
+        const auto blocks = Mainloop::make_mask(params.mainloop, work).key_blocks(work.block);
+        if (blocks.count() == 0) continue;  // the MMA warpgroups write zeros
         Mainloop::load(params.mainloop, pipeline_k, pipeline_v, pipe_k_write, pipe_v_write, storage, qdo_empty_phase,
-                       work, n_block_min, n_block_max);
+                       work, blocks);
       }
     } else {
       cutlass::arch::warpgroup_reg_alloc<kConsumerRegisters>();
@@ -88,12 +81,12 @@ struct BackwardDqKernel {
       for (int tile = Scheduler::first_tile();; tile = Scheduler::next_tile(tile)) {
         const WorkTile work = Scheduler::decode(params.scheduler, tile);
         if (!work.valid) break;
-        int n_block_min, n_block_max;
-        block_range(work, n_block_min, n_block_max);
+        const auto mask = Mainloop::make_mask(params.mainloop, work);
+        const auto blocks = mask.key_blocks(work.block);
         Tensor tdQrdQ = partition_fragment_C(tiled_mma_dq, TileShape{});
-        if (n_block_min < n_block_max) {
+        if (blocks.count() > 0) {
           Mainloop::mma(params.mainloop, pipeline_k, pipeline_v, pipe_k_read, pipe_v_read, storage, qdo_full_phase,
-                        tdQrdQ, thread_idx, work, n_block_min, n_block_max);
+                        tdQrdQ, thread_idx, work, blocks);
           CUTLASS_PRAGMA_UNROLL
           for (int i = 0; i < size(tdQrdQ); ++i) tdQrdQ(i) *= params.mainloop.softmax_scale;
         } else {
@@ -102,7 +95,7 @@ struct BackwardDqKernel {
         Tensor mdQ = make_tensor(make_gmem_ptr(params.mainloop.ptr_dq), params.mainloop.shape_q,
                                  params.mainloop.stride_dq)(_, _, work.head, work.batch);
         Tensor gdQ = local_tile(mdQ, TileShape{}, make_coord(work.block, _0{}));  // (M, d)
-        store_accumulator_rows(tdQrdQ, tdQcdQ, gdQ, seqlen_q - work.block * Mainloop::kBlockM);
+        store_accumulator_rows(tdQrdQ, tdQcdQ, gdQ, mask.seqlen_q - work.block * Mainloop::kBlockM);
       }
     }
   }

@@ -31,7 +31,7 @@ struct BackwardKernel {
 
   using SharedStorage = typename Mainloop::SharedStorage;
   static constexpr int kSharedStorageSize = sizeof(SharedStorage);
-  static_assert(kSharedStorageSize <= 227 * 1024, "shared memory over the sm_90 limit: shrink the tile");
+  static_assert(kSharedStorageSize <= kSmemLimitBytes, "shared memory over the sm_90 limit: shrink the tile");
 
   struct Params {
     typename Mainloop::Params mainloop;
@@ -43,14 +43,13 @@ struct BackwardKernel {
   // causal backward the longest key block is the lowest, so the order is reversed here. Either
   // way a lower key block of a head comes no later, which the deterministic dQ order relies on.
   CUTLASS_DEVICE static BackwardBlock block_of(Params const& params, WorkTile const& work) {
-    const int num_n_blocks = (Mainloop::seqlen_k(params.mainloop) + Mainloop::kBlockN - 1) / Mainloop::kBlockN;
+    const auto mask = Mainloop::make_mask(params.mainloop);
+    const int num_n_blocks = (mask.seqlen_k + Mainloop::kBlockN - 1) / Mainloop::kBlockN;
     BackwardBlock blk;
     blk.n_block = Mainloop::kCausal ? num_n_blocks - 1 - work.block : work.block;
     blk.head_kv = work.head;
     blk.batch = work.batch;
-    query_block_range<Mainloop::kBlockM, Mainloop::kBlockN, Mainloop::kCausal>(
-        Mainloop::seqlen_q(params.mainloop), Mainloop::seqlen_k(params.mainloop), blk.n_block, blk.m_block_min,
-        blk.m_block_max);
+    mask.query_blocks(blk.n_block, blk.m_block_min, blk.m_block_max);
     return blk;
   }
 
@@ -90,11 +89,10 @@ struct BackwardKernel {
         }
       } else if (warp_in_group == 1) {  // dQ writer
         Mainloop::store_dq_start();
-        int dq_buffer = 0;
         for (int tile = Scheduler::first_tile();; tile = Scheduler::next_tile(tile)) {
           const WorkTile work = Scheduler::decode(params.scheduler, tile);
           if (!work.valid) break;
-          Mainloop::store_dq(params.mainloop, storage, block_of(params, work), dq_buffer);
+          Mainloop::store_dq(params.mainloop, storage, block_of(params, work));
         }
         Mainloop::store_dq_done();
       }

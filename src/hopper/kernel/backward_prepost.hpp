@@ -1,6 +1,8 @@
 // The backward's two small kernels around the main one.
 // Preprocess: per query row, D = rowsum(dO * O) and LSE * log2 e into the padded float32
-// workspace buffers (rows past the end: D = 0, LSE2 = +inf, so their P and dS are 0).
+// workspace buffers (rows past the end: D = 0, LSE2 = +inf, so their P and dS are 0); with a
+// learnable sink also each CTA's share of its gradient, -sum_rows exp(sink - LSE) * D, which
+// SinkGradientReduce sums per head in a fixed order (so deterministic whatever the mode).
 // Postprocess: dQ = scale * dQaccum, converted to the input dtype and layout.
 #pragma once
 
@@ -34,9 +36,12 @@ struct BackwardPreprocess {
     int seqlen_q;
     int heads_q;
     BackwardWorkspacePointers workspace;
+    float const* learnable_sink;  // [heads_q] or null
+    float* dsink_partial;         // [heads_q, batch * rows_padded / kRowsPerCta], with the sink
   };
 
   CUTLASS_DEVICE void operator()(Params const& params) const {
+    __shared__ float sink_terms[kRowsPerCta];
     const int warp = threadIdx.x / cutlass::NumThreadsPerWarp;
     const int lane = threadIdx.x % cutlass::NumThreadsPerWarp;
     // A flat grid over (row block, head, batch): no 65535 limit on heads or batch.
@@ -45,13 +50,29 @@ struct BackwardPreprocess {
     const int head = (blockIdx.x / num_row_blocks) % params.heads_q;
     const int batch = blockIdx.x / num_row_blocks / params.heads_q;
     const int64_t out_index = (int64_t(batch) * params.heads_q + head) * params.workspace.rows_padded + row;
-    if (row >= params.seqlen_q) {
-      if (lane == 0) {
-        params.workspace.dpsum[out_index] = 0.f;
-        params.workspace.lse_log2[out_index] = INFINITY;
-      }
-      return;
+    if (row < params.seqlen_q) {
+      row_statistics(params, row, head, batch, out_index, sink_terms);
+    } else if (lane == 0) {
+      params.workspace.dpsum[out_index] = 0.f;
+      params.workspace.lse_log2[out_index] = INFINITY;
+      sink_terms[warp] = 0.f;
     }
+    if (params.learnable_sink != nullptr) {
+      __syncthreads();
+      if (threadIdx.x == 0) {
+        float sum = 0.f;
+        CUTLASS_PRAGMA_UNROLL
+        for (int w = 0; w < kRowsPerCta; ++w) sum += sink_terms[w];
+        const int64_t partials_per_head = int64_t(gridDim.x) / params.heads_q;
+        params.dsink_partial[head * partials_per_head + batch * num_row_blocks + blockIdx.x % num_row_blocks] = sum;
+      }
+    }
+  }
+
+  CUTLASS_DEVICE static void row_statistics(Params const& params, int row, int head, int batch, int64_t out_index,
+                                            float* sink_terms) {
+    const int warp = threadIdx.x / cutlass::NumThreadsPerWarp;
+    const int lane = threadIdx.x % cutlass::NumThreadsPerWarp;
     using Vector = cutlass::Array<Element, kElemsPerLane>;
     const int col = lane * kElemsPerLane;
     const Vector o = *reinterpret_cast<Vector const*>(params.ptr_o + batch * params.stride_o[0] +
@@ -69,7 +90,34 @@ struct BackwardPreprocess {
       params.workspace.dpsum[out_index] = sum;
       // A row that sees no key has LSE = -inf and must get P = 0, not exp2(-inf + inf).
       params.workspace.lse_log2[out_index] = lse == -INFINITY ? INFINITY : lse * float(M_LOG2E);
+      // P_sink = exp(sink - LSE): the sink's share of the row, whose gradient is -P_sink * D.
+      if (params.learnable_sink != nullptr) sink_terms[warp] = -expf(params.learnable_sink[head] - lse) * sum;
     }
+  }
+};
+
+// dsink[h] = the sum of the preprocess's per-CTA shares of head h, in a fixed order.
+struct SinkGradientReduce {
+  static constexpr int kThreads = 256;
+  struct Params {
+    float const* dsink_partial;  // [heads, partials_per_head]
+    int64_t partials_per_head;
+    float* dsink;                // [heads]
+    int64_t dsink_stride;
+  };
+  CUTLASS_DEVICE void operator()(Params const& params) const {
+    __shared__ float sums[kThreads];
+    const int head = blockIdx.x;
+    float sum = 0.f;
+    for (int64_t i = threadIdx.x; i < params.partials_per_head; i += kThreads)
+      sum += params.dsink_partial[head * params.partials_per_head + i];
+    sums[threadIdx.x] = sum;
+    __syncthreads();
+    for (int width = kThreads / 2; width > 0; width /= 2) {
+      if (threadIdx.x < width) sums[threadIdx.x] += sums[threadIdx.x + width];
+      __syncthreads();
+    }
+    if (threadIdx.x == 0) params.dsink[head * params.dsink_stride] = sums[0];
   }
 };
 

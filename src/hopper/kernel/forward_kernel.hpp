@@ -34,7 +34,7 @@ struct ForwardKernel {
   static constexpr int kConsumerRegisters = kNumMmaWarpGroups == 2 ? 240 : 160;
   static_assert(kNumMmaWarpGroups == 2 || kNumMmaWarpGroups == 3);
 
-  static constexpr int kSmemLimit = 227 * 1024;
+  static constexpr int kSmemLimit = kSmemLimitBytes;
   static constexpr int kOBytes = cosize_v<typename Epilogue::SmemLayoutO> * sizeof(Element);
   static constexpr int kQKVBytes = cosize_v<typename Mainloop::SmemLayoutQ> * sizeof(Element) +
                                    int(sizeof(typename Mainloop::SharedStorageKV));
@@ -92,12 +92,6 @@ struct ForwardKernel {
     cutlass::arch::fence_barrier_init();
     __syncthreads();
 
-    const int seqlen_q = Mainloop::seqlen_q(params.mainloop);
-    const int seqlen_k = Mainloop::seqlen_k(params.mainloop);
-    auto block_range = [&](WorkTile const& work, int& n_block_min, int& n_block_max) {
-      key_block_range<Mainloop::kBlockM, Mainloop::kBlockN, Mainloop::kCausal>(seqlen_q, seqlen_k, work.block,
-                                                                               n_block_min, n_block_max);
-    };
 
     if (warp_group == 0) {  // producer
       cutlass::arch::warpgroup_reg_dealloc<kProducerRegisters>();
@@ -108,12 +102,10 @@ struct ForwardKernel {
       for (int tile = Scheduler::first_tile();; tile = Scheduler::next_tile(tile)) {
         const WorkTile work = Scheduler::decode(params.scheduler, tile);
         if (!work.valid) break;
-        int n_block_min, n_block_max;
-        block_range(work, n_block_min, n_block_max);
-        if (n_block_min >= n_block_max) continue;  // consumers write zeros; nothing to load
+        const auto blocks = Mainloop::make_mask(params.mainloop, work).key_blocks(work.block);
+        if (blocks.count() == 0) continue;  // consumers write zeros; nothing to load
         Mainloop::load(params.mainloop, pipeline_k, pipeline_v, pipe_k_write, pipe_v_write, storage.barriers.q_full,
-                       storage.barriers.q_empty, q_empty_phase, storage.smem_q.data(), storage.kv, work,
-                       n_block_min, n_block_max);
+                       storage.barriers.q_empty, q_empty_phase, storage.smem_q.data(), storage.kv, work, blocks);
       }
     } else {  // consumers
       cutlass::arch::warpgroup_reg_alloc<kConsumerRegisters>();
@@ -129,10 +121,11 @@ struct ForwardKernel {
       for (int tile = Scheduler::first_tile();; tile = Scheduler::next_tile(tile)) {
         const WorkTile work = Scheduler::decode(params.scheduler, tile);
         if (!work.valid) break;
-        int n_block_min, n_block_max;
-        block_range(work, n_block_min, n_block_max);
-        if (n_block_min >= n_block_max) {
-          Epilogue::store_empty(params.epilogue, thread_idx, work);
+        const auto blocks = Mainloop::make_mask(params.mainloop, work).key_blocks(work.block);
+        const float sink_log2 = Mainloop::sink_log2(params.mainloop, work);
+        if (blocks.count() == 0) {
+          // O = 0; the LSE is -inf, or the sink's logit when there is one.
+          Epilogue::store_empty(params.epilogue, thread_idx, work, sink_log2 * float(M_LN2));
           continue;
         }
         Tensor tOrO = partition_fragment_C(tiled_mma_pv, select<0, 1>(typename Mainloop::TileShapePV{}));
@@ -140,9 +133,9 @@ struct ForwardKernel {
         OnlineSoftmax<kRows> softmax(params.mainloop.softmax_scale_log2);
         Mainloop::mma(params.mainloop, pipeline_k, pipeline_v, pipe_k_read, pipe_v_read, storage.barriers.q_full,
                       q_full_phase, storage.barriers.q_empty, storage.smem_q.data(), storage.kv, tOrO, softmax,
-                      thread_idx, work, n_block_min, n_block_max);
+                      thread_idx, work, blocks);
         float o_scale[kRows], lse[kRows];
-        softmax.finalize(params.mainloop.softmax_scale, o_scale, lse);
+        softmax.finalize(params.mainloop.softmax_scale, o_scale, lse, sink_log2);
         Tensor o_rowcol = make_tensor(tOrO.data(), accumulator_rowcol(tOrO.layout()));
         scale_rows(o_rowcol, o_scale);
         if constexpr (kOStagedInSmem) {

@@ -1,0 +1,145 @@
+#!/usr/bin/env python3
+"""Masks and score transforms side by side: FlashHopper against FlashAttention-4's sm90 path (when
+`flash_attn.cute` imports; ../shared/peers installs it on the GPU machine) and against FlashHopper's
+own call without the feature, forward and backward, bf16, GQA 32/8, head dim 128.
+
+Rows: sliding window (4095, 0) at 16k and (1023, 0) at 128k tokens, softcap 30 causal at 16k
+(and the same call without softcap), learnable sinks at 16k, non-causal and causal (and the same
+calls without). TFLOP/s count the visible (query, key) pairs: 4 * heads * d * pairs forward,
+2.5x that backward. Median of interleaved rounds (flashhopper.bench.time_all_ms).
+
+    PYTHONPATH=python FLASHHOPPER_LIBRARY=build/libflashhopper.so python3 bench/bench_features.py --out DIR
+"""
+import argparse
+import csv
+import datetime
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "python"))
+import flashhopper  # noqa: E402
+from flashhopper.bench import time_all_ms  # noqa: E402
+
+try:
+    from flash_attn.cute import flash_attn_func as fa4_func
+except Exception as error:  # FA4 missing: its columns stay empty
+    fa4_func = None
+    FA4_ERROR = repr(error)
+else:
+    FA4_ERROR = ""
+
+HEADS_Q, HEADS_KV, HEAD_DIM = 32, 8, 128
+
+
+def visible_pairs(seqlen, window=(-1, -1), causal=False):
+    """Number of visible (row, key) pairs of one head, sq = sk = seqlen."""
+    rows = torch.arange(seqlen, dtype=torch.int64)
+    left, right = window
+    if causal:
+        right = 0
+    lo = torch.zeros_like(rows) if left < 0 else (rows - left).clamp(min=0)
+    hi = torch.full_like(rows, seqlen) if right < 0 else (rows + right + 1).clamp(max=seqlen)
+    return int((hi - lo).clamp(min=0).sum())
+
+
+ROWS = [
+    # name, seqlen, batch, options (flashhopper/FA4 keyword arguments), baseline options
+    ("window 4095", 16384, 1, dict(window_size=(4095, 0)), dict(causal=True)),
+    ("window 1023", 131072, 1, dict(window_size=(1023, 0)), None),
+    ("softcap 30 causal", 16384, 1, dict(causal=True, softcap=30.0), dict(causal=True)),
+    ("learnable sink", 16384, 1, dict(learnable_sink=True), dict()),
+    ("learnable sink causal", 16384, 1, dict(causal=True, learnable_sink=True), dict(causal=True)),
+]
+
+
+def pairs_of(seqlen, options):
+    return visible_pairs(seqlen, options.get("window_size", (-1, -1)), options.get("causal", False))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--calls", type=int, default=5)
+    args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    gpu = torch.cuda.get_device_name()
+    date = datetime.date.today().isoformat()
+    if fa4_func is None:
+        print(f"FlashAttention-4 not available ({FA4_ERROR}): its columns stay empty", flush=True)
+    results = []
+    for name, seqlen, batch, options, baseline in ROWS:
+        q = torch.randn(batch, seqlen, HEADS_Q, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(batch, seqlen, HEADS_KV, HEAD_DIM, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        dout = torch.randn_like(q)
+        sink = torch.randn(HEADS_Q, device="cuda", dtype=torch.float32)
+
+        def ours_kwargs(opts):
+            kw = dict(opts)
+            if kw.pop("learnable_sink", False):
+                kw["learnable_sink"] = sink
+            return kw
+
+        calls = {}
+        kw = ours_kwargs(options)
+        calls["flashhopper"] = kw
+        if baseline is not None:
+            calls["flashhopper_without"] = ours_kwargs(baseline)
+        pair_count = {"flashhopper": pairs_of(seqlen, options), "flashhopper_without": pairs_of(seqlen, baseline or {}),
+                      "fa4": pairs_of(seqlen, options)}
+        for pass_ in ("fwd", "bwd"):
+            fns = {}
+            for backend, kwargs in calls.items():
+                try:
+                    if pass_ == "fwd":
+                        flashhopper.forward(q, k, v, **kwargs)
+                        fns[backend] = (lambda kwargs=kwargs: flashhopper.forward(q, k, v, **kwargs))
+                    else:
+                        out, lse = flashhopper.forward(q, k, v, return_lse=True, **kwargs)
+                        fns[backend] = (lambda kwargs=kwargs, out=out, lse=lse:
+                                        flashhopper.backward(dout, q, k, v, out, lse, **kwargs))
+                        fns[backend]()
+                except Exception as error:
+                    print(f"  {name} {pass_} {backend}: {error}", flush=True)
+            if fa4_func is not None:
+                try:
+                    fkw = ours_kwargs(options)
+                    if pass_ == "fwd":
+                        fa4_func(q, k, v, **fkw)
+                        fns["fa4"] = lambda fkw=fkw: fa4_func(q, k, v, **fkw)
+                    else:
+                        leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+                        out = fa4_func(*leaves, **fkw)[0]
+                        fns["fa4"] = (lambda leaves=leaves, out=out:
+                                      torch.autograd.grad(out, leaves, dout, retain_graph=True))
+                        fns["fa4"]()
+                except Exception as error:
+                    print(f"  {name} {pass_} fa4: {error}", flush=True)
+            torch.cuda.synchronize()
+            times = time_all_ms(fns, warmup=3, rounds=args.rounds, calls=args.calls)
+            row = {"date": date, "gpu": gpu, "row": name, "pass": pass_, "seqlen": seqlen}
+            for backend in ("flashhopper", "flashhopper_without", "fa4"):
+                ms = times.get(backend, float("nan"))
+                fl = 4.0 * batch * HEADS_Q * HEAD_DIM * pair_count[backend] * (2.5 if pass_ == "bwd" else 1.0)
+                row[f"{backend}_ms"] = ms
+                row[f"{backend}_tflops"] = fl / (ms * 1e-3) / 1e12 if ms == ms else float("nan")
+            results.append(row)
+            print(f"{name:>22} {pass_}: ours {row['flashhopper_tflops']:7.1f}  without "
+                  f"{row['flashhopper_without_tflops']:7.1f}  FA4 {row['fa4_tflops']:7.1f} TFLOP/s", flush=True)
+    path = os.path.join(args.out, f"bench_features_{date}.csv")
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(results[0]))
+        writer.writeheader()
+        writer.writerows(results)
+    print(f"\n| row | pass | FlashHopper | without the feature | FA4 | ours / FA4 | ours / without |")
+    print("|---|---|---|---|---|---|---|")
+    for r in results:
+        a, b, c = r["flashhopper_tflops"], r["flashhopper_without_tflops"], r["fa4_tflops"]
+        print(f"| {r['row']} | {r['pass']} | {a:.0f} | {b:.0f} | {c:.0f} | {a / c:.2f} | {a / b:.2f} |")
+    print(f"written: {path}")
+
+
+if __name__ == "__main__":
+    main()
