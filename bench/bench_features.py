@@ -139,6 +139,33 @@ def main():
         a, b, c = r["flashhopper_tflops"], r["flashhopper_without_tflops"], r["fa4_tflops"]
         print(f"| {r['row']} | {r['pass']} | {a:.0f} | {b:.0f} | {c:.0f} | {a / c:.2f} | {a / b:.2f} |")
     print(f"written: {path}")
+    _plot(results, os.path.join(args.out, "bench_features.png"), gpu, date)
+
+
+def _plot(results, path, gpu, date):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plot")
+        return
+    labels = [f"{r['row']}\n{r['pass']}" for r in results]
+    series = [("flashhopper", "FlashHopper"), ("flashhopper_without", "FlashHopper without the feature"),
+              ("fa4", "FlashAttention-4")]
+    fig, ax = plt.subplots(figsize=(max(8, 1.1 * len(results)), 4.5))
+    width = 0.27
+    for i, (key, name) in enumerate(series):
+        ax.bar([x + (i - 1) * width for x in range(len(results))], [r[f"{key}_tflops"] for r in results], width,
+               label=name)
+    ax.set_xticks(range(len(results)))
+    ax.set_xticklabels(labels, fontsize=7)
+    ax.set_ylabel("TFLOP/s (visible pairs)")
+    ax.set_title(f"Masks and score transforms, bf16, GQA 32/8, hdim 128 ({gpu}, {date})")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"written: {path}")
 
 
 if __name__ == "__main__":

@@ -483,17 +483,19 @@ struct BackwardMainloop {
       // Hands query block m_block's dQ to the dQ writer warp through the shared buffer (its
       // bulk reduce-add, in deterministic mode after this key block's turn).
       auto add_dq = [&](auto const& tdQrdQ) {
-        static_assert(decltype(size(tdQrdQ))::value % 4 == 0);
-        constexpr int kSteps = decltype(size(tdQrdQ))::value / 4;
-        named_barrier_sync(kDqBarrierThreads, BwdBarrier::kDqEmpty0, 0);
-        float* smem_dq = storage.dq.smem_dq.data();
-        CUTLASS_PRAGMA_UNROLL
-        for (int r = 0; r < kSteps; ++r) {
-          *reinterpret_cast<float4*>(smem_dq + dq_accum_offset<kDqTileFloats>(warp_group, thread_in_group, r)) =
-              make_float4(tdQrdQ(4 * r), tdQrdQ(4 * r + 1), tdQrdQ(4 * r + 2), tdQrdQ(4 * r + 3));
+        if constexpr (kComputeDq) {
+          static_assert(decltype(size(tdQrdQ))::value % 4 == 0);
+          constexpr int kSteps = decltype(size(tdQrdQ))::value / 4;
+          named_barrier_sync(kDqBarrierThreads, BwdBarrier::kDqEmpty0, 0);
+          float* smem_dq = storage.dq.smem_dq.data();
+          CUTLASS_PRAGMA_UNROLL
+          for (int r = 0; r < kSteps; ++r) {
+            *reinterpret_cast<float4*>(smem_dq + dq_accum_offset<kDqTileFloats>(warp_group, thread_in_group, r)) =
+                make_float4(tdQrdQ(4 * r), tdQrdQ(4 * r + 1), tdQrdQ(4 * r + 2), tdQrdQ(4 * r + 3));
+          }
+          cutlass::arch::fence_view_async_shared();  // the bulk copy reads through the async proxy
+          named_barrier_arrive(kDqBarrierThreads, BwdBarrier::kDqFull0, 0);
         }
-        cutlass::arch::fence_view_async_shared();  // the bulk copy reads through the async proxy
-        named_barrier_arrive(kDqBarrierThreads, BwdBarrier::kDqFull0, 0);
       };
       // One query block. masked: whether it crosses a mask boundary or the key padding, as a
       // compile-time constant (causal) or a run-time bool (the others).
@@ -566,8 +568,8 @@ struct BackwardMainloop {
       if constexpr (kCausal) {
         // The walk goes down (query_block_at): the unmasked blocks first, then the masked ones
         // at the diagonal (all of them when this key block holds padding). A separate unmasked
-        // loop keeps the mask out of the hot loop: hdim 128 causal 16k 413 -> 468 TFLOP/s. (The
-        // same split made non-causal slower, 511 -> 484: its single loop stays.)
+        // loop keeps the mask out of the hot loop. (The same split made non-causal slower: its
+        // single loop stays.)
         const int m_masked_end =
             mask.masked_query_blocks_end(blk.n_block, blk.m_block_min, blk.m_block_max);
         CUTLASS_PRAGMA_NO_UNROLL
@@ -575,10 +577,16 @@ struct BackwardMainloop {
         CUTLASS_PRAGMA_NO_UNROLL
         for (int m_block = m_masked_end - 1; m_block >= blk.m_block_min; --m_block) step(m_block, cute::true_type{});
       } else if constexpr (Mask::kLocal) {
-        // A window masks the query blocks at both ends of the range (and all, with padding).
+        // A window masks the query blocks at both ends of the range (all of them with padding):
+        // three loops, so that the middle one runs without the mask, as causal's split does.
+        int full_begin, full_end;
+        mask.unmasked_query_blocks(blk.n_block, blk.m_block_min, blk.m_block_max, full_begin, full_end);
         CUTLASS_PRAGMA_NO_UNROLL
-        for (int m_block = blk.m_block_min; m_block < blk.m_block_max; ++m_block)
-          step(m_block, mask.crosses_boundary(m_block, blk.n_block));
+        for (int m_block = blk.m_block_min; m_block < full_begin; ++m_block) step(m_block, cute::true_type{});
+        CUTLASS_PRAGMA_NO_UNROLL
+        for (int m_block = full_begin; m_block < full_end; ++m_block) step(m_block, cute::false_type{});
+        CUTLASS_PRAGMA_NO_UNROLL
+        for (int m_block = full_end; m_block < blk.m_block_max; ++m_block) step(m_block, cute::true_type{});
       } else {
         const bool padded = mask.crosses_boundary(blk.m_block_min, blk.n_block);  // same for every m_block
         CUTLASS_PRAGMA_NO_UNROLL

@@ -169,6 +169,26 @@ struct AttentionMask {
     return max(m_block_min, min(end, m_block_max));
   }
 
+  // kLocal backward: the query blocks [*full_begin, *full_end) within [m_block_min, m_block_max)
+  // that see the whole key block (the window's both bounds clear of it, no padding), so that the
+  // walk can skip the mask there; the masked ones lie before and after. Conservative: a chunk or
+  // sink tokens in the block mask the whole walk.
+  CUTLASS_DEVICE void unmasked_query_blocks(int n_block, int m_block_min, int m_block_max, int& full_begin,
+                                            int& full_end) const {
+    static_assert(kLocal);
+    const int col_first = n_block * kBlockN, col_last = col_first + kBlockN - 1;
+    full_begin = full_end = m_block_max;
+    if (col_last >= seqlen_k || local.chunk > 0 || col_first < local.num_sink_tokens) return;
+    // Right bound: every row's p + wr reaches col_last, i.e. m * kBlockM >= col_last - off - wr.
+    int begin = m_block_min;
+    if (local.window_right >= 0) begin = max(begin, ceil_div_pos(col_last - offset() - local.window_right, kBlockM));
+    // Left bound: every row's p - wl stays at or below col_first, i.e. (m + 1) * kBlockM - 1 + off - wl <= col_first.
+    int end = m_block_max;
+    if (local.window_left >= 0) end = min(end, floor_div(col_first - offset() + local.window_left + 1, kBlockM));
+    full_begin = min(begin, m_block_max);
+    full_end = max(full_begin, min(end, m_block_max));
+  }
+
   // ---- Masking a score tile -------------------------------------------------------------------
   // s: scores (rows, cols) in registers; coords: the matching (row, col) tile coordinates.
   template <class TensorS, class TensorCoord>

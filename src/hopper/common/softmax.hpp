@@ -14,7 +14,25 @@ namespace flashhopper::hopper {
 
 using namespace cute;
 
-template <int kRows>
+// 2^x for x <= 0 on the FMA and integer pipes instead of the SFU: x = r + f with r = round(x) (by
+// the 1.5 * 2^23 trick) and f in [-0.5, 0.5], 2^f by its degree-4 Taylor polynomial (relative
+// error under 5e-5, a tenth of fp16's rounding of P), then r added to the exponent bits.
+CUTLASS_DEVICE float exp2_fma(float x) {
+  const float clamped = fmaxf(x, -125.f);  // keeps the exponent arithmetic in range
+  const float shifted = __fadd_rn(clamped, 12582912.f);  // low mantissa bits: 2^22 + round(x)
+  const float r = __fadd_rn(shifted, -12582912.f);
+  const float f = __fadd_rn(clamped, -r);
+  float p = fmaf(0.0096181291f, f, 0.0555041087f);
+  p = fmaf(p, f, 0.2402265070f);
+  p = fmaf(p, f, 0.6931471806f);
+  p = fmaf(p, f, 1.f);
+  const float y = __int_as_float(__float_as_int(p) + (__float_as_int(shifted) << 23));
+  return x < -125.f ? 0.f : y;  // exactly 0 for masked scores (-inf), as exp2f gives
+}
+
+// kFmaExpEvery > 0: every kFmaExpEvery-th exponent of a row goes through exp2_fma, which relieves
+// the SFU where it is the bottleneck (softcap's tanh takes a second SFU op per score).
+template <int kRows, int kFmaExpEvery = 0>
 struct OnlineSoftmax {
   float row_max[kRows];
   float row_sum[kRows];
@@ -50,7 +68,12 @@ struct OnlineSoftmax {
       float sum = 0.f;
       CUTLASS_PRAGMA_UNROLL
       for (int n = 0; n < size<1>(s); ++n) {
-        s(m, n) = exp2f(s(m, n) * scale_log2 - max_scaled);
+        const float x = s(m, n) * scale_log2 - max_scaled;
+        if constexpr (kFmaExpEvery > 0) {
+          s(m, n) = n % kFmaExpEvery == kFmaExpEvery - 1 ? exp2_fma(x) : exp2f(x);
+        } else {
+          s(m, n) = exp2f(x);
+        }
         sum += s(m, n);
       }
       row_sum[m] = row_sum[m] * o_scale[m] + sum;

@@ -19,10 +19,9 @@ struct ForwardTileSize<64, kMasked> {
   static constexpr int kStages = 2;
 };
 
-// hdim 128: non-causal takes 160 key columns (2 stages and O staged in shared memory, 224 KiB):
-// against 176 (O from registers, 208 KiB) it measured +5% at 2k and +3% at 4k and the same from
-// 8k (690 TFLOP/s at 16k on the H200); 128 and 144 measured slower (bench/RESULTS.md). Causal
-// keeps 128, so the diagonal blocks waste less (192 KiB); 176 measured the same within noise.
+// hdim 128: unmasked takes 160 key columns (2 stages and O staged in shared memory, 224 KiB), the
+// fastest of 128-176; masked keeps 128 (192 KiB), so the blocks at a boundary waste less.
+// (Measurements: bench/RESULTS.md, "Tile and schedule choices".)
 template <bool kMasked>
 struct ForwardTileSize<128, kMasked> {
   static constexpr int kBlockM = 128;
@@ -53,11 +52,9 @@ struct ForwardTileSize<256, kMasked> {
 template <int kHeadDim>
 struct BackwardTileSize;
 
-// hdim 64: 128-row query blocks, which halve the per-block costs (the barrier between the
-// warpgroups, the fences after the P, dS and dQ stores, the dQ hand-off) of GEMMs only 64 deep:
-// against 64 rows (3 Q and dO stages, two dQ buffers), non-causal +9% from 2k (0.90-0.96 ->
-// 0.98-1.02 of cuDNN), causal within -2%..+2%, deterministic causal 0.84-0.88 -> 0.90-1.04 of
-// the default (bench/RESULTS.md, v10). 226 KiB with P once: 2 Q and dO stages, one dQ buffer.
+// hdim 64: 128-row query blocks halve the per-block costs (the barrier between the warpgroups, the
+// fences after the P, dS and dQ stores, the dQ hand-off) of GEMMs only 64 deep. 226 KiB with P
+// once: 2 Q and dO stages, one dQ buffer.
 template <>
 struct BackwardTileSize<64> {
   static constexpr int kBlockM = 128;
@@ -76,12 +73,10 @@ struct BackwardTileSize<128> {  // 209 KiB
   static constexpr bool kDqKernel = false;
 };
 
-// hdim 256: dQ by the dQ kernel. Added from here, its 64 KiB a block pair at L2 bound the kernel
-// (keeping 1 add in 16 ran 1.3-1.7x faster); the dQ kernel recomputes S and dP instead (7 GEMMs a
-// block pair, not 5) and needs no adds and no turns in deterministic mode. Against dQ added here
-// (by the bulk reduce-add, in two head-dim halves, v11): non-causal +6-15% from 2k, causal 0 to
-// +22%, deterministic +29-45% (bench/RESULTS.md). At hdim 64 and 128 the same split measured
-// 0.77-0.87 of cuDNN against 0.93-1.10. 224 KiB: the freed dQ buffer holds a second dO stage.
+// hdim 256: dQ by the dQ kernel. Added from here, its 64 KiB a block pair bound the kernel at the
+// L2; the dQ kernel recomputes S and dP instead (7 GEMMs a block pair, not 5) and needs no adds
+// and no turns in deterministic mode. (At hdim 64 and 128 the same split is slower.) 224 KiB: the
+// freed dQ buffer holds a second dO stage.
 template <>
 struct BackwardTileSize<256> {
   static constexpr int kBlockM = 64;
@@ -98,8 +93,8 @@ struct BackwardTileSize<256> {
 template <int kHeadDim>
 struct BackwardDqTileSize;
 
-// hdim 256: 224 KiB. V has one stage: only dP reads it, early in a block. Against 48 keys with
-// two K and two V stages (also 224 KiB): +2-5% non-causal, +1-5% causal (bench/RESULTS.md).
+// hdim 256: 224 KiB. V has one stage: only dP reads it, early in a block (faster than 48 keys
+// with two K and two V stages).
 template <>
 struct BackwardDqTileSize<256> {
   static constexpr int kBlockM = 128;
