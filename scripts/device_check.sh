@@ -58,11 +58,14 @@ for step in "${steps[@]}"; do
       summary+=("features bench: see $out/bench_features_*.csv")
       ;;
     tests)
-      timeout 420 "$build/tests/cpp/test_forward_gpu" --gtest_brief=1 >"$out/gpu_tests.log" 2>&1
+      # FWD_FILTER / BWD_FILTER (gtest filters, default all) split the grid over several calls.
+      timeout "${FWD_TIMEOUT:-420}" "$build/tests/cpp/test_forward_gpu" --gtest_brief=1 \
+        --gtest_filter="${FWD_FILTER:-*}" >"$out/gpu_tests.log" 2>&1
       rc=$?
       grep -E "FAILED|Failure|error|PASSED|SKIPPED" "$out/gpu_tests.log" | head -40
       summary+=("gpu tests: rc=$rc, $(grep -E '^\[  PASSED  \]|^\[  FAILED  \]' "$out/gpu_tests.log" | tr '\n' ' ')")
-      timeout 420 "$build/tests/cpp/test_backward_gpu" --gtest_brief=1 >"$out/gpu_tests_backward.log" 2>&1
+      timeout "${BWD_TIMEOUT:-420}" "$build/tests/cpp/test_backward_gpu" --gtest_brief=1 \
+        --gtest_filter="${BWD_FILTER:-*}" >"$out/gpu_tests_backward.log" 2>&1
       rc=$?
       grep -E "FAILED|Failure|error|PASSED|SKIPPED|spread" "$out/gpu_tests_backward.log" | head -40
       summary+=("gpu backward tests: rc=$rc, $(grep -E '^\[  PASSED  \]|^\[  FAILED  \]' "$out/gpu_tests_backward.log" | tr '\n' ' ')")
