@@ -92,7 +92,6 @@ struct ForwardKernel {
     cutlass::arch::fence_barrier_init();
     __syncthreads();
 
-
     if (warp_group == 0) {  // producer
       cutlass::arch::warpgroup_reg_dealloc<kProducerRegisters>();
       if (threadIdx.x != 0) return;
