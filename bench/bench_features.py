@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Masks and score transforms side by side: FlashHopper against FlashAttention-4's sm90 path (when
-`flash_attn.cute` imports; ../shared/peers installs it on the GPU machine) and against FlashHopper's
+`flash_attn.cute` imports: pip package flash-attn-4==4.0.0b36) and against FlashHopper's
 own call without the feature, forward and backward, bf16, GQA 32/8, head dim 128.
 
 Rows: sliding window (4095, 0) at 16k and (1023, 0) at 128k tokens, softcap 30 causal at 16k
