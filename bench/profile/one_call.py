@@ -8,7 +8,7 @@ import flashhopper
 
 pass_, seqlen, head_dim, causal = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), bool(int(sys.argv[4]))
 deterministic = len(sys.argv) > 5 and bool(int(sys.argv[5]))  # the backward's deterministic mode
-batch, heads = 16384 // seqlen, 2048 // head_dim  # 16k tokens, model dim 2048 (DESIGN.md section 3)
+batch, heads = 16384 // seqlen, 2048 // head_dim  # 16k tokens, model dim 2048 (docs/conventions.md)
 q, k, v, dout = (torch.randn(batch, seqlen, heads, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(4))
 out, lse = flashhopper.forward(q, k, v, causal=causal, return_lse=True)
 for _ in range(3):

@@ -3,7 +3,7 @@
  * Plain C so that any binding (ctypes, another language, a different C++ ABI) can call the
  * library. The C++ API in flashhopper.hpp is a thin layer over these same structs.
  *
- * Conventions (see DESIGN.md): shapes and strides are in elements; a tensor whose `data` is
+ * Conventions (see docs/conventions.md): shapes and strides are in elements; a tensor whose `data` is
  * NULL is "absent" (optional arguments). Masks are aligned at the bottom-right. LSE is the
  * natural-log sum of exponentials, float32, -inf for rows that see no key.
  */

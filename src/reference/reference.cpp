@@ -1,4 +1,4 @@
-// CPU reference attention (see reference.hpp and DESIGN.md section 1).
+// CPU reference attention (see reference.hpp and docs/conventions.md).
 //
 // Shape of the computation: one work item per (batch, query head). An item copies its
 // sequence's Q, K, V (and dO) into contiguous arrays of the accumulation type, then walks the
@@ -291,7 +291,7 @@ struct KeyRange {
 // the window, then the window (each cut to the row's chunk with attention_chunk).
 using VisibleKeys = std::array<KeyRange, 2>;
 
-// DESIGN.md's mask for one sequence, aligned at the bottom-right, restricted to the keys
+// The mask of docs/masks.md for one sequence, aligned at the bottom-right, restricted to the keys
 // [key_begin, key_end) (a split's share; all keys otherwise).
 class RowMask {
  public:

@@ -2,7 +2,7 @@
 // accumulation. It takes the public parameter structs with HOST pointers; inputs may be bf16,
 // fp16, fp32 or fp64 and outputs fp32 or fp64 (or bf16/fp16 in low-precision emulation).
 //
-// Conventions beyond DESIGN.md section 1:
+// Conventions beyond docs/conventions.md:
 // - Lengths. A sequence's query rows: its cu_seqlens_q length (dense: sq), or seqused_q[b].
 //   Its keys: its cu_seqlens_k length (dense: sk; paged: max_pages * page_size), replaced by
 //   seqused_k[b] when given, and by cache_seqlens[b] + s_new when cache_seqlens is given

@@ -755,7 +755,7 @@ TEST(ReferenceIdentities, FullyMaskedRowsAreZero) {
   }
 }
 
-// O and LSE against DESIGN.md's definition written out literally (visibility, softcap,
+// O and LSE against docs/conventions.md's definition written out literally (visibility, softcap,
 // softmax, log-sum-exp), for each kind of mask with sq < sk and sq > sk.
 TEST(ReferenceIdentities, MatchesDirectDefinition) {
   struct Config {
