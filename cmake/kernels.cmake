@@ -12,7 +12,7 @@ else()
 endif()
 
 set(FLASHHOPPER_KERNEL_SOURCES ${PROJECT_SOURCE_DIR}/src/launch/forward_dispatch.cu
-    ${PROJECT_SOURCE_DIR}/src/launch/backward_dispatch.cu)
+    ${PROJECT_SOURCE_DIR}/src/launch/backward_dispatch.cu ${PROJECT_SOURCE_DIR}/src/launch/varlen_plan.cu)
 set(FLASHHOPPER_KERNEL_DEFINES "")
 foreach(_dtype bf16 fp16)
   string(TOUPPER ${_dtype} _DTYPE)

@@ -3,7 +3,7 @@
 # side-by-side benchmarks; prints a short summary last. Build here first (cmake --build build)
 # and carry the build folder, or build there (step `build`: the full kernel set, with the
 # GoogleTest headers and archives carried in .gtest/). Usage:
-#   scripts/device_check.sh [build|tests|features|sanitize|demo|bench|features_bench]...
+#   scripts/device_check.sh [build|tests|features|varlen|sanitize|demo|bench|features_bench|varlen_bench]...
 set -uo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 build="${BUILD:-$root/build}"
@@ -52,6 +52,19 @@ for step in "${steps[@]}"; do
       grep -E "FAILED|Failure|PASSED|SKIPPED" "$out/gpu_tests_features_bwd.log" | head -30
       summary+=("backward features: rc=$rc, $(grep -E '^\[  PASSED  \]|^\[  FAILED  \]' "$out/gpu_tests_features_bwd.log" | tr '\n' ' ')")
       ;;
+    varlen)
+      # Packed batches, both passes (VARLEN_FILTER, default all).
+      timeout "${VARLEN_TIMEOUT:-420}" "$build/tests/cpp/test_varlen_gpu" --gtest_brief=1 \
+        --gtest_filter="${VARLEN_FILTER:-*}" >"$out/gpu_tests_varlen.log" 2>&1
+      rc=$?
+      grep -E "FAILED|Failure|error|PASSED|SKIPPED" "$out/gpu_tests_varlen.log" | head -40
+      summary+=("varlen tests: rc=$rc, $(grep -E '^\[  PASSED  \]|^\[  FAILED  \]' "$out/gpu_tests_varlen.log" | tr '\n' ' ')")
+      ;;
+    varlen_bench)
+      PYTHONUNBUFFERED=1 FLASHHOPPER_LIBRARY="$build/libflashhopper.so" PYTHONPATH="$root/python${PYTHONPATH:+:$PYTHONPATH}" \
+        timeout 400 python3 "$root/bench/bench_varlen.py" --out "$out" 2>&1 | tail -30
+      summary+=("varlen bench: see $out/bench_varlen_*.csv")
+      ;;
     features_bench)
       PYTHONUNBUFFERED=1 FLASHHOPPER_LIBRARY="$build/libflashhopper.so" PYTHONPATH="$root/python${PYTHONPATH:+:$PYTHONPATH}" \
         timeout 400 python3 "$root/bench/bench_features.py" --out "$out" 2>&1 | tail -30
@@ -88,6 +101,11 @@ for step in "${steps[@]}"; do
         256 'causal_b1_sq500_sk300_h2_hkv1_lsink')"
       sanitize forward_features test_forward_gpu "$features_filter"
       sanitize backward_features test_backward_gpu "$features_filter"
+      # Packed batches with zero-length sequences, seqused, both passes, head dims 128 and 256.
+      varlen_filter="$(printf 'Varlen/VarlenForwardGpuTest.*/bf16_d%s_%s:Varlen/VarlenBackwardGpuTest.*/bf16_d%s_%s:' \
+        128 'causal_q1_7_113_0_1000_300_0_*' 128 'causal_q1_7_113_0_1000_300_0_*' \
+        256 'causal_q200_513_64_0_*' 256 'causal_q200_513_64_0_*')"
+      sanitize varlen test_varlen_gpu "$varlen_filter"
       ;;
     demo)
       timeout 300 "$build/examples/flashhopper_demo" 2048 128 2>&1 | tee "$out/demo.log"

@@ -53,7 +53,17 @@ typedef struct fh_tensor {
  * Dense:  q [B, sq, Hq, d], k [B, sk, Hkv, d], v [B, sk, Hkv, dv], out [B, sq, Hq, dv],
  *         lse [B, Hq, sq].
  * Varlen (cu_seqlens_q and cu_seqlens_k present): q [total_q, Hq, d], k [total_k, Hkv, d],
- *         v [total_k, Hkv, dv], out [total_q, Hq, dv], lse [Hq, total_q].
+ *         v [total_k, Hkv, dv], out [total_q, Hq, dv], lse [Hq, total_q]. Sequence b is the rows
+ *         [cu_seqlens[b], cu_seqlens[b+1]); cu_seqlens (device memory, int32) must be
+ *         non-decreasing within [0, total] and every length at most max_seqlen: the caller's
+ *         contract, not checked (that would need a host copy). If it is broken the kernels still
+ *         never read or write outside the tensors or the workspace (each sequence is clamped into
+ *         [0, total] and to max_seqlen), but the results are undefined. Tokens outside every
+ *         sequence are neither read as keys nor written.
+ * seqused_q/seqused_k (dense or varlen, device int32 [B]): only the first seqused[b] tokens of
+ *         sequence b take part; its other rows get O = 0, LSE = -inf and zero dQ, its other keys
+ *         zero dK and dV. Those tokens may be loaded into a tile and multiplied by zero, so they
+ *         must hold finite values (any garbage but Inf/NaN).
  * Paged KV (page_table present): k [num_pages, page_size, Hkv, d], v likewise with dv,
  *         page_table [B, max_pages], cache_seqlens [B]; k_new/v_new [B, s_new, Hkv, d|dv]
  *         are written into the cache at cache_seqlens before attending.

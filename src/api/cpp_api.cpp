@@ -170,7 +170,9 @@ Status forward(const ForwardParams& params, void* workspace, size_t workspace_by
   if (!(status = check_device()).ok()) return status;
   const std::pair<const Tensor*, const char*> pointers[] = {
       {&params.q, "q"},     {&params.k, "k"},     {&params.v, "v"},
-      {&params.out, "out"}, {&params.lse, "lse"}, {&params.learnable_sink, "learnable_sink"}};
+      {&params.out, "out"}, {&params.lse, "lse"}, {&params.learnable_sink, "learnable_sink"},
+      {&params.cu_seqlens_q, "cu_seqlens_q"}, {&params.cu_seqlens_k, "cu_seqlens_k"},
+      {&params.seqused_q, "seqused_q"}, {&params.seqused_k, "seqused_k"}};
   for (const auto& [tensor, name] : pointers) {
     if (!(status = check_device_pointer(*tensor, name)).ok()) return status;
   }
@@ -200,7 +202,9 @@ Status backward(const BackwardParams& params, void* workspace, size_t workspace_
   const std::pair<const Tensor*, const char*> pointers[] = {
       {&params.q, "q"},       {&params.k, "k"},     {&params.v, "v"},   {&params.out, "out"}, {&params.dout, "dout"},
       {&params.lse, "lse"},   {&params.dq, "dq"},   {&params.dk, "dk"}, {&params.dv, "dv"},
-      {&params.learnable_sink, "learnable_sink"},   {&params.dsink, "dsink"}};
+      {&params.learnable_sink, "learnable_sink"},   {&params.dsink, "dsink"},
+      {&params.cu_seqlens_q, "cu_seqlens_q"},       {&params.cu_seqlens_k, "cu_seqlens_k"},
+      {&params.seqused_q, "seqused_q"},             {&params.seqused_k, "seqused_k"}};
   for (const auto& [tensor, name] : pointers) {
     if (!(status = check_device_pointer(*tensor, name)).ok()) return status;
   }

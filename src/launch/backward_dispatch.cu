@@ -10,8 +10,7 @@ namespace flashhopper::launch {
 
 const char* backward_unsupported_reason(const BackwardParams& p, const detail::ProblemShape& s) {
   const detail::MaskSpec mask = detail::mask_spec(p);
-  if (s.varlen_q || s.varlen_k) return "varlen (cu_seqlens_q/cu_seqlens_k) is not supported yet";
-  if (detail::present(p.seqused_q) || detail::present(p.seqused_k)) return "seqused_q/seqused_k are not supported yet";
+  if (const char* reason = varlen_batch_reason(s)) return reason;
   if (mask.num_sink_tokens > 0 && mask.attention_chunk > 0)
     return "num_sink_tokens together with attention_chunk is not supported by the kernels";
   if (s.head_dim != s.head_dim_v) return "head_dim_v different from head_dim is not supported yet";

@@ -20,24 +20,25 @@
 #include "launch/backward_workspace.hpp"
 #include "launch/element_of.cuh"
 #include "launch/launch_common.cuh"
+#include "launch/varlen_plan.hpp"
 
 namespace flashhopper::launch {
 
 // The dQ kernel, with the main kernel's arguments (Q, K, V, dO and the preprocess's buffers).
 template <class Element, int kHeadDim, hopper::MaskKind kMask, bool kSoftcap, class MainArguments>
-cudaError_t run_backward_dq_kernel(const BackwardParams& p, MainArguments const& args, float scale, int num_sms,
-                                   int l2_bytes, cudaStream_t stream) {
+cudaError_t run_backward_dq_kernel(const BackwardParams& p, const detail::ProblemShape& s, MainArguments const& args,
+                                   const TensorRows& dq_rows, char* ws, const BackwardWorkspaceLayout& layout,
+                                   float scale, int num_sms, int l2_bytes, cudaStream_t stream) {
   using namespace cute;
   using namespace flashhopper::hopper;
   using Tile = BackwardDqTileSize<kHeadDim>;
   using Mainloop = BackwardDqMainloop<Element, Tile::kBlockM, Tile::kBlockN, kHeadDim, Tile::kStagesK, Tile::kStagesV,
                                       kMask, kSoftcap>;
-  using Scheduler = StaticPersistentScheduler</*kLongestFirst=*/kMask == MaskKind::kCausal>;
+  using Scheduler = PersistentTileScheduler</*kLongestFirst=*/kMask == MaskKind::kCausal>;
   using Kernel = BackwardDqKernel<Mainloop, Scheduler>;
   static_assert(BackwardWorkspaceLayout::kRowAlign % Tile::kBlockM == 0);
 
-  const int seqlen_q = get<0>(args.shape_q), seqlen_k = get<0>(args.shape_k);
-  const int heads_q = get<2>(args.shape_q), heads_kv = get<2>(args.shape_k), batch = get<3>(args.shape_q);
+  const int heads_q = int(s.heads_q), heads_kv = int(s.heads_kv), batch = int(s.batch);
   typename Mainloop::Arguments dq_args{args.ptr_q,
                                        args.shape_q,
                                        args.stride_q,
@@ -49,19 +50,30 @@ cudaError_t run_backward_dq_kernel(const BackwardParams& p, MainArguments const&
                                        args.ptr_do,
                                        args.stride_do,
                                        static_cast<Element*>(p.dq.data),
-                                       make_stride(p.dq.stride[1], _1{}, p.dq.stride[2], p.dq.stride[0]),
+                                       make_stride(dq_rows.row_stride, _1{}, dq_rows.head_stride, dq_rows.batch_stride),
                                        scale,
                                        args.softcap,
                                        args.local,
-                                       args.workspace.lse_log2,
-                                       args.workspace.dpsum,
-                                       args.workspace.rows_padded};
-  const int num_m_blocks = (seqlen_q + Tile::kBlockM - 1) / Tile::kBlockM;
+                                       args.workspace,
+                                       args.seqlen};
   // As the forward: a head's query blocks share its K and V in L2.
-  const int64_t streamed_bytes_per_head = int64_t(seqlen_k) * 2 * kHeadDim * sizeof(Element) * heads_kv / heads_q;
-  typename Kernel::Params params{
-      Mainloop::to_underlying_arguments(dq_args),
-      Scheduler::make_params(num_m_blocks, heads_q, batch, streamed_bytes_per_head, l2_bytes, num_sms)};
+  const int64_t kv_bytes_per_row = int64_t(2) * kHeadDim * sizeof(Element) * heads_kv / heads_q;
+  typename Scheduler::Params scheduler;
+  if (s.varlen_q) {
+    auto* tiles = reinterpret_cast<hopper::PlannedTile*>(ws + layout.dq_tiles);
+    auto* num_tiles = reinterpret_cast<int*>(tiles + layout.max_dq_tiles);
+    hopper::VarlenTilePlanner::Params plan{args.seqlen, batch, heads_q, Tile::kBlockM, /*key_blocks=*/false,
+                                           /*highest_first=*/kMask == MaskKind::kCausal, int64_t(l2_bytes) / 2,
+                                           kv_bytes_per_row, int(layout.max_dq_tiles), tiles, num_tiles};
+    cudaError_t err = plan_varlen_tiles(plan, stream);
+    if (err != cudaSuccess) return err;
+    scheduler = Scheduler::planned_params(tiles, num_tiles, int(layout.max_dq_tiles));
+  } else {
+    const int num_m_blocks = (args.seqlen.seqlen_q + Tile::kBlockM - 1) / Tile::kBlockM;
+    scheduler = Scheduler::make_params(num_m_blocks, heads_q, batch, args.seqlen.seqlen_k * kv_bytes_per_row, l2_bytes,
+                                       num_sms);
+  }
+  typename Kernel::Params params{Mainloop::to_underlying_arguments(dq_args), scheduler};
   return launch_kernel<Kernel>(backward_dq_kernel_entry<Kernel>, Scheduler::grid_size(params.scheduler, num_sms),
                                params, stream);
 }
@@ -79,15 +91,15 @@ cudaError_t run_backward_hdim(const BackwardParams& p, const detail::ProblemShap
   using Epilogue = BackwardEpilogue<Element, Mainloop>;
   // Causal: longest first (the backward reverses its key blocks). Otherwise key blocks in
   // order, which the deterministic dQ order relies on.
-  using Scheduler = StaticPersistentScheduler</*kLongestFirst=*/kCausal>;
+  using Scheduler = PersistentTileScheduler</*kLongestFirst=*/kCausal>;
   using Kernel = BackwardKernel<Mainloop, Epilogue, Scheduler>;
   using Preprocess = BackwardPreprocess<Element, kHeadDim>;
   using Postprocess = BackwardPostprocess<Mainloop>;
   static_assert(BackwardWorkspaceLayout::kRowAlign % Tile::kBlockM == 0);
   static_assert(Tile::kBlockM % BackwardWorkspaceLayout::kSemaphoreRows == 0);
 
-  const int batch = int(s.batch), seqlen_q = int(s.seqlen_q), seqlen_k = int(s.seqlen_k);
-  const int heads_q = int(s.heads_q), heads_kv = int(s.heads_kv);
+  const int batch = int(s.batch), heads_q = int(s.heads_q), heads_kv = int(s.heads_kv);
+  const hopper::SeqlenParams seqlen = seqlen_params(p, s);
   const float scale = float(detail::default_scale(p.softmax_scale, kHeadDim));
   const bool dsink = detail::present(p.learnable_sink) && detail::present(p.dsink);
   const BackwardWorkspaceLayout layout = backward_workspace_layout(s, dsink);
@@ -95,9 +107,15 @@ cudaError_t run_backward_hdim(const BackwardParams& p, const detail::ProblemShap
   const BackwardWorkspacePointers pointers{reinterpret_cast<float*>(ws + layout.lse_log2),
                                            reinterpret_cast<float*>(ws + layout.dpsum),
                                            reinterpret_cast<float*>(ws + layout.dq_accum),
-                                           reinterpret_cast<int*>(ws + layout.dq_semaphore), int(layout.rows_padded)};
-  // Tensors are [batch, seqlen, heads, d]; CuTe sees (seqlen, d, heads, batch).
-  auto stride_of = [](const Tensor& t) { return make_stride(t.stride[1], _1{}, t.stride[2], t.stride[0]); };
+                                           reinterpret_cast<int*>(ws + layout.dq_semaphore),
+                                           int(layout.rows_padded),
+                                           s.varlen_q,
+                                           heads_q};
+  // Tensors are [batch, seqlen, heads, d] or packed [total, heads, d]; CuTe sees (rows, d, heads, batch).
+  auto q_rows = [&](const Tensor& t) { return tensor_rows(t, s.varlen_q, seqlen.total_q, batch); };
+  auto k_rows = [&](const Tensor& t) { return tensor_rows(t, s.varlen_k, seqlen.total_k, batch); };
+  auto stride_of = [](const TensorRows& r) { return make_stride(r.row_stride, _1{}, r.head_stride, r.batch_stride); };
+  const TensorRows qr = q_rows(p.q), kr = k_rows(p.k);
 
   int num_sms = 0, l2_bytes = 0;
   cudaError_t err = device_sms_and_l2(&num_sms, &l2_bytes);
@@ -109,41 +127,47 @@ cudaError_t run_backward_hdim(const BackwardParams& p, const detail::ProblemShap
     if (err != cudaSuccess) return err;
   }
 
+  const TensorRows out_r = q_rows(p.out), dout_r = q_rows(p.dout);
+  // lse: [batch, heads, seqlen], or packed [heads, total]
+  const int64_t lse_strides[3] = {s.varlen_q ? 0 : p.lse.stride[0], p.lse.stride[s.varlen_q ? 0 : 1],
+                                  p.lse.stride[s.varlen_q ? 1 : 2]};
   typename Preprocess::Params pre{static_cast<Element const*>(p.out.data),
-                                  {p.out.stride[0], p.out.stride[1], p.out.stride[2]},
+                                  {out_r.batch_stride, out_r.row_stride, out_r.head_stride},
                                   static_cast<Element const*>(p.dout.data),
-                                  {p.dout.stride[0], p.dout.stride[1], p.dout.stride[2]},
+                                  {dout_r.batch_stride, dout_r.row_stride, dout_r.head_stride},
                                   static_cast<float const*>(p.lse.data),
-                                  {p.lse.stride[0], p.lse.stride[1], p.lse.stride[2]},
-                                  seqlen_q,
+                                  {lse_strides[0], lse_strides[1], lse_strides[2]},
+                                  int(layout.rows_per_sequence),
                                   heads_q,
                                   pointers,
+                                  seqlen,
                                   dsink ? static_cast<float const*>(p.learnable_sink.data) : nullptr,
                                   reinterpret_cast<float*>(ws + layout.dsink_partial)};
   static_assert(Preprocess::kRowsPerCta == kSinkRowsPerShare);
-  const int64_t pre_ctas = layout.rows_padded / Preprocess::kRowsPerCta * heads_q * batch;
+  const int64_t pre_ctas = layout.rows_per_sequence / Preprocess::kRowsPerCta * heads_q * batch;
   backward_prepost_entry<Preprocess><<<unsigned(pre_ctas), Preprocess::kThreads, 0, stream>>>(pre);
   if ((err = cudaGetLastError()) != cudaSuccess) return err;
 
   typename Mainloop::Arguments mainloop_args{static_cast<Element const*>(p.q.data),
-                                             make_shape(seqlen_q, kHeadDim, heads_q, batch),
-                                             stride_of(p.q),
+                                             make_shape(qr.rows, kHeadDim, heads_q, qr.batch),
+                                             stride_of(qr),
                                              static_cast<Element const*>(p.k.data),
-                                             make_shape(seqlen_k, kHeadDim, heads_kv, batch),
-                                             stride_of(p.k),
+                                             make_shape(kr.rows, kHeadDim, heads_kv, kr.batch),
+                                             stride_of(kr),
                                              static_cast<Element const*>(p.v.data),
-                                             stride_of(p.v),
+                                             stride_of(k_rows(p.v)),
                                              static_cast<Element const*>(p.dout.data),
-                                             stride_of(p.dout),
+                                             stride_of(dout_r),
                                              scale,
                                              p.softcap,
                                              local_mask_params(p),
                                              pointers,
-                                             p.deterministic != 0};
-  typename Epilogue::Arguments epilogue_args{static_cast<Element*>(p.dk.data), stride_of(p.dk),
-                                             static_cast<Element*>(p.dv.data), stride_of(p.dv),
-                                             make_shape(seqlen_k, kHeadDim, heads_kv, batch), scale};
-  const int num_n_blocks = (seqlen_k + Tile::kBlockN - 1) / Tile::kBlockN;
+                                             p.deterministic != 0,
+                                             seqlen};
+  typename Epilogue::Arguments epilogue_args{static_cast<Element*>(p.dk.data), stride_of(k_rows(p.dk)),
+                                             static_cast<Element*>(p.dv.data), stride_of(k_rows(p.dv)),
+                                             make_shape(kr.rows, kHeadDim, heads_kv, kr.batch), scale};
+  const int num_n_blocks = (seqlen.seqlen_k + Tile::kBlockN - 1) / Tile::kBlockN;
   // One longest-first order over all heads balances best: the scheduler's L2 sections end
   // unevenly (hdim 128, causal, 16k: 0.68 of cuDNN with 5-head sections, 0.75 with one order).
   // It also keeps L2 use small while every head gets four or more CTAs of a wave, since the CTAs
@@ -151,30 +175,46 @@ cudaError_t run_backward_hdim(const BackwardParams& p, const detail::ProblemShap
   // heads from DRAM (hdim 128, 2k: 305 -> 258 TFLOP/s with one CTA a head; hdim 256, 2k: 211 ->
   // 275 with two), so L2-sized sections keep a head's CTAs together.
   const bool one_order = int64_t(heads_kv) * batch * 4 <= num_sms;
-  const int64_t streamed_bytes_per_head = int64_t(seqlen_q) * (heads_q / heads_kv) * 2 * kHeadDim * sizeof(Element);
+  const int64_t qdo_bytes_per_row = int64_t(heads_q / heads_kv) * 2 * kHeadDim * sizeof(Element);
+  typename Scheduler::Params scheduler;
+  if (s.varlen_k) {
+    auto* tiles = reinterpret_cast<hopper::PlannedTile*>(ws + layout.main_tiles);
+    auto* num_tiles = reinterpret_cast<int*>(tiles + layout.max_main_tiles);
+    hopper::VarlenTilePlanner::Params plan{seqlen, batch, heads_kv, Tile::kBlockN, /*key_blocks=*/true,
+                                           /*highest_first=*/kCausal, int64_t(l2_bytes) / 2, qdo_bytes_per_row,
+                                           int(layout.max_main_tiles), tiles, num_tiles};
+    if ((err = plan_varlen_tiles(plan, stream)) != cudaSuccess) return err;
+    scheduler = Scheduler::planned_params(tiles, num_tiles, int(layout.max_main_tiles));
+  } else {
+    scheduler = Scheduler::make_params(num_n_blocks, heads_kv, batch,
+                                       one_order ? 0 : int64_t(seqlen.seqlen_q) * qdo_bytes_per_row, l2_bytes, num_sms);
+  }
   typename Kernel::Params params{Mainloop::to_underlying_arguments(mainloop_args),
-                                 Epilogue::to_underlying_arguments(epilogue_args),
-                                 Scheduler::make_params(num_n_blocks, heads_kv, batch,
-                                                        one_order ? 0 : streamed_bytes_per_head, l2_bytes, num_sms)};
+                                 Epilogue::to_underlying_arguments(epilogue_args), scheduler};
   // Deterministic, non-causal: a head's key blocks are consecutive tiles that start together and
   // add to each dQ tile in key-block order, so key block n runs n hand-offs behind key block 0.
   // When the grid is a multiple of the key blocks, each CTA keeps its key block index from wave
   // to wave and that lag is paid once; otherwise the wave boundary moves through the heads and
   // every wave pays it again (2k-4k: 0.80 of the default mode). Worth at most 10% of the SMs.
   int grid = Scheduler::grid_size(params.scheduler, num_sms);
-  if (!Tile::kDqKernel && p.deterministic != 0 && !kCausal && num_n_blocks < grid) {
+  if (!Tile::kDqKernel && p.deterministic != 0 && !kCausal && !s.varlen_k && num_n_blocks < grid) {
     const int whole_heads = grid / num_n_blocks * num_n_blocks;
     if (whole_heads * 10 >= grid * 9) grid = whole_heads;
   }
   if ((err = launch_kernel<Kernel>(backward_kernel_entry<Kernel>, grid, params, stream)) != cudaSuccess) return err;
 
   if constexpr (Tile::kDqKernel) {
-    err = run_backward_dq_kernel<Element, kHeadDim, kMask, kSoftcap>(p, mainloop_args, scale, num_sms, l2_bytes,
-                                                                     stream);
+    err = run_backward_dq_kernel<Element, kHeadDim, kMask, kSoftcap>(p, s, mainloop_args, q_rows(p.dq), ws, layout,
+                                                                     scale, num_sms, l2_bytes, stream);
   } else {
-    typename Postprocess::Params post{static_cast<Element*>(p.dq.data), make_shape(seqlen_q, kHeadDim, heads_q, batch),
-                                      stride_of(p.dq), scale, pointers};
-    const int64_t post_ctas = int64_t((seqlen_q + Tile::kBlockM - 1) / Tile::kBlockM) * heads_q * batch;
+    const TensorRows dqr = q_rows(p.dq);
+    typename Postprocess::Params post{static_cast<Element*>(p.dq.data),
+                                      make_shape(dqr.rows, kHeadDim, heads_q, dqr.batch),
+                                      stride_of(dqr),
+                                      scale,
+                                      pointers,
+                                      seqlen};
+    const int64_t post_ctas = int64_t((seqlen.seqlen_q + Tile::kBlockM - 1) / Tile::kBlockM) * heads_q * batch;
     backward_prepost_entry<Postprocess><<<unsigned(post_ctas), Postprocess::kThreads, 0, stream>>>(post);
     err = cudaGetLastError();
   }

@@ -7,16 +7,23 @@
 
 #include "api/problem_shape.hpp"
 #include "hopper/common/tile_size.hpp"
+#include "hopper/common/workspace_rows.hpp"
+#include "launch/varlen_plan.hpp"
 
 namespace flashhopper::launch {
 
 struct BackwardWorkspaceLayout {
-  // Rows per (batch, head) rounded up to a multiple of every backward kBlockM, so that the main
-  // kernel's per-row loads and dQ tiles need no bounds checks.
-  static constexpr int64_t kRowAlign = 128;
+  // Rows per sequence rounded up to a multiple of every backward kBlockM, so that the main
+  // kernel's per-row loads and dQ tiles need no bounds checks (hopper/common/workspace_rows.hpp).
+  static constexpr int64_t kRowAlign = hopper::BackwardWorkspacePointers::kRowAlign;
   static constexpr int64_t kSemaphoreRows = 64;  // the smallest kBlockM: one counter per query block
 
-  int64_t rows_padded = 0;
+  int64_t rows_per_sequence = 0;  // max seqlen_q rounded up: the preprocess grid's rows a (sequence, head)
+  int64_t rows_padded = 0;        // rows of a (batch, head); packed: of a head
+  size_t main_tiles = 0;          // packed keys: the dK/dV kernel's planned tiles (else empty)
+  int64_t max_main_tiles = 0;
+  size_t dq_tiles = 0;            // packed queries with the dQ kernel: its planned tiles
+  int64_t max_dq_tiles = 0;
   size_t lse_log2 = 0;  // byte offsets
   size_t dpsum = 0;
   size_t dq_accum = 0;  // dq_accum and the semaphores are contiguous: one memset zeroes both
@@ -39,18 +46,36 @@ inline bool backward_dq_kernel(int64_t head_dim) {
 // The preprocess kernel's rows per CTA, each CTA writing one share of the sink's gradient.
 inline constexpr int64_t kSinkRowsPerShare = 8;
 
+// The key block of the dK/dV kernel and the query block of the dQ kernel at this head dim.
+inline int backward_block_n(int64_t head_dim) {
+  switch (head_dim) {
+    case 64: return hopper::BackwardTileSize<64>::kBlockN;
+    case 128: return hopper::BackwardTileSize<128>::kBlockN;
+    default: return hopper::BackwardTileSize<256>::kBlockN;
+  }
+}
+inline int backward_dq_block_m() { return hopper::BackwardDqTileSize<256>::kBlockM; }
+
 inline BackwardWorkspaceLayout backward_workspace_layout(const detail::ProblemShape& s, bool dsink) {
   auto align = [](size_t bytes) { return (bytes + 255) / 256 * 256; };
-  const bool dq_accum_used = !backward_dq_kernel(s.head_dim);
+  const bool dq_kernel = backward_dq_kernel(s.head_dim);
+  const bool dq_accum_used = !dq_kernel;
   BackwardWorkspaceLayout w;
-  w.rows_padded = (s.seqlen_q + w.kRowAlign - 1) / w.kRowAlign * w.kRowAlign;
-  const size_t rows = size_t(s.batch) * s.heads_q * w.rows_padded;
-  w.lse_log2 = 0;
-  w.dpsum = align(rows * sizeof(float));
+  w.rows_per_sequence = (s.seqlen_q + w.kRowAlign - 1) / w.kRowAlign * w.kRowAlign;
+  w.rows_padded = s.varlen_q ? hopper::BackwardWorkspacePointers::packed_rows(s.total_q, s.batch) : w.rows_per_sequence;
+  const size_t rows = size_t(s.varlen_q ? 1 : s.batch) * s.heads_q * w.rows_padded;
+  if (s.varlen_k)
+    w.max_main_tiles = max_planned_tiles(s.total_k, s.seqlen_k, s.batch, s.heads_kv, backward_block_n(s.head_dim));
+  if (s.varlen_q && dq_kernel)
+    w.max_dq_tiles = max_planned_tiles(s.total_q, s.seqlen_q, s.batch, s.heads_q, backward_dq_block_m());
+  w.main_tiles = 0;
+  w.dq_tiles = w.main_tiles + (w.max_main_tiles > 0 ? planned_tiles_bytes(w.max_main_tiles) : 0);
+  w.lse_log2 = w.dq_tiles + (w.max_dq_tiles > 0 ? planned_tiles_bytes(w.max_dq_tiles) : 0);
+  w.dpsum = w.lse_log2 + align(rows * sizeof(float));
   w.dq_accum = w.dpsum + align(rows * sizeof(float));
   w.dq_semaphore = w.dq_accum + (dq_accum_used ? align(rows * s.head_dim * sizeof(float)) : 0);
   w.dsink_partial = w.dq_semaphore + (dq_accum_used ? align(rows / w.kSemaphoreRows * sizeof(int32_t)) : 0);
-  w.dsink_partials_per_head = dsink ? int64_t(s.batch) * w.rows_padded / kSinkRowsPerShare : 0;
+  w.dsink_partials_per_head = dsink ? int64_t(s.batch) * w.rows_per_sequence / kSinkRowsPerShare : 0;
   w.bytes = w.dsink_partial + align(size_t(s.heads_q * w.dsink_partials_per_head) * sizeof(float));
   return w;
 }

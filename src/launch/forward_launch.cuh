@@ -14,11 +14,13 @@
 #include "launch/element_of.cuh"
 #include "launch/forward_launch.hpp"
 #include "launch/launch_common.cuh"
+#include "launch/varlen_plan.hpp"
 
 namespace flashhopper::launch {
 
 template <fh_dtype kDType, int kHeadDim, hopper::MaskKind kMask, bool kSoftcap>
-cudaError_t run_forward_hdim(const ForwardParams& p, const detail::ProblemShape& s, cudaStream_t stream) {
+cudaError_t run_forward_hdim(const ForwardParams& p, const detail::ProblemShape& s, void* workspace,
+                             cudaStream_t stream) {
   using namespace cute;
   using namespace flashhopper::hopper;
   using Element = typename ElementOf<kDType>::type;
@@ -27,42 +29,66 @@ cudaError_t run_forward_hdim(const ForwardParams& p, const detail::ProblemShape&
   using Epilogue = ForwardEpilogue<Element, Tile::kBlockM, kHeadDim, typename Mainloop::TiledMmaPV>;
   // Causal tiles differ in length (longest first); a window's are alike, and those run together
   // share their K/V in L2 when the blocks of a head go together.
-  using Scheduler = StaticPersistentScheduler</*kLongestFirst=*/kMask == MaskKind::kCausal>;
+  using Scheduler = PersistentTileScheduler</*kLongestFirst=*/kMask == MaskKind::kCausal>;
   using Kernel = ForwardKernel<Mainloop, Epilogue, Scheduler>;
 
-  const int batch = int(s.batch), seqlen_q = int(s.seqlen_q), seqlen_k = int(s.seqlen_k);
-  const int heads_q = int(s.heads_q), heads_kv = int(s.heads_kv);
+  const int batch = int(s.batch), heads_q = int(s.heads_q), heads_kv = int(s.heads_kv);
+  const hopper::SeqlenParams seqlen = seqlen_params(p, s);
+  // (rows, d, heads, batch) views: dense [B, S, H, d]; packed [total, H, d] as one batch.
+  const TensorRows q_rows = tensor_rows(p.q, s.varlen_q, seqlen.total_q, batch);
+  const TensorRows k_rows = tensor_rows(p.k, s.varlen_k, seqlen.total_k, batch);
+  const TensorRows v_rows = tensor_rows(p.v, s.varlen_k, seqlen.total_k, batch);
+  const TensorRows o_rows = tensor_rows(p.out, s.varlen_q, seqlen.total_q, batch);
   typename Mainloop::Arguments mainloop_args{
       static_cast<Element const*>(p.q.data),
-      make_shape(seqlen_q, kHeadDim, heads_q, batch),
-      make_stride(p.q.stride[1], _1{}, p.q.stride[2], p.q.stride[0]),
+      make_shape(q_rows.rows, kHeadDim, heads_q, q_rows.batch),
+      make_stride(q_rows.row_stride, _1{}, q_rows.head_stride, q_rows.batch_stride),
       static_cast<Element const*>(p.k.data),
-      make_shape(seqlen_k, kHeadDim, heads_kv, batch),
-      make_stride(p.k.stride[1], _1{}, p.k.stride[2], p.k.stride[0]),
+      make_shape(k_rows.rows, kHeadDim, heads_kv, k_rows.batch),
+      make_stride(k_rows.row_stride, _1{}, k_rows.head_stride, k_rows.batch_stride),
       static_cast<Element const*>(p.v.data),
-      make_shape(kHeadDim, seqlen_k, heads_kv, batch),
-      make_stride(_1{}, p.v.stride[1], p.v.stride[2], p.v.stride[0]),
+      make_shape(kHeadDim, v_rows.rows, heads_kv, v_rows.batch),
+      make_stride(_1{}, v_rows.row_stride, v_rows.head_stride, v_rows.batch_stride),
       float(detail::default_scale(p.softmax_scale, kHeadDim)),
       p.softcap,
       local_mask_params(p),
-      static_cast<float const*>(p.learnable_sink.data)};
+      static_cast<float const*>(p.learnable_sink.data),
+      seqlen};
+  // lse: dense [B, Hq, sq], packed [Hq, total_q].
+  const bool has_lse = p.lse.data != nullptr;
+  const int64_t lse_head_stride = !has_lse ? 0 : (s.varlen_q ? p.lse.stride[0] : p.lse.stride[1]);
+  const int64_t lse_batch_stride = !has_lse || s.varlen_q ? 0 : p.lse.stride[0];
   typename Epilogue::Arguments epilogue_args{
       static_cast<Element*>(p.out.data),
-      make_shape(seqlen_q, kHeadDim, heads_q, batch),
-      make_stride(p.out.stride[1], _1{}, p.out.stride[2], p.out.stride[0]),
+      make_shape(o_rows.rows, kHeadDim, heads_q, o_rows.batch),
+      make_stride(o_rows.row_stride, _1{}, o_rows.head_stride, o_rows.batch_stride),
       static_cast<float*>(p.lse.data),
-      make_stride(_1{}, p.lse.data ? p.lse.stride[1] : 0, p.lse.data ? p.lse.stride[0] : 0)};
+      make_stride(_1{}, lse_head_stride, lse_batch_stride),
+      s.varlen_q};
 
   int num_sms = 0, l2_bytes = 0;
   cudaError_t err = device_sms_and_l2(&num_sms, &l2_bytes);
   if (err != cudaSuccess) return err;
 
-  const int num_m_blocks = (seqlen_q + Tile::kBlockM - 1) / Tile::kBlockM;
+  const int64_t kv_bytes_per_row = 2 * kHeadDim * sizeof(Element);  // a key's K and V, one head
+  typename Scheduler::Params scheduler;
+  if (s.varlen_q) {
+    // The sequences' tiles, planned on the device (the workspace holds the list).
+    const int64_t max_tiles = max_planned_tiles(s.total_q, s.seqlen_q, batch, heads_q, Tile::kBlockM);
+    auto* tiles = static_cast<hopper::PlannedTile*>(workspace);
+    auto* num_tiles = reinterpret_cast<int*>(tiles + max_tiles);
+    hopper::VarlenTilePlanner::Params plan{seqlen, batch, heads_q, Tile::kBlockM, /*key_blocks=*/false,
+                                           /*highest_first=*/kMask == MaskKind::kCausal, int64_t(l2_bytes) / 2,
+                                           kv_bytes_per_row, int(max_tiles), tiles, num_tiles};
+    if ((err = plan_varlen_tiles(plan, stream)) != cudaSuccess) return err;
+    scheduler = Scheduler::planned_params(tiles, num_tiles, int(max_tiles));
+  } else {
+    const int num_m_blocks = (seqlen.seqlen_q + Tile::kBlockM - 1) / Tile::kBlockM;
+    scheduler = Scheduler::make_params(num_m_blocks, heads_q, batch, int64_t(seqlen.seqlen_k) * kv_bytes_per_row,
+                                       l2_bytes, num_sms);
+  }
   typename Kernel::Params params{Mainloop::to_underlying_arguments(mainloop_args),
-                                 Epilogue::to_underlying_arguments(epilogue_args),
-                                 Scheduler::make_params(num_m_blocks, heads_q, batch,
-                                                        int64_t(seqlen_k) * 2 * kHeadDim * sizeof(Element), l2_bytes,
-                                                        num_sms)};
+                                 Epilogue::to_underlying_arguments(epilogue_args), scheduler};
 
   return launch_kernel<Kernel>(forward_kernel_entry<Kernel>, Scheduler::grid_size(params.scheduler, num_sms),
                                params, stream);

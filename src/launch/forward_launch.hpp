@@ -11,6 +11,7 @@
 namespace flashhopper::launch {
 
 template <fh_dtype kDType, int kHeadDim, hopper::MaskKind kMask, bool kSoftcap>
-cudaError_t run_forward_hdim(const ForwardParams& params, const detail::ProblemShape& shape, cudaStream_t stream);
+cudaError_t run_forward_hdim(const ForwardParams& params, const detail::ProblemShape& shape, void* workspace,
+                             cudaStream_t stream);
 
 }  // namespace flashhopper::launch

@@ -27,6 +27,18 @@ cudaError_t launch_kernel(Entry entry, int grid, typename Kernel::Params const& 
   return cudaGetLastError();
 }
 
+// A tensor of per-token rows as the kernels' (rows, d, heads, batch) view: dense [B, S, H, d] as
+// it is; packed [total, H, d] as one batch of `total` rows.
+struct TensorRows {
+  int rows;
+  int batch;
+  int64_t row_stride, head_stride, batch_stride;
+};
+inline TensorRows tensor_rows(const Tensor& t, bool packed, int rows, int batch) {
+  if (packed) return {rows, 1, t.stride[0], t.stride[1], 0};
+  return {rows, batch, t.stride[1], t.stride[2], t.stride[0]};
+}
+
 // The window, sink tokens and chunk of a forward or backward call (used by kLocal kernels).
 template <class Params>
 hopper::LocalMaskParams local_mask_params(const Params& p) {

@@ -206,10 +206,14 @@ struct RowLayout {
   int64_t dim_stride() const { return tensor.stride[tensor.ndim - 1]; }
 };
 
-// The rows and keys of one sequence that take part.
+// The rows and keys of one sequence that take part, and the rows and keys the tensors hold for
+// it (dense or packed): rows in [rows, row_capacity) get O = 0, LSE = -inf and dQ = 0, keys in
+// [keys, key_capacity) dK = dV = 0 (seqused_q/seqused_k shorter than the sequence).
 struct Sequence {
   int64_t rows = 0;
   int64_t keys = 0;
+  int64_t row_capacity = 0;
+  int64_t key_capacity = 0;  // 0 for a paged or appended cache: its unused keys are not written
 };
 
 // Metadata that sets each sequence's length (absent tensors are ignored).
@@ -250,6 +254,7 @@ Status sequence_lengths(const ProblemShape& shape, const LengthSources& src,
                                    ? int_at(src.cu_seqlens_q, b + 1) - int_at(src.cu_seqlens_q, b)
                                    : shape.seqlen_q;
     s.rows = present(src.seqused_q) ? int_at(src.seqused_q, b) : q_capacity;
+    s.row_capacity = q_capacity;
     if (s.rows < 0 || s.rows > q_capacity) {
       return invalid(seq + std::to_string(s.rows) + " query rows used, but it holds " +
                      std::to_string(q_capacity));
@@ -259,6 +264,7 @@ Status sequence_lengths(const ProblemShape& shape, const LengthSources& src,
                                  : shape.seqlen_k;
     const int64_t k_capacity = shape.paged ? shape.max_pages * shape.page_size : k_packed;
     s.keys = k_packed;
+    s.key_capacity = shape.paged || present(src.cache_seqlens) ? 0 : k_packed;
     if (present(src.seqused_k)) s.keys = int_at(src.seqused_k, b);
     if (present(src.cache_seqlens)) s.keys = int_at(src.cache_seqlens, b) + src.seqlen_new;
     if (s.keys < 0 || s.keys > k_capacity) {
@@ -645,6 +651,14 @@ void run_forward(const ForwardPlan& plan, int num_threads) {
         }
       }
     }
+    if (!split) {  // rows past seqused_q
+      const std::vector<Acc> zeros(head.dv, Acc(0));
+      for (int64_t i = seq.rows; i < seq.row_capacity; ++i) {
+        plan.out.store_row(b, i, h, head.dv, zeros.data());
+        if (present(plan.lse.tensor))
+          store_element(plan.lse.tensor, plan.lse.offset(0, b, h, i), -std::numeric_limits<double>::infinity());
+      }
+    }
   });
 }
 
@@ -730,6 +744,8 @@ void run_backward(const BackwardPlan& plan, int num_threads) {
       for (int64_t r = 0; r < blk.rows; ++r)
         plan.dq.store_row(b, r0 + r, h, head.d, &dq[r * head.d]);
     }
+    const std::vector<Acc> zeros(std::max(head.d, head.dv), Acc(0));
+    for (int64_t i = seq.rows; i < seq.row_capacity; ++i) plan.dq.store_row(b, i, h, head.d, zeros.data());
     for (Acc& x : grads.dk) x = Math::round(scaling.scale * x);
     for (Acc& x : grads.dv) x = Math::round(x);
 
@@ -752,6 +768,10 @@ void run_backward(const BackwardPlan& plan, int num_threads) {
       for (int64_t j = 0; j < head.keys; ++j) {
         plan.dk.store_row(b, j, hk, head.d, &g.sum.dk[j * head.d]);
         plan.dv.store_row(b, j, hk, head.dv, &g.sum.dv[j * head.dv]);
+      }
+      for (int64_t j = head.keys; j < seq.key_capacity; ++j) {  // keys past seqused_k
+        plan.dk.store_row(b, j, hk, head.d, zeros.data());
+        plan.dv.store_row(b, j, hk, head.dv, zeros.data());
       }
       g.sum = {};
     }

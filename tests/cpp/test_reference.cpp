@@ -442,7 +442,8 @@ TEST(ReferenceIdentities, VarlenIsDensePerSequence) {
   }
 }
 
-// seqused_q/k equal a call on the truncated sequences; rows and keys past them stay untouched.
+// seqused_q/k equal a call on the truncated sequences; rows past seqused_q get O = 0,
+// LSE = -inf and dQ = 0, keys past seqused_k dK = dV = 0.
 TEST(ReferenceIdentities, SequsedIsTruncatedCall) {
   const Dims dims{3, 6, 8, 2, 1, 8, 8};
   DenseCase c(dims, 231);
@@ -483,7 +484,8 @@ TEST(ReferenceIdentities, SequsedIsTruncatedCall) {
     ASSERT_OK(ref::forward(fb));
     EXPECT_EQ(max_abs_diff(out.view(), rows(c.out, sq)), 0) << "sequence " << b;
     EXPECT_EQ(max_abs_diff(lse.view(), narrow(narrow(c.lse.view(), 0, b, 1), 2, 0, sq)), 0);
-    EXPECT_EQ(max_abs(rows_after(c.out, sq, dims.sq)), sq < dims.sq ? kSentinel : 0) << "untouched";
+    EXPECT_EQ(max_abs(rows_after(c.out, sq, dims.sq)), 0) << "rows past seqused_q";
+    for (int64_t i = sq; i < dims.sq; ++i) EXPECT_EQ(c.lse.get({b, 0, i}), -kInf) << "row " << i;
     fh::BackwardParams gb = fh::default_backward_params();
     gb.q = fb.q;
     gb.k = fb.k;
@@ -497,8 +499,9 @@ TEST(ReferenceIdentities, SequsedIsTruncatedCall) {
     EXPECT_EQ(max_abs_diff(dq.view(), rows(c.dq, sq)), 0) << "sequence " << b;
     EXPECT_EQ(max_abs_diff(dk.view(), rows(c.dk, sk)), 0) << "sequence " << b;
     EXPECT_EQ(max_abs_diff(dv.view(), rows(c.dv, sk)), 0) << "sequence " << b;
-    EXPECT_EQ(max_abs(rows_after(c.dq, sq, dims.sq)), sq < dims.sq ? kSentinel : 0);
-    EXPECT_EQ(max_abs(rows_after(c.dk, sk, dims.sk)), sk < dims.sk ? kSentinel : 0);
+    EXPECT_EQ(max_abs(rows_after(c.dq, sq, dims.sq)), 0);
+    EXPECT_EQ(max_abs(rows_after(c.dk, sk, dims.sk)), 0);
+    EXPECT_EQ(max_abs(rows_after(c.dv, sk, dims.sk)), 0);
   }
   // Sequence 2 has no keys: its rows see nothing.
   EXPECT_EQ(max_abs(narrow(narrow(c.out.view(), 0, 2, 1), 1, 0, 4)), 0);

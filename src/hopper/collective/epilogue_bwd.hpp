@@ -1,5 +1,6 @@
 // Backward epilogue: a key block's dK (times the softmax scale) and dV, float32 registers ->
-// input dtype -> global memory. Rows past the key sequence's end are not written.
+// input dtype -> global memory. Rows past the sequence's capacity are not written (keys past
+// seqused_k, which no row sees, get zeros).
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -20,7 +21,7 @@ struct BackwardEpilogue {
   static constexpr int kHeadDim = Mainloop::kHeadDim;
   static constexpr bool kTransposed = Mainloop::kDkvTransposed;  // registers hold dK^T, dV^T
 
-  using ShapedKV = Shape<int32_t, int32_t, int32_t, int32_t>;  // (seqlen_k, d, heads_kv, batch)
+  using ShapedKV = Shape<int32_t, int32_t, int32_t, int32_t>;  // (seqlen_k, d, heads_kv, batch); packed (total_k, d, heads_kv, 1)
   using StridedKV = Stride<int64_t, _1, int64_t, int64_t>;
 
   struct Arguments {
@@ -39,9 +40,10 @@ struct BackwardEpilogue {
                                    int thread_idx, BackwardBlock const& blk) {
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < size(tdKrdK); ++i) tdKrdK(i) *= params.softmax_scale;
-    const int rows = get<0>(params.shape_dkv) - blk.n_block * kBlockN;
+    const int rows = blk.seq.capacity_k - blk.n_block * kBlockN;
     auto tile = [&](Element* ptr, StridedKV stride) {
-      Tensor m = make_tensor(make_gmem_ptr(ptr), params.shape_dkv, stride)(_, _, blk.head_kv, blk.batch);
+      Tensor m = domain_offset(make_coord(blk.seq.offset_k, _0{}), make_tensor(make_gmem_ptr(ptr), params.shape_dkv,
+                                                                                 stride)(_, _, blk.head_kv, blk.seq.batch_k));
       return local_tile(m, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(blk.n_block, _0{}));  // (N, d)
     };
     auto thr_mma = TiledMmadKV{}.get_thread_slice(thread_idx);

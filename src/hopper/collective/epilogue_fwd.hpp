@@ -1,6 +1,9 @@
 // Forward epilogue: O (float32 registers) -> output dtype -> shared memory (stmatrix) -> global
 // memory by one TMA store; LSE straight from the threads holding column 0 of each row. Tiles
-// that see no key write O = 0 and LSE = -inf with predicated 16-byte stores instead.
+// that see no key write O = 0 and LSE = -inf with predicated 16-byte stores instead. In a packed
+// (varlen) batch a tile that ends past its sequence stores from registers, predicated by row, as
+// when O does not fit in shared memory: a TMA store would write into the next sequence. Rows
+// are written up to the sequence's capacity (SeqlenInfo), those past seqused_q as O = 0, LSE = -inf.
 #pragma once
 
 #include <cmath>
@@ -11,6 +14,7 @@
 #include <cutlass/gemm/collective/builders/sm90_common.inl>
 
 #include "hopper/common/named_barrier.hpp"
+#include "hopper/common/seqlen.hpp"
 #include "hopper/common/tile_scheduler.hpp"
 #include "hopper/common/utils.hpp"
 
@@ -32,9 +36,9 @@ struct ForwardEpilogue {
       TileShapeO{}));
   using SmemCopyAtomO = Copy_Atom<SM90_U32x4_STSM_N, Element>;
 
-  using ShapeO = Shape<int32_t, int32_t, int32_t, int32_t>;  // (seqlen_q, dv, heads, batch)
+  using ShapeO = Shape<int32_t, int32_t, int32_t, int32_t>;  // (seqlen_q, dv, heads, batch); packed (total_q, dv, heads, 1)
   using StrideO = Stride<int64_t, _1, int64_t, int64_t>;
-  using StrideLse = Stride<_1, int64_t, int64_t>;            // lse (seqlen_q, heads, batch)
+  using StrideLse = Stride<_1, int64_t, int64_t>;            // lse (seqlen_q, heads, batch), likewise
   using TmaO = decltype(make_tma_copy(
       SM90_TMA_STORE{}, make_tensor(make_gmem_ptr(static_cast<Element*>(nullptr)), ShapeO{}, StrideO{}),
       SmemLayoutO{}, TileShapeO{}, _1{}));
@@ -45,6 +49,7 @@ struct ForwardEpilogue {
     StrideO stride_o;
     float* ptr_lse;  // may be null
     StrideLse stride_lse;
+    bool packed;     // varlen queries
   };
 
   struct Params {
@@ -53,36 +58,66 @@ struct ForwardEpilogue {
     StrideO stride_o;
     float* ptr_lse;
     StrideLse stride_lse;
+    bool packed;
     TmaO tma_o;
   };
 
   static Params to_underlying_arguments(Arguments const& args) {
     Tensor mO = make_tensor(make_gmem_ptr(args.ptr_o), args.shape_o, args.stride_o);
     TmaO tma_o = make_tma_copy(SM90_TMA_STORE{}, mO, SmemLayoutO{}, TileShapeO{}, _1{});
-    return {args.ptr_o, args.shape_o, args.stride_o, args.ptr_lse, args.stride_lse, tma_o};
+    return {args.ptr_o, args.shape_o, args.stride_o, args.ptr_lse, args.stride_lse, args.packed, tma_o};
   }
 
   CUTLASS_DEVICE static void prefetch_tma_descriptors(Params const& params) {
     cute::prefetch_tma_descriptor(params.tma_o.get_tma_descriptor());
   }
 
+  // The tile's sequence rows of O (seqlen, dv) and of the LSE (seqlen).
+  CUTLASS_DEVICE static auto sequence_o(Params const& params, WorkTile const& work, SeqlenInfo const& seq) {
+    Tensor mO = make_tensor(make_gmem_ptr(params.ptr_o), params.shape_o, params.stride_o)(_, _, work.head, seq.batch_q);
+    return domain_offset(make_coord(seq.offset_q, _0{}), mO);
+  }
+  CUTLASS_DEVICE static auto sequence_lse(Params const& params, WorkTile const& work, SeqlenInfo const& seq) {
+    Tensor mLse = make_tensor(make_gmem_ptr(params.ptr_lse),
+                              make_shape(get<0>(params.shape_o), get<2>(params.shape_o), get<3>(params.shape_o)),
+                              params.stride_lse)(_, work.head, seq.batch_q);
+    return domain_offset(make_coord(seq.offset_q), mLse);
+  }
+
+  CUTLASS_DEVICE static bool tma_store_fits(Params const& params, WorkTile const& work, SeqlenInfo const& seq) {
+    return !params.packed || (work.block + 1) * kBlockM <= seq.capacity_q;
+  }
+
+  // Rows past seqused_q get O = 0 and LSE = -inf (set, not scaled: their Q may be garbage).
+  template <int kRows, class TensorORowCol>
+  CUTLASS_DEVICE static void clear_unused_rows(TensorORowCol& o_rowcol, float (&lse)[kRows], int thread_idx,
+                                               WorkTile const& work, SeqlenInfo const& seq) {
+    Tensor tOcO = TiledMmaPV{}.get_thread_slice(thread_idx).partition_C(make_identity_tensor(TileShapeO{}));
+    Tensor coords = make_tensor(tOcO.data(), accumulator_rowcol(tOcO.layout()));
+    CUTLASS_PRAGMA_UNROLL
+    for (int m = 0; m < kRows; ++m) {
+      if (work.block * kBlockM + get<0>(coords(m, 0)) >= seq.seqlen_q) {
+        lse[m] = -INFINITY;
+        CUTLASS_PRAGMA_UNROLL
+        for (int n = 0; n < size<1>(o_rowcol); ++n) o_rowcol(m, n) = 0.f;
+      }
+    }
+  }
+
   template <int kRows, class TensorO>
   CUTLASS_DEVICE static void write_lse(Params const& params, TensorO const& tOrO, float const (&lse)[kRows],
-                                       int thread_idx, WorkTile const& work) {
+                                       int thread_idx, WorkTile const& work, SeqlenInfo const& seq) {
     if (params.ptr_lse == nullptr) return;
     auto thr_mma = TiledMmaPV{}.get_thread_slice(thread_idx);
     Tensor tOcO = thr_mma.partition_C(make_identity_tensor(TileShapeO{}));
     Tensor coords = make_tensor(tOcO.data(), accumulator_rowcol(tOcO.layout()));
     static_assert(decltype(size<0>(coords))::value == kRows);
-    const int seqlen_q = get<0>(params.shape_o);
     if (get<1>(coords(0, 0)) != 0) return;  // only the threads holding column 0
-    Tensor mLse = make_tensor(make_gmem_ptr(params.ptr_lse),
-                              make_shape(seqlen_q, get<2>(params.shape_o), get<3>(params.shape_o)),
-                              params.stride_lse)(_, work.head, work.batch);
+    Tensor mLse = sequence_lse(params, work, seq);
     CUTLASS_PRAGMA_UNROLL
     for (int m = 0; m < kRows; ++m) {
       const int row = work.block * kBlockM + get<0>(coords(m, 0));
-      if (row < seqlen_q) mLse(row) = lse[m];
+      if (row < seq.capacity_q) mLse(row) = lse[m];
     }
   }
 
@@ -90,8 +125,8 @@ struct ForwardEpilogue {
   // waits for it before overwriting sO, and so must anyone who reuses sO (wait_for_store).
   template <int kRows, class TensorO>
   CUTLASS_DEVICE static void store(Params const& params, TensorO const& tOrO, float const (&lse)[kRows],
-                                   Element* smem_o, int thread_idx, WorkTile const& work) {
-    write_lse(params, tOrO, lse, thread_idx, work);
+                                   Element* smem_o, int thread_idx, WorkTile const& work, SeqlenInfo const& seq) {
+    write_lse(params, tOrO, lse, thread_idx, work, seq);
 
     Tensor sO = make_tensor(make_smem_ptr(smem_o), SmemLayoutO{});
     auto smem_tiled_copy_o = make_tiled_copy_C(SmemCopyAtomO{}, TiledMmaPV{});
@@ -109,7 +144,8 @@ struct ForwardEpilogue {
     named_barrier_sync(kNumMmaThreads, FwdBarrier::kEpilogue);
 
     if (thread_idx == 0) {
-      Tensor mO = params.tma_o.get_tma_tensor(params.shape_o)(_, _, work.head, work.batch);  // (sq, dv)
+      Tensor mO = domain_offset(make_coord(seq.offset_q, _0{}),
+                                params.tma_o.get_tma_tensor(params.shape_o)(_, _, work.head, seq.batch_q));  // (sq, dv)
       Tensor gO = local_tile(mO, TileShapeO{}, make_coord(work.block, _0{}));             // (M, dv)
       auto [tOgO, tOsO] =
           tma_partition(params.tma_o, _0{}, Layout<_1>{}, group_modes<0, 2>(sO), group_modes<0, 2>(gO));
@@ -121,12 +157,11 @@ struct ForwardEpilogue {
   // O straight from registers, for when sO does not fit in shared memory.
   template <int kRows, class TensorO>
   CUTLASS_DEVICE static void store_direct(Params const& params, TensorO const& tOrO, float const (&lse)[kRows],
-                                          int thread_idx, WorkTile const& work) {
-    write_lse(params, tOrO, lse, thread_idx, work);
+                                          int thread_idx, WorkTile const& work, SeqlenInfo const& seq) {
+    write_lse(params, tOrO, lse, thread_idx, work, seq);
     Tensor tOcO = TiledMmaPV{}.get_thread_slice(thread_idx).partition_C(make_identity_tensor(TileShapeO{}));
-    Tensor mO = make_tensor(make_gmem_ptr(params.ptr_o), params.shape_o, params.stride_o)(_, _, work.head, work.batch);
-    Tensor gO = local_tile(mO, TileShapeO{}, make_coord(work.block, _0{}));  // (M, dv)
-    store_accumulator_rows(tOrO, tOcO, gO, get<0>(params.shape_o) - work.block * kBlockM);
+    Tensor gO = local_tile(sequence_o(params, work, seq), TileShapeO{}, make_coord(work.block, _0{}));  // (M, dv)
+    store_accumulator_rows(tOrO, tOcO, gO, seq.capacity_q - work.block * kBlockM);
   }
 
   // Called by the thread that issued the stores: returns once they have read shared memory.
@@ -134,24 +169,23 @@ struct ForwardEpilogue {
 
   // A tile whose rows see no key: O = 0 and LSE = -inf, by predicated 16-byte stores.
   // lse_value: -inf, or the learnable sink's logit (the only term of an empty row's sum).
+  // (Rows past seqused_q get -inf whatever lse_value is.)
   CUTLASS_DEVICE static void store_empty(Params const& params, int thread_idx, WorkTile const& work,
-                                         float lse_value) {
+                                         SeqlenInfo const& seq, float lse_value) {
     constexpr int kElemsPerStore = 16 / sizeof(Element);
     constexpr int kStoresPerRow = kHeadDimV / kElemsPerStore;
-    const int seqlen_q = get<0>(params.shape_o);
-    Tensor mO = make_tensor(make_gmem_ptr(params.ptr_o), params.shape_o, params.stride_o)(_, _, work.head, work.batch);
+    Tensor mO = sequence_o(params, work, seq);
     const int row0 = work.block * kBlockM;
     for (int i = thread_idx; i < kBlockM * kStoresPerRow; i += kNumMmaThreads) {
       const int row = row0 + i / kStoresPerRow;
       const int col = (i % kStoresPerRow) * kElemsPerStore;
-      if (row < seqlen_q) *reinterpret_cast<uint4*>(&mO(row, col)) = make_uint4(0, 0, 0, 0);
+      if (row < seq.capacity_q) *reinterpret_cast<uint4*>(&mO(row, col)) = make_uint4(0, 0, 0, 0);
     }
     if (params.ptr_lse != nullptr) {
-      Tensor mLse = make_tensor(make_gmem_ptr(params.ptr_lse),
-                                make_shape(seqlen_q, get<2>(params.shape_o), get<3>(params.shape_o)),
-                                params.stride_lse)(_, work.head, work.batch);
+      Tensor mLse = sequence_lse(params, work, seq);
       for (int i = thread_idx; i < kBlockM; i += kNumMmaThreads) {
-        if (row0 + i < seqlen_q) mLse(row0 + i) = lse_value;
+        const int row = row0 + i;
+        if (row < seq.capacity_q) mLse(row) = row < seq.seqlen_q ? lse_value : -INFINITY;
       }
     }
   }

@@ -27,29 +27,20 @@
 #include "hopper/common/score_transform.hpp"
 #include "hopper/common/softmax.hpp"
 #include "hopper/common/utils.hpp"
+#include "hopper/common/workspace_rows.hpp"
 
 namespace flashhopper::hopper {
 
 using namespace cute;
 
-// What a (key block, key head, batch) CTA works on: it owns one key head's K and V and
+// What a (key block, key head, sequence) CTA works on: it owns one key head's K and V and
 // walks every query head of its group (GQA), so dK and dV sum the group in registers.
 struct BackwardBlock {
   int n_block;
   int head_kv;
-  int batch;
+  SeqlenInfo seq;
   int m_block_min;
   int m_block_max;
-};
-
-// The float32 buffers the preprocess kernel fills and the postprocess kernel reads, each
-// [batch, heads_q, rows_padded(, d)]; rows_padded is a multiple of every kBlockM.
-struct BackwardWorkspacePointers {
-  float* lse_log2;    // LSE * log2 e; +inf where a row sees no key (so P = 0 there)
-  float* dpsum;       // D = rowsum(dO * O)
-  float* dq_accum;    // partial dQ sums, each kBlockM x d tile in the order dq_accum_offset gives
-  int* dq_semaphore;  // deterministic mode: key blocks added so far, per (batch, head, m_block)
-  int rows_padded;
 };
 
 // dQaccum tiles are stored in the order the MMA warpgroups hold them, so registers -> shared or
@@ -214,6 +205,7 @@ struct BackwardMainloop {
     LocalMaskParams local;  // kLocal only
     BackwardWorkspacePointers workspace;
     bool deterministic;
+    SeqlenParams seqlen;
   };
 
   struct Params {
@@ -229,6 +221,7 @@ struct BackwardMainloop {
     BackwardWorkspacePointers workspace;
     int heads_per_kv_head;
     bool deterministic;
+    SeqlenParams seqlen;
   };
 
   static Params to_underlying_arguments(Arguments const& args) {
@@ -251,7 +244,8 @@ struct BackwardMainloop {
             args.local,
             args.workspace,
             get<2>(args.shape_q) / get<2>(args.shape_k),
-            args.deterministic};
+            args.deterministic,
+            args.seqlen};
   }
 
   CUTLASS_DEVICE static void prefetch_tma_descriptors(Params const& params) {
@@ -261,10 +255,12 @@ struct BackwardMainloop {
     cute::prefetch_tma_descriptor(params.tma_v.get_tma_descriptor());
   }
 
-  CUTLASS_DEVICE static SeqlenInfo seqlen_info(Params const& params) {
-    return {get<0>(params.shape_q), get<0>(params.shape_k)};
+  CUTLASS_DEVICE static SeqlenInfo seqlen_info(Params const& params, int batch) {
+    return SeqlenInfo::make(params.seqlen, batch);
   }
-  CUTLASS_DEVICE static Mask make_mask(Params const& params) { return Mask(seqlen_info(params), params.local); }
+  CUTLASS_DEVICE static Mask make_mask(Params const& params, SeqlenInfo const& seq) {
+    return Mask(seq, params.local);
+  }
 
   // The i-th query block of key block blk's walk, the same in the producer, the MMA warpgroups
   // and the dQ writer. Causal walks down from the last block to the diagonal, so that all key
@@ -276,10 +272,6 @@ struct BackwardMainloop {
     return kCausal ? blk.m_block_max - 1 - i : blk.m_block_min + i;
   }
 
-  // Row offset of (batch, query head) in the [batch, heads_q, rows_padded] workspace buffers.
-  CUTLASS_DEVICE static int64_t workspace_row0(Params const& params, int batch, int head) {
-    return (int64_t(batch) * get<2>(params.shape_q) + head) * params.workspace.rows_padded;
-  }
 
   // Producer (one thread): K and V once, after the previous block's consumers let go of them;
   // then Q and dO of each query block of each query head of the group, in the consumers' order,
@@ -293,7 +285,8 @@ struct BackwardMainloop {
     Tensor sV = make_tensor(make_smem_ptr(storage.smem_v.data()), SmemLayoutK{});
 
     auto key_tile = [&](auto const& tma) {
-      auto m = tma.get_tma_tensor(params.shape_k)(_, _, blk.head_kv, blk.batch);
+      auto m = domain_offset(make_coord(blk.seq.offset_k, _0{}),
+                             tma.get_tma_tensor(params.shape_k)(_, _, blk.head_kv, blk.seq.batch_k));
       return local_tile(m, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(blk.n_block, _0{}));  // (N, d)
     };
     auto [tKgK, tKsK] = tma_partition(params.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK),
@@ -309,14 +302,15 @@ struct BackwardMainloop {
     for (int g = 0; g < params.heads_per_kv_head; ++g) {
       const int head = blk.head_kv * params.heads_per_kv_head + g;
       auto query_tiles = [&](auto const& tma) {
-        auto m = tma.get_tma_tensor(params.shape_q)(_, _, head, blk.batch);
+        auto m = domain_offset(make_coord(blk.seq.offset_q, _0{}),
+                               tma.get_tma_tensor(params.shape_q)(_, _, head, blk.seq.batch_q));
         return local_tile(m, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, _0{}));  // (M, d, m)
       };
       auto [tQgQ, tQsQ] = tma_partition(params.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ),
                                         group_modes<0, 2>(query_tiles(params.tma_q)));
       auto [tdOgdO, tdOsdO] = tma_partition(params.tma_do, _0{}, Layout<_1>{}, group_modes<0, 2>(sdO),
                                             group_modes<0, 2>(query_tiles(params.tma_do)));
-      const int64_t row0_head = workspace_row0(params, blk.batch, head);
+      const int64_t row0_head = params.workspace.row0(blk.seq, head);
       // One stage: a query block's tile (Q or dO) by TMA and its rows' statistic (LSE2 or D) by a
       // bulk copy, on the stage's barrier.
       auto load_stage = [&](auto& pipeline, auto& state, auto const& tma, auto const& gmem_tiles,
@@ -343,9 +337,9 @@ struct BackwardMainloop {
   // (all lower ones, but for a window's left bound). The scheduler hands lower key blocks of a
   // head out first, and every key block walks its query blocks in the same order, so the wait
   // always ends.
-  CUTLASS_DEVICE static int* dq_semaphore(Params const& params, int batch, int head, int m_block) {
-    const int64_t blocks_per_head = params.workspace.rows_padded / kBlockM;
-    return params.workspace.dq_semaphore + (int64_t(batch) * get<2>(params.shape_q) + head) * blocks_per_head + m_block;
+  CUTLASS_DEVICE static int* dq_semaphore(Params const& params, SeqlenInfo const& seq, int head, int m_block) {
+    static_assert(BackwardWorkspacePointers::kRowAlign % kBlockM == 0);
+    return params.workspace.dq_semaphore + params.workspace.row0(seq, head) / kBlockM + m_block;
   }
   CUTLASS_DEVICE static void wait_for_turn(int const* semaphore, int expected) {
     int seen;
@@ -371,14 +365,14 @@ struct BackwardMainloop {
   CUTLASS_DEVICE static void store_dq(Params const& params, SharedStorage& storage, BackwardBlock const& blk) {
     if constexpr (kComputeDq) {
       const int lane = threadIdx.x % cutlass::NumThreadsPerWarp;
-      const Mask mask = make_mask(params);
+      const Mask mask = make_mask(params, blk.seq);
       for (int g = 0; g < params.heads_per_kv_head; ++g) {
         const int head = blk.head_kv * params.heads_per_kv_head + g;
-        float* dq_head = params.workspace.dq_accum + workspace_row0(params, blk.batch, head) * kHeadDim;
+        float* dq_head = params.workspace.dq_accum + params.workspace.row0(blk.seq, head) * kHeadDim;
         for (int i = 0; i < blk.m_block_max - blk.m_block_min; ++i) {
           const int m_block = query_block_at(blk, i);
           float* dq_tile = dq_head + int64_t(m_block) * kDqTileFloats;
-          int* semaphore = dq_semaphore(params, blk.batch, head, m_block);
+          int* semaphore = dq_semaphore(params, blk.seq, head, m_block);
           // Deterministic: the turn is awaited while the warpgroups still compute the tile, so
           // that a turn already passed costs no round trip to L2 once the tile is ready.
           if (params.deterministic && lane == 0)
@@ -468,7 +462,7 @@ struct BackwardMainloop {
     Tensor tScS = thr_mma_sdp.partition_C(make_identity_tensor(select<0, 1>(TileShapeSdP{})));
     Tensor coords = make_tensor(tScS.data(), accumulator_rowcol(tScS.layout()));  // (rows, cols)
     constexpr int kRows = decltype(size<0>(coords))::value;
-    const Mask mask = make_mask(params);
+    const Mask mask = make_mask(params, blk.seq);
 
     const int warp_group = thread_idx / cutlass::NumThreadsPerWarpGroup;
     const int thread_in_group = thread_idx % cutlass::NumThreadsPerWarpGroup;

@@ -24,6 +24,7 @@
 #include "hopper/common/tile_scheduler.hpp"
 #include "hopper/common/tma_pipeline.hpp"
 #include "hopper/common/utils.hpp"
+#include "hopper/common/workspace_rows.hpp"
 
 namespace flashhopper::hopper {
 
@@ -116,9 +117,8 @@ struct BackwardDqMainloop {
     float softmax_scale;
     float softcap;          // > 0 only with kSoftcap
     LocalMaskParams local;  // kLocal only
-    float const* lse_log2;  // the preprocess kernel's [batch, heads_q, rows_padded] buffers
-    float const* dpsum;
-    int rows_padded;
+    BackwardWorkspacePointers workspace;  // the preprocess kernel's LSE2 and D
+    SeqlenParams seqlen;
   };
 
   struct Params {
@@ -134,10 +134,9 @@ struct BackwardDqMainloop {
     float softmax_scale_log2;  // after the score transform
     Transform transform;
     LocalMaskParams local;
-    float const* lse_log2;
-    float const* dpsum;
-    int rows_padded;
+    BackwardWorkspacePointers workspace;
     cutlass::FastDivmod heads_per_kv_head;
+    SeqlenParams seqlen;
   };
 
   static Params to_underlying_arguments(Arguments const& args) {
@@ -161,10 +160,9 @@ struct BackwardDqMainloop {
             float(Transform::softmax_scale(args.softmax_scale, args.softcap) * M_LOG2E),
             Transform::make(args.softmax_scale, args.softcap),
             args.local,
-            args.lse_log2,
-            args.dpsum,
-            args.rows_padded,
-            cutlass::FastDivmod(get<2>(args.shape_q) / get<2>(args.shape_k))};
+            args.workspace,
+            cutlass::FastDivmod(get<2>(args.shape_q) / get<2>(args.shape_k)),
+            args.seqlen};
   }
 
   CUTLASS_DEVICE static void prefetch_tma_descriptors(Params const& params) {
@@ -174,19 +172,17 @@ struct BackwardDqMainloop {
     cute::prefetch_tma_descriptor(params.tma_v.get_tma_descriptor());
   }
 
-  CUTLASS_DEVICE static SeqlenInfo seqlen_info(Params const& params, WorkTile const&) {
-    return {get<0>(params.shape_q), get<0>(params.shape_k)};
+  CUTLASS_DEVICE static SeqlenInfo seqlen_info(Params const& params, WorkTile const& work) {
+    return SeqlenInfo::make(params.seqlen, work.batch);
   }
-  CUTLASS_DEVICE static Mask make_mask(Params const& params, WorkTile const& work) {
-    return Mask(seqlen_info(params, work), params.local);
-  }
+  CUTLASS_DEVICE static Mask make_mask(Params const& params, SeqlenInfo const& seq) { return Mask(seq, params.local); }
 
   // Producer (one thread): the first K block, then Q and dO once the previous tile is done with
   // theirs, then K and V in the walk's order (the last key block, which may need masking,
   // first), K one block ahead of V in the order the warpgroups use them.
   CUTLASS_DEVICE static void load(Params const& params, PipelineK& pipeline_k, PipelineV& pipeline_v,
                                   PipelineStateK& pipe_k_write, PipelineStateV& pipe_v_write, SharedStorage& storage,
-                                  int& qdo_empty_phase, WorkTile const& work,
+                                  int& qdo_empty_phase, WorkTile const& work, SeqlenInfo const& seq,
                                   typename Mask::KeyBlocks const& blocks) {
     Tensor sQ = make_tensor(make_smem_ptr(storage.smem_q.data()), SmemLayoutQ{});
     Tensor sdO = make_tensor(make_smem_ptr(storage.smem_do.data()), SmemLayoutQ{});
@@ -195,11 +191,13 @@ struct BackwardDqMainloop {
     const int head_kv = params.heads_per_kv_head.divide(work.head);
 
     auto query_tile = [&](auto const& tma) {
-      auto m = tma.get_tma_tensor(params.shape_q)(_, _, work.head, work.batch);
+      auto m = domain_offset(make_coord(seq.offset_q, _0{}),
+                             tma.get_tma_tensor(params.shape_q)(_, _, work.head, seq.batch_q));
       return local_tile(m, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(work.block, _0{}));  // (M, d)
     };
     auto key_tiles = [&](auto const& tma) {
-      auto m = tma.get_tma_tensor(params.shape_k)(_, _, head_kv, work.batch);
+      auto m = domain_offset(make_coord(seq.offset_k, _0{}),
+                             tma.get_tma_tensor(params.shape_k)(_, _, head_kv, seq.batch_k));
       return local_tile(m, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, _0{}));  // (N, d, n)
     };
     auto [tQgQ, tQsQ] = tma_partition(params.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ),
@@ -236,7 +234,7 @@ struct BackwardDqMainloop {
   CUTLASS_DEVICE static void mma(Params const& params, PipelineK& pipeline_k, PipelineV& pipeline_v,
                                  PipelineStateK& pipe_k_read, PipelineStateV& pipe_v_read, SharedStorage& storage,
                                  int& qdo_full_phase, TensordQ& tdQrdQ, int thread_idx, WorkTile const& work,
-                                 typename Mask::KeyBlocks const& blocks) {
+                                 SeqlenInfo const& seq, typename Mask::KeyBlocks const& blocks) {
     Tensor sQ = make_tensor(make_smem_ptr(storage.smem_q.data()), SmemLayoutQ{});
     Tensor sdO = make_tensor(make_smem_ptr(storage.smem_do.data()), SmemLayoutQ{});
     Tensor sK = make_tensor(make_smem_ptr(storage.smem_k.data()), SmemLayoutK{});
@@ -263,15 +261,14 @@ struct BackwardDqMainloop {
     constexpr int kRows = decltype(size<0>(scores))::value;
 
     // The rows' LSE2 and D: padded buffers, so every row of the tile is in bounds.
-    const int64_t row0 =
-        (int64_t(work.batch) * get<2>(params.shape_q) + work.head) * params.rows_padded + int64_t(work.block) * kBlockM;
+    const int64_t row0 = params.workspace.row0(seq, work.head) + int64_t(work.block) * kBlockM;
     float lse_log2[kRows], dpsum[kRows];
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < kRows; ++i) {
-      lse_log2[i] = params.lse_log2[row0 + get<0>(coords(i, 0))];
-      dpsum[i] = params.dpsum[row0 + get<0>(coords(i, 0))];
+      lse_log2[i] = params.workspace.lse_log2[row0 + get<0>(coords(i, 0))];
+      dpsum[i] = params.workspace.dpsum[row0 + get<0>(coords(i, 0))];
     }
-    const Mask mask = make_mask(params, work);
+    const Mask mask = make_mask(params, seq);
     const int num_blocks = blocks.count();
 
     storage.qdo_full.wait(qdo_full_phase);

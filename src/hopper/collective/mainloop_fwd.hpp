@@ -65,7 +65,8 @@ struct ForwardMainloop {
       cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::MN, Element, Int<kHeadDim>, Int<kBlockN>>(),
       Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{}, Step<_2, _1, _3>{}));
 
-  // Global tensors as (seqlen, d, head, batch); Vt as (dv, seqlen, head, batch).
+  // Global tensors as (seqlen, d, head, batch); Vt as (dv, seqlen, head, batch). Packed batches:
+  // (total, d, head, 1), a tile's sequence at its SeqlenInfo's row offset.
   using ShapeQKV = Shape<int32_t, int32_t, int32_t, int32_t>;
   using StrideQK = Stride<int64_t, _1, int64_t, int64_t>;
   using StrideVt = Stride<_1, int64_t, int64_t, int64_t>;
@@ -106,6 +107,7 @@ struct ForwardMainloop {
     float softcap;                 // > 0 only with kSoftcap
     LocalMaskParams local;         // kLocal only
     float const* learnable_sink;   // [heads_q] or null
+    SeqlenParams seqlen;
   };
 
   struct Params {
@@ -121,6 +123,7 @@ struct ForwardMainloop {
     LocalMaskParams local;
     float const* learnable_sink;
     cutlass::FastDivmod heads_per_kv_head;
+    SeqlenParams seqlen;
   };
 
   static Params to_underlying_arguments(Arguments const& args) {
@@ -145,7 +148,8 @@ struct ForwardMainloop {
             Transform::make(args.softmax_scale, args.softcap),
             args.local,
             args.learnable_sink,
-            cutlass::FastDivmod(heads_per_kv_head)};
+            cutlass::FastDivmod(heads_per_kv_head),
+            args.seqlen};
   }
 
   CUTLASS_DEVICE static void prefetch_tma_descriptors(Params const& params) {
@@ -154,11 +158,11 @@ struct ForwardMainloop {
     cute::prefetch_tma_descriptor(params.tma_vt.get_tma_descriptor());
   }
 
-  CUTLASS_DEVICE static SeqlenInfo seqlen_info(Params const& params, WorkTile const&) {
-    return {get<0>(params.shape_q), get<0>(params.shape_k)};
+  CUTLASS_DEVICE static SeqlenInfo seqlen_info(Params const& params, WorkTile const& work) {
+    return SeqlenInfo::make(params.seqlen, work.batch);
   }
-  CUTLASS_DEVICE static Mask make_mask(Params const& params, WorkTile const& work) {
-    return Mask(seqlen_info(params, work), params.local);
+  CUTLASS_DEVICE static Mask make_mask(Params const& params, SeqlenInfo const& seq) {
+    return Mask(seq, params.local);
   }
   // The learnable sink's logit * log2 e for the tile's head; -inf without one.
   CUTLASS_DEVICE static float sink_log2(Params const& params, WorkTile const& work) {
@@ -174,15 +178,18 @@ struct ForwardMainloop {
                                   cutlass::arch::ClusterTransactionBarrier& barrier_q_full,
                                   cutlass::arch::ClusterBarrier& barrier_q_empty, int& q_empty_phase,
                                   Element* smem_q, SharedStorageKV& storage, WorkTile const& work,
-                                  typename Mask::KeyBlocks const& blocks) {
+                                  SeqlenInfo const& seq, typename Mask::KeyBlocks const& blocks) {
     Tensor sQ = make_tensor(make_smem_ptr(smem_q), SmemLayoutQ{});
     Tensor sK = make_tensor(make_smem_ptr(storage.smem_k.data()), SmemLayoutK{});
     Tensor sVt = make_tensor(make_smem_ptr(storage.smem_v.data()), SmemLayoutVt{});
     const int head_kv = params.heads_per_kv_head.divide(work.head);
 
-    Tensor mQ = params.tma_q.get_tma_tensor(params.shape_q)(_, _, work.head, work.batch);        // (sq, d)
-    Tensor mK = params.tma_k.get_tma_tensor(params.shape_k)(_, _, head_kv, work.batch);          // (sk, d)
-    Tensor mVt = params.tma_vt.get_tma_tensor(params.shape_vt)(_, _, head_kv, work.batch);       // (dv, sk)
+    Tensor mQ = domain_offset(make_coord(seq.offset_q, _0{}),
+                              params.tma_q.get_tma_tensor(params.shape_q)(_, _, work.head, seq.batch_q));  // (sq, d)
+    Tensor mK = domain_offset(make_coord(seq.offset_k, _0{}),
+                              params.tma_k.get_tma_tensor(params.shape_k)(_, _, head_kv, seq.batch_k));  // (sk, d)
+    Tensor mVt = domain_offset(make_coord(_0{}, seq.offset_k),
+                               params.tma_vt.get_tma_tensor(params.shape_vt)(_, _, head_kv, seq.batch_k));  // (dv, sk)
     Tensor gQ = local_tile(mQ, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(work.block, _0{}));  // (M, d)
     Tensor gK = local_tile(mK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, _0{}));  // (N, d, n)
     Tensor gVt = local_tile(mVt, Shape<Int<kHeadDim>, Int<kBlockN>>{}, make_coord(_0{}, _));  // (dv, N, n)
@@ -224,7 +231,8 @@ struct ForwardMainloop {
                                  cutlass::arch::ClusterTransactionBarrier& barrier_q_full, int& q_full_phase,
                                  cutlass::arch::ClusterBarrier& barrier_q_empty, Element* smem_q,
                                  SharedStorageKV& storage, TensorO& tOrO, Softmax& softmax,
-                                 int thread_idx, WorkTile const& work, typename Mask::KeyBlocks const& blocks) {
+                                 int thread_idx, WorkTile const& work, SeqlenInfo const& seq,
+                                 typename Mask::KeyBlocks const& blocks) {
     Tensor sQ = make_tensor(make_smem_ptr(smem_q), SmemLayoutQ{});
     Tensor sK = make_tensor(make_smem_ptr(storage.smem_k.data()), SmemLayoutK{});
     Tensor sVt = make_tensor(make_smem_ptr(storage.smem_v.data()), SmemLayoutVt{});
@@ -246,7 +254,7 @@ struct ForwardMainloop {
     constexpr int kRows = decltype(size<0>(scores))::value;
     float o_scale[kRows];
 
-    const Mask mask = make_mask(params, work);
+    const Mask mask = make_mask(params, seq);
     const int num_blocks = blocks.count();
     // The score transform, then the mask where the block crosses its boundary.
     auto mask_scores = [&](int n_block) {

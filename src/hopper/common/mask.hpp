@@ -14,6 +14,7 @@
 #include <cute/tensor.hpp>
 
 #include "hopper/common/mask_kind.hpp"
+#include "hopper/common/seqlen.hpp"
 #include "hopper/common/utils.hpp"
 
 namespace flashhopper::hopper {
@@ -26,12 +27,6 @@ struct LocalMaskParams {
   int window_right = -1;
   int num_sink_tokens = 0;
   int chunk = 0;  // 0: none
-};
-
-// The sequence lengths a tile works with (dense today; varlen will set them per sequence).
-struct SeqlenInfo {
-  int seqlen_q;
-  int seqlen_k;
 };
 
 CUTLASS_HOST_DEVICE int floor_div(int a, int b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
@@ -92,8 +87,12 @@ struct AttentionMask {
   CUTLASS_DEVICE KeyBlocks key_blocks(int m_block) const {
     const int row_first = m_block * kBlockM;
     const int row_last = min(row_first + kBlockM, seqlen_q) - 1;
-    const int lo = cols_lo(row_first), hi = cols_hi(row_last);
     KeyBlocks b;
+    if (row_first >= seqlen_q) {  // rows past the used ones (seqused_q): they see nothing
+      b.n_min = b.n_max = b.num_sink_blocks = 0;
+      return b;
+    }
+    const int lo = cols_lo(row_first), hi = cols_hi(row_last);
     b.n_min = lo / kBlockN;
     b.n_max = lo < hi ? ceil_div_pos(hi, kBlockN) : b.n_min;
     b.num_sink_blocks = 0;
@@ -109,6 +108,10 @@ struct AttentionMask {
   CUTLASS_DEVICE void query_blocks(int n_block, int& m_min, int& m_max) const {
     const int col_first = n_block * kBlockN;
     const int col_last = min(col_first + kBlockN, seqlen_k) - 1;
+    if (col_first >= seqlen_k) {  // keys past the used ones (seqused_k): no row sees them
+      m_min = m_max = 0;
+      return;
+    }
     int p_min = -(1 << 30), p_max = 1 << 30;  // rows p (= row + offset) that see a column of the block
     if constexpr (kCausal) p_min = col_first;
     if constexpr (kLocal) {

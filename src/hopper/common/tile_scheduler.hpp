@@ -1,5 +1,7 @@
 // Persistent tile scheduler: CTAs stride over the tiles (block, head, batch), where block is the
-// query block of a forward tile and the key block of a backward one. With causal masking the
+// query block of a forward tile and the key block of a backward one. Packed (varlen) batches
+// come as a list of tiles that VarlenTilePlanner writes on the device before the kernel (tile i
+// is list entry i); dense ones are decoded from the tile index as follows. With causal masking the
 // tiles are handed out longest first (highest block first; the backward reverses its key
 // blocks so that this holds for it too), so that the short diagonal tiles fill the last wave
 // instead of one long tile trailing alone, and in a
@@ -27,8 +29,11 @@ struct WorkTile {
   bool valid;
 };
 
+// A planned tile: block, head, batch (w unused; 16 bytes, one load).
+using PlannedTile = int4;
+
 template <bool kLongestFirst>
-struct StaticPersistentScheduler {
+struct PersistentTileScheduler {
   struct Params {
     int num_blocks;
     int num_tiles;
@@ -36,6 +41,8 @@ struct StaticPersistentScheduler {
     int heads_per_section;  // (batch, head) pairs whose K/V share the L2 (longest-first only)
     cutlass::FastDivmod block_divmod;  // over num_blocks
     cutlass::FastDivmod head_divmod;   // over num_heads
+    PlannedTile const* planned = nullptr;  // packed batches: the planner's tile list, else null
+    int const* num_planned = nullptr;      // its length, written by the planner
   };
 
   // streamed_bytes_per_head: what the tiles of one (batch, head) stream and share: K and V in
@@ -52,12 +59,29 @@ struct StaticPersistentScheduler {
             cutlass::FastDivmod(num_blocks), cutlass::FastDivmod(num_heads)};
   }
 
+  // Packed batches: the planner's list of at most max_tiles tiles.
+  static Params planned_params(PlannedTile const* planned, int const* num_planned, int max_tiles) {
+    Params params{};
+    params.num_tiles = max_tiles;
+    params.planned = planned;
+    params.num_planned = num_planned;
+    return params;
+  }
+
   static int grid_size(Params const& params, int num_sms) {
     return params.num_tiles < num_sms ? params.num_tiles : num_sms;
   }
 
   CUTLASS_DEVICE static WorkTile decode(Params const& params, int tile) {
     WorkTile work;
+    if (params.planned != nullptr) {
+      work.valid = tile < __ldg(params.num_planned);
+      const PlannedTile t = work.valid ? __ldg(params.planned + tile) : PlannedTile{0, 0, 0, 0};
+      work.block = t.x;
+      work.head = t.y;
+      work.batch = t.z;
+      return work;
+    }
     work.valid = tile < params.num_tiles;
     int block, rest;
     if constexpr (kLongestFirst) {

@@ -3,4 +3,4 @@
 
 template cudaError_t flashhopper::launch::run_forward_hdim<FH_DTYPE_FP16, 64, flashhopper::hopper::MaskKind::kNone,
                                                            false>(
-    const ForwardParams&, const detail::ProblemShape&, cudaStream_t);
+    const ForwardParams&, const detail::ProblemShape&, void*, cudaStream_t);

@@ -64,10 +64,11 @@ struct BackwardDqKernel {
       for (int tile = Scheduler::first_tile();; tile = Scheduler::next_tile(tile)) {
         const WorkTile work = Scheduler::decode(params.scheduler, tile);
         if (!work.valid) break;
-        const auto blocks = Mainloop::make_mask(params.mainloop, work).key_blocks(work.block);
+        const SeqlenInfo seq = Mainloop::seqlen_info(params.mainloop, work);
+        const auto blocks = Mainloop::make_mask(params.mainloop, seq).key_blocks(work.block);
         if (blocks.count() == 0) continue;  // the MMA warpgroups write zeros
         Mainloop::load(params.mainloop, pipeline_k, pipeline_v, pipe_k_write, pipe_v_write, storage, qdo_empty_phase,
-                       work, blocks);
+                       work, seq, blocks);
       }
     } else {
       cutlass::arch::warpgroup_reg_alloc<kConsumerRegisters>();
@@ -81,21 +82,22 @@ struct BackwardDqKernel {
       for (int tile = Scheduler::first_tile();; tile = Scheduler::next_tile(tile)) {
         const WorkTile work = Scheduler::decode(params.scheduler, tile);
         if (!work.valid) break;
-        const auto mask = Mainloop::make_mask(params.mainloop, work);
-        const auto blocks = mask.key_blocks(work.block);
+        const SeqlenInfo seq = Mainloop::seqlen_info(params.mainloop, work);
+        const auto blocks = Mainloop::make_mask(params.mainloop, seq).key_blocks(work.block);
         Tensor tdQrdQ = partition_fragment_C(tiled_mma_dq, TileShape{});
         if (blocks.count() > 0) {
           Mainloop::mma(params.mainloop, pipeline_k, pipeline_v, pipe_k_read, pipe_v_read, storage, qdo_full_phase,
-                        tdQrdQ, thread_idx, work, blocks);
+                        tdQrdQ, thread_idx, work, seq, blocks);
           CUTLASS_PRAGMA_UNROLL
           for (int i = 0; i < size(tdQrdQ); ++i) tdQrdQ(i) *= params.mainloop.softmax_scale;
         } else {
           clear(tdQrdQ);  // rows that see no key
         }
-        Tensor mdQ = make_tensor(make_gmem_ptr(params.mainloop.ptr_dq), params.mainloop.shape_q,
-                                 params.mainloop.stride_dq)(_, _, work.head, work.batch);
+        Tensor mdQ = domain_offset(make_coord(seq.offset_q, _0{}),
+                                   make_tensor(make_gmem_ptr(params.mainloop.ptr_dq), params.mainloop.shape_q,
+                                               params.mainloop.stride_dq)(_, _, work.head, seq.batch_q));
         Tensor gdQ = local_tile(mdQ, TileShape{}, make_coord(work.block, _0{}));  // (M, d)
-        store_accumulator_rows(tdQrdQ, tdQcdQ, gdQ, mask.seqlen_q - work.block * Mainloop::kBlockM);
+        store_accumulator_rows(tdQrdQ, tdQcdQ, gdQ, seq.capacity_q - work.block * Mainloop::kBlockM);
       }
     }
   }

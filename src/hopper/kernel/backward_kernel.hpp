@@ -42,13 +42,13 @@ struct BackwardKernel {
   // The scheduler hands out the longest tiles first by giving the highest block first; in the
   // causal backward the longest key block is the lowest, so the order is reversed here. Either
   // way a lower key block of a head comes no later, which the deterministic dQ order relies on.
+  // (VarlenTilePlanner gives packed batches the same order.)
   CUTLASS_DEVICE static BackwardBlock block_of(Params const& params, WorkTile const& work) {
-    const auto mask = Mainloop::make_mask(params.mainloop);
-    const int num_n_blocks = (mask.seqlen_k + Mainloop::kBlockN - 1) / Mainloop::kBlockN;
-    BackwardBlock blk;
+    const SeqlenInfo seq = Mainloop::seqlen_info(params.mainloop, work.batch);
+    const auto mask = Mainloop::make_mask(params.mainloop, seq);
+    const int num_n_blocks = (seq.capacity_k + Mainloop::kBlockN - 1) / Mainloop::kBlockN;
+    BackwardBlock blk{0, work.head, seq, 0, 0};
     blk.n_block = Mainloop::kCausal ? num_n_blocks - 1 - work.block : work.block;
-    blk.head_kv = work.head;
-    blk.batch = work.batch;
     mask.query_blocks(blk.n_block, blk.m_block_min, blk.m_block_max);
     return blk;
   }

@@ -1,6 +1,7 @@
 // The backward's two small kernels around the main one.
 // Preprocess: per query row, D = rowsum(dO * O) and LSE * log2 e into the padded float32
-// workspace buffers (rows past the end: D = 0, LSE2 = +inf, so their P and dS are 0); with a
+// workspace buffers (rows past the used ones, up to the sequence's padded end: D = 0,
+// LSE2 = +inf, so their P and dS are 0); with a
 // learnable sink also each CTA's share of its gradient, -sum_rows exp(sink - LSE) * D, which
 // SinkGradientReduce sums per head in a fixed order (so deterministic whatever the mode).
 // Postprocess: dQ = scale * dQaccum, converted to the input dtype and layout.
@@ -27,17 +28,18 @@ struct BackwardPreprocess {
   static_assert(kHeadDim % (2 * cutlass::NumThreadsPerWarp) == 0);
 
   struct Params {
-    Element const* ptr_o;   // [batch, seqlen_q, heads_q, d], strides below (d contiguous)
-    int64_t stride_o[3];    // batch, row, head
+    Element const* ptr_o;   // [batch, seqlen_q, heads_q, d] or packed [total_q, heads_q, d]
+    int64_t stride_o[3];    // batch (0 when packed), row, head
     Element const* ptr_do;
     int64_t stride_do[3];
-    float const* ptr_lse;   // [batch, heads_q, seqlen_q]
-    int64_t stride_lse[3];  // batch, head, row
-    int seqlen_q;
+    float const* ptr_lse;   // [batch, heads_q, seqlen_q] or packed [heads_q, total_q]
+    int64_t stride_lse[3];  // batch (0 when packed), head, row
+    int rows_per_sequence;  // the grid's rows per (sequence, head): max_seqlen_q rounded up to kRowAlign
     int heads_q;
     BackwardWorkspacePointers workspace;
+    SeqlenParams seqlen;
     float const* learnable_sink;  // [heads_q] or null
-    float* dsink_partial;         // [heads_q, batch * rows_padded / kRowsPerCta], with the sink
+    float* dsink_partial;         // [heads_q, batch * rows_per_sequence / kRowsPerCta], with the sink
   };
 
   CUTLASS_DEVICE void operator()(Params const& params) const {
@@ -45,16 +47,22 @@ struct BackwardPreprocess {
     const int warp = threadIdx.x / cutlass::NumThreadsPerWarp;
     const int lane = threadIdx.x % cutlass::NumThreadsPerWarp;
     // A flat grid over (row block, head, batch): no 65535 limit on heads or batch.
-    const int num_row_blocks = params.workspace.rows_padded / kRowsPerCta;
+    const int num_row_blocks = params.rows_per_sequence / kRowsPerCta;
     const int row = (blockIdx.x % num_row_blocks) * kRowsPerCta + warp;
     const int head = (blockIdx.x / num_row_blocks) % params.heads_q;
     const int batch = blockIdx.x / num_row_blocks / params.heads_q;
-    const int64_t out_index = (int64_t(batch) * params.heads_q + head) * params.workspace.rows_padded + row;
-    if (row < params.seqlen_q) {
-      row_statistics(params, row, head, batch, out_index, sink_terms);
+    const SeqlenInfo seq = SeqlenInfo::make(params.seqlen, batch);
+    const int64_t out_index = params.workspace.row0(seq, head) + row;
+    // The sequence's own padded rows only: past them (packed) lies the next sequence's.
+    const int padded_rows = (seq.capacity_q + BackwardWorkspacePointers::kRowAlign - 1) /
+                            BackwardWorkspacePointers::kRowAlign * BackwardWorkspacePointers::kRowAlign;
+    if (row < seq.seqlen_q) {
+      row_statistics(params, seq, row, head, out_index, sink_terms);
     } else if (lane == 0) {
-      params.workspace.dpsum[out_index] = 0.f;
-      params.workspace.lse_log2[out_index] = INFINITY;
+      if (row < padded_rows) {
+        params.workspace.dpsum[out_index] = 0.f;
+        params.workspace.lse_log2[out_index] = INFINITY;
+      }
       sink_terms[warp] = 0.f;
     }
     if (params.learnable_sink != nullptr) {
@@ -69,24 +77,25 @@ struct BackwardPreprocess {
     }
   }
 
-  CUTLASS_DEVICE static void row_statistics(Params const& params, int row, int head, int batch, int64_t out_index,
-                                            float* sink_terms) {
+  CUTLASS_DEVICE static void row_statistics(Params const& params, SeqlenInfo const& seq, int row, int head,
+                                            int64_t out_index, float* sink_terms) {
     const int warp = threadIdx.x / cutlass::NumThreadsPerWarp;
     const int lane = threadIdx.x % cutlass::NumThreadsPerWarp;
     using Vector = cutlass::Array<Element, kElemsPerLane>;
     const int col = lane * kElemsPerLane;
-    const Vector o = *reinterpret_cast<Vector const*>(params.ptr_o + batch * params.stride_o[0] +
-                                                      row * params.stride_o[1] + head * params.stride_o[2] + col);
-    const Vector d_o = *reinterpret_cast<Vector const*>(
-        params.ptr_do + batch * params.stride_do[0] + row * params.stride_do[1] + head * params.stride_do[2] + col);
+    const int64_t token = int64_t(seq.offset_q) + row;
+    const Vector o = *reinterpret_cast<Vector const*>(params.ptr_o + seq.batch_q * params.stride_o[0] +
+                                                      token * params.stride_o[1] + head * params.stride_o[2] + col);
+    const Vector d_o = *reinterpret_cast<Vector const*>(params.ptr_do + seq.batch_q * params.stride_do[0] +
+                                                        token * params.stride_do[1] + head * params.stride_do[2] + col);
     float sum = 0.f;
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < kElemsPerLane; ++i) sum += float(o[i]) * float(d_o[i]);
     CUTLASS_PRAGMA_UNROLL
     for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffff, sum, offset);
     if (lane == 0) {
-      const float lse = params.ptr_lse[batch * params.stride_lse[0] + head * params.stride_lse[1] +
-                                       row * params.stride_lse[2]];
+      const float lse = params.ptr_lse[seq.batch_q * params.stride_lse[0] + head * params.stride_lse[1] +
+                                       token * params.stride_lse[2]];
       params.workspace.dpsum[out_index] = sum;
       // A row that sees no key has LSE = -inf and must get P = 0, not exp2(-inf + inf).
       params.workspace.lse_log2[out_index] = lse == -INFINITY ? INFINITY : lse * float(M_LOG2E);
@@ -135,26 +144,31 @@ struct BackwardPostprocess {
 
   struct Params {
     Element* ptr_dq;
-    ShapedQ shape_dq;
+    ShapedQ shape_dq;  // packed: (total_q, d, heads_q, 1)
     StridedQ stride_dq;
     float softmax_scale;
     BackwardWorkspacePointers workspace;
+    SeqlenParams seqlen;
   };
 
   CUTLASS_DEVICE void operator()(Params const& params) const {
-    // A flat grid over (m_block, head, batch), as the preprocess.
-    const int num_m_blocks = (get<0>(params.shape_dq) + kBlockM - 1) / kBlockM;
+    // A flat grid over (m_block, head, batch), as the preprocess; blocks past a sequence's end
+    // (packed: max_seqlen_q bounds the grid) return.
+    const int num_m_blocks = (params.seqlen.seqlen_q + kBlockM - 1) / kBlockM;
     const int m_block = blockIdx.x % num_m_blocks;
     const int head = (blockIdx.x / num_m_blocks) % get<2>(params.shape_dq);
     const int batch = blockIdx.x / num_m_blocks / get<2>(params.shape_dq);
+    const SeqlenInfo seq = SeqlenInfo::make(params.seqlen, batch);
+    if (m_block * kBlockM >= seq.capacity_q) return;
     const int thread_idx = threadIdx.x;
     const int warp_group = thread_idx / cutlass::NumThreadsPerWarpGroup;
     const int thread_in_group = thread_idx % cutlass::NumThreadsPerWarpGroup;
     typename Mainloop::TiledMmadQ tiled_mma_dq;
-    float const* dq_tile = params.workspace.dq_accum +
-                           ((int64_t(batch) * get<2>(params.shape_dq) + head) * params.workspace.rows_padded +
-                            int64_t(m_block) * kBlockM) * kHeadDim;
-    Tensor mdQ = make_tensor(make_gmem_ptr(params.ptr_dq), params.shape_dq, params.stride_dq)(_, _, head, batch);
+    float const* dq_tile =
+        params.workspace.dq_accum + (params.workspace.row0(seq, head) + int64_t(m_block) * kBlockM) * kHeadDim;
+    Tensor mdQ = domain_offset(make_coord(seq.offset_q, _0{}),
+                               make_tensor(make_gmem_ptr(params.ptr_dq), params.shape_dq, params.stride_dq)(_, _, head,
+                                                                                                           seq.batch_q));
     Tensor coords = tiled_mma_dq.get_thread_slice(thread_idx).partition_C(make_identity_tensor(TileShape{}));
     Tensor tdQrdQ = partition_fragment_C(tiled_mma_dq, TileShape{});
     constexpr int kSteps = decltype(size(tdQrdQ))::value / 4;
@@ -168,7 +182,7 @@ struct BackwardPostprocess {
       tdQrdQ(4 * r + 3) = v.w * params.softmax_scale;
     }
     Tensor gdQ = local_tile(mdQ, TileShape{}, make_coord(m_block, _0{}));
-    store_accumulator_rows(tdQrdQ, coords, gdQ, get<0>(params.shape_dq) - m_block * kBlockM);
+    store_accumulator_rows(tdQrdQ, coords, gdQ, seq.capacity_q - m_block * kBlockM);
   }
 };
 

@@ -101,10 +101,11 @@ struct ForwardKernel {
       for (int tile = Scheduler::first_tile();; tile = Scheduler::next_tile(tile)) {
         const WorkTile work = Scheduler::decode(params.scheduler, tile);
         if (!work.valid) break;
-        const auto blocks = Mainloop::make_mask(params.mainloop, work).key_blocks(work.block);
+        const SeqlenInfo seq = Mainloop::seqlen_info(params.mainloop, work);
+        const auto blocks = Mainloop::make_mask(params.mainloop, seq).key_blocks(work.block);
         if (blocks.count() == 0) continue;  // consumers write zeros; nothing to load
         Mainloop::load(params.mainloop, pipeline_k, pipeline_v, pipe_k_write, pipe_v_write, storage.barriers.q_full,
-                       storage.barriers.q_empty, q_empty_phase, storage.smem_q.data(), storage.kv, work, blocks);
+                       storage.barriers.q_empty, q_empty_phase, storage.smem_q.data(), storage.kv, work, seq, blocks);
       }
     } else {  // consumers
       cutlass::arch::warpgroup_reg_alloc<kConsumerRegisters>();
@@ -120,11 +121,12 @@ struct ForwardKernel {
       for (int tile = Scheduler::first_tile();; tile = Scheduler::next_tile(tile)) {
         const WorkTile work = Scheduler::decode(params.scheduler, tile);
         if (!work.valid) break;
-        const auto blocks = Mainloop::make_mask(params.mainloop, work).key_blocks(work.block);
+        const SeqlenInfo seq = Mainloop::seqlen_info(params.mainloop, work);
+        const auto blocks = Mainloop::make_mask(params.mainloop, seq).key_blocks(work.block);
         const float sink_log2 = Mainloop::sink_log2(params.mainloop, work);
         if (blocks.count() == 0) {
           // O = 0; the LSE is -inf, or the sink's logit when there is one.
-          Epilogue::store_empty(params.epilogue, thread_idx, work, sink_log2 * float(M_LN2));
+          Epilogue::store_empty(params.epilogue, thread_idx, work, seq, sink_log2 * float(M_LN2));
           continue;
         }
         Tensor tOrO = partition_fragment_C(tiled_mma_pv, select<0, 1>(typename Mainloop::TileShapePV{}));
@@ -133,15 +135,23 @@ struct ForwardKernel {
         OnlineSoftmax<kRows, Mainloop::Transform::kSoftcap ? 2 : 0> softmax(params.mainloop.softmax_scale_log2);
         Mainloop::mma(params.mainloop, pipeline_k, pipeline_v, pipe_k_read, pipe_v_read, storage.barriers.q_full,
                       q_full_phase, storage.barriers.q_empty, storage.smem_q.data(), storage.kv, tOrO, softmax,
-                      thread_idx, work, blocks);
+                      thread_idx, work, seq, blocks);
         float o_scale[kRows], lse[kRows];
         softmax.finalize(params.mainloop.softmax_scale, o_scale, lse, sink_log2);
         Tensor o_rowcol = make_tensor(tOrO.data(), accumulator_rowcol(tOrO.layout()));
         scale_rows(o_rowcol, o_scale);
+        // Rows past seqused_q: O = 0, LSE = -inf.
+        if (seq.seqlen_q < seq.capacity_q) Epilogue::clear_unused_rows(o_rowcol, lse, thread_idx, work, seq);
+        // The TMA store writes whole tiles: in a packed batch only those that end within their
+        // sequence (the others would spill into the next one).
         if constexpr (kOStagedInSmem) {
-          Epilogue::store(params.epilogue, tOrO, lse, storage.smem_o.data(), thread_idx, work);
+          if (Epilogue::tma_store_fits(params.epilogue, work, seq)) {
+            Epilogue::store(params.epilogue, tOrO, lse, storage.smem_o.data(), thread_idx, work, seq);
+          } else {
+            Epilogue::store_direct(params.epilogue, tOrO, lse, thread_idx, work, seq);
+          }
         } else {
-          Epilogue::store_direct(params.epilogue, tOrO, lse, thread_idx, work);
+          Epilogue::store_direct(params.epilogue, tOrO, lse, thread_idx, work, seq);
         }
       }
       // Shared memory must outlive the last TMA store.

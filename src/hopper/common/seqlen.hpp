@@ -1,0 +1,69 @@
+// Where a tile's sequence lies: its used lengths and its first row along the tensors' row axis,
+// built once per tile from the batch index and the varlen arguments (cu_seqlens, seqused) or the
+// dense shapes. Every collective of a tile takes the same SeqlenInfo.
+//
+// Dense tensors are (seqlen, d, heads, batch) and a sequence is one batch index. Packed (varlen)
+// tensors are (total, d, heads, 1) and sequence b is the rows [cu_seqlens[b], cu_seqlens[b + 1]).
+// Monotone cu_seqlens are the caller's contract; whatever they hold, a sequence is clamped into
+// the tensor (0 <= start <= end <= total) and its length to max_seqlen, so that no kernel reads
+// or writes outside the tensors or the workspace. seqused (dense or packed) shortens a sequence:
+// only its first seqused[b] tokens take part (clamped likewise).
+#pragma once
+
+#include <cutlass/cutlass.h>
+
+namespace flashhopper::hopper {
+
+struct SeqlenParams {
+  int seqlen_q;  // dense: the tensors' sequence length; packed: max_seqlen_q, a bound of every length
+  int seqlen_k;
+  int total_q;   // rows along the row axis: packed: total tokens; dense: seqlen_q
+  int total_k;
+  int const* cu_seqlens_q = nullptr;  // [batch + 1], or null: dense
+  int const* cu_seqlens_k = nullptr;
+  int const* seqused_q = nullptr;     // [batch], or null
+  int const* seqused_k = nullptr;
+
+  CUTLASS_HOST_DEVICE bool packed_q() const { return cu_seqlens_q != nullptr; }
+  CUTLASS_HOST_DEVICE bool packed_k() const { return cu_seqlens_k != nullptr; }
+};
+
+struct SeqlenInfo {
+  int seqlen_q;      // the rows that take part (seqused_q, when given)
+  int seqlen_k;      // the keys that take part
+  int capacity_q;    // the sequence's rows in the tensor: rows in [seqlen_q, capacity_q) get O = 0,
+  int capacity_k;    // LSE = -inf and zero gradients, keys in [seqlen_k, capacity_k) zero dK, dV
+  int offset_q = 0;  // the sequence's first row along the row axis (0 when dense)
+  int offset_k = 0;
+  int batch_q = 0;   // its index along the batch axis (0 when packed)
+  int batch_k = 0;
+  int batch = 0;     // the sequence's index in the batch
+
+  CUTLASS_DEVICE static SeqlenInfo make(SeqlenParams const& p, int batch) {
+    SeqlenInfo s{p.seqlen_q, p.seqlen_k, p.seqlen_q, p.seqlen_k};
+    s.batch = batch;
+    if (p.packed_q()) {
+      span(p.cu_seqlens_q, batch, p.total_q, p.seqlen_q, s.offset_q, s.capacity_q);
+    } else {
+      s.batch_q = batch;
+    }
+    if (p.packed_k()) {
+      span(p.cu_seqlens_k, batch, p.total_k, p.seqlen_k, s.offset_k, s.capacity_k);
+    } else {
+      s.batch_k = batch;
+    }
+    s.seqlen_q = p.seqused_q != nullptr ? min(s.capacity_q, max(__ldg(p.seqused_q + batch), 0)) : s.capacity_q;
+    s.seqlen_k = p.seqused_k != nullptr ? min(s.capacity_k, max(__ldg(p.seqused_k + batch), 0)) : s.capacity_k;
+    return s;
+  }
+
+ private:
+  CUTLASS_DEVICE static void span(int const* cu_seqlens, int batch, int total, int max_len, int& offset, int& len) {
+    const int start = min(max(__ldg(cu_seqlens + batch), 0), total);
+    const int end = min(max(__ldg(cu_seqlens + batch + 1), start), total);
+    offset = start;
+    len = min(end - start, max_len);
+  }
+};
+
+}  // namespace flashhopper::hopper

@@ -1,0 +1,43 @@
+// The backward's per-row float32 buffers (LSE * log2 e, D, dQaccum, the dQ semaphores): where a
+// (sequence, query head)'s rows start. Dense: [batch, heads_q, rows_padded]. Packed (varlen):
+// [heads_q, rows_padded], sequence b at padded_offset(cu_seqlens_q[b], b), which rounds its start
+// down to a multiple of kRowAlign after shifting it by b * kRowAlign; so every sequence owns
+// round_up(capacity, kRowAlign) rows that no other sequence touches, and the main kernel's
+// loads and dQ tiles need no bounds checks.
+#pragma once
+
+#include <cstdint>
+
+#include <cutlass/cutlass.h>
+
+#include "hopper/common/seqlen.hpp"
+
+namespace flashhopper::hopper {
+
+struct BackwardWorkspacePointers {
+  // A multiple of every backward kBlockM.
+  static constexpr int kRowAlign = 128;
+
+  float* lse_log2;    // LSE * log2 e; +inf where a row sees no key (so P = 0 there)
+  float* dpsum;       // D = rowsum(dO * O)
+  float* dq_accum;    // partial dQ sums, each kBlockM x d tile in the order dq_accum_offset gives
+  int* dq_semaphore;  // deterministic mode: key blocks added so far, per kBlockM rows
+  int rows_padded;    // rows of a (batch, head), or of a head when packed
+  bool packed;
+  int heads_q;
+
+  CUTLASS_HOST_DEVICE static int64_t padded_offset(int offset, int batch) {
+    return (int64_t(offset) + int64_t(batch) * kRowAlign) / kRowAlign * kRowAlign;
+  }
+  // The first row of (seq, head).
+  CUTLASS_HOST_DEVICE int64_t row0(SeqlenInfo const& seq, int head) const {
+    if (packed) return int64_t(head) * rows_padded + padded_offset(seq.offset_q, seq.batch);
+    return (int64_t(seq.batch) * heads_q + head) * rows_padded;
+  }
+  // Rows a packed head needs for `batch` sequences of total_q tokens in all.
+  static int64_t packed_rows(int64_t total_q, int64_t batch) {
+    return (total_q + (batch + 1) * kRowAlign + kRowAlign - 1) / kRowAlign * kRowAlign;
+  }
+};
+
+}  // namespace flashhopper::hopper

@@ -1,0 +1,51 @@
+// Packed (varlen) batches: the tile list's place in the workspace and the planner's launch.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+#include "api/problem_shape.hpp"
+#include "hopper/kernel/varlen_tile_planner.hpp"
+
+namespace flashhopper::launch {
+
+// The most tiles a packed batch can have: every sequence (clamped to max_rows) adds at most one
+// partial block to total_rows / block_rows.
+inline int64_t max_planned_tiles(int64_t total_rows, int64_t max_rows, int64_t batch, int64_t heads, int block_rows) {
+  const int64_t by_total = total_rows / block_rows + batch;
+  const int64_t by_max = batch * ((max_rows + block_rows - 1) / block_rows);
+  return (by_total < by_max ? by_total : by_max) * heads;
+}
+
+// Bytes of a tile list of max_tiles entries and its count, 256-aligned.
+inline size_t planned_tiles_bytes(int64_t max_tiles) {
+  return (size_t(max_tiles) * sizeof(hopper::PlannedTile) + sizeof(int) + 255) / 256 * 256;
+}
+
+// The kernels' view of a call's sequence lengths.
+template <class Params>
+hopper::SeqlenParams seqlen_params(const Params& p, const detail::ProblemShape& s) {
+  hopper::SeqlenParams q;
+  q.seqlen_q = int(s.seqlen_q);
+  q.seqlen_k = int(s.seqlen_k);
+  q.total_q = int(s.varlen_q ? s.total_q : s.seqlen_q);
+  q.total_k = int(s.varlen_k ? s.total_k : s.seqlen_k);
+  q.cu_seqlens_q = static_cast<int const*>(p.cu_seqlens_q.data);
+  q.cu_seqlens_k = static_cast<int const*>(p.cu_seqlens_k.data);
+  q.seqused_q = static_cast<int const*>(p.seqused_q.data);
+  q.seqused_k = static_cast<int const*>(p.seqused_k.data);
+  return q;
+}
+
+// Null when the planner can order this batch, else why not.
+inline const char* varlen_batch_reason(const detail::ProblemShape& s) {
+  if ((s.varlen_q || s.varlen_k) && s.batch > hopper::VarlenTilePlanner::kMaxBatch)
+    return "varlen batches of more than 8192 sequences are not supported yet";
+  return nullptr;
+}
+
+cudaError_t plan_varlen_tiles(const hopper::VarlenTilePlanner::Params& params, cudaStream_t stream);
+
+}  // namespace flashhopper::launch

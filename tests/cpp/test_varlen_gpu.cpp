@@ -1,0 +1,441 @@
+// Packed (varlen) batches on the Hopper kernels against the CPU reference (CTest label "gpu"):
+// forward and backward, cu_seqlens with sequences of length 0 in the middle and at the end,
+// sq != sk per sequence, seqused shorter than the sequences (their unused tokens hold garbage),
+// and tokens after the last sequence that belong to none: the kernels must leave those rows of
+// out, lse, dq, dk and dv poisoned. Pass rule as the dense tests (FlashAttention's): error versus
+// the exact result at most twice a plain low-precision implementation's plus a tiny slack, NaN
+// never passes. Without an sm_90 GPU every test skips and says so.
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <numeric>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "flashhopper/flashhopper.hpp"
+#include "gpu_test_util.hpp"
+#include "reference/reference.hpp"
+#include "test_util.hpp"
+
+namespace flashhopper::test {
+namespace {
+
+constexpr int kExtraTokens = 37;   // after the last sequence, in no sequence
+constexpr double kOutSlack = 1e-5;
+constexpr double kGradSlack = 1e-4;  // as the dense backward test
+constexpr int kRepeats = 20;
+
+struct VarlenCase {
+  fh_dtype dtype;
+  int head_dim;
+  bool causal;
+  std::vector<int> lengths_q, lengths_k;
+  std::vector<int> used_q, used_k;  // empty: no seqused
+  int heads_q, heads_kv;
+  Features features{};
+
+  std::string name() const {
+    auto list = [](const std::vector<int>& v) {
+      std::ostringstream s;
+      for (size_t i = 0; i < v.size(); ++i) s << (i ? "_" : "") << v[i];
+      return s.str();
+    };
+    std::ostringstream s;
+    s << (dtype == FH_DTYPE_BF16 ? "bf16" : "fp16") << "_d" << head_dim << (causal ? "_causal" : "_full") << "_q"
+      << list(lengths_q) << "_k" << list(lengths_k);
+    if (!used_q.empty()) s << "_usedq" << list(used_q);
+    if (!used_k.empty()) s << "_usedk" << list(used_k);
+    s << "_h" << heads_q << "_hkv" << heads_kv << features.tag();
+    return s.str();
+  }
+  int batch() const { return int(lengths_q.size()); }
+};
+
+std::vector<int32_t> prefix_sums(const std::vector<int>& lengths) {
+  std::vector<int32_t> cu(lengths.size() + 1, 0);
+  for (size_t b = 0; b < lengths.size(); ++b) cu[b + 1] = cu[b] + lengths[b];
+  return cu;
+}
+
+// Every element NaN: nothing wrote the (poisoned) view.
+bool all_nan(const Tensor& t) {
+  bool all = true;
+  for_each_index(shape_of(t), [&](const std::vector<int64_t>& i) { all &= std::isnan(read(t, i)); });
+  return all;
+}
+
+// A packed problem: host tensors (q, k, v, dout random; the tokens past seqused random too, as
+// garbage the kernels must not attend), their device copies, and the parameters both passes share.
+struct PackedProblem {
+  VarlenCase c;
+  int in_q = 0, in_k = 0;        // tokens inside the sequences
+  int total_q = 0, total_k = 0;  // with the extra tokens
+  HostTensor q, k, v, dout, cu_q, cu_k, used_q, used_k, sink;
+  std::unique_ptr<DeviceTensor> d_q, d_k, d_v, d_dout, d_cu_q, d_cu_k, d_used_q, d_used_k, d_sink;
+
+  void init(const VarlenCase& vc) {
+    c = vc;
+    const uint32_t seed = uint32_t(std::hash<std::string>{}(c.name()));
+    const std::vector<int32_t> cq = prefix_sums(c.lengths_q), ck = prefix_sums(c.lengths_k);
+    in_q = cq.back();
+    in_k = ck.back();
+    total_q = in_q + kExtraTokens;
+    total_k = in_k + kExtraTokens;
+    q = random_tensor(c.dtype, {total_q, c.heads_q, c.head_dim}, seed);
+    k = random_tensor(c.dtype, {total_k, c.heads_kv, c.head_dim}, seed + 1);
+    v = random_tensor(c.dtype, {total_k, c.heads_kv, c.head_dim}, seed + 2);
+    dout = random_tensor(c.dtype, {total_q, c.heads_q, c.head_dim}, seed + 3);
+    cu_q = int32_tensor(cq);
+    cu_k = int32_tensor(ck);
+    if (!c.used_q.empty()) used_q = int32_tensor(std::vector<int32_t>(c.used_q.begin(), c.used_q.end()));
+    if (!c.used_k.empty()) used_k = int32_tensor(std::vector<int32_t>(c.used_k.begin(), c.used_k.end()));
+    sink = make_sink_logits(c.heads_q, seed + 4);
+    d_q = std::make_unique<DeviceTensor>(q);
+    d_k = std::make_unique<DeviceTensor>(k);
+    d_v = std::make_unique<DeviceTensor>(v);
+    d_dout = std::make_unique<DeviceTensor>(dout);
+    d_cu_q = std::make_unique<DeviceTensor>(cu_q);
+    d_cu_k = std::make_unique<DeviceTensor>(cu_k);
+    d_used_q = std::make_unique<DeviceTensor>(c.used_q.empty() ? cu_q : used_q);
+    d_used_k = std::make_unique<DeviceTensor>(c.used_k.empty() ? cu_k : used_k);
+    d_sink = std::make_unique<DeviceTensor>(sink);
+    for (auto* t : {d_q.get(), d_k.get(), d_v.get(), d_dout.get(), d_cu_q.get(), d_cu_k.get(), d_used_q.get(),
+                    d_used_k.get(), d_sink.get()})
+      ASSERT_TRUE(t->ok()) << "cudaMalloc failed";
+    CUDA_CHECK(d_q->upload(q));
+    CUDA_CHECK(d_k->upload(k));
+    CUDA_CHECK(d_v->upload(v));
+    CUDA_CHECK(d_dout->upload(dout));
+    CUDA_CHECK(d_cu_q->upload(cu_q));
+    CUDA_CHECK(d_cu_k->upload(cu_k));
+    if (!c.used_q.empty()) CUDA_CHECK(d_used_q->upload(used_q));
+    if (!c.used_k.empty()) CUDA_CHECK(d_used_k->upload(used_k));
+    CUDA_CHECK(d_sink->upload(sink));
+  }
+
+  int max_seqlen_q() const { return std::max(1, *std::max_element(c.lengths_q.begin(), c.lengths_q.end())); }
+  int max_seqlen_k() const { return std::max(1, *std::max_element(c.lengths_k.begin(), c.lengths_k.end())); }
+
+  // The sequence fields of a forward or backward parameter struct: device or host copies.
+  template <class Params>
+  void set_sequences(Params& p, bool device) const {
+    p.cu_seqlens_q = device ? d_cu_q->view() : cu_q.view();
+    p.cu_seqlens_k = device ? d_cu_k->view() : cu_k.view();
+    if (!c.used_q.empty()) p.seqused_q = device ? d_used_q->view() : used_q.view();
+    if (!c.used_k.empty()) p.seqused_k = device ? d_used_k->view() : used_k.view();
+    p.max_seqlen_q = max_seqlen_q();
+    p.max_seqlen_k = max_seqlen_k();
+    p.causal = c.causal;
+    c.features.apply(p);
+  }
+
+  ForwardParams forward_params(bool device) const {
+    ForwardParams p = default_forward_params();
+    p.q = device ? d_q->view() : q.view();
+    p.k = device ? d_k->view() : k.view();
+    p.v = device ? d_v->view() : v.view();
+    set_sequences(p, device);
+    if (c.features.learnable_sink) p.learnable_sink = device ? d_sink->view() : sink.view();
+    return p;
+  }
+
+  // The rows inside the sequences of a [total, H, x] tensor, and of a [H, total] lse.
+  Tensor inside_q(const HostTensor& t) const { return narrow(t.view(), 0, 0, in_q); }
+  Tensor inside_k(const HostTensor& t) const { return narrow(t.view(), 0, 0, in_k); }
+  Tensor inside_lse(const HostTensor& t) const { return narrow(t.view(), 1, 0, in_q); }
+};
+
+// Runs a forward over host or device tensors of the problem (host: the CPU reference).
+Status run_reference_forward(const PackedProblem& pp, HostTensor& out, HostTensor& lse, bool plain) {
+  ForwardParams p = pp.forward_params(/*device=*/false);
+  p.out = out.view();
+  p.lse = lse.view();
+  reference::Options options;
+  options.emulate_low_precision = plain;
+  return reference::forward(p, options);
+}
+
+std::vector<VarlenCase> varlen_cases() {
+  struct Row {
+    bool causal;
+    std::vector<int> lengths_q, lengths_k, used_q, used_k;
+    int heads_q, heads_kv;
+    Features f;
+  };
+  const std::vector<Row> rows = {
+      {true, {1, 7, 113, 0, 1000, 300, 0}, {1, 7, 113, 0, 1000, 300, 0}, {}, {}, 4, 2, {}},
+      {false, {1, 7, 113, 0, 1000, 300, 0}, {1, 7, 113, 0, 1000, 300, 0}, {}, {}, 4, 2, {}},
+      {false, {113, 0, 57, 640, 1}, {300, 5, 0, 1000, 77}, {}, {}, 4, 1, {64, 16}},
+      {true, {200, 513, 64, 0}, {200, 513, 64, 0}, {150, 513, 0, 0}, {200, 100, 64, 0}, 2, 2, {}},
+      {true, {300, 129, 0, 700}, {300, 129, 0, 700}, {}, {}, 4, 2, {-1, -1, 0, 0, 30.f, true}},
+      {false, {300, 129, 0, 700}, {500, 129, 3, 600}, {}, {}, 4, 2, {100, 0, 2, 0, 0.f, true}},
+  };
+  std::vector<VarlenCase> cases;
+  for (fh_dtype dtype : {FH_DTYPE_BF16, FH_DTYPE_FP16}) {
+    for (int head_dim : {64, 128, 256})
+      for (const Row& r : rows)
+        cases.push_back({dtype, head_dim, r.causal, r.lengths_q, r.lengths_k, r.used_q, r.used_k, r.heads_q,
+                         r.heads_kv, r.f});
+    // A long sequence beside short ones (head dim 128 only: it costs the reference seconds).
+    cases.push_back({dtype, 128, true, {4097, 1, 0}, {4097, 1, 0}, {}, {}, 2, 1, {}});
+  }
+  return cases;
+}
+
+// ---- forward ----------------------------------------------------------------------------------
+
+class VarlenForwardGpuTest : public ::testing::TestWithParam<VarlenCase> {};
+
+TEST_P(VarlenForwardGpuTest, MatchesReference) {
+  PackedProblem pp;
+  ASSERT_NO_FATAL_FAILURE(pp.init(GetParam()));
+  const VarlenCase& c = pp.c;
+  HostTensor out(c.dtype, {pp.total_q, c.heads_q, c.head_dim});
+  HostTensor lse(FH_DTYPE_FP32, {c.heads_q, pp.total_q});
+  DeviceTensor d_out(out), d_lse(lse);
+  ASSERT_TRUE(d_out.ok() && d_lse.ok());
+  CUDA_CHECK(d_out.poison());
+  CUDA_CHECK(d_lse.poison());
+
+  ForwardParams p = pp.forward_params(/*device=*/true);
+  p.out = d_out.view();
+  p.lse = d_lse.view();
+  size_t workspace_bytes = 0;
+  Status status = workspace_size(p, &workspace_bytes);
+  ASSERT_TRUE(status.ok()) << status.message;
+  DeviceBuffer workspace;
+  if (workspace_bytes > 0) CUDA_CHECK(workspace.allocate(workspace_bytes));
+  CUDA_CHECK(workspace.poison());
+  status = forward(p, workspace.data(), workspace_bytes, nullptr);
+  if (status.code == FH_ERROR_NOT_SUPPORTED) GTEST_SKIP() << "not in this build: " << status.message;
+  ASSERT_TRUE(status.ok()) << status.message;
+  CUDA_CHECK(cudaDeviceSynchronize());
+  CUDA_CHECK(d_out.download(out));
+  CUDA_CHECK(d_lse.download(lse));
+
+  HostTensor out_exact(FH_DTYPE_FP64, {pp.total_q, c.heads_q, c.head_dim});
+  HostTensor lse_exact(FH_DTYPE_FP64, {c.heads_q, pp.total_q});
+  HostTensor out_plain(c.dtype, {pp.total_q, c.heads_q, c.head_dim});
+  HostTensor lse_plain(FH_DTYPE_FP32, {c.heads_q, pp.total_q});
+  status = run_reference_forward(pp, out_exact, lse_exact, /*plain=*/false);
+  ASSERT_TRUE(status.ok()) << status.message;
+  status = run_reference_forward(pp, out_plain, lse_plain, /*plain=*/true);
+  ASSERT_TRUE(status.ok()) << status.message;
+
+  const double out_err = max_abs_diff(pp.inside_q(out), pp.inside_q(out_exact));
+  const double out_plain_err = max_abs_diff(pp.inside_q(out_plain), pp.inside_q(out_exact));
+  const double lse_err = max_abs_diff(pp.inside_lse(lse), pp.inside_lse(lse_exact));
+  const double lse_plain_err = max_abs_diff(pp.inside_lse(lse_plain), pp.inside_lse(lse_exact));
+  EXPECT_FALSE(has_nan(pp.inside_q(out))) << "unwritten (poisoned) or NaN rows of out inside the sequences";
+  EXPECT_FALSE(has_nan(pp.inside_lse(lse))) << "unwritten (poisoned) or NaN lse inside the sequences";
+  EXPECT_LE(out_err, 2 * out_plain_err + kOutSlack) << "out: ours " << out_err << ", plain " << out_plain_err;
+  EXPECT_LE(lse_err, 2 * lse_plain_err + kOutSlack) << "lse: ours " << lse_err << ", plain " << lse_plain_err;
+  EXPECT_TRUE(all_nan(narrow(out.view(), 0, pp.in_q, kExtraTokens))) << "out written outside every sequence";
+  EXPECT_TRUE(all_nan(narrow(lse.view(), 1, pp.in_q, kExtraTokens))) << "lse written outside every sequence";
+}
+
+INSTANTIATE_TEST_SUITE_P(Varlen, VarlenForwardGpuTest, ::testing::ValuesIn(varlen_cases()),
+                         [](const ::testing::TestParamInfo<VarlenCase>& info) { return info.param.name(); });
+
+// ---- backward ---------------------------------------------------------------------------------
+
+struct VarlenGradients {
+  HostTensor dq, dk, dv, dsink;
+  VarlenGradients(int32_t dtype, const PackedProblem& pp)
+      : dq(dtype, {pp.total_q, pp.c.heads_q, pp.c.head_dim}),
+        dk(dtype, {pp.total_k, pp.c.heads_kv, pp.c.head_dim}),
+        dv(dtype, {pp.total_k, pp.c.heads_kv, pp.c.head_dim}),
+        dsink(dtype == FH_DTYPE_FP64 ? FH_DTYPE_FP64 : FH_DTYPE_FP32, {pp.c.heads_q}) {}
+};
+
+class VarlenBackward {
+ public:
+  void init(const VarlenCase& c) {
+    ASSERT_NO_FATAL_FAILURE(pp_.init(c));
+    // out and lse from the exact forward, out rounded once to the dtype, as a real forward hands them over.
+    out_ = HostTensor(c.dtype, {pp_.total_q, c.heads_q, c.head_dim});
+    lse_ = HostTensor(FH_DTYPE_FP32, {c.heads_q, pp_.total_q});
+    const Status status = run_reference_forward(pp_, out_, lse_, /*plain=*/false);
+    ASSERT_TRUE(status.ok()) << status.message;
+    const VarlenGradients shapes(c.dtype, pp_);
+    d_out_ = std::make_unique<DeviceTensor>(out_);
+    d_lse_ = std::make_unique<DeviceTensor>(lse_);
+    d_dq_ = std::make_unique<DeviceTensor>(shapes.dq);
+    d_dk_ = std::make_unique<DeviceTensor>(shapes.dk);
+    d_dv_ = std::make_unique<DeviceTensor>(shapes.dv);
+    d_dsink_ = std::make_unique<DeviceTensor>(shapes.dsink);
+    for (auto* t : {d_out_.get(), d_lse_.get(), d_dq_.get(), d_dk_.get(), d_dv_.get(), d_dsink_.get()})
+      ASSERT_TRUE(t->ok()) << "cudaMalloc failed";
+    CUDA_CHECK(d_out_->upload(out_));
+    CUDA_CHECK(d_lse_->upload(lse_));
+  }
+
+  BackwardParams params(bool device, const VarlenGradients* host_grads) const {
+    BackwardParams p = default_backward_params();
+    p.q = device ? pp_.d_q->view() : pp_.q.view();
+    p.k = device ? pp_.d_k->view() : pp_.k.view();
+    p.v = device ? pp_.d_v->view() : pp_.v.view();
+    p.dout = device ? pp_.d_dout->view() : pp_.dout.view();
+    p.out = device ? d_out_->view() : out_.view();
+    p.lse = device ? d_lse_->view() : lse_.view();
+    p.dq = device ? d_dq_->view() : host_grads->dq.view();
+    p.dk = device ? d_dk_->view() : host_grads->dk.view();
+    p.dv = device ? d_dv_->view() : host_grads->dv.view();
+    pp_.set_sequences(p, device);
+    if (pp_.c.features.learnable_sink) {
+      p.learnable_sink = device ? pp_.d_sink->view() : pp_.sink.view();
+      p.dsink = device ? d_dsink_->view() : host_grads->dsink.view();
+    }
+    return p;
+  }
+
+  void run(int deterministic, Status* status) {
+    BackwardParams p = params(/*device=*/true, nullptr);
+    p.deterministic = deterministic;
+    size_t bytes = 0;
+    const Status query = workspace_size(p, &bytes);
+    ASSERT_TRUE(query.ok()) << query.message;
+    if (bytes > workspace_.bytes()) CUDA_CHECK(workspace_.allocate(bytes));
+    CUDA_CHECK(workspace_.poison());
+    for (DeviceTensor* t : {d_dq_.get(), d_dk_.get(), d_dv_.get(), d_dsink_.get()}) CUDA_CHECK(t->poison());
+    CUDA_CHECK(cudaDeviceSynchronize());
+    *status = backward(p, workspace_.data(), bytes, nullptr);
+    if (!status->ok()) return;
+    CUDA_CHECK(cudaDeviceSynchronize());
+  }
+
+  void download(VarlenGradients* g) const {
+    CUDA_CHECK(d_dq_->download(g->dq));
+    CUDA_CHECK(d_dk_->download(g->dk));
+    CUDA_CHECK(d_dv_->download(g->dv));
+    if (pp_.c.features.learnable_sink) CUDA_CHECK(d_dsink_->download(g->dsink));
+  }
+
+  // The pass rule for dq, dk, dv (rows inside the sequences) and dsink; the rows outside every
+  // sequence still poisoned.
+  void expect_matches(VarlenGradients& ours) const {
+    VarlenGradients exact(FH_DTYPE_FP64, pp_), plain(pp_.c.dtype, pp_);
+    Status status = reference::backward(params(false, &exact));
+    ASSERT_TRUE(status.ok()) << status.message;
+    reference::Options options;
+    options.emulate_low_precision = true;
+    status = reference::backward(params(false, &plain), options);
+    ASSERT_TRUE(status.ok()) << status.message;
+    const std::array<const char*, 3> names = {"dq", "dk", "dv"};
+    const std::array<HostTensor*, 3> mine = {&ours.dq, &ours.dk, &ours.dv};
+    const std::array<HostTensor*, 3> exacts = {&exact.dq, &exact.dk, &exact.dv};
+    const std::array<HostTensor*, 3> plains = {&plain.dq, &plain.dk, &plain.dv};
+    for (int i = 0; i < 3; ++i) {
+      auto inside = [&](const HostTensor& t) { return i == 0 ? pp_.inside_q(t) : pp_.inside_k(t); };
+      const double err = max_abs_diff(inside(*mine[i]), inside(*exacts[i]));
+      const double plain_err = max_abs_diff(inside(*plains[i]), inside(*exacts[i]));
+      EXPECT_FALSE(has_nan(inside(*mine[i]))) << "unwritten (poisoned) or NaN rows of " << names[i];
+      EXPECT_LE(err, 2 * plain_err + kGradSlack) << names[i] << ": ours " << err << ", plain " << plain_err;
+      const int inside_rows = i == 0 ? pp_.in_q : pp_.in_k;
+      EXPECT_TRUE(all_nan(narrow(mine[i]->view(), 0, inside_rows, kExtraTokens)))
+          << names[i] << " written outside every sequence";
+    }
+    if (pp_.c.features.learnable_sink) {
+      // dsink from the rounded out and the float32 lse the kernel reads, as the dense test judges it.
+      std::vector<double> given(pp_.c.heads_q, 0.0);
+      const std::vector<int32_t> cq = prefix_sums(pp_.c.lengths_q);
+      for (int b = 0; b < pp_.c.batch(); ++b) {
+        const int used = pp_.c.used_q.empty() ? pp_.c.lengths_q[b] : pp_.c.used_q[b];
+        for (int h = 0; h < pp_.c.heads_q; ++h)
+          for (int i = cq[b]; i < cq[b] + used; ++i) {
+            double d = 0;
+            for (int x = 0; x < pp_.c.head_dim; ++x) d += read(pp_.dout.view(), {i, h, x}) * read(out_.view(), {i, h, x});
+            given[h] -= std::exp(read(pp_.sink.view(), {h}) - read(lse_.view(), {h, i})) * d;
+          }
+      }
+      double input_err = 0, sum_err = 0, scale = 1;
+      for (int h = 0; h < pp_.c.heads_q; ++h) {
+        input_err = std::max(input_err, std::abs(given[h] - read(exact.dsink.view(), {h})));
+        sum_err = std::max(sum_err, std::abs(read(ours.dsink.view(), {h}) - given[h]));
+        scale = std::max(scale, std::abs(given[h]));
+      }
+      const double err = max_abs_diff(ours.dsink.view(), exact.dsink.view());
+      const double plain_err = max_abs_diff(plain.dsink.view(), exact.dsink.view());
+      EXPECT_FALSE(has_nan(ours.dsink.view())) << "unwritten (poisoned) or NaN dsink";
+      EXPECT_LE(err, 2 * plain_err + input_err + kGradSlack) << "dsink: ours " << err << ", plain " << plain_err;
+      EXPECT_LE(sum_err, 1e-5 * scale) << "dsink: the kernel's sum of its inputs is off by " << sum_err;
+    }
+  }
+
+  const PackedProblem& problem() const { return pp_; }
+
+ private:
+  PackedProblem pp_;
+  HostTensor out_, lse_;
+  std::unique_ptr<DeviceTensor> d_out_, d_lse_, d_dq_, d_dk_, d_dv_, d_dsink_;
+  DeviceBuffer workspace_;
+};
+
+class VarlenBackwardGpuTest : public ::testing::TestWithParam<VarlenCase> {};
+
+TEST_P(VarlenBackwardGpuTest, MatchesReference) {
+  VarlenBackward problem;
+  ASSERT_NO_FATAL_FAILURE(problem.init(GetParam()));
+  Status status;
+  ASSERT_NO_FATAL_FAILURE(problem.run(/*deterministic=*/0, &status));
+  if (status.code == FH_ERROR_NOT_SUPPORTED) GTEST_SKIP() << "not in this build: " << status.message;
+  ASSERT_TRUE(status.ok()) << status.message;
+  VarlenGradients ours(GetParam().dtype, problem.problem());
+  ASSERT_NO_FATAL_FAILURE(problem.download(&ours));
+  problem.expect_matches(ours);
+}
+
+INSTANTIATE_TEST_SUITE_P(Varlen, VarlenBackwardGpuTest, ::testing::ValuesIn(varlen_cases()),
+                         [](const ::testing::TestParamInfo<VarlenCase>& info) { return info.param.name(); });
+
+// Deterministic mode over a packed batch: the first run passes and kRepeats - 1 more repeat its bits.
+class VarlenBackwardRepeatTest : public ::testing::TestWithParam<VarlenCase> {};
+
+TEST_P(VarlenBackwardRepeatTest, DeterministicIsBitIdentical) {
+  const VarlenCase c = GetParam();
+  VarlenBackward problem;
+  ASSERT_NO_FATAL_FAILURE(problem.init(c));
+  Status status;
+  ASSERT_NO_FATAL_FAILURE(problem.run(/*deterministic=*/1, &status));
+  if (status.code == FH_ERROR_NOT_SUPPORTED) GTEST_SKIP() << "not in this build: " << status.message;
+  ASSERT_TRUE(status.ok()) << status.message;
+  VarlenGradients first(c.dtype, problem.problem()), again(c.dtype, problem.problem());
+  ASSERT_NO_FATAL_FAILURE(problem.download(&first));
+  problem.expect_matches(first);
+  auto same = [](HostTensor& a, HostTensor& b) { return std::memcmp(a.data(), b.data(), a.bytes()) == 0; };
+  int differing = 0;
+  for (int run = 1; run < kRepeats; ++run) {
+    ASSERT_NO_FATAL_FAILURE(problem.run(/*deterministic=*/1, &status));
+    ASSERT_TRUE(status.ok()) << status.message;
+    ASSERT_NO_FATAL_FAILURE(problem.download(&again));
+    const bool sink_same = !c.features.learnable_sink || same(first.dsink, again.dsink);
+    if (!same(first.dq, again.dq) || !same(first.dk, again.dk) || !same(first.dv, again.dv) || !sink_same)
+      ++differing;
+  }
+  EXPECT_EQ(differing, 0) << differing << " of " << kRepeats - 1 << " runs differ from the first in their bits";
+}
+
+std::vector<VarlenCase> repeat_cases() {
+  std::vector<VarlenCase> cases;
+  for (int head_dim : {64, 128, 256}) {
+    cases.push_back({FH_DTYPE_BF16, head_dim, true, {1000, 0, 513, 7}, {1000, 0, 513, 7}, {}, {}, 4, 2, {}});
+    cases.push_back({FH_DTYPE_BF16, head_dim, false, {600, 129, 0, 300}, {700, 129, 5, 300}, {}, {}, 4, 2,
+                     {100, 0, 2, 0, 0.f, true}});
+  }
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(Varlen, VarlenBackwardRepeatTest, ::testing::ValuesIn(repeat_cases()),
+                         [](const ::testing::TestParamInfo<VarlenCase>& info) { return info.param.name(); });
+
+}  // namespace
+}  // namespace flashhopper::test
+
+// Without an sm_90 GPU nothing here can run: say so and exit with CTest's skip code (77).
+int main(int argc, char** argv) { return flashhopper::test::gpu_test_main(argc, argv); }
