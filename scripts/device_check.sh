@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: GPU tests, compute-sanitizer on small cases, the demo, and the
 # side-by-side benchmarks; prints a short summary last. Build here first (cmake --build build)
-# and carry the build folder, or build there (step `build`: the full kernel set, with the
+# and carry the build folder, or build there (step `build`: the full kernel set, or KERNELS=dev, with the
 # GoogleTest headers and archives carried in .gtest/). Usage:
 #   scripts/device_check.sh [build|tests|features|varlen|sanitize|demo|bench|features_bench|varlen_bench]...
 set -uo pipefail
@@ -32,7 +32,7 @@ for step in "${steps[@]}"; do
   case "$step" in
     build)
       # nvcc and ninja are there; GoogleTest is not (.gtest/ holds this machine's copy).
-      cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DFLASHHOPPER_KERNELS=full \
+      cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DFLASHHOPPER_KERNELS="${KERNELS:-full}" \
         -DGTEST_ROOT="$root/.gtest" >"$out/build.log" 2>&1 &&
         timeout 560 cmake --build "$build" -j "$(nproc)" >>"$out/build.log" 2>&1
       rc=$?

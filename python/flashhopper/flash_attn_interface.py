@@ -10,13 +10,14 @@ What the kernels do today: q [B, sq, Hq, d], k/v [B, sk, Hkv, d] in bf16 or fp16
 NotImplementedError), causal or not (bottom-right aligned), local windows (window_size), chunked
 attention (attention_chunk), softcap, FlashAttention-4's learnable_sink (float32 [Hq]: one logit per
 query head in every row's softmax denominator, gpt-oss style; it gets a gradient), GQA/MQA, any sq
-and sk, deterministic backward. What a build of the library cannot run raises
-FlashHopperNotSupported with the library's message. Every argument FlashHopper cannot honour yet
-raises NotImplementedError naming it (num_splits > 1, qv, fp8 descales, sm_margin);
-flash_attn_varlen_func, flash_attn_with_kvcache and flash_attn_combine raise NotImplementedError as
-a whole. Bad tensors (dtype, rank, shape, strides, device, alignment) and bad options (window_size,
-softcap, attention_chunk, learnable_sink) raise ValueError naming the argument before anything is
-launched.
+and sk, deterministic backward; and all of it over packed variable-length sequences with
+flash_attn_varlen_func (q [total_q, Hq, d], cu_seqlens_q/k, max_seqlen_q/k, seqused_q/k; up to 8192
+sequences). What a build of the library cannot run raises FlashHopperNotSupported with the
+library's message. Every argument FlashHopper cannot honour yet raises NotImplementedError naming it
+(num_splits > 1, qv, fp8 descales, sm_margin); flash_attn_with_kvcache and flash_attn_combine raise
+NotImplementedError as a whole. Bad tensors (dtype, rank, shape, strides, device, alignment) and bad
+options (window_size, softcap, attention_chunk, learnable_sink, cu_seqlens, seqused, max_seqlen)
+raise ValueError naming the argument before anything is launched.
 
 Differences from FlashAttention-3 worth knowing:
 - The returned softmax_lse does not require grad (it is marked non-differentiable); FA3 returns one
@@ -67,6 +68,20 @@ def _resolve_options(causal, qv, q_descale, k_descale, v_descale, window_size, a
     return interface.check_mask_args(causal, window_size, softcap, attention_chunk)
 
 
+def _attention(q, k, v, varlen, softmax_scale, causal, qv, q_descale, k_descale, v_descale, window_size,
+               attention_chunk, softcap, num_splits, deterministic, sm_margin, return_attn_probs, learnable_sink):
+    """flash_attn_func and flash_attn_varlen_func: the checks in the module docstring's order, then
+    the fwd op (whose autograd runs bwd); varlen None is the dense layout."""
+    causal, window_left, window_right, softcap, attention_chunk = _resolve_options(
+        causal, qv, q_descale, k_descale, v_descale, window_size, attention_chunk, softcap, num_splits, sm_margin)
+    interface.check_forward_args(q, k, v, softmax_scale, learnable_sink, varlen)
+    interface.check_devices([("q", q), ("k", k), ("v", v), ("learnable_sink", learnable_sink)]
+                            + interface.varlen_tensors(varlen))
+    out, softmax_lse = ops.fwd(q, k, v, softmax_scale, causal, bool(deterministic), window_left, window_right,
+                               softcap, attention_chunk, learnable_sink, *(() if varlen is None else varlen))
+    return (out, softmax_lse) if return_attn_probs else out
+
+
 def flash_attn_func(
     q,
     k,
@@ -105,13 +120,8 @@ def flash_attn_func(
     Returns out (batch_size, seqlen_q, nheads, headdim), or (out, softmax_lse) with
     softmax_lse (batch_size, nheads, seqlen_q) float32 (natural log) when return_attn_probs=True.
     """
-    causal, window_left, window_right, softcap, attention_chunk = _resolve_options(
-        causal, qv, q_descale, k_descale, v_descale, window_size, attention_chunk, softcap, num_splits, sm_margin)
-    interface.check_forward_args(q, k, v, softmax_scale, learnable_sink)
-    interface.check_devices((("q", q), ("k", k), ("v", v), ("learnable_sink", learnable_sink)))
-    out, softmax_lse = ops.fwd(q, k, v, softmax_scale, causal, bool(deterministic), window_left, window_right,
-                               softcap, attention_chunk, learnable_sink)
-    return (out, softmax_lse) if return_attn_probs else out
+    return _attention(q, k, v, None, softmax_scale, causal, qv, q_descale, k_descale, v_descale, window_size,
+                      attention_chunk, softcap, num_splits, deterministic, sm_margin, return_attn_probs, learnable_sink)
 
 
 def flash_attn_qkvpacked_func(
@@ -177,11 +187,34 @@ def flash_attn_varlen_func(
     return_attn_probs=False,
     learnable_sink=None,
 ):
-    """FlashAttention-3's varlen attention (packed sequences, cu_seqlens), with FlashAttention-4's
-    learnable_sink keyword. Not supported yet: the library declares varlen in its C ABI but has no
-    varlen kernels; raises NotImplementedError."""
-    raise NotImplementedError("flash_attn_varlen_func: variable-length (cu_seqlens) attention is not supported "
-                              "by FlashHopper yet; pad to a dense batch and use flash_attn_func")
+    """Exact attention over packed variable-length sequences, FlashAttention-3's flash_attn_varlen_func.
+
+    q: (total_q, nheads, headdim); k, v: (total_k, nheads_k, headdim), nheads % nheads_k == 0.
+    cu_seqlens_q, cu_seqlens_k: int32 (batch_size + 1,) on q's device, the prefix sums of the
+    sequence lengths: sequence b is the rows cu_seqlens[b] .. cu_seqlens[b+1] - 1 of q (of k and
+    v); zero-length sequences are fine. max_seqlen_q, max_seqlen_k: Python ints >= 1 bounding the
+    lengths. seqused_q, seqused_k: None or int32 (batch_size,): only the first seqused[b] tokens of
+    sequence b take part; its other rows give 0, softmax_lse -inf and zero gradients. That
+    cu_seqlens is non-decreasing, ends at most at total, and that no length exceeds max_seqlen (nor
+    seqused the length) is the caller's contract and not checked: checking it would copy the
+    tensors to the host, which CUDA graphs and torch.compile cannot have. Tokens outside every
+    sequence (past cu_seqlens[-1]) are neither read nor written: their rows of out, softmax_lse and
+    the gradients are unspecified.
+
+    Every other argument as flash_attn_func's, applied to each sequence on its own: causal and
+    window_size aligned bottom-right per sequence (query i of a sequence of lengths sq, sk sees
+    keys j <= i + sk - sq), a window bound covering max_seqlen is no bound (FA3's rule),
+    attention_chunk, softcap, learnable_sink (float32 [nheads], same for every sequence),
+    deterministic, and the same NotImplementedError/ValueError for what FlashHopper cannot do or
+    what is malformed. cu_seqlens, seqused and max_seqlen get no gradient. More than 8192
+    sequences raise FlashHopperNotSupported (a NotImplementedError).
+
+    Returns out (total_q, nheads, headdim), or (out, softmax_lse) with softmax_lse
+    (nheads, total_q) float32 (natural log) when return_attn_probs=True.
+    """
+    varlen = interface.Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k)
+    return _attention(q, k, v, varlen, softmax_scale, causal, qv, q_descale, k_descale, v_descale, window_size,
+                      attention_chunk, softcap, num_splits, deterministic, sm_margin, return_attn_probs, learnable_sink)
 
 
 def flash_attn_with_kvcache(

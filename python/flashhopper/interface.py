@@ -2,25 +2,30 @@
 
 `forward` and `backward` are the plain (no autograd) entry points; `flashhopper.ops` wraps them as
 torch.library custom ops and `flashhopper.flash_attn_interface` offers FlashAttention-3's API on top.
+Both take the dense layout (q [B, sq, Hq, d]) or, given `varlen` (a `Varlen`: cu_seqlens_q/k,
+max_seqlen_q/k, seqused_q/k), FlashAttention's packed one (q [total_q, Hq, d], lse [Hq, total_q]).
 
 Argument checks run in this order, each naming the argument: what the kernels cannot do yet
 (NotImplementedError), the mask and score options (window_size, softcap, attention_chunk: ValueError),
-dtypes, ranks, shapes and strides, learnable_sink's dtype and shape (ValueError), then devices and
-16-byte alignment (ValueError); only then the library, which checks everything again and refuses with
-FlashHopperError (FlashHopperInvalidArgument is also a ValueError, FlashHopperNotSupported also a
-NotImplementedError). Nothing is launched on any error. No call here synchronises with the host:
-outputs and workspace come from PyTorch's caching allocator, the kernels go on PyTorch's current
-stream, so the calls can be captured in a CUDA graph."""
+dtypes, ranks, shapes and strides, learnable_sink's dtype and shape, varlen's dtypes, shapes and
+max_seqlen (ValueError), then devices and 16-byte alignment (ValueError); only then the library,
+which checks everything again and refuses with FlashHopperError (FlashHopperInvalidArgument is also
+a ValueError, FlashHopperNotSupported also a NotImplementedError). Nothing is launched on any error.
+No call here synchronises with the host (cu_seqlens and seqused are never read here): outputs and
+workspace come from PyTorch's caching allocator, the kernels go on PyTorch's current stream, so the
+calls can be captured in a CUDA graph."""
 import ctypes
 import math
 import numbers
+from typing import NamedTuple, Optional
 
 import torch
 
 from . import _ffi
 from ._ffi import FlashHopperError
 
-_DTYPES = {torch.bfloat16: _ffi.DTYPE_BF16, torch.float16: _ffi.DTYPE_FP16, torch.float32: _ffi.DTYPE_FP32}
+_DTYPES = {torch.bfloat16: _ffi.DTYPE_BF16, torch.float16: _ffi.DTYPE_FP16, torch.float32: _ffi.DTYPE_FP32,
+           torch.int32: _ffi.DTYPE_INT32}
 INPUT_DTYPES = (torch.bfloat16, torch.float16)
 _FP8_DTYPES = tuple(getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
                                                       "float8_e5m2fnuz") if hasattr(torch, name))
@@ -52,6 +57,55 @@ def _check(status: int) -> None:
     if status == _STATUS_NOT_SUPPORTED:
         raise FlashHopperNotSupported(status, message)
     raise FlashHopperError(status, message)
+
+
+class Varlen(NamedTuple):
+    """The packed (variable-length) layout, FlashAttention's varlen: q [total_q, Hq, d] and k/v
+    [total_k, Hkv, d] hold B sequences, sequence b being the rows cu_seqlens[b] .. cu_seqlens[b+1] - 1
+    (cu_seqlens_q/k: int32 [B + 1] on q's device). max_seqlen_q/k bound the lengths; FA3's rule "a
+    window bound covering the whole sequence is no bound" is judged against them. seqused_q/k (None
+    or int32 [B]) let only the first seqused[b] tokens of sequence b take part: its other rows get
+    out 0, lse -inf and zero gradients. That cu_seqlens is non-decreasing within [0, total], every
+    length at most max_seqlen and seqused[b] at most sequence b's length is the caller's contract,
+    not checked (that would copy the tensors to the host); tokens outside every sequence are
+    neither read nor written."""
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+    seqused_q: Optional[torch.Tensor] = None
+    seqused_k: Optional[torch.Tensor] = None
+
+
+def as_varlen(cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, seqused_q=None,
+              seqused_k=None) -> Optional[Varlen]:
+    """The custom ops' flat varlen arguments as a Varlen, or None (the dense layout) when none is
+    given; a partial set is a Varlen too, which check_varlen refuses naming what is missing."""
+    args = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k)
+    return None if all(arg is None for arg in args) else Varlen(*args)
+
+
+def varlen_tensors(varlen: Optional[Varlen]) -> list:
+    """(name, tensor) of varlen's tensors, for the device checks; [] for the dense layout."""
+    if varlen is None:
+        return []
+    return [("cu_seqlens_q", varlen.cu_seqlens_q), ("cu_seqlens_k", varlen.cu_seqlens_k),
+            ("seqused_q", varlen.seqused_q), ("seqused_k", varlen.seqused_k)]
+
+
+def _layout(varlen: Optional[Varlen]):
+    """(rank, q's dims, k's and v's dims, lse's dims) of the dense or the packed layout."""
+    if varlen is None:
+        return (4, "[batch, seqlen_q, heads_q, head_dim]", "[batch, seqlen_k, heads_kv, head_dim]",
+                "[batch, heads_q, seqlen_q]")
+    return 3, "[total_q, heads_q, head_dim]", "[total_k, heads_kv, head_dim]", "[heads_q, total_q]"
+
+
+def lse_shape(q: torch.Tensor, varlen: Optional[Varlen] = None) -> tuple:
+    """lse's shape: [B, Hq, sq] for q [B, sq, Hq, d], [Hq, total_q] for q [total_q, Hq, d] (varlen)."""
+    if varlen is None:
+        return q.shape[0], q.shape[2], q.shape[1]
+    return q.shape[1], q.shape[0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -90,31 +144,32 @@ def layout_ok(t: torch.Tensor) -> bool:
     return all(t.stride(d) % granule == 0 and (t.stride(d) != 0 or t.shape[d] <= 1) for d in range(t.dim() - 1))
 
 
-def check_forward_args(q, k, v, softmax_scale=None, learnable_sink=None) -> None:
-    """Dtypes, ranks, shapes, strides, softmax_scale and learnable_sink's dtype and shape of a dense
-    forward; no device access."""
-    _check_input("q", q, 4, "[batch, seqlen_q, heads_q, head_dim]")
-    _check_input("k", k, 4, "[batch, seqlen_k, heads_kv, head_dim]")
-    _check_input("v", v, 4, "[batch, seqlen_k, heads_kv, head_dim]")
+def check_forward_args(q, k, v, softmax_scale=None, learnable_sink=None, varlen=None) -> None:
+    """Dtypes, ranks, shapes, strides, softmax_scale, learnable_sink's dtype and shape, and varlen's
+    metadata when given (the packed layout: check_varlen); no device access."""
+    rank, q_dims, kv_dims, _ = _layout(varlen)
+    _check_input("q", q, rank, q_dims)
+    _check_input("k", k, rank, kv_dims)
+    _check_input("v", v, rank, kv_dims)
     for name, t in (("k", k), ("v", v)):
         if t.dtype != q.dtype:
             raise ValueError(f"{name}: dtype {t.dtype} differs from q's {q.dtype}; q, k and v must have one dtype")
-    batch, _, heads_q, head_dim = q.shape
-    if k.shape[0] != batch:
-        raise ValueError(f"k: batch size {k.shape[0]} differs from q's {batch} (shapes q {tuple(q.shape)}, "
+    heads_q, head_dim = q.shape[-2], q.shape[-1]
+    if varlen is None and k.shape[0] != q.shape[0]:
+        raise ValueError(f"k: batch size {k.shape[0]} differs from q's {q.shape[0]} (shapes q {tuple(q.shape)}, "
                          f"k {tuple(k.shape)})")
-    if v.shape[:3] != k.shape[:3]:
-        raise ValueError(f"v: shape {tuple(v.shape)} must match k's {tuple(k.shape)} in batch, seqlen_k and heads")
-    if k.shape[3] != head_dim:
-        raise ValueError(f"k: head dim {k.shape[3]} differs from q's {head_dim}")
-    if v.shape[3] != head_dim:
-        raise NotImplementedError(f"v: head dim {v.shape[3]} differs from q's {head_dim}; a value head dim "
+    if v.shape[:-1] != k.shape[:-1]:
+        raise ValueError(f"v: shape {tuple(v.shape)} must match k's {tuple(k.shape)} in all dims but the head dim")
+    if k.shape[-1] != head_dim:
+        raise ValueError(f"k: head dim {k.shape[-1]} differs from q's {head_dim}")
+    if v.shape[-1] != head_dim:
+        raise NotImplementedError(f"v: head dim {v.shape[-1]} differs from q's {head_dim}; a value head dim "
                                   "other than the query/key head dim is not supported by FlashHopper yet")
     if head_dim > MAX_HEAD_DIM:
         raise ValueError(f"q: head dim {head_dim} is larger than {MAX_HEAD_DIM}")
     if head_dim % (_TMA_BYTES // q.element_size()) != 0:
         raise ValueError(f"q: head dim {head_dim} is not a multiple of {_TMA_BYTES // q.element_size()}")
-    heads_kv = k.shape[2]
+    heads_kv = k.shape[-2]
     if heads_kv == 0 or heads_q % heads_kv != 0:
         raise ValueError(f"k: {heads_kv} key/value heads do not divide q's {heads_q} query heads (GQA/MQA "
                          "needs heads_q % heads_kv == 0)")
@@ -122,6 +177,43 @@ def check_forward_args(q, k, v, softmax_scale=None, learnable_sink=None) -> None
         check_layout(name, t)
     check_softmax_scale(softmax_scale)
     check_learnable_sink(learnable_sink, heads_q)
+    if varlen is not None:
+        check_varlen(varlen)
+
+
+def _check_contiguous_vector(name: str, t: torch.Tensor) -> None:
+    """The library reads 1-d tensors (sinks, sequence lengths) as rows: stride 1."""
+    if t.shape[0] > 1 and t.stride(0) != 1:
+        raise ValueError(f"{name}: must be contiguous (stride 1), got stride {t.stride(0)}; call .contiguous()")
+
+
+def _check_int32_vector(name: str, t, length, what: str) -> None:
+    """An int32 1-d tensor of `length` entries (None: any), contiguous; `what` its expected shape."""
+    expected = f"an int32 tensor of shape {what}"
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name}: expected {expected}, got {type(t).__name__}")
+    if t.dtype != torch.int32 or t.dim() != 1 or (length is not None and t.shape[0] != length):
+        raise ValueError(f"{name}: expected {expected}, got dtype {t.dtype} shape {tuple(t.shape)}")
+    _check_contiguous_vector(name, t)
+
+
+def check_varlen(varlen: Varlen) -> None:
+    """cu_seqlens_q/k int32 [B + 1] with B >= 1, seqused_q/k None or int32 [B], max_seqlen_q/k ints
+    in [1, INT32_MAX]. The tensors' values are the caller's contract (see Varlen): reading them
+    would synchronise with the host."""
+    _check_int32_vector("cu_seqlens_q", varlen.cu_seqlens_q, None, "[batch + 1] (prefix sums of the lengths)")
+    entries = varlen.cu_seqlens_q.shape[0]
+    if entries < 2:
+        raise ValueError(f"cu_seqlens_q: shape ({entries},) is too short; it holds batch + 1 prefix sums, so at "
+                         "least 2 entries")
+    _check_int32_vector("cu_seqlens_k", varlen.cu_seqlens_k, entries, f"[batch + 1] = ({entries},), as cu_seqlens_q")
+    for name, t in (("seqused_q", varlen.seqused_q), ("seqused_k", varlen.seqused_k)):
+        if t is not None:
+            _check_int32_vector(name, t, entries - 1, f"[batch] = ({entries - 1},) (tokens used per sequence)")
+    for name, value in (("max_seqlen_q", varlen.max_seqlen_q), ("max_seqlen_k", varlen.max_seqlen_k)):
+        length = _int_option(name, value, "the longest sequence's length")
+        if length < 1 or length > _INT32_MAX:
+            raise ValueError(f"{name}: {length} must be in [1, {_INT32_MAX}] (an int32 in the C ABI)")
 
 
 def check_learnable_sink(learnable_sink, heads_q) -> None:
@@ -135,16 +227,16 @@ def check_learnable_sink(learnable_sink, heads_q) -> None:
             or learnable_sink.shape[0] != heads_q):
         raise ValueError(f"learnable_sink: expected {expected}, got dtype {learnable_sink.dtype} shape "
                          f"{tuple(learnable_sink.shape)}")
-    if heads_q > 1 and learnable_sink.stride(0) != 1:
-        raise ValueError(f"learnable_sink: must be contiguous (stride 1), got stride {learnable_sink.stride(0)}; "
-                         "call .contiguous()")
+    _check_contiguous_vector("learnable_sink", learnable_sink)
 
 
 def _int_option(name: str, value, what: str) -> int:
-    """An int-like value (int, numpy integer; not bool, float or tensor), or ValueError naming `name`."""
+    """An int-like value (int, numpy integer; not bool, float or tensor) as an int, or ValueError
+    naming `name`. A SymInt (torch.compile) is returned as it is: int() would specialise it, one
+    recompile per value (max_seqlen changes from batch to batch)."""
     if isinstance(value, (bool, torch.Tensor)) or not isinstance(value, (numbers.Integral, torch.SymInt)):
         raise ValueError(f"{name}: {what} must be an int, got {type(value).__name__} {value!r}")
-    return int(value)
+    return value if isinstance(value, torch.SymInt) else int(value)
 
 
 def check_window_size(window_size) -> tuple[int, int]:
@@ -238,11 +330,12 @@ def check_softmax_scale(softmax_scale) -> None:
 
 
 def check_backward_args(dout, q, k, v, out, lse, softmax_scale=None, check_dout_layout=True,
-                        learnable_sink=None) -> None:
-    check_forward_args(q, k, v, softmax_scale, learnable_sink)
-    expected = (q.shape[0], q.shape[1], q.shape[2], v.shape[3])
+                        learnable_sink=None, varlen=None) -> None:
+    check_forward_args(q, k, v, softmax_scale, learnable_sink, varlen)
+    rank, q_dims, _, lse_dims = _layout(varlen)
+    expected = (*q.shape[:-1], v.shape[-1])
     for name, t in (("out", out), ("dout", dout)):
-        _check_input(name, t, 4, "[batch, seqlen_q, heads_q, head_dim]")
+        _check_input(name, t, rank, q_dims)
         if t.dtype != q.dtype:
             raise ValueError(f"{name}: dtype {t.dtype} differs from q's {q.dtype}")
         if tuple(t.shape) != tuple(expected):
@@ -254,9 +347,9 @@ def check_backward_args(dout, q, k, v, out, lse, softmax_scale=None, check_dout_
         raise ValueError(f"lse: expected a torch.Tensor, got {type(lse).__name__}")
     if lse.dtype != torch.float32:
         raise ValueError(f"lse: dtype {lse.dtype}, expected torch.float32 (as returned by the forward)")
-    expected_lse = (q.shape[0], q.shape[2], q.shape[1])
-    if tuple(lse.shape) != tuple(expected_lse):
-        raise ValueError(f"lse: shape {tuple(lse.shape)}, expected [batch, heads_q, seqlen_q] = {expected_lse}")
+    expected_lse = tuple(lse_shape(q, varlen))
+    if tuple(lse.shape) != expected_lse:
+        raise ValueError(f"lse: shape {tuple(lse.shape)}, expected {lse_dims} = {expected_lse}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -285,7 +378,7 @@ def check_alignment(named) -> None:
 
 def _view(t: torch.Tensor) -> _ffi.Tensor:
     if t.dtype not in _DTYPES:
-        raise ValueError(f"dtype {t.dtype} is not supported (bf16, fp16)")
+        raise ValueError(f"dtype {t.dtype} is not supported (bf16, fp16, float32, int32)")
     return _ffi.make_tensor(t.data_ptr(), _DTYPES[t.dtype], t.shape, t.stride())
 
 
@@ -305,24 +398,40 @@ def _run(workspace_size_fn, run_fn, params, device) -> None:
                       workspace_bytes.value, stream))
 
 
-def _set_mask(params, q, k, mask, learnable_sink) -> None:
-    """The mask and score fields both parameter structs share; `mask` from check_mask_args."""
+def _set_mask(params, q, k, varlen, mask, learnable_sink) -> None:
+    """The mask and score fields both parameter structs share; `mask` from check_mask_args. The
+    sequence lengths that judge the window are max_seqlen_q/k in the packed layout (FA3's)."""
     causal, left, right, softcap, chunk = mask
-    params.causal, params.window_left, params.window_right = library_mask(causal, left, right, q.shape[1],
-                                                                          k.shape[1])
+    seqlen_q, seqlen_k = (q.shape[1], k.shape[1]) if varlen is None else (varlen.max_seqlen_q, varlen.max_seqlen_k)
+    params.causal, params.window_left, params.window_right = library_mask(causal, left, right, seqlen_q, seqlen_k)
     params.softcap = softcap
     params.attention_chunk = chunk
     if learnable_sink is not None:
         params.learnable_sink = _view(learnable_sink)
 
 
+def _set_varlen(params, varlen) -> None:
+    """The packed layout's fields both parameter structs share; absent (dense) when varlen is None."""
+    if varlen is None:
+        return
+    params.cu_seqlens_q, params.cu_seqlens_k = _view(varlen.cu_seqlens_q), _view(varlen.cu_seqlens_k)
+    params.max_seqlen_q, params.max_seqlen_k = int(varlen.max_seqlen_q), int(varlen.max_seqlen_k)
+    if varlen.seqused_q is not None:
+        params.seqused_q = _view(varlen.seqused_q)
+    if varlen.seqused_k is not None:
+        params.seqused_k = _view(varlen.seqused_k)
+
+
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
             softmax_scale: float | None = None, out: torch.Tensor | None = None,
             return_lse: bool = False, *, window_size=(-1, -1), softcap: float = 0.0,
-            attention_chunk: int = 0, learnable_sink: torch.Tensor | None = None):
+            attention_chunk: int = 0, learnable_sink: torch.Tensor | None = None, varlen: Varlen | None = None):
     """Attention forward. q [B, sq, Hq, d], k [B, sk, Hkv, d], v [B, sk, Hkv, d] on one CUDA
     device (bf16 or fp16). Returns out [B, sq, Hq, d] (and lse [B, Hq, sq] float32 when
     return_lse). softmax_scale None means 1/sqrt(d); causal is aligned bottom-right.
+    With varlen (a Varlen: cu_seqlens, max_seqlen, seqused), the packed layout: q [total_q, Hq, d],
+    k/v [total_k, Hkv, d], out [total_q, Hq, d], lse [Hq, total_q]; the mask is aligned
+    bottom-right within each sequence.
 
     Keyword options, as flash_attn_func's: window_size (left, right) bottom-right aligned, -1
     unbounded (causal forces right = 0; a bound covering the whole sequence is no bound); softcap
@@ -331,19 +440,18 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = Fa
     on top of the window; learnable_sink float32 [Hq] adds exp(sink[h]) to every row's softmax
     denominator (lse includes it)."""
     mask = check_mask_args(causal, window_size, softcap, attention_chunk)
-    check_forward_args(q, k, v, softmax_scale, learnable_sink)
+    check_forward_args(q, k, v, softmax_scale, learnable_sink, varlen)
     named = [("q", q), ("k", k), ("v", v), ("out", out), ("learnable_sink", learnable_sink)]
-    check_devices(named)
-    batch, seqlen_q, heads_q, _ = q.shape
+    check_devices(named + varlen_tensors(varlen))
+    out_shape = (*q.shape[:-1], v.shape[-1])
     if out is None:
-        out = torch.empty((batch, seqlen_q, heads_q, v.shape[-1]), dtype=q.dtype, device=q.device)
-    elif out.dtype != q.dtype or tuple(out.shape) != (batch, seqlen_q, heads_q, v.shape[-1]):
-        raise ValueError(f"out: dtype {out.dtype} shape {tuple(out.shape)}, expected {q.dtype} "
-                         f"{(batch, seqlen_q, heads_q, v.shape[-1])}")
+        out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
+    elif out.dtype != q.dtype or tuple(out.shape) != out_shape:
+        raise ValueError(f"out: dtype {out.dtype} shape {tuple(out.shape)}, expected {q.dtype} {out_shape}")
     else:
         check_layout("out", out)
     check_alignment(named[:3] + [("out", out)])
-    lse = torch.empty((batch, heads_q, seqlen_q), dtype=torch.float32, device=q.device) if return_lse else None
+    lse = torch.empty(lse_shape(q, varlen), dtype=torch.float32, device=q.device) if return_lse else None
     params = _ffi.ForwardParams()
     lib = _ffi.lib()
     lib.fh_forward_params_init(ctypes.byref(params))
@@ -351,7 +459,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = Fa
     if lse is not None:
         params.lse = _view(lse)
     params.softmax_scale = _scale(softmax_scale)
-    _set_mask(params, q, k, mask, learnable_sink)
+    _set_mask(params, q, k, varlen, mask, learnable_sink)
+    _set_varlen(params, varlen)
     _run(lib.fh_forward_workspace_size, lib.fh_forward, params, q.device)
     return (out, lse) if return_lse else out
 
@@ -360,19 +469,20 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
              lse: torch.Tensor, causal: bool = False, softmax_scale: float | None = None,
              deterministic: bool = False, dq: torch.Tensor | None = None, dk: torch.Tensor | None = None,
              dv: torch.Tensor | None = None, *, window_size=(-1, -1), softcap: float = 0.0,
-             attention_chunk: int = 0, learnable_sink: torch.Tensor | None = None):
-    """Attention backward. q, k, v, out and lse [B, Hq, sq] float32 as from
-    forward(..., return_lse=True) with the same causal, softmax_scale, window_size, softcap,
-    attention_chunk and learnable_sink; dout like out.
+             attention_chunk: int = 0, learnable_sink: torch.Tensor | None = None,
+             varlen: Varlen | None = None):
+    """Attention backward. q, k, v, out and lse ([B, Hq, sq], or [Hq, total_q] with varlen; float32)
+    as from forward(..., return_lse=True) with the same causal, softmax_scale, window_size, softcap,
+    attention_chunk, learnable_sink and varlen; dout like out.
     Returns (dq, dk, dv), shaped like q, k, v (allocated with empty_like when not given), and with
     learnable_sink (dq, dk, dv, dsink): dsink float32 [Hq], d loss / d learnable_sink summed over
     the batch and the rows. deterministic=True gives bit-identical results run to run (slightly
     slower)."""
     mask = check_mask_args(causal, window_size, softcap, attention_chunk)
-    check_backward_args(dout, q, k, v, out, lse, softmax_scale, learnable_sink=learnable_sink)
+    check_backward_args(dout, q, k, v, out, lse, softmax_scale, learnable_sink=learnable_sink, varlen=varlen)
     named = [("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse),
              ("dq", dq), ("dk", dk), ("dv", dv), ("learnable_sink", learnable_sink)]
-    check_devices(named)
+    check_devices(named + varlen_tensors(varlen))
     for name, grad, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
         if grad is not None:
             if grad.dtype != like.dtype or grad.shape != like.shape:
@@ -383,7 +493,7 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     dk = torch.empty_like(k) if dk is None else dk
     dv = torch.empty_like(v) if dv is None else dv
     # the library writes every element of dsink (a fixed-order sum of per-CTA shares): no zero fill
-    dsink = None if learnable_sink is None else torch.empty(q.shape[2], dtype=torch.float32, device=q.device)
+    dsink = None if learnable_sink is None else torch.empty(q.shape[-2], dtype=torch.float32, device=q.device)
     check_alignment([("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("dq", dq), ("dk", dk),
                      ("dv", dv)])
     params = _ffi.BackwardParams()
@@ -394,7 +504,8 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     params.dq, params.dk, params.dv = _view(dq), _view(dk), _view(dv)
     params.softmax_scale = _scale(softmax_scale)
     params.deterministic = int(bool(deterministic))
-    _set_mask(params, q, k, mask, learnable_sink)
+    _set_mask(params, q, k, varlen, mask, learnable_sink)
+    _set_varlen(params, varlen)
     if dsink is not None:
         params.dsink = _view(dsink)
     _run(lib.fh_backward_workspace_size, lib.fh_backward, params, q.device)

@@ -63,8 +63,9 @@ cudaError_t run_backward_dq_kernel(const BackwardParams& p, const detail::Proble
     auto* tiles = reinterpret_cast<hopper::PlannedTile*>(ws + layout.dq_tiles);
     auto* num_tiles = reinterpret_cast<int*>(tiles + layout.max_dq_tiles);
     hopper::VarlenTilePlanner::Params plan{args.seqlen, batch, heads_q, Tile::kBlockM, /*key_blocks=*/false,
-                                           /*highest_first=*/kMask == MaskKind::kCausal, int64_t(l2_bytes) / 2,
-                                           kv_bytes_per_row, int(layout.max_dq_tiles), tiles, num_tiles};
+                                           /*highest_first=*/kMask == MaskKind::kCausal,
+                                           planner_section_tiles(num_sms, l2_bytes, Tile::kBlockM, kv_bytes_per_row),
+                                           int(layout.max_dq_tiles), tiles, num_tiles};
     cudaError_t err = plan_varlen_tiles(plan, stream);
     if (err != cudaSuccess) return err;
     scheduler = Scheduler::planned_params(tiles, num_tiles, int(layout.max_dq_tiles));
@@ -181,7 +182,8 @@ cudaError_t run_backward_hdim(const BackwardParams& p, const detail::ProblemShap
     auto* tiles = reinterpret_cast<hopper::PlannedTile*>(ws + layout.main_tiles);
     auto* num_tiles = reinterpret_cast<int*>(tiles + layout.max_main_tiles);
     hopper::VarlenTilePlanner::Params plan{seqlen, batch, heads_kv, Tile::kBlockN, /*key_blocks=*/true,
-                                           /*highest_first=*/kCausal, int64_t(l2_bytes) / 2, qdo_bytes_per_row,
+                                           /*highest_first=*/kCausal,
+                                           planner_section_tiles(num_sms, l2_bytes, Tile::kBlockN, qdo_bytes_per_row),
                                            int(layout.max_main_tiles), tiles, num_tiles};
     if ((err = plan_varlen_tiles(plan, stream)) != cudaSuccess) return err;
     scheduler = Scheduler::planned_params(tiles, num_tiles, int(layout.max_main_tiles));

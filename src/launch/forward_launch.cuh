@@ -78,8 +78,9 @@ cudaError_t run_forward_hdim(const ForwardParams& p, const detail::ProblemShape&
     auto* tiles = static_cast<hopper::PlannedTile*>(workspace);
     auto* num_tiles = reinterpret_cast<int*>(tiles + max_tiles);
     hopper::VarlenTilePlanner::Params plan{seqlen, batch, heads_q, Tile::kBlockM, /*key_blocks=*/false,
-                                           /*highest_first=*/kMask == MaskKind::kCausal, int64_t(l2_bytes) / 2,
-                                           kv_bytes_per_row, int(max_tiles), tiles, num_tiles};
+                                           /*highest_first=*/kMask == MaskKind::kCausal,
+                                           planner_section_tiles(num_sms, l2_bytes, Tile::kBlockM, kv_bytes_per_row),
+                                           int(max_tiles), tiles, num_tiles};
     if ((err = plan_varlen_tiles(plan, stream)) != cudaSuccess) return err;
     scheduler = Scheduler::planned_params(tiles, num_tiles, int(max_tiles));
   } else {

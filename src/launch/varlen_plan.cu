@@ -13,7 +13,7 @@ CUTLASS_DEVICE void VarlenTilePlanner::operator()(Params const& p, char* smem) c
   int* tiles_of = reinterpret_cast<int*>(start + p.batch + 1);
   const int tid = threadIdx.x;
 
-  // Per sequence: its tile count and a key that sorts longest other axis first, then by index.
+  // Per sequence: its tile count and a key that sorts the most blocks first, then by index.
   for (int b = tid; b < capacity; b += kThreads) {
     if (b >= p.batch) {
       keys[b] = ~uint64_t(0);
@@ -21,9 +21,9 @@ CUTLASS_DEVICE void VarlenTilePlanner::operator()(Params const& p, char* smem) c
     }
     const SeqlenInfo seq = SeqlenInfo::make(p.seqlen, b);
     const int rows = p.key_blocks ? seq.capacity_k : seq.capacity_q;  // unused rows get zeros
-    const int other = p.key_blocks ? seq.seqlen_q : seq.seqlen_k;
-    tiles_of[b] = (rows + p.block_rows - 1) / p.block_rows * p.heads;
-    keys[b] = (uint64_t(0x7fffffff - other) << 32) | uint32_t(b);
+    const int blocks = (rows + p.block_rows - 1) / p.block_rows;
+    tiles_of[b] = blocks * p.heads;
+    keys[b] = (uint64_t(0x7fffffff - blocks) << 32) | uint32_t(b);
   }
   __syncthreads();
   // Bitonic sort, ascending.
@@ -63,28 +63,56 @@ CUTLASS_DEVICE void VarlenTilePlanner::operator()(Params const& p, char* smem) c
   }
   __syncthreads();
 
-  for (int t = tid; t < total; t += kThreads) {
-    int lo = 0, hi = p.batch;  // the last s with start[s] <= t
-    while (hi - lo > 1) {
+  // Pairs (sequence, head) in sequence-major order, P = s * heads + h; pair P's first tile in
+  // that order, and the number of pairs from `first` on whose blocks exceed r (blocks do not grow
+  // along the order, so they are a prefix).
+  const int num_pairs = p.batch * p.heads;
+  auto pair_blocks = [&](int pair) { return tiles_of[uint32_t(keys[pair / p.heads])] / p.heads; };
+  auto pair_start = [&](int pair) {
+    if (pair >= num_pairs) return start[p.batch];
+    return start[pair / p.heads] + (long long)(pair % p.heads) * pair_blocks(pair);
+  };
+  auto first_pair_at = [&](long long tile) {  // the first pair whose first tile is >= tile
+    int lo = 0, hi = num_pairs;
+    while (lo < hi) {
       const int mid = (lo + hi) / 2;
-      if (start[mid] <= t) lo = mid;
+      if (pair_start(mid) < tile) lo = mid + 1;
       else hi = mid;
     }
-    const uint64_t key = keys[lo];
-    const int b = int(uint32_t(key));
-    const int other = 0x7fffffff - int(key >> 32);
-    const int blocks = tiles_of[b] / p.heads;
-    const int u = int(t - start[lo]);
-    const int64_t streamed = int64_t(other) * p.streamed_bytes_per_row;
-    const int64_t fitting = p.l2_budget_bytes / (streamed > 0 ? streamed : 1);
-    const int per_section = int(fitting < 1 ? 1 : (fitting > p.heads ? p.heads : fitting));
-    const int section = u / (per_section * blocks);
-    const int within = u - section * per_section * blocks;
-    const int heads_here = min(per_section, p.heads - section * per_section);
-    const int block_rank = within / heads_here;
-    const int head = section * per_section + (within - block_rank * heads_here);
-    const int block = p.highest_first ? blocks - 1 - block_rank : block_rank;
-    p.tiles[t] = PlannedTile{block, head, b, 0};
+    return lo;
+  };
+  for (int t = tid; t < total; t += kThreads) {
+    // The section: the pairs whose first tile lies in [k * S, (k + 1) * S).
+    const int pair_of_t = first_pair_at(t + 1) - 1;  // the last pair starting at or before t
+    const long long section = pair_start(pair_of_t) / p.section_tiles;
+    const int first = first_pair_at(section * p.section_tiles);
+    const int end = first_pair_at((section + 1) * p.section_tiles);
+    const long long u = t - pair_start(first);
+    auto longer_than = [&](int r) {  // pairs of the section with more than r blocks
+      int lo = first, hi = end;
+      while (lo < hi) {
+        const int mid = (lo + hi) / 2;
+        if (pair_blocks(mid) > r) lo = mid + 1;
+        else hi = mid;
+      }
+      return lo - first;
+    };
+    // Tiles of the section before rank r: every pair's first min(blocks, r).
+    auto rank_start = [&](int r) {
+      const int longer = longer_than(r);
+      return (long long)r * longer + (pair_start(end) - pair_start(first + longer));
+    };
+    int lo = 0, hi = pair_blocks(first);  // the last rank r with rank_start(r) <= u
+    while (hi - lo > 1) {
+      const int mid = (lo + hi) / 2;
+      if (rank_start(mid) <= u) lo = mid;
+      else hi = mid;
+    }
+    const int pair = first + int(u - rank_start(lo));
+    const int s = pair / p.heads;
+    const int blocks = pair_blocks(pair);
+    const int block = p.highest_first ? blocks - 1 - lo : lo;
+    p.tiles[t] = PlannedTile{block, pair % p.heads, int(uint32_t(keys[s])), 0};
   }
 }
 

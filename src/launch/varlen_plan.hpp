@@ -39,6 +39,13 @@ hopper::SeqlenParams seqlen_params(const Params& p, const detail::ProblemShape& 
   return q;
 }
 
+// The planner's section size (VarlenTilePlanner): four waves of tiles, or more where half the L2
+// holds more blocks' streamed rows (bytes_per_row: what one row of the other axis streams a pair).
+inline int planner_section_tiles(int num_sms, int l2_bytes, int block_rows, int64_t bytes_per_row) {
+  const int64_t fitting = int64_t(l2_bytes) / 2 / (int64_t(block_rows) * bytes_per_row);
+  return int(fitting > 4 * num_sms ? fitting : 4 * num_sms);
+}
+
 // Null when the planner can order this batch, else why not.
 inline const char* varlen_batch_reason(const detail::ProblemShape& s) {
   if ((s.varlen_q || s.varlen_k) && s.batch > hopper::VarlenTilePlanner::kMaxBatch)

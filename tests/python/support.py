@@ -1,5 +1,5 @@
 """Shared pieces of the Python tests (imported by the test files): the GPU skip rule and a
-small attention reference.
+small attention reference, dense and per sequence of the packed (varlen) layout.
 
 Run: PYTHONPATH=python FLASHHOPPER_LIBRARY=build/libflashhopper.so python -m pytest tests/python -q -rs
 The CPU tests never load the library; the GPU tests skip (with the reason) unless PyTorch sees an
@@ -88,7 +88,10 @@ def attention_reference(q, k, v, causal=False, softmax_scale=None, dtype=None, w
     if learnable_sink is not None:
         sink = learnable_sink.to(dtype).view(1, heads_q, 1, 1).expand(batch, heads_q, seqlen_q, 1)
         scores = torch.cat([scores, sink], dim=-1)                       # [B, Hq, sq, sk + 1]
-    row_max = scores.amax(dim=-1, keepdim=True).detach()
+    if scores.shape[-1] == 0:  # no key at all (a varlen sequence of length 0): amax needs a column
+        row_max = scores.new_zeros((*scores.shape[:-1], 1))
+    else:
+        row_max = scores.amax(dim=-1, keepdim=True).detach()
     row_max = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)
     exp = torch.exp(scores - row_max)
     denom = exp.sum(dim=-1, keepdim=True)
@@ -96,3 +99,25 @@ def attention_reference(q, k, v, causal=False, softmax_scale=None, dtype=None, w
     out = (probs[..., :seqlen_k] @ vh).transpose(1, 2)                   # [B, sq, Hq, d]
     lse = (torch.log(denom) + row_max).squeeze(-1)                       # log(0) = -inf for empty rows
     return out, lse
+
+
+def varlen_attention_reference(q, k, v, seqlens_q, seqlens_k, seqused_q=None, seqused_k=None, **options):
+    """attention_reference on each sequence of the packed layout on its own: q [total_q, Hq, d],
+    k/v [total_k, Hkv, d] hold the sequences of host lengths seqlens_q/seqlens_k one after the other
+    (total = the sum of the lengths); with seqused_q/k (host lists) only the first seqused[b] tokens
+    of sequence b take part (its mask aligned bottom-right on those), its other rows give out 0 and
+    lse -inf. `options` are attention_reference's (dtype, causal, window_size, learnable_sink, ...).
+    Returns out [total_q, Hq, d] and lse [Hq, total_q], differentiable in q, k, v and the sink."""
+    heads_q, head_dim_v = q.shape[1], v.shape[-1]
+    outs, lses = [], []
+    start_q = start_k = 0
+    for b, (len_q, len_k) in enumerate(zip(seqlens_q, seqlens_k)):
+        used_q = len_q if seqused_q is None else seqused_q[b]
+        used_k = len_k if seqused_k is None else seqused_k[b]
+        out, lse = attention_reference(q[None, start_q:start_q + used_q], k[None, start_k:start_k + used_k],
+                                       v[None, start_k:start_k + used_k], **options)
+        outs += [out[0], out.new_zeros((len_q - used_q, heads_q, head_dim_v))]
+        lses += [lse[0], lse.new_full((heads_q, len_q - used_q), float("-inf"))]
+        start_q += len_q
+        start_k += len_k
+    return torch.cat(outs), torch.cat(lses, dim=1)

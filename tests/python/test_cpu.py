@@ -1,12 +1,13 @@
 """CPU-side tests (no GPU, no library load): the package imports, the ops are registered with the
 right schemas, FA3's API is matched (plus FA4's learnable_sink), argument checks (tensors, window_size,
-softcap, attention_chunk, learnable_sink) raise the right error naming the argument before anything
-reaches the library, the parameter structs carry the options as the C ABI reads them and mirror the
-header's layout, and the fake (meta) implementations infer shapes, dtypes and strides, also through
-autograd and torch.compile."""
+softcap, attention_chunk, learnable_sink, and varlen's cu_seqlens, seqused and max_seqlen) raise the
+right error naming the argument before anything reaches the library, the parameter structs carry the
+options (and the packed layout) as the C ABI reads them and mirror the header's layout, and the fake
+(meta) implementations infer shapes, dtypes and strides, dense and varlen, also through autograd and
+torch.compile."""
 import ctypes
-import functools
 import inspect
+import itertools
 import math
 import os
 import pathlib
@@ -24,7 +25,7 @@ import flashhopper
 import flashhopper.flash_attn_interface as fa3
 from flashhopper import _ffi, flash_attn_func
 
-from support import attention_reference, visible_keys
+from support import attention_reference, varlen_attention_reference, visible_keys
 
 
 @pytest.fixture(autouse=True)
@@ -43,13 +44,32 @@ def qkv(batch=2, seqlen_q=64, seqlen_k=96, heads_q=8, heads_kv=2, head_dim=128, 
     return q, k, v
 
 
+VARLEN_SEQLENS_Q = (3, 0, 50, 11)  # zero-length sequences in the middle and at the end, sq != sk
+VARLEN_SEQLENS_K = (5, 9, 40, 0)
+
+
+def cu_seqlens(lengths, device="cpu"):
+    return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
+
+
+def varlen_args(seqlens_q=VARLEN_SEQLENS_Q, seqlens_k=VARLEN_SEQLENS_K, heads_q=8, heads_kv=2, head_dim=128,
+                dtype=torch.bfloat16, device="cpu", requires_grad=False):
+    """flash_attn_varlen_func's first seven arguments: packed q [total_q, Hq, d], k/v [total_k, Hkv, d],
+    cu_seqlens_q/k, max_seqlen_q/k."""
+    def randn(total, heads):
+        return torch.randn(total, heads, head_dim, dtype=dtype, device=device, requires_grad=requires_grad)
+    return (randn(sum(seqlens_q), heads_q), randn(sum(seqlens_k), heads_kv), randn(sum(seqlens_k), heads_kv),
+            cu_seqlens(seqlens_q, device), cu_seqlens(seqlens_k, device), max(seqlens_q), max(seqlens_k))
+
+
 # ----------------------------------------------------------------------------------------------
 # Import, registration, API shape
 
 def test_import_and_exports():
     assert flashhopper.flash_attn_func is fa3.flash_attn_func
     for name in ("flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func", "flash_attn_with_kvcache",
-                 "flash_attn_combine", "forward", "backward", "use_as_sdpa_flash_backend", "FlashHopperError"):
+                 "flash_attn_combine", "forward", "backward", "Varlen", "use_as_sdpa_flash_backend",
+                 "FlashHopperError"):
         assert hasattr(flashhopper, name), name
     assert issubclass(flashhopper.FlashHopperNotSupported, NotImplementedError)
     assert issubclass(flashhopper.FlashHopperInvalidArgument, ValueError)
@@ -60,7 +80,8 @@ def test_ops_registered():
     fwd_schema = str(torch.ops.flashhopper.fwd.default._schema)
     bwd_schema = str(torch.ops.flashhopper.bwd.default._schema)
     options = ("SymInt window_left=-1, SymInt window_right=-1, float softcap=0., SymInt attention_chunk=0, "
-               "Tensor? learnable_sink=None")
+               "Tensor? learnable_sink=None, Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, "
+               "SymInt? max_seqlen_q=None, SymInt? max_seqlen_k=None, Tensor? seqused_q=None, Tensor? seqused_k=None")
     assert fwd_schema == ("flashhopper::fwd(Tensor q, Tensor k, Tensor v, float? softmax_scale=None, "
                           f"bool causal=False, bool deterministic=False, {options}) -> (Tensor, Tensor)")
     assert bwd_schema == ("flashhopper::bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
@@ -136,6 +157,8 @@ def test_not_implemented_arguments(kwargs, argument):
     q, k, v = qkv()  # CPU tensors: the NotImplementedError must come before the device check
     with pytest.raises(NotImplementedError, match=argument):
         flash_attn_func(q, k, v, **kwargs)
+    with pytest.raises(NotImplementedError, match=argument):
+        fa3.flash_attn_varlen_func(*varlen_args(), **kwargs)
 
 
 def test_not_implemented_dtypes_and_head_dim_v():
@@ -145,11 +168,12 @@ def test_not_implemented_dtypes_and_head_dim_v():
             flash_attn_func(*(t.to(torch.float8_e4m3fn) for t in (q, k, v)))
     with pytest.raises(NotImplementedError, match="v: head dim 64"):
         flash_attn_func(q, k, v[..., :64].contiguous())
+    q, k, v, *varlen = varlen_args()
+    with pytest.raises(NotImplementedError, match="v: head dim 64"):
+        fa3.flash_attn_varlen_func(q, k, v[..., :64].contiguous(), *varlen)
 
 
 @pytest.mark.parametrize("function, args", [
-    (fa3.flash_attn_varlen_func, (None,) * 7),
-    (functools.partial(fa3.flash_attn_varlen_func, learnable_sink=torch.zeros(8)), (None,) * 7),
     (fa3.flash_attn_with_kvcache, (None,) * 3),
     (fa3.flash_attn_combine, (None, None)),
 ])
@@ -171,10 +195,12 @@ def test_not_implemented_functions(function, args):
 ])
 def test_supported_options_reach_the_device_check(kwargs):
     """Local windows, causal with a window, chunks, softcap and learnable_sink are accepted, as are
-    num_splits 0/1 and the pack_gqa hint: the next refusal is the CPU device."""
+    num_splits 0/1 and the pack_gqa hint, dense and varlen: the next refusal is the CPU device."""
     q, k, v = qkv()  # seqlen_q 64, seqlen_k 96
     with pytest.raises(ValueError, match="q: must be a CUDA tensor"):
         flash_attn_func(q, k, v, **kwargs)
+    with pytest.raises(ValueError, match="q: must be a CUDA tensor"):
+        fa3.flash_attn_varlen_func(*varlen_args(), **kwargs)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -254,6 +280,109 @@ def test_devices_must_match_under_fake_tensors():
 
 
 # ----------------------------------------------------------------------------------------------
+# flash_attn_varlen_func's own arguments and the packed layout: ValueError naming the argument
+# (on CPU tensors, so before the device check). Four sequences: q 64 rows, k/v 54 rows.
+
+def _replacing(**changes):
+    return lambda args: dict(args, **changes)
+
+
+@pytest.mark.parametrize("change, pattern", [
+    (lambda a: dict(a, cu_seqlens_q=a["cu_seqlens_q"].long()),
+     r"cu_seqlens_q: expected an int32 tensor of shape \[batch \+ 1\] .*got dtype torch.int64 shape \(5,\)"),
+    (lambda a: dict(a, cu_seqlens_k=a["cu_seqlens_k"].float()),
+     r"cu_seqlens_k: expected an int32 .*got dtype torch.float32"),
+    (lambda a: dict(a, cu_seqlens_q=a["cu_seqlens_q"][None]), r"cu_seqlens_q: expected .* shape \(1, 5\)"),
+    (_replacing(cu_seqlens_q=[0, 3, 3, 53, 64]), r"cu_seqlens_q: expected an int32 tensor .*got list"),
+    (_replacing(cu_seqlens_k=None), r"cu_seqlens_k: expected an int32 tensor .*got NoneType"),
+    (_replacing(cu_seqlens_q=torch.zeros(1, dtype=torch.int32)),
+     r"cu_seqlens_q: shape \(1,\) is too short; .* at least 2 entries"),
+    (lambda a: dict(a, cu_seqlens_k=a["cu_seqlens_k"][:4]),
+     r"cu_seqlens_k: expected an int32 tensor of shape \[batch \+ 1\] = \(5,\), as cu_seqlens_q, got dtype "
+     r"torch.int32 shape \(4,\)"),
+    (_replacing(cu_seqlens_q=torch.arange(10, dtype=torch.int32)[::2]),
+     r"cu_seqlens_q: must be contiguous \(stride 1\)"),
+    (_replacing(seqused_q=torch.ones(4, dtype=torch.int64)),
+     r"seqused_q: expected an int32 tensor of shape \[batch\] = \(4,\) .*got dtype torch.int64"),
+    (_replacing(seqused_k=torch.ones(5, dtype=torch.int32)),
+     r"seqused_k: expected .* \[batch\] = \(4,\) .*shape \(5,\)"),
+    (_replacing(seqused_k=torch.ones(4, 1, dtype=torch.int32)), r"seqused_k: expected .*shape \(4, 1\)"),
+    (_replacing(seqused_q=4), r"seqused_q: expected an int32 tensor .*got int"),
+    (_replacing(max_seqlen_q=0), r"max_seqlen_q: 0 must be in \[1, 2147483647\]"),
+    (_replacing(max_seqlen_k=-3), r"max_seqlen_k: -3 must be in \[1, 2147483647\]"),
+    (_replacing(max_seqlen_k=2**31), r"max_seqlen_k: 2147483648 must be in"),
+    (_replacing(max_seqlen_q=True), r"max_seqlen_q: the longest sequence's length must be an int, got bool"),
+    (_replacing(max_seqlen_q=50.0), r"max_seqlen_q: .* must be an int, got float 50.0"),
+    (_replacing(max_seqlen_k=torch.tensor(40)), r"max_seqlen_k: .* must be an int, got Tensor"),
+    (_replacing(max_seqlen_k=None), r"max_seqlen_k: .* must be an int, got NoneType"),
+    (lambda a: dict(a, q=a["q"][None]),
+     r"q: expected 3 dims \[total_q, heads_q, head_dim\], got shape \(1, 64, 8, 128\)"),
+    (lambda a: dict(a, k=a["k"][None], v=a["v"][None]), r"k: expected 3 dims \[total_k, heads_kv, head_dim\]"),
+    (lambda a: dict(a, v=a["v"][:-1]), r"v: shape \(53, 2, 128\) must match k's \(54, 2, 128\)"),
+    (lambda a: dict(a, k=a["k"][..., :64]), r"k: head dim 64 differs from q's 128"),
+    (lambda a: dict(a, k=a["k"][:, :1].repeat(1, 3, 1), v=a["v"][:, :1].repeat(1, 3, 1)),
+     r"k: 3 key/value heads do not divide q's 8"),
+    (lambda a: dict(a, q=a["q"].float()), r"q: dtype torch.float32 is not supported"),
+    (lambda a: dict(a, k=a["k"].half()), r"k: dtype torch.float16 differs from q's"),
+    (lambda a: dict(a, q=a["q"].transpose(-1, -2).contiguous().transpose(-1, -2)),
+     r"q: the last dim must be contiguous"),
+    (_replacing(softmax_scale=-1.0), r"softmax_scale: -1.0 must be finite"),
+    (_replacing(), r"q: must be a CUDA tensor"),  # a well-formed call: the next refusal is the CPU device
+    (_replacing(seqused_q=torch.ones(4, dtype=torch.int32), seqused_k=torch.ones(4, dtype=torch.int32)),
+     r"q: must be a CUDA tensor"),
+])
+def test_varlen_bad_arguments(change, pattern):
+    names = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
+    args = change(dict(zip(names, varlen_args())))
+    with pytest.raises(ValueError, match=pattern):
+        fa3.flash_attn_varlen_func(**args)
+
+
+def test_varlen_checks_in_the_ops_and_plain_calls():
+    """The ops and the plain calls check the packed layout the same way; a partial set of the ops'
+    varlen arguments names what is missing (none of them: the dense layout)."""
+    from flashhopper import interface
+    q, k, v, cu_q, cu_k, max_q, max_k = varlen_args()
+    with pytest.raises(ValueError, match="cu_seqlens_k: expected an int32 tensor .*got NoneType"):
+        torch.ops.flashhopper.fwd(q, k, v, None, False, False, -1, -1, 0.0, 0, None, cu_q, None, max_q, max_k)
+    with pytest.raises(ValueError, match="max_seqlen_q: .* must be an int, got NoneType"):
+        torch.ops.flashhopper.fwd(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_k=max_k)
+    with pytest.raises(ValueError, match="q: expected 4 dims"):  # no varlen argument: the dense layout
+        torch.ops.flashhopper.fwd(q, k, v)
+    varlen = interface.Varlen(cu_q, cu_k, max_q, max_k)
+    with pytest.raises(ValueError, match="q: must be a CUDA tensor"):
+        flashhopper.forward(q, k, v, varlen=varlen)
+    with pytest.raises(ValueError, match=r"cu_seqlens_q: shape \(1,\) is too short"):
+        flashhopper.forward(q, k, v, varlen=varlen._replace(cu_seqlens_q=cu_q[:1]))
+    out, lse = torch.empty_like(q), torch.empty(8, 64)
+    with pytest.raises(ValueError, match=r"lse: shape \(2, 8, 64\), expected \[heads_q, total_q\] = \(8, 64\)"):
+        flashhopper.backward(out, q, k, v, out, torch.empty(2, 8, 64), varlen=varlen)
+    with pytest.raises(ValueError, match=r"dout: shape \(60, 8, 128\), expected \(64, 8, 128\)"):
+        flashhopper.backward(out[:60], q, k, v, out, lse, varlen=varlen)
+    with pytest.raises(ValueError, match=r"out: expected 3 dims \[total_q, heads_q, head_dim\]"):
+        torch.ops.flashhopper.bwd(out, q, k, v, out[None], lse, None, False, False, -1, -1, 0.0, 0, None, cu_q, cu_k,
+                                  max_q, max_k)
+    with pytest.raises(ValueError, match="seqused_k: expected an int32 tensor"):
+        flashhopper.backward(out, q, k, v, out, lse, varlen=varlen._replace(seqused_k=torch.ones(3, dtype=torch.int32)))
+    with pytest.raises(ValueError, match="dout: must be a CUDA tensor"):
+        flashhopper.backward(out, q, k, v, out, lse, varlen=varlen)
+
+
+def test_varlen_devices_must_match_under_fake_tensors():
+    """cu_seqlens and seqused must be on q's device (no copies behind the caller's back)."""
+    with FakeTensorMode():
+        q, k, v, cu_q, cu_k, max_q, max_k = varlen_args(device="cuda")
+        with pytest.raises(ValueError, match="cu_seqlens_q: must be a CUDA tensor, got device cpu"):
+            fa3.flash_attn_varlen_func(q, k, v, cu_q.cpu(), cu_k, max_q, max_k)
+        with pytest.raises(ValueError, match="seqused_k: must be a CUDA tensor, got device cpu"):
+            fa3.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, seqused_k=torch.ones(4, dtype=torch.int32))
+        q0, k0, v0, cu_q0 = (torch.empty(t.shape, dtype=t.dtype, device="cuda:0") for t in (q, k, v, cu_q))
+        with pytest.raises(ValueError, match="cu_seqlens_k: is on cuda:1 but the other tensors are on cuda:0"):
+            fa3.flash_attn_varlen_func(q0, k0, v0, cu_q0, torch.empty(5, dtype=torch.int32, device="cuda:1"), max_q,
+                                       max_k)
+
+
+# ----------------------------------------------------------------------------------------------
 # Bad mask and score options, bad learnable_sink: ValueError naming the argument, before devices
 
 @pytest.mark.parametrize("kwargs, pattern", [
@@ -284,6 +413,8 @@ def test_bad_mask_options(kwargs, pattern):
         flash_attn_func(q, k, v, **kwargs)
     with pytest.raises(ValueError, match=pattern):  # the plain calls check the same way
         flashhopper.forward(q, k, v, **kwargs)
+    with pytest.raises(ValueError, match=pattern):
+        fa3.flash_attn_varlen_func(*varlen_args(), **kwargs)
 
 
 def test_bad_mask_options_in_the_ops_and_backward():
@@ -327,6 +458,8 @@ def test_bad_learnable_sink(make_sink, pattern):
         flashhopper.backward(q, q, k, v, q, torch.empty(2, 8, 64), learnable_sink=make_sink())
     with pytest.raises(ValueError, match=pattern):
         fa3.flash_attn_qkvpacked_func(torch.randn(2, 64, 3, 8, 64, dtype=torch.bfloat16), learnable_sink=make_sink())
+    with pytest.raises(ValueError, match=pattern):
+        fa3.flash_attn_varlen_func(*varlen_args(heads_q=8), learnable_sink=make_sink())
 
 
 def test_learnable_sink_device_must_match():
@@ -414,6 +547,46 @@ def test_plain_calls_fill_the_structs(monkeypatch, causal, window, expected):
     assert all(not params.learnable_sink.data and not params.softcap and not params.attention_chunk
                for params in captured)
     assert not captured[1].dsink.data
+
+
+@pytest.mark.parametrize("causal, window, expected", [
+    (False, (39, 0), (1, -1, -1)),   # left covers max_seqlen_k = 40 (not total_k = 54): no bound
+    (False, (-1, 49), (0, -1, -1)),  # right covers max_seqlen_q = 50: no bound
+    (False, (38, 48), (0, 38, 48)),
+    (True, (20, 20), (0, 20, 0)),
+])
+def test_plain_calls_fill_the_varlen_fields(monkeypatch, causal, window, expected):
+    """With a Varlen the structs carry cu_seqlens, seqused (int32 views) and max_seqlen, lse is
+    [Hq, total_q], and the window is judged against max_seqlen (FA3's rule); without one they stay
+    absent."""
+    from flashhopper import interface
+    captured = _captured_params(monkeypatch)
+    q, k, v, cu_q, cu_k, max_q, max_k = varlen_args()
+    used_q = torch.tensor([3, 0, 20, 11], dtype=torch.int32)
+    varlen = interface.Varlen(cu_q, cu_k, max_q, max_k, seqused_q=used_q)
+    sink = torch.randn(8)
+    out, lse = flashhopper.forward(q, k, v, causal=causal, return_lse=True, window_size=window, learnable_sink=sink,
+                                   varlen=varlen)
+    assert out.shape == (64, 8, 128) and lse.shape == (8, 64) and lse.dtype == torch.float32
+    dq, dk, dv, dsink = flashhopper.backward(out, q, k, v, out, lse, causal=causal, window_size=window,
+                                             learnable_sink=sink, varlen=varlen)
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape and dsink.shape == (8,)
+    for params in captured:
+        assert (params.causal, params.window_left, params.window_right) == expected
+        assert (params.max_seqlen_q, params.max_seqlen_k) == (50, 40)
+        for field, tensor in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k), ("seqused_q", used_q)):
+            view = getattr(params, field)
+            assert view.data == tensor.data_ptr() and view.dtype == _ffi.DTYPE_INT32 and view.ndim == 1, field
+            assert view.shape[0] == tensor.shape[0] and view.stride[0] == 1, field
+        assert not params.seqused_k.data
+    assert captured[0].lse.shape[0] == 8 and captured[0].lse.shape[1] == 64
+    captured.clear()
+    dense = qkv()
+    flashhopper.backward(dense[0], *dense, dense[0], torch.empty(2, 8, 64))
+    flashhopper.forward(*dense)
+    for params in captured:
+        assert not (params.cu_seqlens_q.data or params.cu_seqlens_k.data or params.seqused_q.data
+                    or params.seqused_k.data or params.max_seqlen_q or params.max_seqlen_k)
 
 
 def test_reference_masks_softcap_and_sink():
@@ -605,6 +778,36 @@ def test_fake_shapes_with_options_and_sink():
             torch.ops.flashhopper.fwd(q, k, v, None, False, False, -1, -1, 0.0, 0, torch.empty(8, device="cuda"))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fake_varlen_shapes(dtype):
+    """The packed layout: fwd gives out [total_q, Hq, d] and lse [Hq, total_q] float32, bwd gradients
+    shaped like q, k, v (dsink [Hq] with a sink); flash_attn_varlen_func returns out, or (out, lse)."""
+    with FakeTensorMode():
+        q, k, v, cu_q, cu_k, max_q, max_k = varlen_args(heads_q=6, heads_kv=3, head_dim=64, dtype=dtype, device="cuda")
+        used = torch.empty(4, dtype=torch.int32, device="cuda")
+        sink = torch.empty(6, device="cuda")
+        varlen = (cu_q, cu_k, max_q, max_k, used, used)
+        out, lse = torch.ops.flashhopper.fwd(q, k, v, 0.2, True, False, 16, 0, 30.0, 64, sink, *varlen)
+        assert out.shape == (64, 6, 64) and out.dtype == dtype and out.is_contiguous() and out.device.type == "cuda"
+        assert lse.shape == (6, 64) and lse.dtype == torch.float32 and lse.is_contiguous()
+        dq, dk, dv, dsink = torch.ops.flashhopper.bwd(out, q, k, v, out, lse, 0.2, True, False, 16, 0, 30.0, 64, sink,
+                                                      *varlen)
+        assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape and dq.dtype == dtype
+        assert dsink.shape == (6,) and dsink.dtype == torch.float32
+        *_, no_dsink = torch.ops.flashhopper.bwd(out, q, k, v, out, lse, None, False, False, -1, -1, 0.0, 0, None,
+                                                 *varlen)
+        assert no_dsink.shape == (0,)
+        assert fa3.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k).shape == out.shape
+        out2, lse2 = fa3.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, seqused_q=used, causal=True,
+                                                window_size=(16, 0), learnable_sink=sink, return_attn_probs=True)
+        assert out2.shape == out.shape and lse2.shape == lse.shape and lse2.dtype == torch.float32
+        with pytest.raises(ValueError, match=r"lse: shape \(64, 6\), expected \[heads_q, total_q\] = \(6, 64\)"):
+            torch.ops.flashhopper.bwd(out, q, k, v, out, lse.t(), None, False, False, -1, -1, 0.0, 0, None, *varlen)
+        with pytest.raises(ValueError, match=r"seqused_q: expected an int32 tensor of shape \[batch\] = \(4,\)"):
+            torch.ops.flashhopper.fwd(q, k, v, None, False, False, -1, -1, 0.0, 0, None, cu_q, cu_k, max_q, max_k,
+                                      used[:3])
+
+
 def test_fake_impl_checks_shapes():
     with FakeTensorMode():
         q, k, v = qkv(device="cuda")
@@ -710,6 +913,77 @@ def test_torch_compile_fullgraph_traces(monkeypatch, dynamic, options):
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("sink_requires_grad", [False, True])
+def test_autograd_graph_varlen(sink_requires_grad):
+    """The packed layout's arguments reach bwd unchanged (cu_seqlens and seqused as the forward's
+    tensors, max_seqlen as ints) and get no gradient; q, k, v (and the sink) get theirs."""
+    def loss_grads(q, k, v, cu_q, cu_k, used_k, sink):
+        out, lse = torch.ops.flashhopper.fwd(q, k, v, 0.125, True, True, -1, -1, 0.0, 0, sink, cu_q, cu_k, 50, 40, None,
+                                             used_k)
+        assert not lse.requires_grad
+        inputs = (q, k, v, sink) if sink_requires_grad else (q, k, v)
+        return torch.autograd.grad(out.float().sum(), inputs)
+
+    q, k, v, cu_q, cu_k, _, _ = varlen_args(heads_q=4, heads_kv=2, device="meta", requires_grad=True)
+    used_k = torch.empty(4, dtype=torch.int32, device="meta")
+    sink = torch.zeros(4, device="meta", requires_grad=sink_requires_grad)
+    grads = loss_grads(q, k, v, cu_q, cu_k, used_k, sink)
+    assert [g.shape for g in grads[:3]] == [q.shape, k.shape, v.shape]
+    if sink_requires_grad:
+        assert grads[3].shape == (4,) and grads[3].dtype == torch.float32
+    graph = make_fx(loss_grads, tracing_mode="symbolic")(q, k, v, cu_q, cu_k, used_k, sink)
+    calls = {node.target: node for node in graph.graph.nodes if node.op == "call_function"}
+    bwd = calls[torch.ops.flashhopper.bwd.default]
+    placeholders = [node for node in graph.graph.nodes if node.op == "placeholder"]
+    assert list(bwd.args[6:9]) == [0.125, True, True]
+    assert bwd.args[13] is placeholders[6]  # the sink
+    assert bwd.args[14:17] == (placeholders[3], placeholders[4], 50)
+    assert bwd.args[17:20] == (40, None, placeholders[5])
+
+
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_torch_compile_fullgraph_traces_varlen(monkeypatch, dynamic):
+    """Dynamo traces flash_attn_varlen_func (its checks included) into one graph with the op, with
+    max_seqlen as int arguments and seqused and a learnable_sink given; AOT autograd adds bwd, and
+    q and the sink get their gradients (meta tensors, CUDA-device check off). New lengths and
+    max_seqlen do not recompile once they are dynamic (at the second call by default)."""
+    from flashhopper import interface
+    monkeypatch.setattr(interface, "check_devices", lambda named: None)
+    torch._dynamo.reset()
+    sink = torch.zeros(8, device="meta", requires_grad=True)
+
+    def block(q, k, v, cu_q, cu_k, max_q, max_k, used_q):
+        out, lse = fa3.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, seqused_q=used_q, causal=True,
+                                              window_size=(32, 0), softcap=20.0, return_attn_probs=True,
+                                              learnable_sink=sink, deterministic=True)
+        return out * 2, lse
+
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append([node.target for node in gm.graph.nodes if node.op == "call_function"])
+        from torch._dynamo.backends.common import aot_autograd
+        from functorch.compile import make_boxed_func
+        boxed = lambda g, _: make_boxed_func(g.forward)
+        return aot_autograd(fw_compiler=boxed, bw_compiler=boxed)(gm, example_inputs)
+
+    compiled = torch.compile(block, fullgraph=True, dynamic=dynamic, backend=backend)
+    graphs_after_call = []
+    for seqlens_q, seqlens_k in ((VARLEN_SEQLENS_Q, VARLEN_SEQLENS_K), ((7, 70, 1, 0), (9, 45, 30, 2)),
+                                 ((100, 1, 1, 1), (3, 3, 90, 2))):
+        q, k, v, cu_q, cu_k, max_q, max_k = varlen_args(seqlens_q, seqlens_k, device="meta", requires_grad=True)
+        used_q = torch.empty(4, dtype=torch.int32, device="meta")
+        out, lse = compiled(q, k, v, cu_q, cu_k, max_q, max_k, used_q)
+        out.sum().backward()
+        assert out.shape == q.shape and lse.shape == (8, q.shape[0]) and q.grad.shape == q.shape
+        assert k.grad.shape == k.shape and sink.grad.shape == (8,)
+        graphs_after_call.append(len(graphs))
+    dynamic_from = 0 if dynamic else 1  # by default, ints and sizes become dynamic when they first change
+    assert graphs_after_call[-1] == graphs_after_call[dynamic_from]
+    assert all(torch.ops.flashhopper.fwd.default in targets for targets in graphs)
+    torch._dynamo.reset()
+
+
 def test_flash_attn_func_refuses_meta_tensors():
     """flash_attn_func refuses meta tensors (not CUDA): the op is the place for device-free tracing."""
     q, k, v = qkv(device="meta")
@@ -766,6 +1040,32 @@ def test_reference_conventions():
     full, _ = attention_reference(q, k, v)
     s = torch.einsum("bqhd,bkd->bhqk", q, k[:, :, 0]) / 8 ** 0.5
     assert torch.allclose(full, torch.einsum("bhqk,bkd->bqhd", s.softmax(-1), v[:, :, 0]))
+
+
+def test_varlen_reference_conventions():
+    """The test reference for the packed layout: equal-length sequences give the dense reference;
+    each sequence is masked bottom-right on its own; zero-length sequences (q or k) and rows past
+    seqused give out 0 and lse -inf, and their gradients are zero."""
+    torch.manual_seed(0)
+    q = torch.randn(3, 5, 4, 8, dtype=torch.float64)
+    k = torch.randn(3, 7, 2, 8, dtype=torch.float64)
+    v = torch.randn(3, 7, 2, 8, dtype=torch.float64)
+    out, lse = attention_reference(q, k, v, causal=True, window_size=(2, 1))
+    packed = [t.flatten(0, 1) for t in (q, k, v)]
+    out_v, lse_v = varlen_attention_reference(*packed, [5] * 3, [7] * 3, causal=True, window_size=(2, 1))
+    assert torch.allclose(out_v, out.flatten(0, 1)) and torch.allclose(lse_v, lse.transpose(0, 1).flatten(1))
+
+    q, k, v = (t.requires_grad_() for t in (packed[0][:10], packed[1][:9], packed[2][:9]))
+    seqlens_q, seqlens_k, used_q, used_k = [3, 0, 4, 3], [0, 2, 3, 4], [3, 0, 2, 3], [0, 2, 3, 3]
+    out, lse = varlen_attention_reference(q, k, v, seqlens_q, seqlens_k, used_q, used_k, causal=True)
+    assert out.shape == (10, 4, 8) and lse.shape == (4, 10)
+    alone, alone_lse = attention_reference(q[None, 3:5], k[None, 2:5], v[None, 2:5], causal=True)
+    assert torch.equal(out[3:5], alone[0]) and torch.equal(lse[:, 3:5], alone_lse[0])
+    empty_rows = [0, 1, 2, 5, 6]  # no key (sequence 0), rows past seqused (sequence 2)
+    assert torch.all(out[empty_rows] == 0) and torch.all(lse[:, empty_rows] == float("-inf"))
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+    assert not any(torch.isnan(g).any() for g in (dq, dk, dv))
+    assert torch.all(dq[empty_rows] == 0) and torch.all(dk[8] == 0) and torch.all(dv[8] == 0)  # past seqused_k
 
 
 def test_sdpa_backend_refuses_non_square_causal():

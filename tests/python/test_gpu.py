@@ -1,9 +1,11 @@
 """GPU tests (sm_90 only; each skips with its reason elsewhere, or when the library says this build
 lacks the case's (dtype, head dim, mask or option)): outputs, LSE and gradients against a float64
 reference with FlashAttention's rule (our error <= 2 x the error of plain PyTorch in the input dtype +
-slack), also with local windows, softcap, attention_chunk and learnable_sink (and its gradient),
-determinism, torch.compile(fullgraph=True), torch.export, CUDA-graph capture and replay, opcheck, the SDPA
-backend and the error paths on CUDA tensors."""
+slack), also with local windows, softcap, attention_chunk and learnable_sink (and its gradient), and
+for packed variable-length sequences (flash_attn_varlen_func, against the reference per sequence,
+with seqused); determinism, torch.compile(fullgraph=True), torch.export, CUDA-graph capture and
+replay, opcheck, the SDPA backend and the error paths on CUDA tensors."""
+import itertools
 import math
 import random
 
@@ -11,9 +13,10 @@ import pytest
 import torch
 
 import flashhopper
+import flashhopper.flash_attn_interface as fa3
 from flashhopper import FlashHopperNotSupported, flash_attn_func
 
-from support import attention_reference, requires_gpu, visible_keys
+from support import attention_reference, requires_gpu, varlen_attention_reference
 
 OUT_SLACK = 1e-5
 GRAD_SLACK = 1e-4
@@ -40,6 +43,31 @@ def max_error(a, b, finite_only=False):
         both_inf = torch.isinf(a) & torch.isinf(b) & (torch.sign(a) == torch.sign(b))
         a, b = torch.where(both_inf, 0.0, a), torch.where(both_inf, 0.0, b)
     return (a - b).abs().max().item()
+
+
+def assert_matches_reference(out, lse, grads, leaves, dout, dtype, reference):
+    """FlashAttention's rule against reference(leaves, dtype) -> (out, lse), computed in float64 (the
+    exact one) and in the input dtype (plain PyTorch), each on its own copy of the leaves (q, k, v
+    and the sink, if any; `grads` are ours for them): no NaN, lse -inf exactly where the reference
+    has it, out exactly 0 on the rows where the reference's is (rows that see no key), and out, lse
+    and every gradient within 2 x plain PyTorch's error + slack."""
+    leaves_ref = [t.detach().double().requires_grad_() for t in leaves]
+    leaves_pt = [t.detach().clone().requires_grad_() for t in leaves]
+    out_ref, lse_ref = reference(leaves_ref, torch.float64)
+    out_pt, lse_pt = reference(leaves_pt, dtype)
+    grads_ref = torch.autograd.grad(out_ref, leaves_ref, dout.double())
+    grads_pt = torch.autograd.grad(out_pt, leaves_pt, dout)
+    names = ("dq", "dk", "dv", "dsink")
+    for name, t in (("out", out), ("lse", lse)) + tuple(zip(names, grads)):
+        assert not torch.isnan(t).any(), f"{name} has NaN"
+    assert torch.equal(torch.isinf(lse), torch.isinf(lse_ref))
+    assert torch.all(out[(out_ref == 0).all(dim=-1)] == 0)
+    assert max_error(out, out_ref) <= 2 * max_error(out_pt, out_ref) + OUT_SLACK
+    assert max_error(lse, lse_ref, finite_only=True) <= 2 * max_error(lse_pt.float(), lse_ref, True) + GRAD_SLACK
+    for name, ours, ref, plain in zip(names, grads, grads_ref, grads_pt):
+        assert ours.shape == ref.shape and ours.dtype == (torch.float32 if name == "dsink" else dtype), name
+        err, err_pt = max_error(ours, ref), max_error(plain, ref)
+        assert err <= 2 * err_pt + GRAD_SLACK, f"{name}: error {err:.3g} vs plain PyTorch's {err_pt:.3g}"
 
 
 # (batch, seqlen_q, seqlen_k, heads_q, heads_kv, causal): sq != sk both ways (sq > sk causal has
@@ -79,25 +107,9 @@ def test_against_reference(dtype, head_dim, batch, seqlen_q, seqlen_k, heads_q, 
     assert out.shape == q.shape and out.dtype == dtype
     assert lse.shape == (batch, heads_q, seqlen_q) and lse.dtype == torch.float32 and not lse.requires_grad
     dout = torch.randn_like(out)
-    dq, dk, dv = run_or_skip(torch.autograd.grad, out, (q, k, v), dout)
-
-    # float64 reference and plain PyTorch in the input dtype, each on its own leaves
-    leaves_ref = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    leaves_pt = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    out_ref, lse_ref = attention_reference(*leaves_ref, causal=causal, softmax_scale=scale, dtype=torch.float64)
-    out_pt, lse_pt = attention_reference(*leaves_pt, causal=causal, softmax_scale=scale, dtype=dtype)
-    grads_ref = torch.autograd.grad(out_ref, leaves_ref, dout.double())
-    grads_pt = torch.autograd.grad(out_pt, leaves_pt, dout)
-
-    for name, t in (("out", out), ("lse", lse), ("dq", dq), ("dk", dk), ("dv", dv)):
-        assert not torch.isnan(t).any(), f"{name} has NaN"
-    # rows that see no key: out 0, lse -inf (exactly where the reference has them)
-    assert torch.equal(torch.isinf(lse), torch.isinf(lse_ref))
-    assert max_error(out, out_ref) <= 2 * max_error(out_pt, out_ref) + OUT_SLACK
-    assert max_error(lse, lse_ref, finite_only=True) <= 2 * max_error(lse_pt.float(), lse_ref, True) + GRAD_SLACK
-    for name, ours, ref, plain in zip(("dq", "dk", "dv"), (dq, dk, dv), grads_ref, grads_pt):
-        err, err_pt = max_error(ours, ref), max_error(plain, ref)
-        assert err <= 2 * err_pt + GRAD_SLACK, f"{name}: error {err:.3g} vs plain PyTorch's {err_pt:.3g}"
+    grads = run_or_skip(torch.autograd.grad, out, (q, k, v), dout)
+    assert_matches_reference(out, lse, grads, (q, k, v), dout, dtype, lambda leaves, in_dtype: attention_reference(
+        *leaves, causal=causal, softmax_scale=scale, dtype=in_dtype))
 
 
 # (id, dtype, head_dim, batch, seqlen_q, seqlen_k, heads_q, heads_kv, options for flash_attn_func, with_sink).
@@ -155,31 +167,9 @@ def test_options_against_reference(dtype, head_dim, batch, seqlen_q, seqlen_k, h
     dout = torch.randn_like(out)
     leaves = (q, k, v) + ((sink,) if with_sink else ())
     grads = run_or_skip(torch.autograd.grad, out, leaves, dout)
-
-    reference_options = dict(options)
-    reference_options.setdefault("window_size", (-1, -1))
-    leaves_ref = [t.detach().double().requires_grad_() for t in leaves]
-    leaves_pt = [t.detach().clone().requires_grad_() for t in leaves]
-    out_ref, lse_ref = attention_reference(*leaves_ref[:3], dtype=torch.float64,
-                                           learnable_sink=leaves_ref[3] if with_sink else None, **reference_options)
-    out_pt, lse_pt = attention_reference(*leaves_pt[:3], dtype=dtype,
-                                         learnable_sink=leaves_pt[3] if with_sink else None, **reference_options)
-    grads_ref = torch.autograd.grad(out_ref, leaves_ref, dout.double())
-    grads_pt = torch.autograd.grad(out_pt, leaves_pt, dout)
-
-    for name, t in (("out", out), ("lse", lse)) + tuple(zip(("dq", "dk", "dv", "dsink"), grads)):
-        assert not torch.isnan(t).any(), f"{name} has NaN"
     # rows that see no key: lse -inf without a sink (the sink's logit with one), out 0
-    assert torch.equal(torch.isinf(lse), torch.isinf(lse_ref))
-    empty_rows = ~visible_keys(seqlen_q, seqlen_k, options.get("causal", False), reference_options["window_size"],
-                               options.get("attention_chunk", 0), device=out.device).any(dim=1)
-    assert torch.all(out[:, empty_rows] == 0)
-    assert max_error(out, out_ref) <= 2 * max_error(out_pt, out_ref) + OUT_SLACK
-    assert max_error(lse, lse_ref, finite_only=True) <= 2 * max_error(lse_pt.float(), lse_ref, True) + GRAD_SLACK
-    for name, ours, ref, plain in zip(("dq", "dk", "dv", "dsink"), grads, grads_ref, grads_pt):
-        assert ours.shape == ref.shape and ours.dtype == (torch.float32 if name == "dsink" else dtype), name
-        err, err_pt = max_error(ours, ref), max_error(plain, ref)
-        assert err <= 2 * err_pt + GRAD_SLACK, f"{name}: error {err:.3g} vs plain PyTorch's {err_pt:.3g}"
+    assert_matches_reference(out, lse, grads, leaves, dout, dtype, lambda leaves, in_dtype: attention_reference(
+        *leaves[:3], dtype=in_dtype, learnable_sink=leaves[3] if with_sink else None, **options))
 
 
 @requires_gpu
@@ -442,6 +432,203 @@ def test_sdpa_flash_backend():
     assert torch.equal(out, ours)
     for a, b in zip(grads, our_grads):
         assert torch.allclose(a.float(), b.float(), atol=1e-2, rtol=0)
+
+
+# ----------------------------------------------------------------------------------------------
+# flash_attn_varlen_func: packed variable-length sequences
+
+def cu_seqlens(lengths):
+    return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device="cuda")
+
+
+def make_varlen_inputs(seqlens_q, seqlens_k, heads_q, heads_kv, head_dim, dtype, seed=0, requires_grad=True):
+    """Packed q [total_q, Hq, d], k/v [total_k, Hkv, d] (total = the sum of the lengths) and
+    cu_seqlens_q/k."""
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    def randn(total, heads):
+        return torch.randn(total, heads, head_dim, device="cuda", dtype=dtype,
+                           generator=generator).requires_grad_(requires_grad)
+    return (randn(sum(seqlens_q), heads_q), randn(sum(seqlens_k), heads_kv), randn(sum(seqlens_k), heads_kv),
+            cu_seqlens(seqlens_q), cu_seqlens(seqlens_k))
+
+
+def past_seqused(seqlens, seqused):
+    """[total] bool: the tokens of each sequence past its first seqused[b]."""
+    return torch.tensor([i >= used for length, used in zip(seqlens, seqused) for i in range(length)], device="cuda")
+
+
+MIX = [1, 7, 113, 0, 1000, 300]
+
+# (id, dtype, head_dim, seqlens_q, seqlens_k, heads_q, heads_kv, options, with_sink, seqused_q, seqused_k):
+# zero-length sequences in the middle and at the end, sq != sk per sequence both ways (also sk = 0
+# and sq > sk causal: rows that see no key), GQA/MQA, causal, windows, every option with a sink,
+# seqused shorter than the lengths (also 0), bf16 and fp16, head dims 64/128/256.
+VARLEN_CASES = [
+    ("mix", torch.bfloat16, 128, MIX, MIX, 4, 4, dict(), False, None, None),
+    ("mix-causal-gqa", torch.bfloat16, 128, MIX, [5, 7, 60, 0, 1200, 300], 8, 2, dict(causal=True), False, None,
+     None),
+    ("zeros-at-end-window", torch.bfloat16, 128, [64, 0, 257, 0], [100, 0, 200, 0], 4, 2,
+     dict(window_size=(32, 8)), False, None, None),
+    ("no-keys-causal", torch.bfloat16, 128, [30, 200, 17, 5], [0, 150, 40, 0], 4, 4, dict(causal=True), False,
+     None, None),
+    ("sink-causal", torch.bfloat16, 128, MIX, [1, 20, 113, 0, 700, 300], 8, 2, dict(causal=True), True, None,
+     None),
+    ("all-options-sink-d64", torch.bfloat16, 64, MIX, [3, 7, 200, 0, 1100, 256], 4, 2,
+     dict(softcap=15.0, window_size=(96, 8), attention_chunk=160, softmax_scale=0.1), True, None, None),
+    ("causal-d256", torch.bfloat16, 256, [1, 7, 113, 0, 600, 300], [1, 7, 200, 0, 600, 250], 4, 2,
+     dict(causal=True), False, None, None),
+    ("fp16-d64-causal", torch.float16, 64, MIX, MIX, 4, 2, dict(causal=True), False, None, None),
+    ("fp16-d128-window-mqa", torch.float16, 128, [77, 0, 513, 1], [200, 3, 500, 1], 6, 1,
+     dict(window_size=(64, 0)), False, None, None),
+    ("fp16-d256", torch.float16, 256, [130, 0, 257], [64, 1, 300], 2, 1, dict(), False, None, None),
+    ("seqused-causal", torch.bfloat16, 128, [100, 0, 257, 64], [120, 5, 300, 64], 4, 2, dict(causal=True), False,
+     [60, 0, 257, 1], [120, 0, 100, 64]),
+    ("seqused-window-fp16", torch.float16, 64, MIX, MIX, 4, 4, dict(window_size=(50, 50)), False,
+     [1, 3, 113, 0, 999, 0], [1, 7, 50, 0, 1000, 300]),
+]
+
+
+@pytest.mark.parametrize("dtype, head_dim, seqlens_q, seqlens_k, heads_q, heads_kv, options, with_sink, seqused_q, "
+                         "seqused_k", [pytest.param(*case[1:], id=case[0]) for case in VARLEN_CASES])
+@requires_gpu
+def test_varlen_against_reference(dtype, head_dim, seqlens_q, seqlens_k, heads_q, heads_kv, options, with_sink,
+                                  seqused_q, seqused_k):
+    """Out, lse, dq, dk, dv (and dsink) against the reference run on each sequence on its own
+    (support.varlen_attention_reference); rows past seqused give out 0, lse -inf and zero dq, keys
+    past seqused_k zero dk and dv."""
+    q, k, v, cu_q, cu_k = make_varlen_inputs(seqlens_q, seqlens_k, heads_q, heads_kv, head_dim, dtype,
+                                             seed=sum(seqlens_q) * 1000 + sum(seqlens_k) + head_dim)
+    sink = make_sink(heads_q, seed=len(seqlens_q)) if with_sink else None
+    seqused = {name: torch.tensor(used, dtype=torch.int32, device="cuda")
+               for name, used in (("seqused_q", seqused_q), ("seqused_k", seqused_k)) if used is not None}
+    out, lse = run_or_skip(fa3.flash_attn_varlen_func, q, k, v, cu_q, cu_k, max(seqlens_q), max(seqlens_k),
+                           return_attn_probs=True, learnable_sink=sink, **seqused, **options)
+    assert out.shape == q.shape and out.dtype == dtype
+    assert lse.shape == (heads_q, q.shape[0]) and lse.dtype == torch.float32 and not lse.requires_grad
+    dout = torch.randn_like(out)
+    leaves = (q, k, v) + ((sink,) if with_sink else ())
+    grads = run_or_skip(torch.autograd.grad, out, leaves, dout)
+    assert_matches_reference(out, lse, grads, leaves, dout, dtype, lambda leaves, in_dtype: varlen_attention_reference(
+        *leaves[:3], seqlens_q, seqlens_k, seqused_q, seqused_k, dtype=in_dtype,
+        learnable_sink=leaves[3] if with_sink else None, **options))
+    if seqused_q is not None:
+        unused = past_seqused(seqlens_q, seqused_q)
+        assert torch.all(out[unused] == 0) and torch.all(lse[:, unused] == float("-inf"))
+        assert torch.all(grads[0][unused] == 0)
+    if seqused_k is not None:
+        unused = past_seqused(seqlens_k, seqused_k)
+        assert torch.all(grads[1][unused] == 0) and torch.all(grads[2][unused] == 0)
+
+
+@requires_gpu
+def test_varlen_deterministic_backward_is_bitwise_reproducible():
+    q, k, v, cu_q, cu_k = make_varlen_inputs(MIX, MIX, 8, 2, 128, torch.bfloat16, seed=61)
+    sink = make_sink(8, seed=6)
+    out = run_or_skip(fa3.flash_attn_varlen_func, q, k, v, cu_q, cu_k, max(MIX), max(MIX), causal=True,
+                      learnable_sink=sink, deterministic=True)
+    dout = torch.randn_like(out)
+    first = run_or_skip(torch.autograd.grad, out, (q, k, v, sink), dout, retain_graph=True)
+    again = torch.autograd.grad(out, (q, k, v, sink), dout, retain_graph=True)
+    for name, a, b in zip(("dq", "dk", "dv", "dsink"), first, again):
+        assert torch.equal(a, b), f"{name}: not bit-identical run to run"
+
+
+@requires_gpu
+def test_varlen_torch_compile_fullgraph():
+    seqlens_k = [5, 7, 60, 0, 1200, 300]
+    q, k, v, cu_q, cu_k = make_varlen_inputs(MIX, seqlens_k, 8, 2, 128, torch.bfloat16, seed=71)
+
+    def attention_block(q, k, v, cu_q, cu_k, max_q, max_k):
+        out = fa3.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, causal=True, window_size=(256, 0))
+        return (out.float() * 1.5).to(q.dtype)
+
+    eager = run_or_skip(attention_block, q, k, v, cu_q, cu_k, max(MIX), max(seqlens_k))
+    dout = torch.randn_like(eager)
+    eager_grads = run_or_skip(torch.autograd.grad, eager, (q, k, v), dout)
+    torch._dynamo.reset()
+    compiled = torch.compile(attention_block, fullgraph=True)
+    out = compiled(q, k, v, cu_q, cu_k, max(MIX), max(seqlens_k))
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    torch._dynamo.reset()
+    assert torch.allclose(out.float(), eager.float(), atol=1e-2, rtol=0)
+    for a, b in zip(grads, eager_grads):
+        assert torch.allclose(a.float(), b.float(), atol=2e-2, rtol=0)
+
+
+@requires_gpu
+def test_varlen_cuda_graph_capture_and_replay():
+    """Capture forward and backward once, then move the sequence boundaries in place (same totals,
+    lengths within max_seqlen) and change q: the replay equals eager, so the graph reads cu_seqlens
+    on the device and nothing of them was copied to the host at capture."""
+    q, k, v, cu_q, cu_k = make_varlen_inputs([100, 0, 257, 64], [120, 5, 300, 64], 4, 2, 128, torch.bfloat16,
+                                             seed=51)
+    max_q = max_k = 400
+    sink = make_sink(4, seed=9)
+    dout = torch.randn_like(q)  # out is shaped like q
+    options = dict(causal=True, learnable_sink=sink, deterministic=True)
+    run_or_skip(fa3.flash_attn_varlen_func, q, k, v, cu_q, cu_k, max_q, max_k, **options)
+
+    def step():
+        out = fa3.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, **options)
+        return (out, *torch.autograd.grad(out, (q, k, v, sink), dout))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up off the capture stream, as torch.cuda.graph asks
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+
+    new_q, _, _, new_cu_q, new_cu_k = make_varlen_inputs([150, 50, 157, 64], [20, 105, 300, 64], 4, 2, 128,
+                                                         torch.bfloat16, seed=52, requires_grad=False)
+    with torch.no_grad():
+        q.copy_(new_q), cu_q.copy_(new_cu_q), cu_k.copy_(new_cu_k)
+    graph.replay()
+    torch.cuda.synchronize()
+    eager = step()
+    for name, a, b in zip(("out", "dq", "dk", "dv", "dsink"), captured, eager):
+        assert torch.equal(a, b), f"{name}: replay differs from eager"
+
+
+@requires_gpu
+def test_varlen_opcheck():
+    q, k, v, cu_q, cu_k = make_varlen_inputs([30, 0, 97], [50, 10, 60], 4, 2, 128, torch.bfloat16, seed=81)
+    varlen = (cu_q, cu_k, 97, 60, None, torch.tensor([50, 3, 40], dtype=torch.int32, device="cuda"))
+    # deterministic=True: opcheck compares gradients of repeated runs
+    run_or_skip(torch.ops.flashhopper.fwd, q.detach(), k.detach(), v.detach(), None, True, True, -1, -1, 0.0, 0,
+                None, *varlen)
+    torch.library.opcheck(torch.ops.flashhopper.fwd.default, (q, k, v, None, True, True, -1, -1, 0.0, 0, None, *varlen))
+    out, lse = torch.ops.flashhopper.fwd(q.detach(), k.detach(), v.detach(), None, True, True, -1, -1, 0.0, 0, None,
+                                         *varlen)
+    assert lse.shape == (4, q.shape[0])
+    args = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse, None, True, True, -1, -1, 0.0, 0,
+            None, *varlen)
+    run_or_skip(torch.ops.flashhopper.bwd, *args)
+    torch.library.opcheck(torch.ops.flashhopper.bwd.default, args)
+
+
+@requires_gpu
+def test_varlen_errors_on_cuda_tensors():
+    q, k, v, cu_q, cu_k = make_varlen_inputs([10, 20], [10, 20], 4, 2, 128, torch.bfloat16, requires_grad=False)
+    with pytest.raises(ValueError, match="cu_seqlens_q: must be a CUDA tensor, got device cpu"):
+        fa3.flash_attn_varlen_func(q, k, v, cu_q.cpu(), cu_k, 20, 20)
+    with pytest.raises(ValueError, match="cu_seqlens_k: expected an int32 tensor .* got dtype torch.int64"):
+        fa3.flash_attn_varlen_func(q, k, v, cu_q, cu_k.long(), 20, 20)
+    with pytest.raises(ValueError, match="seqused_q: must be a CUDA tensor, got device cpu"):
+        fa3.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 20, 20, seqused_q=torch.tensor([1, 2], dtype=torch.int32))
+    with pytest.raises(ValueError, match="max_seqlen_k: 0 must be in"):
+        fa3.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 20, 0)
+    with pytest.raises(ValueError, match="q: expected 3 dims"):
+        fa3.flash_attn_varlen_func(q[None], k, v, cu_q, cu_k, 20, 20)
+    many = torch.zeros(8194, dtype=torch.int32, device="cuda")  # 8193 (empty) sequences: more than the library takes
+    with pytest.raises(FlashHopperNotSupported):
+        fa3.flash_attn_varlen_func(q, k, v, many, many, 20, 20)
+    if torch.cuda.device_count() > 1:
+        with pytest.raises(ValueError, match="cu_seqlens_k: is on cuda:1"):
+            fa3.flash_attn_varlen_func(q, k, v, cu_q, cu_k.to("cuda:1"), 20, 20)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -75,7 +75,9 @@ struct PersistentTileScheduler {
   CUTLASS_DEVICE static WorkTile decode(Params const& params, int tile) {
     WorkTile work;
     if (params.planned != nullptr) {
-      work.valid = tile < __ldg(params.num_planned);
+      const int num_planned = __ldg(params.num_planned);
+      work.valid = tile < num_planned;
+      if (work.valid) tile = snake(tile, num_planned);
       const PlannedTile t = work.valid ? __ldg(params.planned + tile) : PlannedTile{0, 0, 0, 0};
       work.block = t.x;
       work.head = t.y;
@@ -85,10 +87,7 @@ struct PersistentTileScheduler {
     work.valid = tile < params.num_tiles;
     int block, rest;
     if constexpr (kLongestFirst) {
-      const int wave = tile / int(gridDim.x);
-      const int wave_start = wave * int(gridDim.x);
-      const int wave_size = min(int(gridDim.x), params.num_tiles - wave_start);  // the last is partial
-      if ((wave & 1) && work.valid) tile = wave_start + wave_size - 1 - (tile - wave_start);
+      if (work.valid) tile = snake(tile, params.num_tiles);
       // rank = section * (heads_per_section * num_blocks) + (block from the last) * heads_here + pair
       const int section_tiles = params.heads_per_section * params.num_blocks;
       const int section = tile / section_tiles;
@@ -104,6 +103,14 @@ struct PersistentTileScheduler {
     params.head_divmod(work.batch, work.head, rest);
     work.block = block;
     return work;
+  }
+
+  // Odd waves run backwards over the CTAs (the last wave may be partial).
+  CUTLASS_DEVICE static int snake(int tile, int num_tiles) {
+    const int wave = tile / int(gridDim.x);
+    const int wave_start = wave * int(gridDim.x);
+    const int wave_size = min(int(gridDim.x), num_tiles - wave_start);
+    return (wave & 1) ? wave_start + wave_size - 1 - (tile - wave_start) : tile;
   }
 
   CUTLASS_DEVICE static int first_tile() { return blockIdx.x; }

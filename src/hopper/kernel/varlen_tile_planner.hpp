@@ -1,16 +1,18 @@
 // The tile list of a packed (varlen) batch, planned on the device before the attention kernel
 // (one CTA; no host synchronisation, no host copy of cu_seqlens, so calls can be captured in CUDA
-// graphs). Order, for PersistentTileScheduler's CTAs that take tiles i, i + grid, ...:
-// - sequences by the length of their tiles' other axis, longest first (a tile's work grows with
-//   it), so that a long sequence never trails alone in the last wave;
-// - within a sequence, its heads in sections whose streamed bytes (K and V in the forward, a key
-//   head's Q and dO in the backward) fit the L2 budget, a section's tiles together; within a
-//   section block by block, every head of the section at each block (the CTAs running together
-//   share the section's data in L2);
-// - blocks lowest first, or highest first where the dense scheduler gives the highest first
-//   (causal), so that the kernels' causal walks see the same order either way. In the dK/dV
-//   kernel a head's lower key blocks thus always come no later, which its deterministic dQ turns
-//   rely on.
+// graphs). It reproduces the dense scheduler's order (tile_scheduler.hpp) over sequences of
+// different lengths:
+// - the (sequence, head) pairs in sequence order, sequences with the most blocks first, cut into
+//   sections of at least section_tiles tiles (four waves, or what fits half the L2) at pair
+//   boundaries;
+// - within a section block rank by block rank, every pair that has the rank at each one, so that
+//   the CTAs of a wave get tiles of the same length (causal: the longest first), the short ones
+//   fill the last wave, and a section's pairs share their K/V (or Q/dO) in L2;
+// - block rank r is block r, or the highest block minus r where the dense scheduler gives the
+//   highest first (causal), so that the kernels see the same order either way. In the dK/dV
+//   kernel a head's lower key blocks thus always come no later, which its deterministic dQ
+//   turns rely on.
+// PersistentTileScheduler's CTAs take tiles i, i + grid, ..., odd waves reversed, as for dense.
 // At most max_tiles tiles (the workspace's capacity, from the tensors' sizes) are written; the
 // clamped SeqlenInfo keeps that bound whatever cu_seqlens hold.
 #pragma once
@@ -35,8 +37,7 @@ struct VarlenTilePlanner {
     int block_rows;     // rows of a tile's block (kBlockM, or kBlockN over keys)
     bool key_blocks;    // blocks run over the keys (dK/dV kernel), else over the queries
     bool highest_first; // blocks from the highest down
-    int64_t l2_budget_bytes;          // what a section's heads may stream together
-    int64_t streamed_bytes_per_row;   // per head and row of the other axis
+    int section_tiles;  // the fewest tiles a section spans
     int max_tiles;
     PlannedTile* tiles;
     int* num_tiles;
