@@ -65,6 +65,7 @@ cudaError_t run_backward_dq_kernel(const BackwardParams& p, const detail::Proble
     hopper::VarlenTilePlanner::Params plan{args.seqlen, batch, heads_q, Tile::kBlockM, /*key_blocks=*/false,
                                            /*highest_first=*/kMask == MaskKind::kCausal,
                                            planner_section_tiles(num_sms, l2_bytes, Tile::kBlockM, kv_bytes_per_row),
+                                           int(std::min<int64_t>(layout.max_dq_tiles, num_sms)),
                                            int(layout.max_dq_tiles), tiles, num_tiles};
     cudaError_t err = plan_varlen_tiles(plan, stream);
     if (err != cudaSuccess) return err;
@@ -184,6 +185,7 @@ cudaError_t run_backward_hdim(const BackwardParams& p, const detail::ProblemShap
     hopper::VarlenTilePlanner::Params plan{seqlen, batch, heads_kv, Tile::kBlockN, /*key_blocks=*/true,
                                            /*highest_first=*/kCausal,
                                            planner_section_tiles(num_sms, l2_bytes, Tile::kBlockN, qdo_bytes_per_row),
+                                           int(std::min<int64_t>(layout.max_main_tiles, num_sms)),
                                            int(layout.max_main_tiles), tiles, num_tiles};
     if ((err = plan_varlen_tiles(plan, stream)) != cudaSuccess) return err;
     scheduler = Scheduler::planned_params(tiles, num_tiles, int(layout.max_main_tiles));

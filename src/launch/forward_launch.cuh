@@ -80,7 +80,8 @@ cudaError_t run_forward_hdim(const ForwardParams& p, const detail::ProblemShape&
     hopper::VarlenTilePlanner::Params plan{seqlen, batch, heads_q, Tile::kBlockM, /*key_blocks=*/false,
                                            /*highest_first=*/kMask == MaskKind::kCausal,
                                            planner_section_tiles(num_sms, l2_bytes, Tile::kBlockM, kv_bytes_per_row),
-                                           int(max_tiles), tiles, num_tiles};
+                                           int(std::min<int64_t>(max_tiles, num_sms)), int(max_tiles), tiles,
+                                           num_tiles};
     if ((err = plan_varlen_tiles(plan, stream)) != cudaSuccess) return err;
     scheduler = Scheduler::planned_params(tiles, num_tiles, int(max_tiles));
   } else {

@@ -81,7 +81,12 @@ CUTLASS_DEVICE void VarlenTilePlanner::operator()(Params const& p, char* smem) c
     }
     return lo;
   };
-  for (int t = tid; t < total; t += kThreads) {
+  for (int entry = tid; entry < total; entry += kThreads) {
+    // Odd waves backwards over the CTAs, as the dense scheduler's snake (here, so that a CTA's
+    // decode is one load: entry i is the i-th tile CTA i % grid takes).
+    const int wave_start = entry / p.grid * p.grid;
+    const int wave_size = min(p.grid, total - wave_start);
+    const int t = (entry / p.grid) % 2 ? wave_start + wave_size - 1 - (entry - wave_start) : entry;
     // The section: the pairs whose first tile lies in [k * S, (k + 1) * S).
     const int pair_of_t = first_pair_at(t + 1) - 1;  // the last pair starting at or before t
     const long long section = pair_start(pair_of_t) / p.section_tiles;
@@ -112,7 +117,7 @@ CUTLASS_DEVICE void VarlenTilePlanner::operator()(Params const& p, char* smem) c
     const int s = pair / p.heads;
     const int blocks = pair_blocks(pair);
     const int block = p.highest_first ? blocks - 1 - lo : lo;
-    p.tiles[t] = PlannedTile{block, pair % p.heads, int(uint32_t(keys[s])), 0};
+    p.tiles[entry] = PlannedTile{block, pair % p.heads, int(uint32_t(keys[s])), 0};
   }
 }
 

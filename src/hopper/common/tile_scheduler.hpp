@@ -75,10 +75,9 @@ struct PersistentTileScheduler {
   CUTLASS_DEVICE static WorkTile decode(Params const& params, int tile) {
     WorkTile work;
     if (params.planned != nullptr) {
-      const int num_planned = __ldg(params.num_planned);
-      work.valid = tile < num_planned;
-      if (work.valid) tile = snake(tile, num_planned);
-      const PlannedTile t = work.valid ? __ldg(params.planned + tile) : PlannedTile{0, 0, 0, 0};
+      // Both loads at once (the planner wrote the snake order into the list).
+      const PlannedTile t = tile < params.num_tiles ? __ldg(params.planned + tile) : PlannedTile{0, 0, 0, 0};
+      work.valid = tile < __ldg(params.num_planned);
       work.block = t.x;
       work.head = t.y;
       work.batch = t.z;
