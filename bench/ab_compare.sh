@@ -3,6 +3,8 @@
 # that builds compare under the same conditions. Prints each run's table; the CSVs land in
 # $OUT/a, $OUT/b, ... in the order the libraries are given.
 # Usage: bench/ab_compare.sh LIB_A LIB_B [LIB_C ...] [benchmark arguments, e.g. --passes bwd --seqlens 2048]
+# A library may be given as LIB@PYTHONPATH: the Python package it runs under (an older library
+# needs its own checkout's python/; default: this checkout's).
 set -uo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 libs=()
@@ -19,7 +21,10 @@ fi
 for i in "${!libs[@]}"; do
   side=${sides[$i]}
   mkdir -p "$out/$side"
-  echo "==== $side: ${libs[$i]}"
-  PYTHONUNBUFFERED=1 FLASHHOPPER_LIBRARY="${libs[$i]}" PYTHONPATH="$root/python" \
+  lib="${libs[$i]%%@*}"
+  package="$root/python"
+  [ "$lib" != "${libs[$i]}" ] && package="${libs[$i]#*@}"
+  echo "==== $side: $lib (package $package)"
+  PYTHONUNBUFFERED=1 FLASHHOPPER_LIBRARY="$lib" PYTHONPATH="$package" \
     timeout 280 python3 "$root/bench/benchmark_attention.py" --out "$out/$side" "$@" 2>&1 | tail -32
 done

@@ -121,3 +121,30 @@ def varlen_attention_reference(q, k, v, seqlens_q, seqlens_k, seqused_q=None, se
         start_q += len_q
         start_k += len_k
     return torch.cat(outs), torch.cat(lses, dim=1)
+
+
+def capture_graph(step):
+    """Warms `step` up off the capture stream (as torch.cuda.graph asks), captures one call in a
+    CUDA graph and returns (graph, the captured call's outputs)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    return graph, captured
+
+
+def recording_backend(graphs):
+    """A torch.compile backend that appends each compiled graph's call targets to `graphs` and
+    runs it through AOT autograd unchanged."""
+    def backend(gm, example_inputs):
+        graphs.append([node.target for node in gm.graph.nodes if node.op == "call_function"])
+        from torch._dynamo.backends.common import aot_autograd
+        from functorch.compile import make_boxed_func
+        boxed = lambda g, _: make_boxed_func(g.forward)
+        return aot_autograd(fw_compiler=boxed, bw_compiler=boxed)(gm, example_inputs)
+    return backend

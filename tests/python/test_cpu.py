@@ -25,7 +25,7 @@ import flashhopper
 import flashhopper.flash_attn_interface as fa3
 from flashhopper import _ffi, flash_attn_func
 
-from support import attention_reference, varlen_attention_reference, visible_keys
+from support import attention_reference, recording_backend, varlen_attention_reference, visible_keys
 
 
 @pytest.fixture(autouse=True)
@@ -894,12 +894,7 @@ def test_torch_compile_fullgraph_traces(monkeypatch, dynamic, options):
 
     graphs = []
 
-    def backend(gm, example_inputs):
-        graphs.append([node.target for node in gm.graph.nodes if node.op == "call_function"])
-        from torch._dynamo.backends.common import aot_autograd
-        from functorch.compile import make_boxed_func
-        boxed = lambda g, _: make_boxed_func(g.forward)
-        return aot_autograd(fw_compiler=boxed, bw_compiler=boxed)(gm, example_inputs)
+    backend = recording_backend(graphs)
 
     q, k, v = qkv(batch=2, seqlen_q=64, seqlen_k=96, device="meta", requires_grad=True)
     out, lse = torch.compile(block, fullgraph=True, dynamic=dynamic, backend=backend)(q, k, v)
@@ -960,12 +955,7 @@ def test_torch_compile_fullgraph_traces_varlen(monkeypatch, dynamic):
 
     graphs = []
 
-    def backend(gm, example_inputs):
-        graphs.append([node.target for node in gm.graph.nodes if node.op == "call_function"])
-        from torch._dynamo.backends.common import aot_autograd
-        from functorch.compile import make_boxed_func
-        boxed = lambda g, _: make_boxed_func(g.forward)
-        return aot_autograd(fw_compiler=boxed, bw_compiler=boxed)(gm, example_inputs)
+    backend = recording_backend(graphs)
 
     compiled = torch.compile(block, fullgraph=True, dynamic=dynamic, backend=backend)
     graphs_after_call = []

@@ -16,7 +16,7 @@ import flashhopper
 import flashhopper.flash_attn_interface as fa3
 from flashhopper import FlashHopperNotSupported, flash_attn_func
 
-from support import attention_reference, requires_gpu, varlen_attention_reference
+from support import attention_reference, capture_graph, requires_gpu, varlen_attention_reference
 
 OUT_SLACK = 1e-5
 GRAD_SLACK = 1e-4
@@ -248,15 +248,7 @@ def test_cuda_graph_with_options():
         out = flash_attn_func(q, k, v, **options)
         return (out, *torch.autograd.grad(out, (q, k, v, sink), dout))
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
+    graph, captured = capture_graph(step)
     new_q, _, _ = make_inputs(2, 192, 256, 4, 2, 128, torch.bfloat16, seed=24, requires_grad=False)
     with torch.no_grad():
         q.copy_(new_q), sink.mul_(0.5)
@@ -355,15 +347,7 @@ def test_cuda_graph_capture_and_replay(deterministic):
         out = flash_attn_func(q, k, v, causal=True, deterministic=deterministic)
         return (out, *torch.autograd.grad(out, (q, k, v), dout))
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm up off the capture stream, as torch.cuda.graph asks
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
+    graph, captured = capture_graph(step)
 
     for seed in (21, 22):
         new_q, new_k, new_v = make_inputs(2, 192, 256, 4, 2, 128, torch.bfloat16, seed=seed, requires_grad=False)
@@ -572,15 +556,7 @@ def test_varlen_cuda_graph_capture_and_replay():
         out = fa3.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, **options)
         return (out, *torch.autograd.grad(out, (q, k, v, sink), dout))
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm up off the capture stream, as torch.cuda.graph asks
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
+    graph, captured = capture_graph(step)
 
     new_q, _, _, new_cu_q, new_cu_k = make_varlen_inputs([150, 50, 157, 64], [20, 105, 300, 64], 4, 2, 128,
                                                          torch.bfloat16, seed=52, requires_grad=False)
