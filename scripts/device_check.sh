@@ -28,6 +28,23 @@ sanitize() {
   done
 }
 
+# One GPU test binary over a gtest filter: its log, the failures and totals, a summary line.
+run_gtests() {
+  local label=$1 binary=$2 filter=$3 seconds=$4 log=$5 rc
+  timeout "$seconds" "$build/tests/cpp/$binary" --gtest_brief=1 --gtest_filter="$filter" >"$out/$log" 2>&1
+  rc=$?
+  grep -E "FAILED|Failure|error|PASSED|SKIPPED|spread" "$out/$log" | head -40
+  summary+=("$label: rc=$rc, $(grep -E '^\[  PASSED  \]|^\[  FAILED  \]' "$out/$log" | tr '\n' ' ')")
+}
+
+# One side-by-side benchmark script of bench/ (its own peers), the table it prints last.
+run_bench() {
+  local name=$1
+  PYTHONUNBUFFERED=1 FLASHHOPPER_LIBRARY="$build/libflashhopper.so" PYTHONPATH="$root/python${PYTHONPATH:+:$PYTHONPATH}" \
+    timeout 400 python3 "$root/bench/bench_$name.py" --out "$out" 2>&1 | tail -30
+  summary+=("$name bench: see $out/bench_${name}_*.csv")
+}
+
 for step in "${steps[@]}"; do
   case "$step" in
     build)
@@ -41,47 +58,19 @@ for step in "${steps[@]}"; do
       ;;
     features)
       # The masks and score transforms alone, both passes (a subset of `tests`).
-      timeout 420 "$build/tests/cpp/test_forward_gpu" --gtest_brief=1 --gtest_filter='Features/*' \
-        >"$out/gpu_tests_features_fwd.log" 2>&1
-      rc=$?
-      grep -E "FAILED|Failure|PASSED|SKIPPED" "$out/gpu_tests_features_fwd.log" | head -30
-      summary+=("forward features: rc=$rc, $(grep -E '^\[  PASSED  \]|^\[  FAILED  \]' "$out/gpu_tests_features_fwd.log" | tr '\n' ' ')")
-      timeout 420 "$build/tests/cpp/test_backward_gpu" --gtest_brief=1 --gtest_filter='Features/*:Repeat/*:Waves/*' \
-        >"$out/gpu_tests_features_bwd.log" 2>&1
-      rc=$?
-      grep -E "FAILED|Failure|PASSED|SKIPPED" "$out/gpu_tests_features_bwd.log" | head -30
-      summary+=("backward features: rc=$rc, $(grep -E '^\[  PASSED  \]|^\[  FAILED  \]' "$out/gpu_tests_features_bwd.log" | tr '\n' ' ')")
+      run_gtests "forward features" test_forward_gpu 'Features/*' 420 gpu_tests_features_fwd.log
+      run_gtests "backward features" test_backward_gpu 'Features/*:Repeat/*:Waves/*' 420 gpu_tests_features_bwd.log
       ;;
     varlen)
       # Packed batches, both passes (VARLEN_FILTER, default all).
-      timeout "${VARLEN_TIMEOUT:-420}" "$build/tests/cpp/test_varlen_gpu" --gtest_brief=1 \
-        --gtest_filter="${VARLEN_FILTER:-*}" >"$out/gpu_tests_varlen.log" 2>&1
-      rc=$?
-      grep -E "FAILED|Failure|error|PASSED|SKIPPED" "$out/gpu_tests_varlen.log" | head -40
-      summary+=("varlen tests: rc=$rc, $(grep -E '^\[  PASSED  \]|^\[  FAILED  \]' "$out/gpu_tests_varlen.log" | tr '\n' ' ')")
+      run_gtests "varlen tests" test_varlen_gpu "${VARLEN_FILTER:-*}" "${VARLEN_TIMEOUT:-420}" gpu_tests_varlen.log
       ;;
-    varlen_bench)
-      PYTHONUNBUFFERED=1 FLASHHOPPER_LIBRARY="$build/libflashhopper.so" PYTHONPATH="$root/python${PYTHONPATH:+:$PYTHONPATH}" \
-        timeout 400 python3 "$root/bench/bench_varlen.py" --out "$out" 2>&1 | tail -30
-      summary+=("varlen bench: see $out/bench_varlen_*.csv")
-      ;;
-    features_bench)
-      PYTHONUNBUFFERED=1 FLASHHOPPER_LIBRARY="$build/libflashhopper.so" PYTHONPATH="$root/python${PYTHONPATH:+:$PYTHONPATH}" \
-        timeout 400 python3 "$root/bench/bench_features.py" --out "$out" 2>&1 | tail -30
-      summary+=("features bench: see $out/bench_features_*.csv")
-      ;;
+    varlen_bench) run_bench varlen ;;
+    features_bench) run_bench features ;;
     tests)
       # FWD_FILTER / BWD_FILTER (gtest filters, default all) split the grid over several calls.
-      timeout "${FWD_TIMEOUT:-420}" "$build/tests/cpp/test_forward_gpu" --gtest_brief=1 \
-        --gtest_filter="${FWD_FILTER:-*}" >"$out/gpu_tests.log" 2>&1
-      rc=$?
-      grep -E "FAILED|Failure|error|PASSED|SKIPPED" "$out/gpu_tests.log" | head -40
-      summary+=("gpu tests: rc=$rc, $(grep -E '^\[  PASSED  \]|^\[  FAILED  \]' "$out/gpu_tests.log" | tr '\n' ' ')")
-      timeout "${BWD_TIMEOUT:-420}" "$build/tests/cpp/test_backward_gpu" --gtest_brief=1 \
-        --gtest_filter="${BWD_FILTER:-*}" >"$out/gpu_tests_backward.log" 2>&1
-      rc=$?
-      grep -E "FAILED|Failure|error|PASSED|SKIPPED|spread" "$out/gpu_tests_backward.log" | head -40
-      summary+=("gpu backward tests: rc=$rc, $(grep -E '^\[  PASSED  \]|^\[  FAILED  \]' "$out/gpu_tests_backward.log" | tr '\n' ' ')")
+      run_gtests "gpu tests" test_forward_gpu "${FWD_FILTER:-*}" "${FWD_TIMEOUT:-420}" gpu_tests.log
+      run_gtests "gpu backward tests" test_backward_gpu "${BWD_FILTER:-*}" "${BWD_TIMEOUT:-420}" gpu_tests_backward.log
       ;;
     sanitize)
       # One small case per head dim and pass (several key and query blocks, GQA, causal).

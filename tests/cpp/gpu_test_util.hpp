@@ -6,6 +6,8 @@
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <sstream>
@@ -113,6 +115,26 @@ inline std::vector<GridCase> feature_cases() {
       for (const Row& r : rows)
         cases.push_back({dtype, head_dim, r.causal, r.batch, r.seqlen_q, r.seqlen_k, r.heads_q, r.heads_kv, false, r.f});
   return cases;
+}
+
+// The pass rule for dsink (the backward tests): the plain implementation's error plus the error
+// that the rounded out and float32 lse handed to the kernel carry by themselves (`given`: dsink
+// from those inputs, in double), and the kernel's fixed-order float32 sum of those inputs within
+// 1e-5 (relative) of `given`.
+inline void expect_dsink_matches(const Tensor& ours, const Tensor& exact, const Tensor& plain,
+                                 const std::vector<double>& given, double slack) {
+  double input_err = 0, sum_err = 0, scale = 1;
+  for (size_t h = 0; h < given.size(); ++h) {
+    const std::vector<int64_t> at = {int64_t(h)};
+    input_err = std::max(input_err, std::abs(given[h] - read(exact, at)));
+    sum_err = std::max(sum_err, std::abs(read(ours, at) - given[h]));
+    scale = std::max(scale, std::abs(given[h]));
+  }
+  const double err = max_abs_diff(ours, exact), plain_err = max_abs_diff(plain, exact);
+  EXPECT_FALSE(has_nan(ours)) << "unwritten (poisoned) or NaN elements in dsink";
+  EXPECT_LE(err, 2 * plain_err + input_err + slack)
+      << "dsink: ours " << err << ", plain " << plain_err << ", from the rounded inputs " << input_err;
+  EXPECT_LE(sum_err, 1e-5 * scale) << "dsink: the kernel's sum of its inputs is off by " << sum_err;
 }
 
 inline bool sm90_available(std::string* why) {

@@ -58,7 +58,6 @@ std::array<HostTensor*, 3> list(Gradients& g) { return {&g.dq, &g.dk, &g.dv}; }
 struct Expected {
   Gradients exact, plain;
   std::array<double, 3> plain_err{};
-  double dsink_plain_err = 0;
   // dsink from the inputs as the kernel gets them (out rounded to the dtype, lse float32), in
   // double: what the kernel's fixed-order float32 sum must reproduce, and how far the rounding of
   // those inputs alone moves dsink from the exact one.
@@ -204,7 +203,6 @@ class BackwardProblem {
     ASSERT_TRUE(status.ok()) << status.message;
     for (int i = 0; i < 3; ++i) e->plain_err[i] = max_abs_diff(list(e->plain)[i]->view(), list(e->exact)[i]->view());
     if (c_.features.learnable_sink) {
-      e->dsink_plain_err = max_abs_diff(e->plain.dsink.view(), e->exact.dsink.view());
       e->dsink_given.assign(c_.heads_q, 0.0);
       for (int b = 0; b < c_.batch; ++b)
         for (int h = 0; h < c_.heads_q; ++h)
@@ -234,23 +232,7 @@ class BackwardProblem {
 // The pass rule for dq, dk and dv; a failure message carries all three errors. Returns the
 // kernel's errors.
 std::array<double, 3> expect_matches(const Gradients& ours, const Expected& e, bool with_sink) {
-  if (with_sink) {
-    // Pass rule, with the error that the rounded out and lse handed to the kernel carry by
-    // themselves added to the allowance; and the kernel's sum of those inputs within float32
-    // accumulation of the exact one.
-    const double dsink_err = max_abs_diff(ours.dsink.view(), e.exact.dsink.view());
-    double input_err = 0, sum_err = 0, scale = 1;
-    for (size_t h = 0; h < e.dsink_given.size(); ++h) {
-      const double exact = read(e.exact.dsink.view(), {int64_t(h)});
-      input_err = std::max(input_err, std::abs(e.dsink_given[h] - exact));
-      sum_err = std::max(sum_err, std::abs(read(ours.dsink.view(), {int64_t(h)}) - e.dsink_given[h]));
-      scale = std::max(scale, std::abs(e.dsink_given[h]));
-    }
-    EXPECT_FALSE(has_nan(ours.dsink.view())) << "unwritten (poisoned) or NaN elements in dsink";
-    EXPECT_LE(dsink_err, 2 * e.dsink_plain_err + input_err + kAbsSlack)
-        << "dsink: ours " << dsink_err << ", plain " << e.dsink_plain_err << ", from the rounded inputs " << input_err;
-    EXPECT_LE(sum_err, 1e-5 * scale) << "dsink: the kernel's sum of its inputs is off by " << sum_err;
-  }
+  if (with_sink) expect_dsink_matches(ours.dsink.view(), e.exact.dsink.view(), e.plain.dsink.view(), e.dsink_given, kAbsSlack);
   std::array<double, 3> err{};
   std::ostringstream summary;
   for (int i = 0; i < 3; ++i) {

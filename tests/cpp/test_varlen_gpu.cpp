@@ -354,17 +354,7 @@ class VarlenBackward {
             given[h] -= std::exp(read(pp_.sink.view(), {h}) - read(lse_.view(), {h, i})) * d;
           }
       }
-      double input_err = 0, sum_err = 0, scale = 1;
-      for (int h = 0; h < pp_.c.heads_q; ++h) {
-        input_err = std::max(input_err, std::abs(given[h] - read(exact.dsink.view(), {h})));
-        sum_err = std::max(sum_err, std::abs(read(ours.dsink.view(), {h}) - given[h]));
-        scale = std::max(scale, std::abs(given[h]));
-      }
-      const double err = max_abs_diff(ours.dsink.view(), exact.dsink.view());
-      const double plain_err = max_abs_diff(plain.dsink.view(), exact.dsink.view());
-      EXPECT_FALSE(has_nan(ours.dsink.view())) << "unwritten (poisoned) or NaN dsink";
-      EXPECT_LE(err, 2 * plain_err + input_err + kGradSlack) << "dsink: ours " << err << ", plain " << plain_err;
-      EXPECT_LE(sum_err, 1e-5 * scale) << "dsink: the kernel's sum of its inputs is off by " << sum_err;
+      expect_dsink_matches(ours.dsink.view(), exact.dsink.view(), plain.dsink.view(), given, kGradSlack);
     }
   }
 
