@@ -3,7 +3,8 @@
 # side-by-side benchmarks; prints a short summary last. Build here first (cmake --build build)
 # and carry the build folder, or build there (step `build`: the full kernel set, or KERNELS=dev, with the
 # GoogleTest headers and archives carried in .gtest/). Usage:
-#   scripts/device_check.sh [build|tests|features|varlen|sanitize|demo|bench|features_bench|varlen_bench]...
+#   scripts/device_check.sh [build|tests|features|varlen|sanitize|demo|bench|features_bench|varlen_bench|
+#                            kernel_times]...
 set -uo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 build="${BUILD:-$root/build}"
@@ -66,6 +67,15 @@ for step in "${steps[@]}"; do
       run_gtests "varlen tests" test_varlen_gpu "${VARLEN_FILTER:-*}" "${VARLEN_TIMEOUT:-420}" gpu_tests_varlen.log
       ;;
     varlen_bench) run_bench varlen ;;
+    kernel_times)
+      # Each kernel's device time in one call, varlen against dense (equal lengths) and the issue's
+      # packed batch (bench/profile/kernel_times.py).
+      for lengths in 2048,2048,2048,2048,2048,2048,2048,2048 2048,2048,128,1000,3000,2048,2048,1000,2048,1000,16; do
+        PYTHONUNBUFFERED=1 FLASHHOPPER_LIBRARY="$build/libflashhopper.so" PYTHONPATH="$root/python" \
+          timeout 120 python3 "$root/bench/profile/kernel_times.py" --lengths "$lengths" 2>&1 | grep -v Warn
+      done
+      summary+=("kernel_times: printed above")
+      ;;
     features_bench) run_bench features ;;
     tests)
       # FWD_FILTER / BWD_FILTER (gtest filters, default all) split the grid over several calls.

@@ -44,7 +44,7 @@ inline bool backward_dq_kernel(int64_t head_dim) {
 }
 
 // The preprocess kernel's rows per CTA, each CTA writing one share of the sink's gradient.
-inline constexpr int64_t kSinkRowsPerShare = 8;
+inline constexpr int64_t kSinkRowsPerShare = 64;
 
 // The key block of the dK/dV kernel and the query block of the dQ kernel at this head dim.
 inline int backward_block_n(int64_t head_dim) {

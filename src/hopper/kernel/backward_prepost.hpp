@@ -22,10 +22,23 @@ using namespace cute;
 
 template <class Element, int kHeadDim>
 struct BackwardPreprocess {
-  static constexpr int kRowsPerCta = 8;  // one warp a row
-  static constexpr int kThreads = kRowsPerCta * cutlass::NumThreadsPerWarp;
-  static constexpr int kElemsPerLane = kHeadDim / cutlass::NumThreadsPerWarp;
-  static_assert(kHeadDim % (2 * cutlass::NumThreadsPerWarp) == 0);
+  // A row is read by kLanesPerRow lanes in 16-byte chunks, kChunksPerLane each; every thread has
+  // all its rows' loads in flight at once (one row a warp and 8-byte loads ran at 1.8 TB/s).
+  static constexpr int kChunk = 16 / sizeof(Element);
+  static_assert(kHeadDim % kChunk == 0);
+  static constexpr int kChunksPerRow = kHeadDim / kChunk;
+  static constexpr int kLanesPerRow = kChunksPerRow % 32 == 0 ? 32
+                                      : kChunksPerRow % 16 == 0 ? 16
+                                      : kChunksPerRow % 8 == 0  ? 8
+                                      : kChunksPerRow % 4 == 0  ? 4
+                                      : kChunksPerRow % 2 == 0  ? 2
+                                                                : 1;
+  static constexpr int kChunksPerLane = kChunksPerRow / kLanesPerRow;
+  static constexpr int kRowsPerCta = 64;
+  static constexpr int kThreads = kLanesPerRow >= 4 ? 256 : 64 * kLanesPerRow;
+  static constexpr int kRowGroups = kThreads / kLanesPerRow;  // rows read at once
+  static constexpr int kRowIters = kRowsPerCta / kRowGroups;
+  static_assert(kRowIters >= 1 && kRowsPerCta % kRowGroups == 0);
 
   struct Params {
     Element const* ptr_o;   // [batch, seqlen_q, heads_q, d] or packed [total_q, heads_q, d]
@@ -44,63 +57,77 @@ struct BackwardPreprocess {
 
   CUTLASS_DEVICE void operator()(Params const& params) const {
     __shared__ float sink_terms[kRowsPerCta];
-    const int warp = threadIdx.x / cutlass::NumThreadsPerWarp;
-    const int lane = threadIdx.x % cutlass::NumThreadsPerWarp;
+    using Vector = cutlass::Array<Element, kChunk>;
+    const int group = threadIdx.x / kLanesPerRow;
+    const int lane = threadIdx.x % kLanesPerRow;
     // A flat grid over (row block, head, batch): no 65535 limit on heads or batch.
     const int num_row_blocks = params.rows_per_sequence / kRowsPerCta;
-    const int row = (blockIdx.x % num_row_blocks) * kRowsPerCta + warp;
+    const int row_block = blockIdx.x % num_row_blocks;
     const int head = (blockIdx.x / num_row_blocks) % params.heads_q;
     const int batch = blockIdx.x / num_row_blocks / params.heads_q;
     const SeqlenInfo seq = SeqlenInfo::make(params.seqlen, batch);
-    const int64_t out_index = params.workspace.row0(seq, head) + row;
     // The sequence's own padded rows only: past them (packed) lies the next sequence's.
     const int padded_rows = (seq.capacity_q + BackwardWorkspacePointers::kRowAlign - 1) /
                             BackwardWorkspacePointers::kRowAlign * BackwardWorkspacePointers::kRowAlign;
-    if (row < seq.seqlen_q) {
-      row_statistics(params, seq, row, head, out_index, sink_terms);
-    } else if (lane == 0) {
-      if (row < padded_rows) {
-        params.workspace.dpsum[out_index] = 0.f;
-        params.workspace.lse_log2[out_index] = INFINITY;
+    const int64_t row0 = params.workspace.row0(seq, head);
+    Element const* o_head = params.ptr_o + seq.batch_q * params.stride_o[0] + head * params.stride_o[2];
+    Element const* do_head = params.ptr_do + seq.batch_q * params.stride_do[0] + head * params.stride_do[2];
+
+    Vector o[kRowIters][kChunksPerLane], d_o[kRowIters][kChunksPerLane];
+    float lse[kRowIters];
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < kRowIters; ++i) {
+      const int row = row_block * kRowsPerCta + i * kRowGroups + group;
+      if (row < seq.seqlen_q) {
+        const int64_t token = int64_t(seq.offset_q) + row;
+        if (lane == 0)
+          lse[i] = params.ptr_lse[seq.batch_q * params.stride_lse[0] + head * params.stride_lse[1] +
+                                  token * params.stride_lse[2]];
+        CUTLASS_PRAGMA_UNROLL
+        for (int c = 0; c < kChunksPerLane; ++c) {
+          const int col = (c * kLanesPerRow + lane) * kChunk;
+          o[i][c] = *reinterpret_cast<Vector const*>(o_head + token * params.stride_o[1] + col);
+          d_o[i][c] = *reinterpret_cast<Vector const*>(do_head + token * params.stride_do[1] + col);
+        }
       }
-      sink_terms[warp] = 0.f;
+    }
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < kRowIters; ++i) {
+      const int row_in_cta = i * kRowGroups + group;
+      const int row = row_block * kRowsPerCta + row_in_cta;
+      float sum = 0.f;
+      if (row < seq.seqlen_q) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int c = 0; c < kChunksPerLane; ++c) {
+          CUTLASS_PRAGMA_UNROLL
+          for (int e = 0; e < kChunk; ++e) sum += float(o[i][c][e]) * float(d_o[i][c][e]);
+        }
+      }
+      // The row's lanes are kLanesPerRow consecutive lanes of one warp.
+      CUTLASS_PRAGMA_UNROLL
+      for (int offset = kLanesPerRow / 2; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffff, sum, offset);
+      if (lane != 0) continue;
+      float sink_term = 0.f;
+      if (row < seq.seqlen_q) {
+        params.workspace.dpsum[row0 + row] = sum;
+        // A row that sees no key has LSE = -inf and must get P = 0, not exp2(-inf + inf).
+        params.workspace.lse_log2[row0 + row] = lse[i] == -INFINITY ? INFINITY : lse[i] * float(M_LOG2E);
+        // P_sink = exp(sink - LSE): the sink's share of the row, whose gradient is -P_sink * D.
+        if (params.learnable_sink != nullptr) sink_term = -expf(params.learnable_sink[head] - lse[i]) * sum;
+      } else if (row < padded_rows) {  // D = 0 and LSE2 = +inf give P = dS = 0
+        params.workspace.dpsum[row0 + row] = 0.f;
+        params.workspace.lse_log2[row0 + row] = INFINITY;
+      }
+      sink_terms[row_in_cta] = sink_term;
     }
     if (params.learnable_sink != nullptr) {
       __syncthreads();
       if (threadIdx.x == 0) {
         float sum = 0.f;
-        CUTLASS_PRAGMA_UNROLL
-        for (int w = 0; w < kRowsPerCta; ++w) sum += sink_terms[w];
+        for (int r = 0; r < kRowsPerCta; ++r) sum += sink_terms[r];
         const int64_t partials_per_head = int64_t(gridDim.x) / params.heads_q;
-        params.dsink_partial[head * partials_per_head + batch * num_row_blocks + blockIdx.x % num_row_blocks] = sum;
+        params.dsink_partial[head * partials_per_head + batch * num_row_blocks + row_block] = sum;
       }
-    }
-  }
-
-  CUTLASS_DEVICE static void row_statistics(Params const& params, SeqlenInfo const& seq, int row, int head,
-                                            int64_t out_index, float* sink_terms) {
-    const int warp = threadIdx.x / cutlass::NumThreadsPerWarp;
-    const int lane = threadIdx.x % cutlass::NumThreadsPerWarp;
-    using Vector = cutlass::Array<Element, kElemsPerLane>;
-    const int col = lane * kElemsPerLane;
-    const int64_t token = int64_t(seq.offset_q) + row;
-    const Vector o = *reinterpret_cast<Vector const*>(params.ptr_o + seq.batch_q * params.stride_o[0] +
-                                                      token * params.stride_o[1] + head * params.stride_o[2] + col);
-    const Vector d_o = *reinterpret_cast<Vector const*>(params.ptr_do + seq.batch_q * params.stride_do[0] +
-                                                        token * params.stride_do[1] + head * params.stride_do[2] + col);
-    float sum = 0.f;
-    CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < kElemsPerLane; ++i) sum += float(o[i]) * float(d_o[i]);
-    CUTLASS_PRAGMA_UNROLL
-    for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffff, sum, offset);
-    if (lane == 0) {
-      const float lse = params.ptr_lse[seq.batch_q * params.stride_lse[0] + head * params.stride_lse[1] +
-                                       token * params.stride_lse[2]];
-      params.workspace.dpsum[out_index] = sum;
-      // A row that sees no key has LSE = -inf and must get P = 0, not exp2(-inf + inf).
-      params.workspace.lse_log2[out_index] = lse == -INFINITY ? INFINITY : lse * float(M_LOG2E);
-      // P_sink = exp(sink - LSE): the sink's share of the row, whose gradient is -P_sink * D.
-      if (params.learnable_sink != nullptr) sink_terms[warp] = -expf(params.learnable_sink[head] - lse) * sum;
     }
   }
 };

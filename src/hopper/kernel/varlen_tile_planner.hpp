@@ -1,6 +1,6 @@
 // The tile list of a packed (varlen) batch, planned on the device before the attention kernel
-// (one CTA; no host synchronisation, no host copy of cu_seqlens, so calls can be captured in CUDA
-// graphs). It reproduces the dense scheduler's order (tile_scheduler.hpp) over sequences of
+// (no host synchronisation, no host copy of cu_seqlens, so calls can be captured in CUDA graphs;
+// every CTA sorts the sequences, then each thread places tiles, so planning takes microseconds). It reproduces the dense scheduler's order (tile_scheduler.hpp) over sequences of
 // different lengths:
 // - the (sequence, head) pairs in sequence order, sequences with the most blocks first, cut into
 //   sections of at least section_tiles tiles (four waves, or what fits half the L2) at pair
@@ -30,6 +30,7 @@ namespace flashhopper::hopper {
 struct VarlenTilePlanner {
   static constexpr int kThreads = 512;
   static constexpr int kMaxBatch = 8192;  // sequences sorted in shared memory
+  static constexpr int kMaxCtas = 128;
 
   struct Params {
     SeqlenParams seqlen;
@@ -50,14 +51,19 @@ struct VarlenTilePlanner {
     while (p < batch) p *= 2;
     return p;
   }
-  // Dynamic shared memory: the sort keys (a power of two of them), each sequence's tile count and
-  // the tile offsets of the sorted sequences.
+  // Dynamic shared memory: the sort keys (a power of two of them) and the first tile of each
+  // sorted sequence.
   static size_t shared_bytes(int batch) {
-    return size_t(batch_capacity(batch)) * sizeof(uint64_t) + size_t(batch) * sizeof(int) +
-           size_t(batch + 1) * sizeof(long long);
+    return size_t(batch_capacity(batch)) * sizeof(uint64_t) + size_t(batch + 1) * sizeof(long long);
+  }
+  // About one tile a thread.
+  static int grid_size(int max_tiles) {
+    const int ctas = (max_tiles + kThreads - 1) / kThreads;
+    return ctas < 1 ? 1 : ctas > kMaxCtas ? kMaxCtas : ctas;
   }
 
-  // The plan, by the CTA's kThreads threads (defined in src/launch/varlen_plan.cu, its one user).
+  // The plan, by grid_size() CTAs of kThreads threads (defined in src/launch/varlen_plan.cu, its
+  // one user).
   CUTLASS_DEVICE void operator()(Params const& p, char* smem) const;
 };
 
