@@ -69,8 +69,9 @@ for step in "${steps[@]}"; do
     varlen_bench) run_bench varlen ;;
     kernel_times)
       # Each kernel's device time in one call, varlen against dense (equal lengths) and the issue's
-      # packed batch (bench/profile/kernel_times.py).
-      for lengths in 2048,2048,2048,2048,2048,2048,2048,2048 2048,2048,128,1000,3000,2048,2048,1000,2048,1000,16; do
+      # packed batch and a mix of three lengths (bench/profile/kernel_times.py).
+      for lengths in 2048,2048,2048,2048,2048,2048,2048,2048 2048,2048,128,1000,3000,2048,2048,1000,2048,1000,16 \
+          3072,3072,3072,1024,1024,1024,2048,2048; do
         PYTHONUNBUFFERED=1 FLASHHOPPER_LIBRARY="$build/libflashhopper.so" PYTHONPATH="$root/python" \
           timeout 120 python3 "$root/bench/profile/kernel_times.py" --lengths "$lengths" 2>&1 | grep -v Warn
       done

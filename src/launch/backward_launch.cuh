@@ -61,15 +61,14 @@ cudaError_t run_backward_dq_kernel(const BackwardParams& p, const detail::Proble
   typename Scheduler::Params scheduler;
   if (s.varlen_q) {
     auto* tiles = reinterpret_cast<hopper::PlannedTile*>(ws + layout.dq_tiles);
-    auto* num_tiles = reinterpret_cast<int*>(tiles + layout.max_dq_tiles);
+    auto* counters = reinterpret_cast<int*>(tiles + layout.max_dq_tiles);
     hopper::VarlenTilePlanner::Params plan{args.seqlen, batch, heads_q, Tile::kBlockM, /*key_blocks=*/false,
                                            /*highest_first=*/kMask == MaskKind::kCausal,
                                            planner_section_tiles(num_sms, l2_bytes, Tile::kBlockM, kv_bytes_per_row),
-                                           int(std::min<int64_t>(layout.max_dq_tiles, num_sms)),
-                                           int(layout.max_dq_tiles), tiles, num_tiles};
+                                           int(layout.max_dq_tiles), tiles, counters};
     cudaError_t err = plan_varlen_tiles(plan, stream);
     if (err != cudaSuccess) return err;
-    scheduler = Scheduler::planned_params(tiles, num_tiles, int(layout.max_dq_tiles));
+    scheduler = Scheduler::planned_params(tiles, counters, int(layout.max_dq_tiles));
   } else {
     const int num_m_blocks = (args.seqlen.seqlen_q + Tile::kBlockM - 1) / Tile::kBlockM;
     scheduler = Scheduler::make_params(num_m_blocks, heads_q, batch, args.seqlen.seqlen_k * kv_bytes_per_row, l2_bytes,
@@ -181,14 +180,13 @@ cudaError_t run_backward_hdim(const BackwardParams& p, const detail::ProblemShap
   typename Scheduler::Params scheduler;
   if (s.varlen_k) {
     auto* tiles = reinterpret_cast<hopper::PlannedTile*>(ws + layout.main_tiles);
-    auto* num_tiles = reinterpret_cast<int*>(tiles + layout.max_main_tiles);
+    auto* counters = reinterpret_cast<int*>(tiles + layout.max_main_tiles);
     hopper::VarlenTilePlanner::Params plan{seqlen, batch, heads_kv, Tile::kBlockN, /*key_blocks=*/true,
                                            /*highest_first=*/kCausal,
                                            planner_section_tiles(num_sms, l2_bytes, Tile::kBlockN, qdo_bytes_per_row),
-                                           int(std::min<int64_t>(layout.max_main_tiles, num_sms)),
-                                           int(layout.max_main_tiles), tiles, num_tiles};
+                                           int(layout.max_main_tiles), tiles, counters};
     if ((err = plan_varlen_tiles(plan, stream)) != cudaSuccess) return err;
-    scheduler = Scheduler::planned_params(tiles, num_tiles, int(layout.max_main_tiles));
+    scheduler = Scheduler::planned_params(tiles, counters, int(layout.max_main_tiles));
   } else {
     scheduler = Scheduler::make_params(num_n_blocks, heads_kv, batch,
                                        one_order ? 0 : int64_t(seqlen.seqlen_q) * qdo_bytes_per_row, l2_bytes, num_sms);

@@ -76,14 +76,13 @@ cudaError_t run_forward_hdim(const ForwardParams& p, const detail::ProblemShape&
     // The sequences' tiles, planned on the device (the workspace holds the list).
     const int64_t max_tiles = max_planned_tiles(s.total_q, s.seqlen_q, batch, heads_q, Tile::kBlockM);
     auto* tiles = static_cast<hopper::PlannedTile*>(workspace);
-    auto* num_tiles = reinterpret_cast<int*>(tiles + max_tiles);
+    auto* counters = reinterpret_cast<int*>(tiles + max_tiles);
     hopper::VarlenTilePlanner::Params plan{seqlen, batch, heads_q, Tile::kBlockM, /*key_blocks=*/false,
                                            /*highest_first=*/kMask == MaskKind::kCausal,
                                            planner_section_tiles(num_sms, l2_bytes, Tile::kBlockM, kv_bytes_per_row),
-                                           int(std::min<int64_t>(max_tiles, num_sms)), int(max_tiles), tiles,
-                                           num_tiles};
+                                           int(max_tiles), tiles, counters};
     if ((err = plan_varlen_tiles(plan, stream)) != cudaSuccess) return err;
-    scheduler = Scheduler::planned_params(tiles, num_tiles, int(max_tiles));
+    scheduler = Scheduler::planned_params(tiles, counters, int(max_tiles));
   } else {
     const int num_m_blocks = (seqlen.seqlen_q + Tile::kBlockM - 1) / Tile::kBlockM;
     scheduler = Scheduler::make_params(num_m_blocks, heads_q, batch, int64_t(seqlen.seqlen_k) * kv_bytes_per_row,

@@ -58,7 +58,10 @@ CUTLASS_DEVICE void VarlenTilePlanner::operator()(Params const& p, char* smem) c
   }
   const long long total = carry < p.max_tiles ? carry : p.max_tiles;
   if (tid == 0) start[p.batch] = carry;
-  if (tid == 0 && blockIdx.x == 0) *p.num_tiles = int(total);
+  if (tid == 0 && blockIdx.x == 0) {
+    p.counters[0] = int(total);
+    p.counters[1] = 0;  // the attention kernel's CTAs take entries from grid on
+  }
   __syncthreads();
 
   // Pairs (sequence, head) in sequence-major order, P = s * heads + h; pair P's first tile in
@@ -98,15 +101,9 @@ CUTLASS_DEVICE void VarlenTilePlanner::operator()(Params const& p, char* smem) c
     const long long t = pair_start(first) + (long long)rank * (longer - first) +
                         (pair_start(end) - pair_start(longer)) + (pair - first);
     if (t >= total) continue;  // past the workspace's capacity (cu_seqlens beyond the contract)
-    // Odd waves backwards over the CTAs, as the dense scheduler's snake (written here, so that a
-    // CTA's decode is one load: entry e is the e-th tile CTA e % grid takes). The map is its own
-    // inverse within a wave.
-    const long long wave_start = t / p.grid * p.grid;
-    const long long wave_size = min((long long)p.grid, total - wave_start);
-    const long long entry = (t / p.grid) % 2 ? wave_start + wave_size - 1 - (t - wave_start) : t;
     const int blocks = pair_blocks(pair);
     const int block = p.highest_first ? blocks - 1 - rank : rank;
-    p.tiles[entry] = PlannedTile{block, pair % p.heads, int(uint32_t(keys[pair / p.heads])), 0};
+    p.tiles[t] = PlannedTile{block, pair % p.heads, int(uint32_t(keys[pair / p.heads])), 0};
   }
 }
 

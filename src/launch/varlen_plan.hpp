@@ -19,9 +19,9 @@ inline int64_t max_planned_tiles(int64_t total_rows, int64_t max_rows, int64_t b
   return (by_total < by_max ? by_total : by_max) * heads;
 }
 
-// Bytes of a tile list of max_tiles entries and its count, 256-aligned.
+// Bytes of a tile list of max_tiles entries and its two counters (length, next entry), 256-aligned.
 inline size_t planned_tiles_bytes(int64_t max_tiles) {
-  return (size_t(max_tiles) * sizeof(hopper::PlannedTile) + sizeof(int) + 255) / 256 * 256;
+  return (size_t(max_tiles) * sizeof(hopper::PlannedTile) + 2 * sizeof(int) + 255) / 256 * 256;
 }
 
 // The kernels' view of a call's sequence lengths.

@@ -26,6 +26,7 @@
 #include "hopper/common/named_barrier.hpp"
 #include "hopper/common/score_transform.hpp"
 #include "hopper/common/softmax.hpp"
+#include "hopper/common/tile_scheduler.hpp"
 #include "hopper/common/utils.hpp"
 #include "hopper/common/workspace_rows.hpp"
 
@@ -187,6 +188,7 @@ struct BackwardMainloop {
     cutlass::arch::ClusterBarrier kv_empty;
     typename Pipeline::SharedStorage pipeline_q;
     typename PipelineDo::SharedStorage pipeline_do;
+    TileRing tiles;  // packed batches: the tiles the kernel's producer takes (tile_scheduler.hpp)
   };
 
   struct Arguments {

@@ -1,7 +1,10 @@
 // Persistent tile scheduler: CTAs stride over the tiles (block, head, batch), where block is the
 // query block of a forward tile and the key block of a backward one. Packed (varlen) batches
-// come as a list of tiles that VarlenTilePlanner writes on the device before the kernel (tile i
-// is list entry i); dense ones are decoded from the tile index as follows. With causal masking the
+// come as a list of tiles, longest first, that VarlenTilePlanner writes on the device before the
+// kernel; a CTA takes its next entry from a counter when it is free (its producer thread takes
+// it and hands it to the CTA's other roles through a TileRing), as tiles of several lengths do
+// not balance statically (mixed lengths: the busiest CTA 8% above the mean with a snake).
+// Dense ones are decoded from the tile index as follows. With causal masking the
 // tiles are handed out longest first (highest block first; the backward reverses its key
 // blocks so that this holds for it too), so that the short diagonal tiles fill the last wave
 // instead of one long tile trailing alone, and in a
@@ -17,6 +20,7 @@
 
 #include <algorithm>
 
+#include <cutlass/arch/barrier.h>
 #include <cutlass/cutlass.h>
 #include <cutlass/fast_math.h>
 
@@ -32,6 +36,23 @@ struct WorkTile {
 // A planned tile: block, head, batch (w unused; 16 bytes, one load).
 using PlannedTile = int4;
 
+// The tiles a CTA's producer thread takes, handed to the roles that follow it (every thread of
+// them receives each tile, then frees its slot). In shared memory, set up by one thread.
+struct TileRing {
+  static constexpr int kSlots = 4;
+  using Barrier = cutlass::arch::ClusterBarrier;
+  Barrier::ValueType full[kSlots];
+  Barrier::ValueType empty[kSlots];
+  int tile[kSlots];
+
+  CUTLASS_DEVICE void init(int receivers) {
+    for (int i = 0; i < kSlots; ++i) {
+      Barrier::init(&full[i], 1);
+      Barrier::init(&empty[i], receivers);
+    }
+  }
+};
+
 template <bool kLongestFirst>
 struct PersistentTileScheduler {
   struct Params {
@@ -43,6 +64,7 @@ struct PersistentTileScheduler {
     cutlass::FastDivmod head_divmod;   // over num_heads
     PlannedTile const* planned = nullptr;  // packed batches: the planner's tile list, else null
     int const* num_planned = nullptr;      // its length, written by the planner
+    int* next_planned = nullptr;           // the counter CTAs take entries from (the planner zeroes it)
   };
 
   // streamed_bytes_per_head: what the tiles of one (batch, head) stream and share: K and V in
@@ -59,12 +81,14 @@ struct PersistentTileScheduler {
             cutlass::FastDivmod(num_blocks), cutlass::FastDivmod(num_heads)};
   }
 
-  // Packed batches: the planner's list of at most max_tiles tiles.
-  static Params planned_params(PlannedTile const* planned, int const* num_planned, int max_tiles) {
+  // Packed batches: the planner's list of at most max_tiles tiles; counters[0] its length,
+  // counters[1] the next entry to take.
+  static Params planned_params(PlannedTile const* planned, int* counters, int max_tiles) {
     Params params{};
     params.num_tiles = max_tiles;
     params.planned = planned;
-    params.num_planned = num_planned;
+    params.num_planned = counters;
+    params.next_planned = counters + 1;
     return params;
   }
 
@@ -75,7 +99,7 @@ struct PersistentTileScheduler {
   CUTLASS_DEVICE static WorkTile decode(Params const& params, int tile) {
     WorkTile work;
     if (params.planned != nullptr) {
-      // Both loads at once (the planner wrote the snake order into the list).
+      // Both loads at once.
       const PlannedTile t = tile < params.num_tiles ? __ldg(params.planned + tile) : PlannedTile{0, 0, 0, 0};
       work.valid = tile < __ldg(params.num_planned);
       work.block = t.x;
@@ -112,8 +136,30 @@ struct PersistentTileScheduler {
     return (wave & 1) ? wave_start + wave_size - 1 - (tile - wave_start) : tile;
   }
 
-  CUTLASS_DEVICE static int first_tile() { return blockIdx.x; }
-  CUTLASS_DEVICE static int next_tile(int tile) { return tile + gridDim.x; }
+  // The k-th tile of this CTA, for the producer thread, which takes it and hands it on;
+  // receive_tile is the same for every other role's threads. Dense batches: tiles blockIdx.x,
+  // + gridDim.x, ..., which every role computes alone.
+  CUTLASS_DEVICE static int fetch_tile(Params const& params, TileRing& ring, int k) {
+    if (params.planned == nullptr) return int(blockIdx.x) + k * int(gridDim.x);
+    const int slot = k % TileRing::kSlots;
+    TileRing::Barrier::wait(&ring.empty[slot], ((k / TileRing::kSlots) & 1) ^ 1);
+    const int tile = k == 0 ? int(blockIdx.x) : int(gridDim.x) + atomicAdd(params.next_planned, 1);
+    // The barriers' asm orders no plain C++ access (and a "memory" clobber here costs the MMA
+    // warpgroups registers): the slot is written and read by asm too, which keeps its place.
+    asm volatile("st.shared.u32 [%0], %1;" ::"r"(cute::cast_smem_ptr_to_uint(&ring.tile[slot])), "r"(tile));
+    TileRing::Barrier::arrive(&ring.full[slot]);
+    return tile;
+  }
+
+  CUTLASS_DEVICE static int receive_tile(Params const& params, TileRing& ring, int k) {
+    if (params.planned == nullptr) return int(blockIdx.x) + k * int(gridDim.x);
+    const int slot = k % TileRing::kSlots;
+    TileRing::Barrier::wait(&ring.full[slot], (k / TileRing::kSlots) & 1);
+    int tile;
+    asm volatile("ld.shared.u32 %0, [%1];" : "=r"(tile) : "r"(cute::cast_smem_ptr_to_uint(&ring.tile[slot])));
+    TileRing::Barrier::arrive(&ring.empty[slot]);
+    return tile;
+  }
 };
 
 }  // namespace flashhopper::hopper

@@ -59,6 +59,7 @@ struct BackwardKernel {
     const int warp_in_group = cutlass::canonical_warp_idx_sync() % cutlass::NumWarpsPerWarpGroup;
 
     if (threadIdx.x == 0) {
+      storage.tiles.init(kNumMmaThreads + cutlass::NumThreadsPerWarp);  // the MMA threads and the dQ writer
       Mainloop::prefetch_tma_descriptors(params.mainloop);
       storage.kv_full.init(/*arrive_count=*/1);
       storage.kv_empty.init(kNumMmaThreads);  // every MMA thread, after its key block's last GEMM
@@ -79,7 +80,8 @@ struct BackwardKernel {
         auto pipe_q_write = cutlass::make_producer_start_state<Pipeline>();
         auto pipe_do_write = cutlass::make_producer_start_state<typename Mainloop::PipelineDo>();
         int kv_empty_phase = 1;  // K and V start free: the first wait passes
-        for (int tile = Scheduler::first_tile();; tile = Scheduler::next_tile(tile)) {
+        for (int k = 0;; ++k) {
+          const int tile = Scheduler::fetch_tile(params.scheduler, storage.tiles, k);
           const WorkTile work = Scheduler::decode(params.scheduler, tile);
           if (!work.valid) break;
           const BackwardBlock blk = block_of(params, work);
@@ -89,7 +91,8 @@ struct BackwardKernel {
         }
       } else if (warp_in_group == 1) {  // dQ writer
         Mainloop::store_dq_start();
-        for (int tile = Scheduler::first_tile();; tile = Scheduler::next_tile(tile)) {
+        for (int k = 0;; ++k) {
+          const int tile = Scheduler::receive_tile(params.scheduler, storage.tiles, k);
           const WorkTile work = Scheduler::decode(params.scheduler, tile);
           if (!work.valid) break;
           Mainloop::store_dq(params.mainloop, storage, block_of(params, work));
@@ -104,7 +107,8 @@ struct BackwardKernel {
       int kv_full_phase = 0;
       int pds_buffer = 0;
       typename Mainloop::TiledMmadKV tiled_mma_dkv;
-      for (int tile = Scheduler::first_tile();; tile = Scheduler::next_tile(tile)) {
+      for (int k = 0;; ++k) {
+        const int tile = Scheduler::receive_tile(params.scheduler, storage.tiles, k);
         const WorkTile work = Scheduler::decode(params.scheduler, tile);
         if (!work.valid) break;
         const BackwardBlock blk = block_of(params, work);

@@ -50,6 +50,7 @@ struct ForwardKernel {
     cutlass::arch::ClusterBarrier q_empty;
     typename Mainloop::Pipeline::SharedStorage pipeline_k;
     typename Mainloop::Pipeline::SharedStorage pipeline_v;
+    TileRing tiles;  // packed batches: the tiles the producer takes
   };
   struct SharedStorageWithO {
     cute::array_aligned<Element, cosize_v<typename Mainloop::SmemLayoutQ>, 1024> smem_q;
@@ -77,6 +78,7 @@ struct ForwardKernel {
     const int warp_group = cutlass::canonical_warp_group_idx();
 
     if (threadIdx.x == 0) {
+      storage.barriers.tiles.init(kNumMmaThreads);
       Mainloop::prefetch_tma_descriptors(params.mainloop);
       Epilogue::prefetch_tma_descriptors(params.epilogue);
       storage.barriers.q_full.init(/*arrive_count=*/1);
@@ -98,7 +100,8 @@ struct ForwardKernel {
       auto pipe_k_write = cutlass::make_producer_start_state<Pipeline>();
       auto pipe_v_write = cutlass::make_producer_start_state<Pipeline>();
       int q_empty_phase = 1;  // the buffer starts empty: the first wait passes
-      for (int tile = Scheduler::first_tile();; tile = Scheduler::next_tile(tile)) {
+      for (int k = 0;; ++k) {
+        const int tile = Scheduler::fetch_tile(params.scheduler, storage.barriers.tiles, k);
         const WorkTile work = Scheduler::decode(params.scheduler, tile);
         if (!work.valid) break;
         const SeqlenInfo seq = Mainloop::seqlen_info(params.mainloop, work);
@@ -118,7 +121,8 @@ struct ForwardKernel {
       typename Mainloop::PipelineState pipe_k_read, pipe_v_read;
       int q_full_phase = 0;
       typename Mainloop::TiledMmaPV tiled_mma_pv;
-      for (int tile = Scheduler::first_tile();; tile = Scheduler::next_tile(tile)) {
+      for (int k = 0;; ++k) {
+        const int tile = Scheduler::receive_tile(params.scheduler, storage.barriers.tiles, k);
         const WorkTile work = Scheduler::decode(params.scheduler, tile);
         if (!work.valid) break;
         const SeqlenInfo seq = Mainloop::seqlen_info(params.mainloop, work);

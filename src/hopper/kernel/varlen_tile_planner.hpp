@@ -12,8 +12,8 @@
 //   highest first (causal), so that the kernels see the same order either way. In the dK/dV
 //   kernel a head's lower key blocks thus always come no later, which its deterministic dQ
 //   turns rely on.
-// PersistentTileScheduler's CTAs take entries i, i + grid, ...; the list holds odd waves
-// reversed (the dense scheduler's snake), so that decoding a tile is one load.
+// PersistentTileScheduler's CTAs take the entries in order as they become free (a counter),
+// so the list needs no snake.
 // At most max_tiles tiles (the workspace's capacity, from the tensors' sizes) are written; the
 // clamped SeqlenInfo keeps that bound whatever cu_seqlens hold.
 #pragma once
@@ -40,10 +40,9 @@ struct VarlenTilePlanner {
     bool key_blocks;    // blocks run over the keys (dK/dV kernel), else over the queries
     bool highest_first; // blocks from the highest down
     int section_tiles;  // the fewest tiles a section spans
-    int grid;           // the attention kernel's CTAs
     int max_tiles;
     PlannedTile* tiles;
-    int* num_tiles;
+    int* counters;      // [2]: the list's length, and the kernel's next entry (zeroed here)
   };
 
   static constexpr int batch_capacity(int batch) {
