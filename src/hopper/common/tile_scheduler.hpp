@@ -1,9 +1,9 @@
 // Persistent tile scheduler: CTAs stride over the tiles (block, head, batch), where block is the
 // query block of a forward tile and the key block of a backward one. Packed (varlen) batches
 // come as a list of tiles, longest first, that VarlenTilePlanner writes on the device before the
-// kernel; a CTA takes its next entry from a counter when it is free (its producer thread takes
-// it and hands it to the CTA's other roles through a TileRing), as tiles of several lengths do
-// not balance statically (mixed lengths: the busiest CTA 8% above the mean with a snake).
+// kernel; a CTA takes its next entry from a counter when it is free (one of its threads takes it
+// and hands it to the CTA's other roles through a TileRing), as tiles of several lengths do not
+// balance statically (mixed lengths: the busiest CTA 8% above the mean with a snake).
 // Dense ones are decoded from the tile index as follows. With causal masking the
 // tiles are handed out longest first (highest block first; the backward reverses its key
 // blocks so that this holds for it too), so that the short diagonal tiles fill the last wave
@@ -36,8 +36,9 @@ struct WorkTile {
 // A planned tile: block, head, batch (w unused; 16 bytes, one load).
 using PlannedTile = int4;
 
-// The tiles a CTA's producer thread takes, handed to the roles that follow it (every thread of
-// them receives each tile, then frees its slot). In shared memory, set up by one thread.
+// The tiles a CTA's taker thread takes, handed to every other thread of the CTA's roles (each
+// receives each tile, then frees its slot). In shared memory, set up by one thread; receivers:
+// all the roles' threads but the taker.
 struct TileRing {
   static constexpr int kSlots = 4;
   using Barrier = cutlass::arch::ClusterBarrier;
@@ -136,28 +137,29 @@ struct PersistentTileScheduler {
     return (wave & 1) ? wave_start + wave_size - 1 - (tile - wave_start) : tile;
   }
 
-  // The k-th tile of this CTA, for the producer thread, which takes it and hands it on;
-  // receive_tile is the same for every other role's threads. Dense batches: tiles blockIdx.x,
-  // + gridDim.x, ..., which every role computes alone.
-  CUTLASS_DEVICE static int fetch_tile(Params const& params, TileRing& ring, int k) {
+  // The k-th tile of this CTA, for every thread of every role. Dense batches: tiles blockIdx.x,
+  // + gridDim.x, ..., which each thread computes alone. Packed ones: the first is blockIdx.x;
+  // the taker (one MMA thread) takes tile k + 1 from the counter as the MMA warpgroups start
+  // tile k, so the producer has it before it is needed, and hands it to the others through the
+  // ring. (The producer warpgroup, at 24 registers, spilled 236 more bytes as the taker.)
+  CUTLASS_DEVICE static int tile_at(Params const& params, TileRing& ring, int k, bool taker) {
     if (params.planned == nullptr) return int(blockIdx.x) + k * int(gridDim.x);
-    const int slot = k % TileRing::kSlots;
-    TileRing::Barrier::wait(&ring.empty[slot], ((k / TileRing::kSlots) & 1) ^ 1);
-    const int tile = k == 0 ? int(blockIdx.x) : int(gridDim.x) + atomicAdd(params.next_planned, 1);
-    // The barriers' asm orders no plain C++ access (and a "memory" clobber here costs the MMA
-    // warpgroups registers): the slot is written and read by asm too, which keeps its place.
-    asm volatile("st.shared.u32 [%0], %1;" ::"r"(cute::cast_smem_ptr_to_uint(&ring.tile[slot])), "r"(tile));
-    TileRing::Barrier::arrive(&ring.full[slot]);
-    return tile;
-  }
-
-  CUTLASS_DEVICE static int receive_tile(Params const& params, TileRing& ring, int k) {
-    if (params.planned == nullptr) return int(blockIdx.x) + k * int(gridDim.x);
-    const int slot = k % TileRing::kSlots;
-    TileRing::Barrier::wait(&ring.full[slot], (k / TileRing::kSlots) & 1);
-    int tile;
-    asm volatile("ld.shared.u32 %0, [%1];" : "=r"(tile) : "r"(cute::cast_smem_ptr_to_uint(&ring.tile[slot])));
-    TileRing::Barrier::arrive(&ring.empty[slot]);
+    int tile = int(blockIdx.x);
+    if (k > 0) {  // tile k sits in slot (k - 1) % kSlots
+      const int slot = (k - 1) % TileRing::kSlots;
+      if (!taker) TileRing::Barrier::wait(&ring.full[slot], ((k - 1) / TileRing::kSlots) & 1);
+      // The barriers' asm orders no plain C++ access: the slot is read and written by asm too,
+      // which keeps its place between them.
+      asm volatile("ld.shared.u32 %0, [%1];" : "=r"(tile) : "r"(cute::cast_smem_ptr_to_uint(&ring.tile[slot])));
+      if (!taker) TileRing::Barrier::arrive(&ring.empty[slot]);
+    }
+    if (taker) {
+      const int slot = k % TileRing::kSlots;
+      TileRing::Barrier::wait(&ring.empty[slot], ((k / TileRing::kSlots) & 1) ^ 1);
+      const int next = int(gridDim.x) + atomicAdd(params.next_planned, 1);
+      asm volatile("st.shared.u32 [%0], %1;" ::"r"(cute::cast_smem_ptr_to_uint(&ring.tile[slot])), "r"(next));
+      TileRing::Barrier::arrive(&ring.full[slot]);
+    }
     return tile;
   }
 };

@@ -43,7 +43,7 @@ struct BackwardDqKernel {
     const int warp_group = cutlass::canonical_warp_group_idx();
 
     if (threadIdx.x == 0) {
-      storage.tiles.init(kNumMmaThreads);
+      storage.tiles.init(kNumMmaThreads);  // the producer and the MMA threads but the taker
       Mainloop::prefetch_tma_descriptors(params.mainloop);
       storage.qdo_full.init(/*arrive_count=*/1);
       storage.qdo_empty.init(kNumMmaThreads);  // every MMA thread, after its tile's last S and dP
@@ -63,7 +63,7 @@ struct BackwardDqKernel {
       auto pipe_v_write = cutlass::make_producer_start_state<typename Mainloop::PipelineV>();
       int qdo_empty_phase = 1;  // the buffers start empty: the first wait passes
       for (int k = 0;; ++k) {
-        const int tile = Scheduler::fetch_tile(params.scheduler, storage.tiles, k);
+        const int tile = Scheduler::tile_at(params.scheduler, storage.tiles, k, false);
         const WorkTile work = Scheduler::decode(params.scheduler, tile);
         if (!work.valid) break;
         const SeqlenInfo seq = Mainloop::seqlen_info(params.mainloop, work);
@@ -82,7 +82,7 @@ struct BackwardDqKernel {
       using TileShape = decltype(select<0, 1>(typename Mainloop::TileShapedQ{}));  // (M, d)
       Tensor tdQcdQ = tiled_mma_dq.get_thread_slice(thread_idx).partition_C(make_identity_tensor(TileShape{}));
       for (int k = 0;; ++k) {
-        const int tile = Scheduler::receive_tile(params.scheduler, storage.tiles, k);
+        const int tile = Scheduler::tile_at(params.scheduler, storage.tiles, k, thread_idx == 0);
         const WorkTile work = Scheduler::decode(params.scheduler, tile);
         if (!work.valid) break;
         const SeqlenInfo seq = Mainloop::seqlen_info(params.mainloop, work);

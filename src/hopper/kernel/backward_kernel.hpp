@@ -59,7 +59,8 @@ struct BackwardKernel {
     const int warp_in_group = cutlass::canonical_warp_idx_sync() % cutlass::NumWarpsPerWarpGroup;
 
     if (threadIdx.x == 0) {
-      storage.tiles.init(kNumMmaThreads + cutlass::NumThreadsPerWarp);  // the MMA threads and the dQ writer
+      // The producer, the dQ writer and the MMA threads but the taker.
+      storage.tiles.init(kNumMmaThreads + cutlass::NumThreadsPerWarp);
       Mainloop::prefetch_tma_descriptors(params.mainloop);
       storage.kv_full.init(/*arrive_count=*/1);
       storage.kv_empty.init(kNumMmaThreads);  // every MMA thread, after its key block's last GEMM
@@ -81,7 +82,7 @@ struct BackwardKernel {
         auto pipe_do_write = cutlass::make_producer_start_state<typename Mainloop::PipelineDo>();
         int kv_empty_phase = 1;  // K and V start free: the first wait passes
         for (int k = 0;; ++k) {
-          const int tile = Scheduler::fetch_tile(params.scheduler, storage.tiles, k);
+          const int tile = Scheduler::tile_at(params.scheduler, storage.tiles, k, false);
           const WorkTile work = Scheduler::decode(params.scheduler, tile);
           if (!work.valid) break;
           const BackwardBlock blk = block_of(params, work);
@@ -92,7 +93,7 @@ struct BackwardKernel {
       } else if (warp_in_group == 1) {  // dQ writer
         Mainloop::store_dq_start();
         for (int k = 0;; ++k) {
-          const int tile = Scheduler::receive_tile(params.scheduler, storage.tiles, k);
+          const int tile = Scheduler::tile_at(params.scheduler, storage.tiles, k, false);
           const WorkTile work = Scheduler::decode(params.scheduler, tile);
           if (!work.valid) break;
           Mainloop::store_dq(params.mainloop, storage, block_of(params, work));
@@ -108,7 +109,7 @@ struct BackwardKernel {
       int pds_buffer = 0;
       typename Mainloop::TiledMmadKV tiled_mma_dkv;
       for (int k = 0;; ++k) {
-        const int tile = Scheduler::receive_tile(params.scheduler, storage.tiles, k);
+        const int tile = Scheduler::tile_at(params.scheduler, storage.tiles, k, thread_idx == 0);
         const WorkTile work = Scheduler::decode(params.scheduler, tile);
         if (!work.valid) break;
         const BackwardBlock blk = block_of(params, work);

@@ -78,7 +78,7 @@ struct ForwardKernel {
     const int warp_group = cutlass::canonical_warp_group_idx();
 
     if (threadIdx.x == 0) {
-      storage.barriers.tiles.init(kNumMmaThreads);
+      storage.barriers.tiles.init(kNumMmaThreads);  // the producer and the MMA threads but the taker
       Mainloop::prefetch_tma_descriptors(params.mainloop);
       Epilogue::prefetch_tma_descriptors(params.epilogue);
       storage.barriers.q_full.init(/*arrive_count=*/1);
@@ -101,7 +101,7 @@ struct ForwardKernel {
       auto pipe_v_write = cutlass::make_producer_start_state<Pipeline>();
       int q_empty_phase = 1;  // the buffer starts empty: the first wait passes
       for (int k = 0;; ++k) {
-        const int tile = Scheduler::fetch_tile(params.scheduler, storage.barriers.tiles, k);
+        const int tile = Scheduler::tile_at(params.scheduler, storage.barriers.tiles, k, false);
         const WorkTile work = Scheduler::decode(params.scheduler, tile);
         if (!work.valid) break;
         const SeqlenInfo seq = Mainloop::seqlen_info(params.mainloop, work);
@@ -122,7 +122,7 @@ struct ForwardKernel {
       int q_full_phase = 0;
       typename Mainloop::TiledMmaPV tiled_mma_pv;
       for (int k = 0;; ++k) {
-        const int tile = Scheduler::receive_tile(params.scheduler, storage.barriers.tiles, k);
+        const int tile = Scheduler::tile_at(params.scheduler, storage.barriers.tiles, k, thread_idx == 0);
         const WorkTile work = Scheduler::decode(params.scheduler, tile);
         if (!work.valid) break;
         const SeqlenInfo seq = Mainloop::seqlen_info(params.mainloop, work);
