@@ -188,7 +188,7 @@ struct BackwardMainloop {
     cutlass::arch::ClusterBarrier kv_empty;
     typename Pipeline::SharedStorage pipeline_q;
     typename PipelineDo::SharedStorage pipeline_do;
-    TileRing tiles;  // packed batches: the tiles the kernel's producer takes (tile_scheduler.hpp)
+    TileRing tiles;  // packed batches: the hand-off of the tiles a CTA takes (tile_scheduler.hpp)
   };
 
   struct Arguments {

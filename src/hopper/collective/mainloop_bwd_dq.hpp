@@ -99,7 +99,7 @@ struct BackwardDqMainloop {
     cutlass::arch::ClusterBarrier qdo_empty;
     typename PipelineK::SharedStorage pipeline_k;
     typename PipelineV::SharedStorage pipeline_v;
-    TileRing tiles;  // packed batches: the tiles the kernel's producer takes (tile_scheduler.hpp)
+    TileRing tiles;  // packed batches: the hand-off of the tiles a CTA takes (tile_scheduler.hpp)
   };
 
   struct Arguments {

@@ -50,7 +50,7 @@ struct ForwardKernel {
     cutlass::arch::ClusterBarrier q_empty;
     typename Mainloop::Pipeline::SharedStorage pipeline_k;
     typename Mainloop::Pipeline::SharedStorage pipeline_v;
-    TileRing tiles;  // packed batches: the tiles the producer takes
+    TileRing tiles;  // packed batches: the hand-off of the tiles a CTA takes
   };
   struct SharedStorageWithO {
     cute::array_aligned<Element, cosize_v<typename Mainloop::SmemLayoutQ>, 1024> smem_q;
