@@ -124,8 +124,8 @@ cudaError_t plan_varlen_tiles(const hopper::VarlenTilePlanner::Params& params, c
   cudaError_t err = cudaFuncSetAttribute(varlen_tile_planner_entry, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          int(smem));
   if (err != cudaSuccess) return err;
-  varlen_tile_planner_entry<<<hopper::VarlenTilePlanner::grid_size(params.max_tiles), hopper::VarlenTilePlanner::kThreads,
-                              smem, stream>>>(params);
+  using Planner = hopper::VarlenTilePlanner;
+  varlen_tile_planner_entry<<<Planner::grid_size(params.max_tiles), Planner::kThreads, smem, stream>>>(params);
   return cudaGetLastError();
 }
 

@@ -175,6 +175,9 @@ std::vector<VarlenCase> varlen_cases() {
       {true, {200, 513, 64, 0}, {200, 513, 64, 0}, {150, 513, 0, 0}, {200, 100, 64, 0}, 2, 2, {}},
       {true, {300, 129, 0, 700}, {300, 129, 0, 700}, {}, {}, 4, 2, {-1, -1, 0, 0, 30.f, true}},
       {false, {300, 129, 0, 700}, {500, 129, 3, 600}, {}, {}, 4, 2, {100, 0, 2, 0, 0.f, true}},
+      // More tiles than an H200 has CTAs in every kernel (184 to 368), so CTAs take several
+      // tiles from the planned list's counter.
+      {true, {700, 300, 1000, 5, 513}, {700, 300, 1000, 5, 513}, {}, {}, 16, 8, {}},
   };
   std::vector<VarlenCase> cases;
   for (fh_dtype dtype : {FH_DTYPE_BF16, FH_DTYPE_FP16}) {
@@ -417,6 +420,8 @@ std::vector<VarlenCase> repeat_cases() {
     cases.push_back({FH_DTYPE_BF16, head_dim, true, {1000, 0, 513, 7}, {1000, 0, 513, 7}, {}, {}, 4, 2, {}});
     cases.push_back({FH_DTYPE_BF16, head_dim, false, {600, 129, 0, 300}, {700, 129, 5, 300}, {}, {}, 4, 2,
                      {100, 0, 2, 0, 0.f, true}});
+    cases.push_back({FH_DTYPE_BF16, head_dim, true, {700, 300, 1000, 5, 513}, {700, 300, 1000, 5, 513}, {}, {}, 16, 8,
+                     {}});  // several tiles a CTA (see varlen_cases)
   }
   return cases;
 }

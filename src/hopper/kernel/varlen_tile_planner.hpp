@@ -1,7 +1,8 @@
 // The tile list of a packed (varlen) batch, planned on the device before the attention kernel
 // (no host synchronisation, no host copy of cu_seqlens, so calls can be captured in CUDA graphs;
-// every CTA sorts the sequences, then each thread places tiles, so planning takes microseconds). It reproduces the dense scheduler's order (tile_scheduler.hpp) over sequences of
-// different lengths:
+// every CTA sorts the sequences, then each thread places tiles, so planning takes microseconds).
+// It reproduces the dense scheduler's order (tile_scheduler.hpp) over sequences of different
+// lengths:
 // - the (sequence, head) pairs in sequence order, sequences with the most blocks first, cut into
 //   sections of at least section_tiles tiles (four waves, or what fits half the L2) at pair
 //   boundaries;
