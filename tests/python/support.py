@@ -138,6 +138,16 @@ def capture_graph(step):
     return graph, captured
 
 
+def expect_replay_matches_eager(graph, captured, step, names):
+    """Replays `graph` (after the caller changed its inputs in place) and asserts that each
+    captured output is bitwise what an eager `step()` gives now."""
+    graph.replay()
+    torch.cuda.synchronize()
+    eager = step()
+    for name, a, b in zip(names, captured, eager):
+        assert torch.equal(a, b), f"{name}: replay differs from eager"
+
+
 def recording_backend(graphs):
     """A torch.compile backend that appends each compiled graph's call targets to `graphs` and
     runs it through AOT autograd unchanged."""

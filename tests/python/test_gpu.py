@@ -16,7 +16,8 @@ import flashhopper
 import flashhopper.flash_attn_interface as fa3
 from flashhopper import FlashHopperNotSupported, flash_attn_func
 
-from support import attention_reference, capture_graph, requires_gpu, varlen_attention_reference
+from support import (attention_reference, capture_graph, expect_replay_matches_eager, requires_gpu,
+                     varlen_attention_reference)
 
 OUT_SLACK = 1e-5
 GRAD_SLACK = 1e-4
@@ -252,11 +253,7 @@ def test_cuda_graph_with_options():
     new_q, _, _ = make_inputs(2, 192, 256, 4, 2, 128, torch.bfloat16, seed=24, requires_grad=False)
     with torch.no_grad():
         q.copy_(new_q), sink.mul_(0.5)
-    graph.replay()
-    torch.cuda.synchronize()
-    eager = step()
-    for name, a, b in zip(("out", "dq", "dk", "dv", "dsink"), captured, eager):
-        assert torch.equal(a, b), f"{name}: replay differs from eager"
+    expect_replay_matches_eager(graph, captured, step, ("out", "dq", "dk", "dv", "dsink"))
 
 
 @requires_gpu
@@ -562,11 +559,7 @@ def test_varlen_cuda_graph_capture_and_replay():
                                                          torch.bfloat16, seed=52, requires_grad=False)
     with torch.no_grad():
         q.copy_(new_q), cu_q.copy_(new_cu_q), cu_k.copy_(new_cu_k)
-    graph.replay()
-    torch.cuda.synchronize()
-    eager = step()
-    for name, a, b in zip(("out", "dq", "dk", "dv", "dsink"), captured, eager):
-        assert torch.equal(a, b), f"{name}: replay differs from eager"
+    expect_replay_matches_eager(graph, captured, step, ("out", "dq", "dk", "dv", "dsink"))
 
 
 @requires_gpu
