@@ -1,40 +1,22 @@
-# Which kernel instantiations this build compiles. The same FLASHHOPPER_BUILT_* definitions reach
-# the dispatch (src/launch/forward_dispatch.cu), so a call for a family that was left out is
-# refused as "not supported by this build" rather than failing to link.
-if(FLASHHOPPER_KERNELS STREQUAL "full")
-  set(_fwd_dtypes bf16 fp16)
-  set(_fwd_head_dims 64 128 256)
-elseif(FLASHHOPPER_KERNELS STREQUAL "dev")
-  set(_fwd_dtypes bf16)
-  set(_fwd_head_dims 128)
-else()
-  message(FATAL_ERROR "FLASHHOPPER_KERNELS must be dev or full, not '${FLASHHOPPER_KERNELS}'")
+# Which kernel instantiations this build compiles: the families of the chosen kernel set in the
+# manifest (scripts/kernel_manifest.py, generated into cmake/kernel_manifest.cmake), each with
+# every mask kind and softcap. FLASHHOPPER_KERNEL_SET (the set's index) reaches the dispatch
+# (src/launch/compiled_families.hpp), so a call for a family left out is refused by name rather
+# than failing to link.
+include(${CMAKE_CURRENT_LIST_DIR}/kernel_manifest.cmake)
+list(FIND FLASHHOPPER_KERNEL_SETS "${FLASHHOPPER_KERNELS}" _set_index)
+if(_set_index LESS 0)
+  message(FATAL_ERROR "FLASHHOPPER_KERNELS must be one of ${FLASHHOPPER_KERNEL_SETS}, not '${FLASHHOPPER_KERNELS}'")
 endif()
 
 set(FLASHHOPPER_KERNEL_SOURCES ${PROJECT_SOURCE_DIR}/src/launch/forward_dispatch.cu
     ${PROJECT_SOURCE_DIR}/src/launch/backward_dispatch.cu ${PROJECT_SOURCE_DIR}/src/launch/varlen_plan.cu)
-set(FLASHHOPPER_KERNEL_DEFINES "")
-foreach(_dtype bf16 fp16)
-  string(TOUPPER ${_dtype} _DTYPE)
-  if(_dtype IN_LIST _fwd_dtypes)
-    list(APPEND FLASHHOPPER_KERNEL_DEFINES FLASHHOPPER_BUILT_${_DTYPE}=1)
-  endif()
-endforeach()
-foreach(_hdim 64 128 256)
-  if(_hdim IN_LIST _fwd_head_dims)
-    list(APPEND FLASHHOPPER_KERNEL_DEFINES FLASHHOPPER_BUILT_HDIM${_hdim}=1)
-  endif()
-endforeach()
-foreach(_dtype IN LISTS _fwd_dtypes)
-  foreach(_hdim IN LISTS _fwd_head_dims)
-    foreach(_pass fwd bwd)
-      foreach(_mask full causal local)  # scripts/generate_kernels.py: MASKS, SOFTCAP
-        foreach(_softcap "" "_softcap")
-          list(APPEND FLASHHOPPER_KERNEL_SOURCES
-               ${PROJECT_SOURCE_DIR}/src/hopper/instantiations/${_pass}_${_dtype}_hdim${_hdim}_${_mask}${_softcap}.cu)
-        endforeach()
-      endforeach()
-    endforeach()
+set(FLASHHOPPER_KERNEL_DEFINES FLASHHOPPER_KERNEL_SET=${_set_index})
+foreach(_family IN LISTS FLASHHOPPER_KERNEL_FAMILIES_${FLASHHOPPER_KERNELS})
+  foreach(_variant IN LISTS FLASHHOPPER_KERNEL_VARIANTS)
+    list(APPEND FLASHHOPPER_KERNEL_SOURCES ${PROJECT_SOURCE_DIR}/src/hopper/instantiations/${_family}_${_variant}.cu)
   endforeach()
 endforeach()
-message(STATUS "FlashHopper kernels: ${FLASHHOPPER_KERNELS} (dtypes: ${_fwd_dtypes}; head dims: ${_fwd_head_dims})")
+list(LENGTH FLASHHOPPER_KERNEL_FAMILIES_${FLASHHOPPER_KERNELS} _count)
+message(STATUS "FlashHopper kernels: set ${FLASHHOPPER_KERNELS}, ${_count} families "
+               "(${FLASHHOPPER_KERNEL_FAMILIES_${FLASHHOPPER_KERNELS}})")

@@ -156,6 +156,20 @@ const char* fh_last_error(void);
 /* 1 when the library was built with its CUDA kernels. */
 int32_t fh_built_with_cuda(void);
 
+/* A compiled kernel family: one pass for one dtype and (head dim, value head dim). A call runs
+ * on the family of its pass and dtype with the smallest head dim at least its own (then the
+ * smallest value head dim at least its own): head dims in between run padded. */
+typedef struct fh_kernel_family {
+  int32_t backward;               /* 0: forward, 1: backward */
+  int32_t dtype;                  /* fh_dtype */
+  int32_t head_dim;
+  int32_t head_dim_v;
+} fh_kernel_family;
+
+/* The families this build compiled (none without CUDA): writes the first `capacity` of them to
+ * `families` (may be null when capacity is 0) and returns how many there are. */
+int32_t fh_compiled_families(fh_kernel_family* families, int32_t capacity);
+
 #ifdef __cplusplus
 }
 #endif

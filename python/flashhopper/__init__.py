@@ -12,10 +12,12 @@ A thin layer over the library's C ABI (ctypes; nothing compiled against PyTorch)
   selects the packed layout.
 - use_as_sdpa_flash_backend(): FlashHopper behind torch.nn.functional.scaled_dot_product_attention's
   FLASH backend.
+- compiled_families(): the kernel families (pass, dtype, head dims) the loaded library has.
 - python -m flashhopper.bench: side-by-side benchmark against PyTorch SDPA.
 """
 from ._ffi import FlashHopperError
-from .interface import FlashHopperInvalidArgument, FlashHopperNotSupported, Varlen, backward, forward
+from .interface import (FlashHopperInvalidArgument, FlashHopperNotSupported, KernelFamily, Varlen, backward,
+                        compiled_families, forward)
 from . import ops  # registers torch.ops.flashhopper.fwd / bwd
 from . import flash_attn_interface
 from .flash_attn_interface import (
@@ -36,6 +38,8 @@ __all__ = [
     "forward",
     "backward",
     "Varlen",
+    "compiled_families",
+    "KernelFamily",
     "use_as_sdpa_flash_backend",
     "restore_sdpa_flash_backend",
     "FlashHopperError",

@@ -58,6 +58,11 @@ class BackwardParams(ctypes.Structure):
     ]
 
 
+class KernelFamilyStruct(ctypes.Structure):
+    _fields_ = [("backward", ctypes.c_int32), ("dtype", ctypes.c_int32), ("head_dim", ctypes.c_int32),
+                ("head_dim_v", ctypes.c_int32)]
+
+
 class FlashHopperError(RuntimeError):
     """A call the library refused or that failed; `status` names the kind."""
 
@@ -103,6 +108,8 @@ def lib() -> ctypes.CDLL:
         handle.fh_last_error.restype = ctypes.c_char_p
         handle.fh_built_with_cuda.argtypes = []
         handle.fh_built_with_cuda.restype = ctypes.c_int32
+        handle.fh_compiled_families.argtypes = [ctypes.POINTER(KernelFamilyStruct), ctypes.c_int32]
+        handle.fh_compiled_families.restype = ctypes.c_int32
         _lib = handle
     return _lib
 

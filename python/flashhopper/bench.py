@@ -15,7 +15,7 @@ supported) is recorded as unavailable: NaN in the CSV, '-' in the table, no bar 
 max_diff_vs_cudnn is the largest absolute difference from cuDNN's out (forward) or dq/dk/dv
 (backward).
 
-    python -m flashhopper.bench [--passes fwd bwd] [--hdims 64 128 256] [--seqlens ...] [--causal 0 1] [--out DIR]
+    python -m flashhopper.bench [--passes fwd bwd] [--hdims 64 128 ...] [--seqlens ...] [--causal 0 1] [--out DIR]
     (bench/benchmark_attention.py is the same script; scripts/device_check.sh bench runs it)
 
 Each measured row prints one progress line: [row/total] the numbers, elapsed seconds. The PNG needs
@@ -71,7 +71,8 @@ def time_all_ms(fns, warmup=10, rounds=15, calls=10):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--passes", nargs="+", choices=["fwd", "bwd"], default=["fwd", "bwd"])
-    parser.add_argument("--hdims", type=int, nargs="+", default=[64, 128, 256])
+    parser.add_argument("--hdims", type=int, nargs="+", default=None,
+                        help="head dims (default: the bf16 forward families the library compiled)")
     parser.add_argument("--seqlens", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
     parser.add_argument("--causal", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--total-tokens", type=int, default=16384)
@@ -82,6 +83,9 @@ def main(argv=None):
     parser.add_argument("--bwd-calls", type=int, default=5, help="backward: back-to-back calls per round")
     parser.add_argument("--out", default="bench")
     args = parser.parse_args(argv)
+    if args.hdims is None:
+        args.hdims = sorted({f.head_dim for f in flashhopper.compiled_families()
+                             if f.pass_ == "forward" and f.dtype == torch.bfloat16})
     os.makedirs(args.out, exist_ok=True)
     gpu = torch.cuda.get_device_name()
     date = datetime.date.today().isoformat()

@@ -59,6 +59,27 @@ def _check(status: int) -> None:
     raise FlashHopperError(status, message)
 
 
+class KernelFamily(NamedTuple):
+    """A compiled kernel family: one pass ("forward" or "backward") for one dtype and (head dim,
+    value head dim). A call runs on its pass and dtype's family with the smallest head dim (then
+    value head dim) at least its own."""
+    pass_: str
+    dtype: torch.dtype
+    head_dim: int
+    head_dim_v: int
+
+
+def compiled_families() -> list:
+    """The kernel families the loaded library compiled (none without CUDA), as KernelFamily."""
+    lib = _ffi.lib()
+    count = lib.fh_compiled_families(None, 0)
+    families = (_ffi.KernelFamilyStruct * max(count, 1))()
+    lib.fh_compiled_families(families, count)
+    dtypes = {code: dtype for dtype, code in _DTYPES.items()}
+    return [KernelFamily("backward" if f.backward else "forward", dtypes[f.dtype], f.head_dim, f.head_dim_v)
+            for f in families[:count]]
+
+
 class Varlen(NamedTuple):
     """The packed (variable-length) layout, FlashAttention's varlen: q [total_q, Hq, d] and k/v
     [total_k, Hkv, d] hold B sequences, sequence b being the rows cu_seqlens[b] .. cu_seqlens[b+1] - 1

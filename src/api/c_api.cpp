@@ -3,6 +3,7 @@
 
 #include "flashhopper/flashhopper.h"
 #include "flashhopper/flashhopper.hpp"
+#include "launch/compiled_families.hpp"
 
 #define FLASHHOPPER_EXPORT extern "C" __attribute__((visibility("default")))
 
@@ -77,4 +78,16 @@ FLASHHOPPER_EXPORT int32_t fh_built_with_cuda(void) {
 #else
   return 0;
 #endif
+}
+
+FLASHHOPPER_EXPORT int32_t fh_compiled_families(fh_kernel_family* families, int32_t capacity) {
+  using flashhopper::launch::KernelFamily;
+  int32_t count = 0;
+  for (const KernelFamily& f : flashhopper::launch::kKernelFamilies) {
+    if (!flashhopper::launch::built(f)) continue;
+    if (families != nullptr && count < capacity)
+      families[count] = {f.pass == flashhopper::launch::Pass::kBackward ? 1 : 0, f.dtype, f.head_dim, f.head_dim_v};
+    ++count;
+  }
+  return count;
 }

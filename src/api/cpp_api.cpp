@@ -164,8 +164,8 @@ Status forward(const ForwardParams& params, void* workspace, size_t workspace_by
   if (!status.ok()) return status;
 #ifdef FLASHHOPPER_WITH_CUDA
   const detail::ProblemShape shape = detail::forward_shape(params);
-  if (const char* reason = launch::forward_unsupported_reason(params, shape)) {
-    return error(FH_ERROR_NOT_SUPPORTED, std::string("forward: ") + reason);
+  if (const std::string reason = launch::forward_unsupported_reason(params, shape); !reason.empty()) {
+    return error(FH_ERROR_NOT_SUPPORTED, "forward: " + reason);
   }
   if (!(status = check_device()).ok()) return status;
   const std::pair<const Tensor*, const char*> pointers[] = {
@@ -195,8 +195,8 @@ Status backward(const BackwardParams& params, void* workspace, size_t workspace_
   if (!status.ok()) return status;
 #ifdef FLASHHOPPER_WITH_CUDA
   const detail::ProblemShape shape = detail::backward_shape(params);
-  if (const char* reason = launch::backward_unsupported_reason(params, shape)) {
-    return error(FH_ERROR_NOT_SUPPORTED, std::string("backward: ") + reason);
+  if (const std::string reason = launch::backward_unsupported_reason(params, shape); !reason.empty()) {
+    return error(FH_ERROR_NOT_SUPPORTED, "backward: " + reason);
   }
   if (!(status = check_device()).ok()) return status;
   const std::pair<const Tensor*, const char*> pointers[] = {

@@ -1,7 +1,9 @@
-// Composes the backward for one (dtype, head dim, mask kind, softcap) and enqueues its kernels:
+// Composes the backward for one (dtype, head dim, value head dim, mask kind, softcap) and
+// enqueues its kernels:
 // preprocess (D, LSE2), the main kernel (dK, dV and dQaccum), postprocess (dQ); or, where the
 // tile table gives dQ a kernel of its own (kDqKernel): preprocess, the main kernel (dK, dV) and
-// the dQ kernel. With a learnable sink's gradient asked for, a last small kernel sums it.
+// the dQ kernel. With a learnable sink's gradient asked for, a last small kernel sums it. A call
+// whose head dim is below the compiled one passes its own in the tensor shapes, as the forward.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -57,7 +59,7 @@ cudaError_t run_backward_dq_kernel(const BackwardParams& p, const detail::Proble
                                        args.workspace,
                                        args.seqlen};
   // As the forward: a head's query blocks share its K and V in L2.
-  const int64_t kv_bytes_per_row = int64_t(2) * kHeadDim * sizeof(Element) * heads_kv / heads_q;
+  const int64_t kv_bytes_per_row = int64_t(2) * s.head_dim * sizeof(Element) * heads_kv / heads_q;
   typename Scheduler::Params scheduler;
   if (s.varlen_q) {
     auto* tiles = reinterpret_cast<hopper::PlannedTile*>(ws + layout.dq_tiles);
@@ -79,11 +81,12 @@ cudaError_t run_backward_dq_kernel(const BackwardParams& p, const detail::Proble
                                params, stream);
 }
 
-template <fh_dtype kDType, int kHeadDim, hopper::MaskKind kMask, bool kSoftcap>
+template <fh_dtype kDType, int kHeadDim, int kHeadDimV, hopper::MaskKind kMask, bool kSoftcap>
 cudaError_t run_backward_hdim(const BackwardParams& p, const detail::ProblemShape& s, void* workspace,
                               cudaStream_t stream) {
   using namespace cute;
   using namespace flashhopper::hopper;
+  static_assert(kHeadDimV == kHeadDim, "the kernels take one head dim for Q, K and V");
   using Element = typename ElementOf<kDType>::type;
   using Tile = BackwardTileSize<kHeadDim>;
   constexpr bool kCausal = kMask == MaskKind::kCausal;
@@ -100,10 +103,11 @@ cudaError_t run_backward_hdim(const BackwardParams& p, const detail::ProblemShap
   static_assert(Tile::kBlockM % BackwardWorkspaceLayout::kSemaphoreRows == 0);
 
   const int batch = int(s.batch), heads_q = int(s.heads_q), heads_kv = int(s.heads_kv);
+  const int d = int(s.head_dim);
   const hopper::SeqlenParams seqlen = seqlen_params(p, s);
-  const float scale = float(detail::default_scale(p.softmax_scale, kHeadDim));
+  const float scale = float(detail::default_scale(p.softmax_scale, s.head_dim));
   const bool dsink = detail::present(p.learnable_sink) && detail::present(p.dsink);
-  const BackwardWorkspaceLayout layout = backward_workspace_layout(s, dsink);
+  const BackwardWorkspaceLayout layout = backward_workspace_layout<kHeadDim>(s, dsink);
   char* ws = static_cast<char*>(workspace);
   const BackwardWorkspacePointers pointers{reinterpret_cast<float*>(ws + layout.lse_log2),
                                            reinterpret_cast<float*>(ws + layout.dpsum),
@@ -140,6 +144,7 @@ cudaError_t run_backward_hdim(const BackwardParams& p, const detail::ProblemShap
                                   {lse_strides[0], lse_strides[1], lse_strides[2]},
                                   int(layout.rows_per_sequence),
                                   heads_q,
+                                  d,
                                   pointers,
                                   seqlen,
                                   dsink ? static_cast<float const*>(p.learnable_sink.data) : nullptr,
@@ -150,10 +155,10 @@ cudaError_t run_backward_hdim(const BackwardParams& p, const detail::ProblemShap
   if ((err = cudaGetLastError()) != cudaSuccess) return err;
 
   typename Mainloop::Arguments mainloop_args{static_cast<Element const*>(p.q.data),
-                                             make_shape(qr.rows, kHeadDim, heads_q, qr.batch),
+                                             make_shape(qr.rows, d, heads_q, qr.batch),
                                              stride_of(qr),
                                              static_cast<Element const*>(p.k.data),
-                                             make_shape(kr.rows, kHeadDim, heads_kv, kr.batch),
+                                             make_shape(kr.rows, d, heads_kv, kr.batch),
                                              stride_of(kr),
                                              static_cast<Element const*>(p.v.data),
                                              stride_of(k_rows(p.v)),
@@ -167,7 +172,7 @@ cudaError_t run_backward_hdim(const BackwardParams& p, const detail::ProblemShap
                                              seqlen};
   typename Epilogue::Arguments epilogue_args{static_cast<Element*>(p.dk.data), stride_of(k_rows(p.dk)),
                                              static_cast<Element*>(p.dv.data), stride_of(k_rows(p.dv)),
-                                             make_shape(kr.rows, kHeadDim, heads_kv, kr.batch), scale};
+                                             make_shape(kr.rows, d, heads_kv, kr.batch), scale};
   const int num_n_blocks = (seqlen.seqlen_k + Tile::kBlockN - 1) / Tile::kBlockN;
   // One longest-first order over all heads balances best: the scheduler's L2 sections end
   // unevenly (hdim 128, causal, 16k: 0.68 of cuDNN with 5-head sections, 0.75 with one order).
@@ -176,7 +181,7 @@ cudaError_t run_backward_hdim(const BackwardParams& p, const detail::ProblemShap
   // heads from DRAM (hdim 128, 2k: 305 -> 258 TFLOP/s with one CTA a head; hdim 256, 2k: 211 ->
   // 275 with two), so L2-sized sections keep a head's CTAs together.
   const bool one_order = int64_t(heads_kv) * batch * 4 <= num_sms;
-  const int64_t qdo_bytes_per_row = int64_t(heads_q / heads_kv) * 2 * kHeadDim * sizeof(Element);
+  const int64_t qdo_bytes_per_row = int64_t(heads_q / heads_kv) * 2 * d * sizeof(Element);
   typename Scheduler::Params scheduler;
   if (s.varlen_k) {
     auto* tiles = reinterpret_cast<hopper::PlannedTile*>(ws + layout.main_tiles);
@@ -211,7 +216,7 @@ cudaError_t run_backward_hdim(const BackwardParams& p, const detail::ProblemShap
   } else {
     const TensorRows dqr = q_rows(p.dq);
     typename Postprocess::Params post{static_cast<Element*>(p.dq.data),
-                                      make_shape(dqr.rows, kHeadDim, heads_q, dqr.batch),
+                                      make_shape(dqr.rows, d, heads_q, dqr.batch),
                                       stride_of(dqr),
                                       scale,
                                       pointers,

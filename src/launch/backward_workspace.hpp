@@ -33,47 +33,33 @@ struct BackwardWorkspaceLayout {
   size_t bytes = 0;
 };
 
-// Whether the backward at this head dim computes dQ by the dQ kernel, which needs no dQaccum.
-inline bool backward_dq_kernel(int64_t head_dim) {
-  switch (head_dim) {
-    case 64: return hopper::BackwardTileSize<64>::kDqKernel;
-    case 128: return hopper::BackwardTileSize<128>::kDqKernel;
-    case 256: return hopper::BackwardTileSize<256>::kDqKernel;
-    default: return false;
-  }
-}
-
 // The preprocess kernel's rows per CTA, each CTA writing one share of the sink's gradient.
 inline constexpr int64_t kSinkRowsPerShare = 64;
 
-// The key block of the dK/dV kernel and the query block of the dQ kernel at this head dim.
-inline int backward_block_n(int64_t head_dim) {
-  switch (head_dim) {
-    case 64: return hopper::BackwardTileSize<64>::kBlockN;
-    case 128: return hopper::BackwardTileSize<128>::kBlockN;
-    default: return hopper::BackwardTileSize<256>::kBlockN;
-  }
-}
-inline int backward_dq_block_m() { return hopper::BackwardDqTileSize<256>::kBlockM; }
-
-inline BackwardWorkspaceLayout backward_workspace_layout(const detail::ProblemShape& s, bool dsink) {
+// kHeadDim: the compiled head dim the call runs on (dQaccum rows are that wide).
+template <int kHeadDim>
+BackwardWorkspaceLayout backward_workspace_layout(const detail::ProblemShape& s, bool dsink) {
+  using Tile = hopper::BackwardTileSize<kHeadDim>;
   auto align = [](size_t bytes) { return (bytes + 255) / 256 * 256; };
-  const bool dq_kernel = backward_dq_kernel(s.head_dim);
+  const bool dq_kernel = Tile::kDqKernel;
   const bool dq_accum_used = !dq_kernel;
   BackwardWorkspaceLayout w;
   w.rows_per_sequence = (s.seqlen_q + w.kRowAlign - 1) / w.kRowAlign * w.kRowAlign;
   w.rows_padded = s.varlen_q ? hopper::BackwardWorkspacePointers::packed_rows(s.total_q, s.batch) : w.rows_per_sequence;
   const size_t rows = size_t(s.varlen_q ? 1 : s.batch) * s.heads_q * w.rows_padded;
   if (s.varlen_k)
-    w.max_main_tiles = max_planned_tiles(s.total_k, s.seqlen_k, s.batch, s.heads_kv, backward_block_n(s.head_dim));
-  if (s.varlen_q && dq_kernel)
-    w.max_dq_tiles = max_planned_tiles(s.total_q, s.seqlen_q, s.batch, s.heads_q, backward_dq_block_m());
+    w.max_main_tiles = max_planned_tiles(s.total_k, s.seqlen_k, s.batch, s.heads_kv, Tile::kBlockN);
+  if constexpr (Tile::kDqKernel) {
+    if (s.varlen_q)
+      w.max_dq_tiles =
+          max_planned_tiles(s.total_q, s.seqlen_q, s.batch, s.heads_q, hopper::BackwardDqTileSize<kHeadDim>::kBlockM);
+  }
   w.main_tiles = 0;
   w.dq_tiles = w.main_tiles + (w.max_main_tiles > 0 ? planned_tiles_bytes(w.max_main_tiles) : 0);
   w.lse_log2 = w.dq_tiles + (w.max_dq_tiles > 0 ? planned_tiles_bytes(w.max_dq_tiles) : 0);
   w.dpsum = w.lse_log2 + align(rows * sizeof(float));
   w.dq_accum = w.dpsum + align(rows * sizeof(float));
-  w.dq_semaphore = w.dq_accum + (dq_accum_used ? align(rows * s.head_dim * sizeof(float)) : 0);
+  w.dq_semaphore = w.dq_accum + (dq_accum_used ? align(rows * kHeadDim * sizeof(float)) : 0);
   w.dsink_partial = w.dq_semaphore + (dq_accum_used ? align(rows / w.kSemaphoreRows * sizeof(int32_t)) : 0);
   w.dsink_partials_per_head = dsink ? int64_t(s.batch) * w.rows_per_sequence / kSinkRowsPerShare : 0;
   w.bytes = w.dsink_partial + align(size_t(s.heads_q * w.dsink_partials_per_head) * sizeof(float));

@@ -1,50 +1,63 @@
-// Which kernel families this build compiled (cmake/kernels.cmake sets FLASHHOPPER_BUILT_*; the
-// forward and the backward are compiled for the same dtypes and head dims).
+// Which family a call runs on and whether this build compiled it. A call of head dims (d, dv)
+// runs on the manifest's smallest head dim >= d of its pass and dtype, then its smallest value
+// head dim >= dv: the kernels zero-fill the columns past d on load and never write them.
+// FLASHHOPPER_KERNEL_SET (cmake/kernels.cmake) is the index of the set this build compiled.
 #pragma once
 
 #include <cstdint>
+#include <string>
 
-#include "flashhopper/flashhopper.h"
+#include "launch/kernel_manifest.hpp"
 
 namespace flashhopper::launch {
 
-inline constexpr bool compiled_dtype(fh_dtype dtype) {
-  switch (dtype) {
-#ifdef FLASHHOPPER_BUILT_BF16
-    case FH_DTYPE_BF16: return true;
+#ifdef FLASHHOPPER_KERNEL_SET
+inline constexpr int kBuiltKernelSet = FLASHHOPPER_KERNEL_SET;
+#else
+inline constexpr int kBuiltKernelSet = -1;  // no kernels (a build without CUDA)
 #endif
-#ifdef FLASHHOPPER_BUILT_FP16
-    case FH_DTYPE_FP16: return true;
-#endif
-    default: return false;
+
+constexpr bool built(const KernelFamily& f) { return f.first_set <= kBuiltKernelSet; }
+
+// Null when no family of the manifest holds (d, dv).
+constexpr const KernelFamily* family_for(Pass pass, fh_dtype dtype, int64_t head_dim, int64_t head_dim_v) {
+  const KernelFamily* best = nullptr;
+  for (const KernelFamily& f : kKernelFamilies) {
+    if (f.pass != pass || f.dtype != dtype || f.head_dim < head_dim || f.head_dim_v < head_dim_v) continue;
+    if (best == nullptr || f.head_dim < best->head_dim ||
+        (f.head_dim == best->head_dim && f.head_dim_v < best->head_dim_v))
+      best = &f;
   }
+  return best;
 }
 
-inline constexpr bool compiled_head_dim(int64_t head_dim) {
-  switch (head_dim) {
-#ifdef FLASHHOPPER_BUILT_HDIM64
-    case 64: return true;
-#endif
-#ifdef FLASHHOPPER_BUILT_HDIM128
-    case 128: return true;
-#endif
-#ifdef FLASHHOPPER_BUILT_HDIM256
-    case 256: return true;
-#endif
-    default: return false;
-  }
+// "forward bf16 hdim 128" or "backward fp16 hdim 192, dv 128".
+inline std::string family_name(const KernelFamily& f) {
+  std::string name = std::string(f.pass == Pass::kForward ? "forward " : "backward ") +
+                     (f.dtype == FH_DTYPE_BF16 ? "bf16" : "fp16") + " hdim " + std::to_string(f.head_dim);
+  if (f.head_dim_v != f.head_dim) name += ", dv " + std::to_string(f.head_dim_v);
+  return name;
 }
 
-// Null when kernels for (dtype, head_dim) exist in this build, else a sentence saying why not.
-inline const char* compiled_family_reason(fh_dtype dtype, int64_t head_dim) {
-  if (head_dim != 64 && head_dim != 128 && head_dim != 256) {
-    return "head dims other than 64, 128 and 256 are not supported yet";
+// Empty when this build runs (d, dv), else a sentence saying why not.
+inline std::string family_unsupported_reason(Pass pass, fh_dtype dtype, int64_t head_dim, int64_t head_dim_v) {
+  const std::string dims = "head dim " + std::to_string(head_dim) +
+                           (head_dim_v != head_dim ? " with value head dim " + std::to_string(head_dim_v) : "");
+  if (dtype != FH_DTYPE_BF16 && dtype != FH_DTYPE_FP16) return "only bf16 and fp16 kernels exist";
+  const KernelFamily* f = family_for(pass, dtype, head_dim, head_dim_v);
+  if (f == nullptr) {
+    std::string known;
+    for (const KernelFamily& k : kKernelFamilies)
+      if (k.pass == pass && k.dtype == dtype)
+        known += (known.empty() ? "" : ", ") + std::to_string(k.head_dim) + "/" + std::to_string(k.head_dim_v);
+    return dims + ": no kernel family holds it (head dim / value head dim: " + known + ")";
   }
-  if (!compiled_dtype(dtype))
-    return "this dtype's kernels are not in this build (configure with -DFLASHHOPPER_KERNELS=full)";
-  if (!compiled_head_dim(head_dim))
-    return "this head dim's kernels are not in this build (configure with -DFLASHHOPPER_KERNELS=full)";
-  return nullptr;
+  if (!built(*f)) {
+    const std::string set = kBuiltKernelSet < 0 ? "none" : kKernelSets[kBuiltKernelSet];
+    return dims + " runs on the " + family_name(*f) + " kernels, which this build (kernel set '" + set +
+           "') did not compile; configure with -DFLASHHOPPER_KERNELS=" + kKernelSets[f->first_set];
+  }
+  return {};
 }
 
 }  // namespace flashhopper::launch

@@ -1,15 +1,16 @@
-// The switch from run-time values to a compiled instantiation, shared by both passes: dtype, head
-// dim, mask kind and softcap (the axes of scripts/generate_kernels.py). `run` is a generic
-// callable taking the four as integral_constant tags; a family this build left out
-// (FLASHHOPPER_BUILT_*) returns cudaErrorInvalidValue, which compiled_family_reason refuses first.
+// The switch from a call's family (compiled_families.hpp: family_for) to a compiled
+// instantiation, shared by both passes. visit_built_family hands `f` the family's dtype, head dim
+// and value head dim as integral_constant tags; with_variant adds the mask kind and softcap (the
+// variants of scripts/kernel_manifest.py). Only the families this build compiled are visited.
 #pragma once
 
+#include <cstddef>
 #include <type_traits>
-
-#include <cuda_runtime_api.h>
+#include <utility>
 
 #include "api/problem_shape.hpp"
 #include "hopper/common/mask_kind.hpp"
+#include "launch/compiled_families.hpp"
 
 namespace flashhopper::launch {
 
@@ -22,51 +23,49 @@ hopper::MaskKind mask_kind(const Params& p) {
 
 namespace dispatch_detail {
 
-template <fh_dtype kDType, int kHeadDim, hopper::MaskKind kMask, class Run>
-cudaError_t with_softcap(bool softcap, Run&& run) {
-  using D = std::integral_constant<fh_dtype, kDType>;
-  using H = std::integral_constant<int, kHeadDim>;
-  using M = std::integral_constant<hopper::MaskKind, kMask>;
-  return softcap ? run(D{}, H{}, M{}, std::true_type{}) : run(D{}, H{}, M{}, std::false_type{});
+template <Pass kPass, size_t kIndex, class R, class F>
+bool visit_if(const KernelFamily* family, F& f, R* result) {
+  constexpr KernelFamily kFamily = kKernelFamilies[kIndex];
+  if constexpr (kFamily.pass == kPass && built(kFamily)) {
+    if (family == &kKernelFamilies[kIndex]) {
+      *result = f(std::integral_constant<fh_dtype, kFamily.dtype>{}, std::integral_constant<int, kFamily.head_dim>{},
+                  std::integral_constant<int, kFamily.head_dim_v>{});
+      return true;
+    }
+  }
+  return false;
 }
 
-template <fh_dtype kDType, int kHeadDim, class Run>
-cudaError_t with_mask(hopper::MaskKind mask, bool softcap, Run&& run) {
-  switch (mask) {
-    case hopper::MaskKind::kCausal: return with_softcap<kDType, kHeadDim, hopper::MaskKind::kCausal>(softcap, run);
-    case hopper::MaskKind::kLocal: return with_softcap<kDType, kHeadDim, hopper::MaskKind::kLocal>(softcap, run);
-    default: return with_softcap<kDType, kHeadDim, hopper::MaskKind::kNone>(softcap, run);
-  }
-}
-
-template <fh_dtype kDType, class Run>
-cudaError_t with_head_dim(int64_t head_dim, hopper::MaskKind mask, bool softcap, Run&& run) {
-  switch (head_dim) {
-#ifdef FLASHHOPPER_BUILT_HDIM64
-    case 64: return with_mask<kDType, 64>(mask, softcap, run);
-#endif
-#ifdef FLASHHOPPER_BUILT_HDIM128
-    case 128: return with_mask<kDType, 128>(mask, softcap, run);
-#endif
-#ifdef FLASHHOPPER_BUILT_HDIM256
-    case 256: return with_mask<kDType, 256>(mask, softcap, run);
-#endif
-    default: return cudaErrorInvalidValue;
-  }
+template <Pass kPass, class R, class F, size_t... kIndex>
+R visit(std::index_sequence<kIndex...>, const KernelFamily* family, R otherwise, F& f) {
+  R result = otherwise;
+  (visit_if<kPass, kIndex>(family, f, &result) || ...);
+  return result;
 }
 
 }  // namespace dispatch_detail
 
-template <class Run>
-cudaError_t dispatch_family(int32_t dtype, int64_t head_dim, hopper::MaskKind mask, bool softcap, Run&& run) {
-  switch (dtype) {
-#ifdef FLASHHOPPER_BUILT_BF16
-    case FH_DTYPE_BF16: return dispatch_detail::with_head_dim<FH_DTYPE_BF16>(head_dim, mask, softcap, run);
-#endif
-#ifdef FLASHHOPPER_BUILT_FP16
-    case FH_DTYPE_FP16: return dispatch_detail::with_head_dim<FH_DTYPE_FP16>(head_dim, mask, softcap, run);
-#endif
-    default: return cudaErrorInvalidValue;
+// f(dtype, head_dim, head_dim_v) for `family` (a row of kKernelFamilies) when this build compiled
+// it for kPass; else `otherwise`.
+template <Pass kPass, class R, class F>
+R visit_built_family(const KernelFamily* family, R otherwise, F&& f) {
+  return dispatch_detail::visit<kPass>(std::make_index_sequence<std::size(kKernelFamilies)>{}, family, otherwise, f);
+}
+
+// f(mask, softcap) with both as integral_constant tags.
+template <class F>
+auto with_variant(hopper::MaskKind mask, bool softcap, F&& f) {
+  auto with_softcap = [&](auto mask_tag) {
+    return softcap ? f(mask_tag, std::true_type{}) : f(mask_tag, std::false_type{});
+  };
+  using hopper::MaskKind;
+  switch (mask) {
+    case MaskKind::kCausal:
+      return with_softcap(std::integral_constant<MaskKind, MaskKind::kCausal>{});
+    case MaskKind::kLocal:
+      return with_softcap(std::integral_constant<MaskKind, MaskKind::kLocal>{});
+    default:
+      return with_softcap(std::integral_constant<MaskKind, MaskKind::kNone>{});
   }
 }
 

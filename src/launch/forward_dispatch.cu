@@ -1,14 +1,19 @@
 // Forward dispatch: what this build can run, and the switch to the compiled instantiation.
-#include "launch/compiled_families.hpp"
+#include "hopper/common/tile_size.hpp"
 #include "launch/dispatch.hpp"
 #include "launch/forward_launch.hpp"
 #include "launch/launch.hpp"
 #include "launch/varlen_plan.hpp"
-#include "hopper/common/tile_size.hpp"
 
 namespace flashhopper::launch {
 
-const char* forward_unsupported_reason(const ForwardParams& p, const detail::ProblemShape& s) {
+namespace {
+const KernelFamily* forward_family(const ForwardParams& p, const detail::ProblemShape& s) {
+  return family_for(Pass::kForward, static_cast<fh_dtype>(p.q.dtype), s.head_dim, s.head_dim_v);
+}
+}  // namespace
+
+std::string forward_unsupported_reason(const ForwardParams& p, const detail::ProblemShape& s) {
   const detail::MaskSpec mask = detail::mask_spec(p);
   if (const char* reason = varlen_batch_reason(s)) return reason;
   if (s.paged || s.append_kv) return "the paged KV cache and k_new/v_new are not supported yet";
@@ -17,26 +22,27 @@ const char* forward_unsupported_reason(const ForwardParams& p, const detail::Pro
     return "num_sink_tokens together with attention_chunk is not supported by the kernels";
   if (p.num_splits > 1) return "split-KV (num_splits > 1) is not supported yet";
   if (s.head_dim != s.head_dim_v) return "head_dim_v different from head_dim is not supported yet";
-  return compiled_family_reason(static_cast<fh_dtype>(p.q.dtype), s.head_dim);
+  return family_unsupported_reason(Pass::kForward, static_cast<fh_dtype>(p.q.dtype), s.head_dim, s.head_dim_v);
 }
 
 // Packed queries: the planned tile list (launch/varlen_plan.hpp).
-size_t forward_workspace_size(const ForwardParams&, const detail::ProblemShape& s) {
+size_t forward_workspace_size(const ForwardParams& p, const detail::ProblemShape& s) {
   if (!s.varlen_q) return 0;
-  const int block_m = s.head_dim == 64 ? hopper::ForwardTileSize<64, false>::kBlockM
-                                       : hopper::ForwardTileSize<128, false>::kBlockM;
-  static_assert(hopper::ForwardTileSize<128, false>::kBlockM == hopper::ForwardTileSize<256, false>::kBlockM);
-  return planned_tiles_bytes(max_planned_tiles(s.total_q, s.seqlen_q, s.batch, s.heads_q, block_m));
+  return visit_built_family<Pass::kForward>(forward_family(p, s), size_t(0), [&](auto, auto head_dim, auto) {
+    constexpr int kBlockM = hopper::ForwardTileSize<decltype(head_dim)::value, false>::kBlockM;
+    static_assert(kBlockM == hopper::ForwardTileSize<decltype(head_dim)::value, true>::kBlockM);
+    return planned_tiles_bytes(max_planned_tiles(s.total_q, s.seqlen_q, s.batch, s.heads_q, kBlockM));
+  });
 }
 
-int run_forward(const ForwardParams& params, const detail::ProblemShape& shape, void* workspace,
-                fh_stream_t stream) {
-  return dispatch_family(params.q.dtype, shape.head_dim, mask_kind(params), params.softcap > 0.f,
-                         [&](auto dtype, auto head_dim, auto mask, auto softcap) {
-                           return run_forward_hdim<decltype(dtype)::value, decltype(head_dim)::value,
-                                                   decltype(mask)::value, decltype(softcap)::value>(
-                               params, shape, workspace, stream);
-                         });
+int run_forward(const ForwardParams& params, const detail::ProblemShape& shape, void* workspace, fh_stream_t stream) {
+  return visit_built_family<Pass::kForward>(
+      forward_family(params, shape), cudaErrorInvalidValue, [&](auto dtype, auto head_dim, auto head_dim_v) {
+        return with_variant(mask_kind(params), params.softcap > 0.f, [&](auto mask, auto softcap) {
+          return run_forward_hdim<decltype(dtype)::value, decltype(head_dim)::value, decltype(head_dim_v)::value,
+                                  decltype(mask)::value, decltype(softcap)::value>(params, shape, workspace, stream);
+        });
+      });
 }
 
 }  // namespace flashhopper::launch

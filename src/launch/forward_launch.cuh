@@ -1,4 +1,6 @@
-// Composes the forward kernel for one (dtype, head dim, mask kind, softcap) and launches it.
+// Composes the forward kernel for one (dtype, head dim, value head dim, mask kind, softcap) and
+// launches it. A call whose head dim is below the compiled one passes its own in the tensor shapes:
+// the TMA loads zero-fill the columns past it and the stores leave them unwritten.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -18,11 +20,12 @@
 
 namespace flashhopper::launch {
 
-template <fh_dtype kDType, int kHeadDim, hopper::MaskKind kMask, bool kSoftcap>
+template <fh_dtype kDType, int kHeadDim, int kHeadDimV, hopper::MaskKind kMask, bool kSoftcap>
 cudaError_t run_forward_hdim(const ForwardParams& p, const detail::ProblemShape& s, void* workspace,
                              cudaStream_t stream) {
   using namespace cute;
   using namespace flashhopper::hopper;
+  static_assert(kHeadDimV == kHeadDim, "the kernels take one head dim for Q, K and V");
   using Element = typename ElementOf<kDType>::type;
   using Tile = ForwardTileSize<kHeadDim, /*kMasked=*/kMask != MaskKind::kNone>;
   using Mainloop = ForwardMainloop<Element, Tile::kBlockM, Tile::kBlockN, kHeadDim, Tile::kStages, kMask, kSoftcap>;
@@ -33,6 +36,7 @@ cudaError_t run_forward_hdim(const ForwardParams& p, const detail::ProblemShape&
   using Kernel = ForwardKernel<Mainloop, Epilogue, Scheduler>;
 
   const int batch = int(s.batch), heads_q = int(s.heads_q), heads_kv = int(s.heads_kv);
+  const int d = int(s.head_dim), dv = int(s.head_dim_v);
   const hopper::SeqlenParams seqlen = seqlen_params(p, s);
   // (rows, d, heads, batch) views: dense [B, S, H, d]; packed [total, H, d] as one batch.
   const TensorRows q_rows = tensor_rows(p.q, s.varlen_q, seqlen.total_q, batch);
@@ -41,15 +45,15 @@ cudaError_t run_forward_hdim(const ForwardParams& p, const detail::ProblemShape&
   const TensorRows o_rows = tensor_rows(p.out, s.varlen_q, seqlen.total_q, batch);
   typename Mainloop::Arguments mainloop_args{
       static_cast<Element const*>(p.q.data),
-      make_shape(q_rows.rows, kHeadDim, heads_q, q_rows.batch),
+      make_shape(q_rows.rows, d, heads_q, q_rows.batch),
       make_stride(q_rows.row_stride, _1{}, q_rows.head_stride, q_rows.batch_stride),
       static_cast<Element const*>(p.k.data),
-      make_shape(k_rows.rows, kHeadDim, heads_kv, k_rows.batch),
+      make_shape(k_rows.rows, d, heads_kv, k_rows.batch),
       make_stride(k_rows.row_stride, _1{}, k_rows.head_stride, k_rows.batch_stride),
       static_cast<Element const*>(p.v.data),
-      make_shape(kHeadDim, v_rows.rows, heads_kv, v_rows.batch),
+      make_shape(dv, v_rows.rows, heads_kv, v_rows.batch),
       make_stride(_1{}, v_rows.row_stride, v_rows.head_stride, v_rows.batch_stride),
-      float(detail::default_scale(p.softmax_scale, kHeadDim)),
+      float(detail::default_scale(p.softmax_scale, s.head_dim)),
       p.softcap,
       local_mask_params(p),
       static_cast<float const*>(p.learnable_sink.data),
@@ -60,7 +64,7 @@ cudaError_t run_forward_hdim(const ForwardParams& p, const detail::ProblemShape&
   const int64_t lse_batch_stride = !has_lse || s.varlen_q ? 0 : p.lse.stride[0];
   typename Epilogue::Arguments epilogue_args{
       static_cast<Element*>(p.out.data),
-      make_shape(o_rows.rows, kHeadDim, heads_q, o_rows.batch),
+      make_shape(o_rows.rows, dv, heads_q, o_rows.batch),
       make_stride(o_rows.row_stride, _1{}, o_rows.head_stride, o_rows.batch_stride),
       static_cast<float*>(p.lse.data),
       make_stride(_1{}, lse_head_stride, lse_batch_stride),
@@ -70,7 +74,7 @@ cudaError_t run_forward_hdim(const ForwardParams& p, const detail::ProblemShape&
   cudaError_t err = device_sms_and_l2(&num_sms, &l2_bytes);
   if (err != cudaSuccess) return err;
 
-  const int64_t kv_bytes_per_row = 2 * kHeadDim * sizeof(Element);  // a key's K and V, one head
+  const int64_t kv_bytes_per_row = int64_t(d + dv) * sizeof(Element);  // a key's K and V, one head
   typename Scheduler::Params scheduler;
   if (s.varlen_q) {
     // The sequences' tiles, planned on the device (the workspace holds the list).

@@ -3,14 +3,15 @@
 #pragma once
 
 #include <cstddef>
+#include <string>
 
 #include "api/problem_shape.hpp"
 
 namespace flashhopper::launch {
 
-// Null when this build can run the forward on `params`, else a sentence saying why not.
+// Empty when this build can run the forward on `params`, else a sentence saying why not.
 // Argument validity is checked before this is asked.
-const char* forward_unsupported_reason(const ForwardParams& params, const detail::ProblemShape& shape);
+std::string forward_unsupported_reason(const ForwardParams& params, const detail::ProblemShape& shape);
 
 size_t forward_workspace_size(const ForwardParams& params, const detail::ProblemShape& shape);
 
@@ -18,7 +19,7 @@ size_t forward_workspace_size(const ForwardParams& params, const detail::Problem
 int run_forward(const ForwardParams& params, const detail::ProblemShape& shape, void* workspace,
                 fh_stream_t stream);
 
-const char* backward_unsupported_reason(const BackwardParams& params, const detail::ProblemShape& shape);
+std::string backward_unsupported_reason(const BackwardParams& params, const detail::ProblemShape& shape);
 
 size_t backward_workspace_size(const BackwardParams& params, const detail::ProblemShape& shape);
 

@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "device_memory.hpp"
@@ -64,6 +65,10 @@ struct GridCase {
   int batch, seqlen_q, seqlen_k, heads_q, heads_kv;
   bool heads_major_layout;  // inputs stored as [B, H, S, D] and passed as a strided [B, S, H, D] view
   Features features{};
+  // Outputs are views of tensors kGuardColumns wider, whose extra columns must stay poisoned
+  // (the padded head dims: the kernels compute kHeadDim columns and must write only d).
+  bool guard_columns = false;
+  int output_columns() const;
 
   std::string name() const {
     std::ostringstream s;
@@ -74,6 +79,43 @@ struct GridCase {
   }
 };
 
+inline constexpr int kGuardColumns = 8;
+inline int GridCase::output_columns() const { return head_dim + (guard_columns ? kGuardColumns : 0); }
+
+// The (dtype, head dim) of each family this build compiled for a pass (fh_compiled_families,
+// from the kernel manifest): the grids run on these.
+inline std::vector<std::pair<fh_dtype, int>> compiled_families(bool backward) {
+  std::vector<fh_kernel_family> families(size_t(fh_compiled_families(nullptr, 0)));
+  fh_compiled_families(families.data(), int32_t(families.size()));
+  std::vector<std::pair<fh_dtype, int>> out;
+  for (const fh_kernel_family& f : families)
+    if ((f.backward != 0) == backward && f.head_dim == f.head_dim_v) out.emplace_back(fh_dtype(f.dtype), f.head_dim);
+  return out;
+}
+
+// Head dims between the compiled ones, each run on the next compiled family of its dtype (so
+// with the columns past d zero-filled on load and never stored): outputs carry guard columns.
+// Cases: not causal and causal with sq > sk (rows that see no key), GQA and MQA, the [B, H, S, D]
+// layout, a window with sink tokens, softcap and a learnable sink.
+inline std::vector<GridCase> padded_head_dim_cases(bool backward) {
+  const std::vector<std::pair<fh_dtype, int>> compiled = compiled_families(backward);
+  std::vector<GridCase> cases;
+  for (fh_dtype dtype : {FH_DTYPE_BF16, FH_DTYPE_FP16})
+    for (int head_dim : {32, 40, 72, 80, 96, 112, 160, 192, 200, 224}) {
+      bool exact = false, runs = false;
+      for (const auto& [d_type, d] : compiled) {
+        exact |= d_type == dtype && d == head_dim;
+        runs |= d_type == dtype && d > head_dim;
+      }
+      if (exact || !runs) continue;  // the grids test it, or nothing in this build runs it
+      cases.push_back({dtype, head_dim, false, 1, 113, 200, 4, 2, false, {}, true});
+      cases.push_back({dtype, head_dim, true, 2, 1000, 513, 4, 1, false, {}, true});
+      cases.push_back({dtype, head_dim, false, 1, 257, 1000, 2, 2, true, {}, true});
+      cases.push_back({dtype, head_dim, false, 1, 600, 500, 4, 2, false, {100, 0, 2, 0, 20.f, true}, true});
+    }
+  return cases;
+}
+
 // Learnable-sink logits, one a query head, around the scores' own scale (so the sink matters).
 inline HostTensor make_sink_logits(int heads_q, uint32_t seed) {
   HostTensor sink = random_tensor(FH_DTYPE_FP32, {heads_q}, seed);
@@ -82,7 +124,7 @@ inline HostTensor make_sink_logits(int heads_q, uint32_t seed) {
   return sink;
 }
 
-// The feature cases both GPU tests run, at every dtype and head dim: each feature alone and
+// The feature cases both GPU tests run, at every compiled family: each feature alone and
 // combined, windows of 0, 1, wider than the sequence and asymmetric, sq != sk both ways, GQA,
 // rows that see no key.
 inline std::vector<GridCase> feature_cases() {
@@ -110,10 +152,9 @@ inline std::vector<GridCase> feature_cases() {
       {false, 1, 600, 500, 4, 2, {100, 0, 2, 0, 20.f, true}},
   };
   std::vector<GridCase> cases;
-  for (fh_dtype dtype : {FH_DTYPE_BF16, FH_DTYPE_FP16})
-    for (int head_dim : {64, 128, 256})
-      for (const Row& r : rows)
-        cases.push_back({dtype, head_dim, r.causal, r.batch, r.seqlen_q, r.seqlen_k, r.heads_q, r.heads_kv, false, r.f});
+  for (const auto& [dtype, head_dim] : compiled_families(/*backward=*/false))
+    for (const Row& r : rows)
+      cases.push_back({dtype, head_dim, r.causal, r.batch, r.seqlen_q, r.seqlen_k, r.heads_q, r.heads_kv, false, r.f});
   return cases;
 }
 

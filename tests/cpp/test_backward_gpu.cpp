@@ -35,16 +35,18 @@ namespace {
 constexpr double kAbsSlack = 1e-4;
 constexpr int kRepeats = 20;  // runs of the determinism and spread tests
 
-// dq, dk, dv on the host, contiguous [B, S, H, D]; dsink [Hq] (float32, or float64 for the exact
+// dq, dk, dv on the host, contiguous [B, S, H, columns] (columns: the head dim, or with the
+// case's guard columns for the kernel's outputs); dsink [Hq] (float32, or float64 for the exact
 // reference), used only with a learnable sink.
 struct Gradients {
   HostTensor dq, dk, dv, dsink;
 };
 
-Gradients make_gradients(int32_t dtype, const GridCase& c) {
-  return {HostTensor(dtype, {c.batch, c.seqlen_q, c.heads_q, c.head_dim}),
-          HostTensor(dtype, {c.batch, c.seqlen_k, c.heads_kv, c.head_dim}),
-          HostTensor(dtype, {c.batch, c.seqlen_k, c.heads_kv, c.head_dim}),
+Gradients make_gradients(int32_t dtype, const GridCase& c, int columns = 0) {
+  if (columns == 0) columns = c.head_dim;
+  return {HostTensor(dtype, {c.batch, c.seqlen_q, c.heads_q, columns}),
+          HostTensor(dtype, {c.batch, c.seqlen_k, c.heads_kv, columns}),
+          HostTensor(dtype, {c.batch, c.seqlen_k, c.heads_kv, columns}),
           HostTensor(dtype == FH_DTYPE_FP64 ? FH_DTYPE_FP64 : FH_DTYPE_FP32, {c.heads_q})};
 }
 
@@ -97,7 +99,7 @@ class BackwardProblem {
     const Status status = reference::forward(f);
     ASSERT_TRUE(status.ok()) << status.message;
 
-    const Gradients shapes = make_gradients(c.dtype, c);
+    const Gradients shapes = make_gradients(c.dtype, c, c.output_columns());
     d_q_ = std::make_unique<DeviceTensor>(q_);
     d_k_ = std::make_unique<DeviceTensor>(k_);
     d_v_ = std::make_unique<DeviceTensor>(v_);
@@ -128,9 +130,9 @@ class BackwardProblem {
     params_.dout = bshd_device_view(*d_dout_, hm);
     params_.out = d_out_->view();
     params_.lse = d_lse_->view();
-    params_.dq = d_dq_->view();
-    params_.dk = d_dk_->view();
-    params_.dv = d_dv_->view();
+    params_.dq = narrow(d_dq_->view(), 3, 0, c.head_dim);
+    params_.dk = narrow(d_dk_->view(), 3, 0, c.head_dim);
+    params_.dv = narrow(d_dv_->view(), 3, 0, c.head_dim);
     params_.causal = c.causal;
     c.features.apply(params_);
     if (c.features.learnable_sink) {
@@ -234,13 +236,19 @@ class BackwardProblem {
 std::array<double, 3> expect_matches(const Gradients& ours, const Expected& e, bool with_sink) {
   if (with_sink) expect_dsink_matches(ours.dsink.view(), e.exact.dsink.view(), e.plain.dsink.view(), e.dsink_given, kAbsSlack);
   std::array<double, 3> err{};
+  std::array<Tensor, 3> views{};  // ours without the guard columns
   std::ostringstream summary;
   for (int i = 0; i < 3; ++i) {
-    err[i] = max_abs_diff(list(ours)[i]->view(), list(e.exact)[i]->view());
+    const int64_t head_dim = shape_of(list(e.exact)[i]->view())[3];
+    const int64_t columns = shape_of(list(ours)[i]->view())[3];
+    views[i] = narrow(list(ours)[i]->view(), 3, 0, head_dim);
+    EXPECT_EQ(count_not_nan(narrow(list(ours)[i]->view(), 3, head_dim, columns - head_dim)), 0)
+        << kGradientNames[i] << ": columns past the head dim were written";
+    err[i] = max_abs_diff(views[i], list(e.exact)[i]->view());
     summary << (i ? "; " : "") << kGradientNames[i] << ": ours " << err[i] << ", plain " << e.plain_err[i];
   }
   for (int i = 0; i < 3; ++i) {
-    EXPECT_FALSE(has_nan(list(ours)[i]->view())) << "unwritten (poisoned) or NaN elements in " << kGradientNames[i];
+    EXPECT_FALSE(has_nan(views[i])) << "unwritten (poisoned) or NaN elements in " << kGradientNames[i];
     EXPECT_LE(err[i], 2 * e.plain_err[i] + kAbsSlack)
         << kGradientNames[i] << " out of tolerance (" << summary.str() << ")";
   }
@@ -286,7 +294,7 @@ TEST_P(BackwardGpuTest, MatchesReference) {
   ASSERT_NO_FATAL_FAILURE(problem.run(/*deterministic=*/0, &status));
   if (status.code == FH_ERROR_NOT_SUPPORTED) GTEST_SKIP() << "not in this build: " << status.message;
   ASSERT_TRUE(status.ok()) << status.message;
-  Gradients ours = make_gradients(c.dtype, c);
+  Gradients ours = make_gradients(c.dtype, c, c.output_columns());
   ASSERT_NO_FATAL_FAILURE(problem.download(&ours));
 
   Expected expected;
@@ -311,23 +319,24 @@ std::vector<GridCase> backward_cases() {
   // Head dim 128 only: one of these costs the reference seconds (it has only B * Hq work items).
   const std::vector<Shape> large_shapes = {{1, 2048, 2048, 2, 1, false}};
   std::vector<GridCase> cases;
-  for (fh_dtype dtype : {FH_DTYPE_BF16, FH_DTYPE_FP16})
-    for (int head_dim : {64, 128, 256})
-      for (bool causal : {false, true}) {
-        for (const Shape& s : small_shapes)
-          cases.push_back(
-              {dtype, head_dim, causal, s.batch, s.seqlen_q, s.seqlen_k, s.heads_q, s.heads_kv, s.heads_major});
-        if (head_dim != 128) continue;
-        for (const Shape& s : large_shapes)
-          cases.push_back(
-              {dtype, head_dim, causal, s.batch, s.seqlen_q, s.seqlen_k, s.heads_q, s.heads_kv, s.heads_major});
-      }
+  for (const auto& [dtype, head_dim] : compiled_families(/*backward=*/true))
+    for (bool causal : {false, true}) {
+      for (const Shape& s : small_shapes)
+        cases.push_back(
+            {dtype, head_dim, causal, s.batch, s.seqlen_q, s.seqlen_k, s.heads_q, s.heads_kv, s.heads_major});
+      if (head_dim != 128) continue;
+      for (const Shape& s : large_shapes)
+        cases.push_back(
+            {dtype, head_dim, causal, s.batch, s.seqlen_q, s.seqlen_k, s.heads_q, s.heads_kv, s.heads_major});
+    }
   return cases;
 }
 
 INSTANTIATE_TEST_SUITE_P(Grid, BackwardGpuTest, ::testing::ValuesIn(backward_cases()),
                          [](const ::testing::TestParamInfo<GridCase>& info) { return info.param.name(); });
 INSTANTIATE_TEST_SUITE_P(Features, BackwardGpuTest, ::testing::ValuesIn(feature_cases()),
+                         [](const ::testing::TestParamInfo<GridCase>& info) { return info.param.name(); });
+INSTANTIATE_TEST_SUITE_P(PaddedHeadDims, BackwardGpuTest, ::testing::ValuesIn(padded_head_dim_cases(true)),
                          [](const ::testing::TestParamInfo<GridCase>& info) { return info.param.name(); });
 
 // ---- repeated runs ------------------------------------------------------------------------------

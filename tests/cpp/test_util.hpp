@@ -224,4 +224,11 @@ inline bool has_nan(const Tensor& a) {
   return found;
 }
 
+// Elements that are not NaN (a poisoned region that nothing may write keeps 0 of them).
+inline int64_t count_not_nan(const Tensor& a) {
+  int64_t count = 0;
+  for_each_index(shape_of(a), [&](const std::vector<int64_t>& i) { count += !std::isnan(read(a, i)); });
+  return count;
+}
+
 }  // namespace flashhopper::test

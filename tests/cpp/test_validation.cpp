@@ -9,8 +9,11 @@
 #include <cstdint>
 #include <limits>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "api/validate.hpp"
+#include "launch/compiled_families.hpp"
 #include "flashhopper/flashhopper.h"
 #include "flashhopper/flashhopper.hpp"
 
@@ -1299,6 +1302,85 @@ TEST(Forward, FakePointersNeverRun) {
   }
   const fh::Status invalid = fh::forward(fh::default_forward_params(), nullptr, 0, nullptr);
   EXPECT_REFUSED(invalid, "q", "required");  // argument errors come first, before any device question
+}
+
+}  // namespace
+
+// ---- Kernel families: the manifest's table picks the family a call runs on -----------------------
+
+namespace {
+
+using flashhopper::launch::family_for;
+using flashhopper::launch::Pass;
+
+TEST(KernelFamilies, HeadDimsRunOnTheNextFamily) {
+  // The manifest holds 64, 128 and 256 at least; whatever lies between runs on the next one up.
+  for (const auto& [asked, runs_on] : std::vector<std::pair<int, int>>{{8, 64}, {64, 64}, {72, 128}, {128, 128}}) {
+    const auto* f = family_for(Pass::kForward, FH_DTYPE_BF16, asked, asked);
+    ASSERT_NE(f, nullptr) << asked;
+    EXPECT_LE(f->head_dim, runs_on) << asked;
+    EXPECT_GE(f->head_dim, asked);
+    for (const auto& other : flashhopper::launch::kKernelFamilies)  // no smaller family holds it
+      if (other.pass == Pass::kForward && other.dtype == FH_DTYPE_BF16 && other.head_dim >= asked)
+        EXPECT_GE(other.head_dim, f->head_dim) << asked;
+  }
+  EXPECT_EQ(family_for(Pass::kBackward, FH_DTYPE_FP16, 256, 256)->head_dim, 256);
+  EXPECT_EQ(family_for(Pass::kForward, FH_DTYPE_BF16, 264, 264), nullptr);
+  EXPECT_EQ(family_for(Pass::kForward, FH_DTYPE_FP32, 128, 128), nullptr);
+}
+
+TEST(KernelFamilies, CompiledFamiliesQuery) {
+  const int32_t count = fh_compiled_families(nullptr, 0);
+  if (!fh_built_with_cuda()) {
+    EXPECT_EQ(count, 0);
+    return;
+  }
+  ASSERT_GT(count, 0);
+  std::vector<fh_kernel_family> families(size_t(count) + 1, fh_kernel_family{-1, -1, -1, -1});
+  EXPECT_EQ(fh_compiled_families(families.data(), 1), count);  // writes only what fits
+  EXPECT_EQ(families[1].head_dim, -1);
+  EXPECT_EQ(fh_compiled_families(families.data(), count), count);
+  EXPECT_EQ(families[size_t(count)].head_dim, -1);
+  bool forward_bf16_128 = false, backward_bf16_128 = false;  // in every kernel set
+  for (int32_t i = 0; i < count; ++i) {
+    const fh_kernel_family& f = families[size_t(i)];
+    EXPECT_TRUE(f.dtype == FH_DTYPE_BF16 || f.dtype == FH_DTYPE_FP16);
+    const auto* row = family_for(f.backward ? Pass::kBackward : Pass::kForward, fh_dtype(f.dtype), f.head_dim,
+                                 f.head_dim_v);
+    ASSERT_NE(row, nullptr);
+    EXPECT_EQ(row->head_dim, f.head_dim);  // a row of the manifest
+    forward_bf16_128 |= !f.backward && f.dtype == FH_DTYPE_BF16 && f.head_dim == 128;
+    backward_bf16_128 |= f.backward && f.dtype == FH_DTYPE_BF16 && f.head_dim == 128;
+  }
+  EXPECT_TRUE(forward_bf16_128 && backward_bf16_128);
+}
+
+bool compiled(bool backward, fh_dtype dtype, int head_dim) {
+  std::vector<fh_kernel_family> families(size_t(fh_compiled_families(nullptr, 0)));
+  fh_compiled_families(families.data(), int32_t(families.size()));
+  for (const fh_kernel_family& f : families)
+    if ((f.backward != 0) == backward && f.dtype == dtype && f.head_dim == head_dim) return true;
+  return false;
+}
+
+TEST(KernelFamilies, UncompiledFamilyIsRefusedByName) {
+  if (!fh_built_with_cuda()) GTEST_SKIP() << "a build without CUDA refuses every run as NO_DEVICE";
+  // Head dim 200 runs on hdim 256; a build without that family refuses it by name, before any
+  // device question.
+  fh::ForwardParams p = fh::default_forward_params();
+  p.q = fh::make_tensor(fake_pointer(0), FH_DTYPE_BF16, {kBatch, kSeqQ, kHeadsQ, 200});
+  p.k = fh::make_tensor(fake_pointer(1), FH_DTYPE_BF16, {kBatch, kSeqK, kHeadsKV, 200});
+  p.v = fh::make_tensor(fake_pointer(2), FH_DTYPE_BF16, {kBatch, kSeqK, kHeadsKV, 200});
+  p.out = fh::make_tensor(fake_pointer(3), FH_DTYPE_BF16, {kBatch, kSeqQ, kHeadsQ, 200});
+  const fh::Status status = fh::forward(p, nullptr, 0, nullptr);
+  EXPECT_NE(status.code, FH_SUCCESS);
+  if (compiled(false, FH_DTYPE_BF16, 256)) {
+    EXPECT_NE(status.code, FH_ERROR_NOT_SUPPORTED) << status.message;
+  } else {
+    EXPECT_EQ(status.code, FH_ERROR_NOT_SUPPORTED);
+    EXPECT_THAT(status.message, HasSubstr("head dim 200 runs on the forward bf16 hdim 256 kernels"));
+    EXPECT_THAT(status.message, HasSubstr("-DFLASHHOPPER_KERNELS=full"));
+  }
 }
 
 }  // namespace

@@ -180,14 +180,21 @@ std::vector<VarlenCase> varlen_cases() {
       {true, {700, 300, 1000, 5, 513}, {700, 300, 1000, 5, 513}, {}, {}, 16, 8, {}},
   };
   std::vector<VarlenCase> cases;
-  for (fh_dtype dtype : {FH_DTYPE_BF16, FH_DTYPE_FP16}) {
-    for (int head_dim : {64, 128, 256})
-      for (const Row& r : rows)
-        cases.push_back({dtype, head_dim, r.causal, r.lengths_q, r.lengths_k, r.used_q, r.used_k, r.heads_q,
-                         r.heads_kv, r.f});
+  auto add = [&](fh_dtype dtype, int head_dim, const Row& r) {
+    cases.push_back(
+        {dtype, head_dim, r.causal, r.lengths_q, r.lengths_k, r.used_q, r.used_k, r.heads_q, r.heads_kv, r.f});
+  };
+  for (const auto& [dtype, head_dim] : compiled_families(/*backward=*/false)) {
+    for (const Row& r : rows) add(dtype, head_dim, r);
     // A long sequence beside short ones (head dim 128 only: it costs the reference seconds).
-    cases.push_back({dtype, 128, true, {4097, 1, 0}, {4097, 1, 0}, {}, {}, 2, 1, {}});
+    if (head_dim == 128) cases.push_back({dtype, 128, true, {4097, 1, 0}, {4097, 1, 0}, {}, {}, 2, 1, {}});
   }
+  // Head dims between the compiled ones (padded_head_dim_cases: the same dims, dense).
+  for (const GridCase& g : padded_head_dim_cases(/*backward=*/false))
+    if ((g.head_dim == 80 || g.head_dim == 200) && g.causal) {
+      add(g.dtype, g.head_dim, rows[0]);
+      add(g.dtype, g.head_dim, rows[3]);
+    }
   return cases;
 }
 

@@ -224,7 +224,6 @@ def _misaligned_stride_q():
     (lambda q, k, v: (q, k[..., :64], v), "k: head dim 64"),
     (lambda q, k, v: (q, torch.cat([k, k[:, :, :1]], 2), torch.cat([v, v[:, :, :1]], 2)), "k: 3 key/value heads"),
     (lambda q, k, v: tuple(torch.randn(2, 16, 2, 264, dtype=torch.bfloat16) for _ in range(3)), "q: head dim 264"),
-    (lambda q, k, v: tuple(torch.randn(2, 16, 2, 12, dtype=torch.bfloat16) for _ in range(3)), "q: head dim 12"),
     (lambda q, k, v: (q.transpose(-1, -2).contiguous().transpose(-1, -2), k, v), "q: the last dim must be contiguous"),
     (lambda q, k, v: (q, k, v.transpose(-1, -2).contiguous().transpose(-1, -2)), "v: the last dim must be contiguous"),
     (lambda q, k, v: (_misaligned_stride_q(), k, v), r"q: stride\[0\]"),
@@ -815,6 +814,39 @@ def test_fake_impl_checks_shapes():
             torch.ops.flashhopper.fwd(q, k[..., :64], v, None, False, False)
 
 
+def test_plain_calls_refuse_head_dims_off_the_granule():
+    """flashhopper.forward takes head dims in multiples of 8 only; flash_attn_func pads the others."""
+    q, k, v = (torch.randn(2, 16, 2, 12, dtype=torch.bfloat16) for _ in range(3))
+    with pytest.raises(ValueError, match="q: head dim 12 is not a multiple of 8"):
+        flashhopper.forward(q, k, v)
+
+
+@pytest.mark.parametrize("head_dim", [12, 59, 111, 250])
+def test_flash_attn_func_pads_odd_head_dims(monkeypatch, head_dim):
+    """A head dim off the 16-byte granule reaches the op zero-padded to the next multiple of 8, with
+    the scale of the real head dim, and the output comes back unpadded and contiguous; gradients
+    flow back to the unpadded inputs (autograd through the pad)."""
+    seen = {}
+
+    def fake_fwd(q, k, v, softmax_scale, *args):
+        seen.update(shape=tuple(q.shape), scale=softmax_scale,
+                    tails_zero=all(bool((t[..., head_dim:] == 0).all()) for t in (q, k, v)))
+        return attention_reference(q, k, v, softmax_scale=softmax_scale, dtype=q.dtype)
+
+    monkeypatch.setattr(fa3.ops, "fwd", fake_fwd)
+    monkeypatch.setattr(fa3.interface, "check_devices", lambda named: None)
+    q, k, v = qkv(seqlen_q=9, seqlen_k=13, heads_q=2, heads_kv=2, head_dim=head_dim, requires_grad=True)
+    out = flash_attn_func(q, k, v)
+    padded = (head_dim + 7) // 8 * 8
+    assert seen["shape"][-1] == padded and seen["tails_zero"]
+    assert seen["scale"] == pytest.approx(head_dim ** -0.5)
+    assert out.shape == q.shape and out.is_contiguous()
+    expected, _ = attention_reference(q.detach(), k.detach(), v.detach(), dtype=torch.float64)
+    assert (out.double() - expected).abs().max().item() < 0.05
+    out.sum().backward()
+    assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
+
+
 def test_fake_tensor_prop_through_flash_attn_func():
     """flash_attn_func's output under FakeTensorMode matches the reference's shapes."""
     q, k, v = qkv(seqlen_q=40, seqlen_k=72, heads_q=4, heads_kv=4)
@@ -983,6 +1015,18 @@ def test_flash_attn_func_refuses_meta_tensors():
 
 # ----------------------------------------------------------------------------------------------
 # SDPA registry and benchmark plumbing
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def test_generated_kernel_files_are_current():
+    """The instantiations, CMake lists and dispatch table match scripts/kernel_manifest.py."""
+    script = ROOT / "scripts" / "generate_kernels.py"
+    if not script.exists():
+        pytest.skip("not a checkout")
+    result = subprocess.run([sys.executable, str(script), "--check"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+
 
 def test_sdpa_backend_registration():
     from torch.nn import attention

@@ -637,13 +637,35 @@ def test_errors_on_cuda_tensors():
 
 @requires_gpu
 def test_unsupported_build_case_is_not_implemented():
-    """A (dtype, head dim) the build lacks raises FlashHopperNotSupported (a NotImplementedError)
-    with the library's message, and launches nothing; a supported one runs."""
+    """A head dim whose family the build lacks raises FlashHopperNotSupported (a NotImplementedError)
+    naming the family and launching nothing; a compiled family's head dim runs."""
+    compiled = {(f.dtype, f.head_dim) for f in flashhopper.compiled_families() if f.pass_ == "forward"}
+    assert (torch.bfloat16, 128) in compiled
     for dtype in (torch.bfloat16, torch.float16):
-        for head_dim in (64, 128, 256):
+        for head_dim in (64, 96, 128, 192, 256):
             q, k, v = make_inputs(1, 32, 32, 2, 2, head_dim, dtype, requires_grad=False)
             try:
                 flash_attn_func(q, k, v)
             except FlashHopperNotSupported as error:
-                assert "not supported" in str(error)
+                assert (dtype, head_dim) not in compiled
+                assert "kernels, which this build" in str(error) and "did not compile" in str(error)
                 assert isinstance(error, NotImplementedError)
+
+
+# Head dims between the compiled ones (run on the next compiled family, the columns past d
+# zero-filled) and off the 8-element granule (59, 111: padded by flash_attn_func).
+PADDED_HEAD_DIMS = [(torch.bfloat16, d) for d in (32, 59, 80, 96, 111, 160, 200)] + [
+    (torch.float16, d) for d in (40, 111, 224)]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype, head_dim", PADDED_HEAD_DIMS)
+@requires_gpu
+def test_padded_head_dims_against_reference(dtype, head_dim, causal):
+    q, k, v = make_inputs(2, 113, 203, 4, 2, head_dim, dtype, seed=head_dim)
+    out, lse = run_or_skip(flash_attn_func, q, k, v, causal=causal, return_attn_probs=True)
+    assert out.shape == q.shape and out.is_contiguous()
+    dout = torch.randn_like(out)
+    grads = run_or_skip(torch.autograd.grad, out, (q, k, v), dout)
+    assert_matches_reference(out, lse, grads, (q, k, v), dout, dtype, lambda leaves, in_dtype: attention_reference(
+        *leaves, causal=causal, dtype=in_dtype))

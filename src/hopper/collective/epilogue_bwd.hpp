@@ -41,6 +41,7 @@ struct BackwardEpilogue {
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < size(tdKrdK); ++i) tdKrdK(i) *= params.softmax_scale;
     const int rows = blk.seq.capacity_k - blk.n_block * kBlockN;
+    const int cols = get<1>(params.shape_dkv);  // the call's head dim, at most kHeadDim
     auto tile = [&](Element* ptr, StridedKV stride) {
       Tensor m = domain_offset(make_coord(blk.seq.offset_k, _0{}), make_tensor(make_gmem_ptr(ptr), params.shape_dkv,
                                                                                  stride)(_, _, blk.head_kv, blk.seq.batch_k));
@@ -56,15 +57,15 @@ struct BackwardEpilogue {
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < size(tdKrdK); ++i) {
         const auto [d, n] = coords(i);
-        if (n < rows) {
+        if (n < rows && d < cols) {
           gdK(n, d) = Element(tdKrdK(i));
           gdV(n, d) = Element(tdVrdV(i));
         }
       }
     } else {
       Tensor coords = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));  // (N, d)
-      store_accumulator_rows(tdKrdK, coords, tile(params.ptr_dk, params.stride_dk), rows);
-      store_accumulator_rows(tdVrdV, coords, tile(params.ptr_dv, params.stride_dv), rows);
+      store_accumulator_rows(tdKrdK, coords, tile(params.ptr_dk, params.stride_dk), rows, cols);
+      store_accumulator_rows(tdVrdV, coords, tile(params.ptr_dv, params.stride_dv), rows, cols);
     }
   }
 };

@@ -4,6 +4,8 @@
 // (varlen) batch a tile that ends past its sequence stores from registers, predicated by row, as
 // when O does not fit in shared memory: a TMA store would write into the next sequence. Rows
 // are written up to the sequence's capacity (SeqlenInfo), those past seqused_q as O = 0, LSE = -inf.
+// Columns: the tensor's dv, which may be below kHeadDimV (the TMA store clips the rest, the
+// register stores are predicated).
 #pragma once
 
 #include <cmath>
@@ -161,7 +163,7 @@ struct ForwardEpilogue {
     write_lse(params, tOrO, lse, thread_idx, work, seq);
     Tensor tOcO = TiledMmaPV{}.get_thread_slice(thread_idx).partition_C(make_identity_tensor(TileShapeO{}));
     Tensor gO = local_tile(sequence_o(params, work, seq), TileShapeO{}, make_coord(work.block, _0{}));  // (M, dv)
-    store_accumulator_rows(tOrO, tOcO, gO, seq.capacity_q - work.block * kBlockM);
+    store_accumulator_rows(tOrO, tOcO, gO, seq.capacity_q - work.block * kBlockM, get<1>(params.shape_o));
   }
 
   // Called by the thread that issued the stores: returns once they have read shared memory.
@@ -179,7 +181,8 @@ struct ForwardEpilogue {
     for (int i = thread_idx; i < kBlockM * kStoresPerRow; i += kNumMmaThreads) {
       const int row = row0 + i / kStoresPerRow;
       const int col = (i % kStoresPerRow) * kElemsPerStore;
-      if (row < seq.capacity_q) *reinterpret_cast<uint4*>(&mO(row, col)) = make_uint4(0, 0, 0, 0);
+      if (row < seq.capacity_q && col < get<1>(params.shape_o))
+        *reinterpret_cast<uint4*>(&mO(row, col)) = make_uint4(0, 0, 0, 0);
     }
     if (params.ptr_lse != nullptr) {
       Tensor mLse = sequence_lse(params, work, seq);

@@ -80,11 +80,12 @@ CUTLASS_DEVICE float quad_allreduce(float x, Op op) {
 }
 
 // A float32 accumulator tile straight to global memory in dst's element type: each thread writes
-// its column pairs as 4-byte stores; rows at or past `rows` are skipped. gdst is the tile's
-// (rows, cols) window, coords the accumulator's identity partition (tile coordinates).
+// its column pairs as 4-byte stores; rows at or past `rows` and columns at or past `cols` (even:
+// head dims are multiples of 8) are skipped. gdst is the tile's (rows, cols) window, coords the
+// accumulator's identity partition (tile coordinates).
 template <class TensorAcc, class TensorCoord, class TensorDst>
 CUTLASS_DEVICE void store_accumulator_rows(TensorAcc const& acc, TensorCoord const& coords, TensorDst gdst,
-                                           int rows) {
+                                           int rows, int cols) {
   using Element = typename TensorDst::value_type;
   Tensor converted = make_tensor_like<Element>(acc);
   convert_into(acc, converted);
@@ -96,8 +97,10 @@ CUTLASS_DEVICE void store_accumulator_rows(TensorAcc const& acc, TensorCoord con
     if (row >= rows) continue;
     CUTLASS_PRAGMA_UNROLL
     for (int n = 0; n < size<1>(out); n += 2) {  // columns n, n + 1 are adjacent
+      const int col = get<1>(coord_rc(m, n));
+      if (col >= cols) continue;
       Element pair[2] = {out(m, n), out(m, n + 1)};
-      *reinterpret_cast<uint32_t*>(&gdst(row, get<1>(coord_rc(m, n)))) = *reinterpret_cast<uint32_t*>(pair);
+      *reinterpret_cast<uint32_t*>(&gdst(row, col)) = *reinterpret_cast<uint32_t*>(pair);
     }
   }
 }

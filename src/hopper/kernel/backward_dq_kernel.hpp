@@ -100,7 +100,8 @@ struct BackwardDqKernel {
                                    make_tensor(make_gmem_ptr(params.mainloop.ptr_dq), params.mainloop.shape_q,
                                                params.mainloop.stride_dq)(_, _, work.head, seq.batch_q));
         Tensor gdQ = local_tile(mdQ, TileShape{}, make_coord(work.block, _0{}));  // (M, d)
-        store_accumulator_rows(tdQrdQ, tdQcdQ, gdQ, seq.capacity_q - work.block * Mainloop::kBlockM);
+        store_accumulator_rows(tdQrdQ, tdQcdQ, gdQ, seq.capacity_q - work.block * Mainloop::kBlockM,
+                               get<1>(params.mainloop.shape_q));
       }
     }
   }

@@ -49,6 +49,7 @@ struct BackwardPreprocess {
     int64_t stride_lse[3];  // batch (0 when packed), head, row
     int rows_per_sequence;  // the grid's rows per (sequence, head): max_seqlen_q rounded up to kRowAlign
     int heads_q;
+    int head_dim;           // the call's, at most kHeadDim (a multiple of kChunk)
     BackwardWorkspacePointers workspace;
     SeqlenParams seqlen;
     float const* learnable_sink;  // [heads_q] or null
@@ -86,8 +87,13 @@ struct BackwardPreprocess {
         CUTLASS_PRAGMA_UNROLL
         for (int c = 0; c < kChunksPerLane; ++c) {
           const int col = (c * kLanesPerRow + lane) * kChunk;
-          o[i][c] = *reinterpret_cast<Vector const*>(o_head + token * params.stride_o[1] + col);
-          d_o[i][c] = *reinterpret_cast<Vector const*>(do_head + token * params.stride_do[1] + col);
+          if (col < params.head_dim) {
+            o[i][c] = *reinterpret_cast<Vector const*>(o_head + token * params.stride_o[1] + col);
+            d_o[i][c] = *reinterpret_cast<Vector const*>(do_head + token * params.stride_do[1] + col);
+          } else {
+            o[i][c].clear();
+            d_o[i][c].clear();
+          }
         }
       }
     }
@@ -209,7 +215,7 @@ struct BackwardPostprocess {
       tdQrdQ(4 * r + 3) = v.w * params.softmax_scale;
     }
     Tensor gdQ = local_tile(mdQ, TileShape{}, make_coord(m_block, _0{}));
-    store_accumulator_rows(tdQrdQ, coords, gdQ, seq.capacity_q - m_block * kBlockM);
+    store_accumulator_rows(tdQrdQ, coords, gdQ, seq.capacity_q - m_block * kBlockM, get<1>(params.shape_dq));
   }
 };
 

@@ -1,0 +1,73 @@
+"""The kernel families FlashHopper compiles, in one table.
+
+scripts/generate_kernels.py writes from it the instantiation files
+(src/hopper/instantiations/), the CMake source lists (cmake/kernel_manifest.cmake) and the
+dispatch table (src/launch/kernel_manifest.hpp), from which the library answers which families
+a build has (fh_compiled_families) and picks the family a call runs on: the smallest head dim
+(and value head dim) at least the call's, so head dims between the compiled ones run padded.
+
+Adding a head dim: one line in HEAD_DIMS, a tile-table entry in src/hopper/common/tile_size.hpp,
+then `python3 scripts/generate_kernels.py`.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+DTYPES = {"bf16": "FH_DTYPE_BF16", "fp16": "FH_DTYPE_FP16"}
+PASSES = {"fwd": "kForward", "bwd": "kBackward"}
+
+# Kernel sets, each a superset of the one before: "dev" is what CI and quick checks compile.
+KERNEL_SETS = ("dev", "full")
+
+# Compiled into every family (template parameters of its launch): the mask kind and softcap.
+MASKS = {"full": "kNone", "causal": "kCausal", "local": "kLocal"}
+SOFTCAP = {"": "false", "_softcap": "true"}
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadDims:
+    head_dim: int
+    head_dim_v: int
+    passes: tuple[str, ...] = ("fwd", "bwd")
+    dev: bool = False  # also in the dev set (bf16 only)
+
+
+HEAD_DIMS = [
+    HeadDims(64, 64),
+    HeadDims(128, 128, dev=True),
+    HeadDims(256, 256),
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    pass_: str
+    dtype: str
+    head_dim: int
+    head_dim_v: int
+    first_set: str  # the smallest kernel set that compiles it
+
+    @property
+    def stem(self) -> str:
+        dv = "" if self.head_dim_v == self.head_dim else f"_dv{self.head_dim_v}"
+        return f"{self.pass_}_{self.dtype}_hdim{self.head_dim}{dv}"
+
+    def in_set(self, kernel_set: str) -> bool:
+        return KERNEL_SETS.index(kernel_set) >= KERNEL_SETS.index(self.first_set)
+
+
+def families() -> list[Family]:
+    out = []
+    for row in HEAD_DIMS:
+        for pass_ in PASSES:
+            if pass_ not in row.passes:
+                continue
+            for dtype in DTYPES:
+                first = "dev" if row.dev and dtype == "bf16" else "full"
+                out.append(Family(pass_, dtype, row.head_dim, row.head_dim_v, first))
+    return out
+
+
+def variants() -> list[tuple[str, str, str]]:
+    """(file suffix, MaskKind enumerator, softcap) compiled for every family."""
+    return [(f"{mask}{suffix}", kind, softcap) for mask, kind in MASKS.items() for suffix, softcap in SOFTCAP.items()]
