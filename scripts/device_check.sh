@@ -4,7 +4,7 @@
 # and carry the build folder, or build there (step `build`: the full kernel set, or KERNELS=dev, with the
 # GoogleTest headers and archives carried in .gtest/). Usage:
 #   scripts/device_check.sh [build|tests|features|varlen|sanitize|demo|bench|features_bench|varlen_bench|
-#                            kernel_times]...
+#                            kernel_times|head_dims_bench]...
 set -uo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 build="${BUILD:-$root/build}"
@@ -78,6 +78,7 @@ for step in "${steps[@]}"; do
       summary+=("kernel_times: printed above")
       ;;
     features_bench) run_bench features ;;
+    head_dims_bench) run_bench head_dims ;;
     tests)
       # FWD_FILTER / BWD_FILTER (gtest filters, default all) split the grid over several calls.
       run_gtests "gpu tests" test_forward_gpu "${FWD_FILTER:-*}" "${FWD_TIMEOUT:-420}" gpu_tests.log

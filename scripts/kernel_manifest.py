@@ -32,9 +32,13 @@ class HeadDims:
     dev: bool = False  # also in the dev set (bf16 only)
 
 
+# The backward of a forward-only row runs on the next row that has one (padded).
 HEAD_DIMS = [
     HeadDims(64, 64),
+    HeadDims(96, 96, passes=("fwd",)),
     HeadDims(128, 128, dev=True),
+    HeadDims(192, 128, passes=("fwd",)),  # MLA prefill
+    HeadDims(192, 192, passes=("fwd",)),
     HeadDims(256, 256),
 ]
 

@@ -5,10 +5,12 @@ Same function names, argument names, defaults and return conventions, so that sw
     import flashhopper.flash_attn_interface as fa3      # instead of: import flash_attn_interface as fa3
     out = fa3.flash_attn_func(q, k, v, causal=True)
 
-What the kernels do today: q [B, sq, Hq, d], k/v [B, sk, Hkv, d] in bf16 or fp16, any d <= 256
-(a multiple of 8 runs on the next compiled head dim, flashhopper.compiled_families(); any other is
-zero-padded here to the next multiple of 8, the scale staying 1/sqrt(d); development builds of the
-library: bf16 and d <= 128 only; others raise FlashHopperNotSupported, a NotImplementedError), causal or not (bottom-right aligned), local windows (window_size), chunked
+What the kernels do today: q [B, sq, Hq, d], k [B, sk, Hkv, d], v [B, sk, Hkv, dv] in bf16 or
+fp16, any d and dv <= 256 (multiples of 8 run on the next compiled head dim,
+flashhopper.compiled_families(); others are zero-padded here to the next multiple of 8, the scale
+staying 1/sqrt(d); development builds of the library: bf16 and d, dv <= 128 only; others raise
+FlashHopperNotSupported, a NotImplementedError), causal or not (bottom-right aligned), local
+windows (window_size), chunked
 attention (attention_chunk), softcap, FlashAttention-4's learnable_sink (float32 [Hq]: one logit per
 query head in every row's softmax denominator, gpt-oss style; it gets a gradient), GQA/MQA, any sq
 and sk, deterministic backward; and all of it over packed variable-length sequences with
@@ -69,20 +71,23 @@ def _resolve_options(causal, qv, q_descale, k_descale, v_descale, window_size, a
     return interface.check_mask_args(causal, window_size, softcap, attention_chunk)
 
 
-def _pad_head_dim(q, k, v, softmax_scale):
-    """A head dim that is not a multiple of 8 (the kernels' 16-byte granule), at most 256 and the
-    same for q, k and v: zero-padded to the next multiple (differentiable, so the gradients come
-    back unpadded), with the scale still 1/sqrt(d). Returns (q, k, v, softmax_scale, d or None)."""
+def _pad_head_dims(q, k, v, softmax_scale):
+    """Head dims (q/k's d, v's dv) that are not multiples of 8 (the kernels' 16-byte granule) and at
+    most 256: zero-padded to the next multiple (differentiable, so the gradients come back
+    unpadded), the scale staying 1/sqrt(d). Returns (q, k, v, softmax_scale, dv to cut out back to,
+    or None)."""
     if not all(isinstance(t, torch.Tensor) and t.dim() >= 1 for t in (q, k, v)):
         return q, k, v, softmax_scale, None
-    d = q.shape[-1]
+    d, dv = q.shape[-1], v.shape[-1]
     granule = 16 // q.element_size()
-    if d % granule == 0 or d > interface.MAX_HEAD_DIM or k.shape[-1] != d or v.shape[-1] != d:
-        return q, k, v, softmax_scale, None
-    pad = (0, granule - d % granule)
+    if k.shape[-1] != d or max(d, dv) > interface.MAX_HEAD_DIM or (d % granule == 0 and dv % granule == 0):
+        return q, k, v, softmax_scale, None  # nothing to pad, or the checks refuse it
+
+    def pad(t, dim):
+        return torch.nn.functional.pad(t, (0, -dim % granule)) if dim % granule else t
+
     scale = d ** -0.5 if softmax_scale is None else softmax_scale
-    padded = [torch.nn.functional.pad(t, pad) for t in (q, k, v)]
-    return (*padded, scale, d)
+    return pad(q, d), pad(k, d), pad(v, dv), scale, (dv if dv % granule else None)
 
 
 def _attention(q, k, v, varlen, softmax_scale, causal, qv, q_descale, k_descale, v_descale, window_size,
@@ -91,7 +96,7 @@ def _attention(q, k, v, varlen, softmax_scale, causal, qv, q_descale, k_descale,
     the fwd op (whose autograd runs bwd); varlen None is the dense layout."""
     causal, window_left, window_right, softcap, attention_chunk = _resolve_options(
         causal, qv, q_descale, k_descale, v_descale, window_size, attention_chunk, softcap, num_splits, sm_margin)
-    q, k, v, softmax_scale, unpadded_dim = _pad_head_dim(q, k, v, softmax_scale)
+    q, k, v, softmax_scale, unpadded_dim = _pad_head_dims(q, k, v, softmax_scale)
     interface.check_forward_args(q, k, v, softmax_scale, learnable_sink, varlen)
     interface.check_devices([("q", q), ("k", k), ("v", v), ("learnable_sink", learnable_sink)]
                             + interface.varlen_tensors(varlen))

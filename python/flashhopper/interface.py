@@ -183,13 +183,13 @@ def check_forward_args(q, k, v, softmax_scale=None, learnable_sink=None, varlen=
         raise ValueError(f"v: shape {tuple(v.shape)} must match k's {tuple(k.shape)} in all dims but the head dim")
     if k.shape[-1] != head_dim:
         raise ValueError(f"k: head dim {k.shape[-1]} differs from q's {head_dim}")
-    if v.shape[-1] != head_dim:
-        raise NotImplementedError(f"v: head dim {v.shape[-1]} differs from q's {head_dim}; a value head dim "
-                                  "other than the query/key head dim is not supported by FlashHopper yet")
-    if head_dim > MAX_HEAD_DIM:
-        raise ValueError(f"q: head dim {head_dim} is larger than {MAX_HEAD_DIM}")
-    if head_dim % (_TMA_BYTES // q.element_size()) != 0:
-        raise ValueError(f"q: head dim {head_dim} is not a multiple of {_TMA_BYTES // q.element_size()}")
+    granule = _TMA_BYTES // q.element_size()
+    for name, what, dim in (("q", "head dim", head_dim), ("v", "value head dim", v.shape[-1])):
+        if dim > MAX_HEAD_DIM:
+            raise ValueError(f"{name}: {what} {dim} is larger than {MAX_HEAD_DIM}")
+        if dim % granule != 0:
+            raise ValueError(f"{name}: {what} {dim} is not a multiple of {granule} (flash_attn_func pads it; "
+                             "the plain calls do not)")
     heads_kv = k.shape[-2]
     if heads_kv == 0 or heads_q % heads_kv != 0:
         raise ValueError(f"k: {heads_kv} key/value heads do not divide q's {heads_q} query heads (GQA/MQA "

@@ -18,7 +18,6 @@ std::string backward_unsupported_reason(const BackwardParams& p, const detail::P
   if (const char* reason = varlen_batch_reason(s)) return reason;
   if (mask.num_sink_tokens > 0 && mask.attention_chunk > 0)
     return "num_sink_tokens together with attention_chunk is not supported by the kernels";
-  if (s.head_dim != s.head_dim_v) return "head_dim_v different from head_dim is not supported yet";
   return family_unsupported_reason(Pass::kBackward, static_cast<fh_dtype>(p.q.dtype), s.head_dim, s.head_dim_v);
 }
 

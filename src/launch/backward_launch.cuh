@@ -51,6 +51,7 @@ cudaError_t run_backward_dq_kernel(const BackwardParams& p, const detail::Proble
                                        args.stride_v,
                                        args.ptr_do,
                                        args.stride_do,
+                                       args.head_dim_v,
                                        static_cast<Element*>(p.dq.data),
                                        make_stride(dq_rows.row_stride, _1{}, dq_rows.head_stride, dq_rows.batch_stride),
                                        scale,
@@ -59,7 +60,7 @@ cudaError_t run_backward_dq_kernel(const BackwardParams& p, const detail::Proble
                                        args.workspace,
                                        args.seqlen};
   // As the forward: a head's query blocks share its K and V in L2.
-  const int64_t kv_bytes_per_row = int64_t(2) * s.head_dim * sizeof(Element) * heads_kv / heads_q;
+  const int64_t kv_bytes_per_row = (s.head_dim + s.head_dim_v) * int64_t(sizeof(Element)) * heads_kv / heads_q;
   typename Scheduler::Params scheduler;
   if (s.varlen_q) {
     auto* tiles = reinterpret_cast<hopper::PlannedTile*>(ws + layout.dq_tiles);
@@ -97,13 +98,13 @@ cudaError_t run_backward_hdim(const BackwardParams& p, const detail::ProblemShap
   // order, which the deterministic dQ order relies on.
   using Scheduler = PersistentTileScheduler</*kLongestFirst=*/kCausal>;
   using Kernel = BackwardKernel<Mainloop, Epilogue, Scheduler>;
-  using Preprocess = BackwardPreprocess<Element, kHeadDim>;
+  using Preprocess = BackwardPreprocess<Element, kHeadDimV>;
   using Postprocess = BackwardPostprocess<Mainloop>;
   static_assert(BackwardWorkspaceLayout::kRowAlign % Tile::kBlockM == 0);
   static_assert(Tile::kBlockM % BackwardWorkspaceLayout::kSemaphoreRows == 0);
 
   const int batch = int(s.batch), heads_q = int(s.heads_q), heads_kv = int(s.heads_kv);
-  const int d = int(s.head_dim);
+  const int d = int(s.head_dim), dv = int(s.head_dim_v);
   const hopper::SeqlenParams seqlen = seqlen_params(p, s);
   const float scale = float(detail::default_scale(p.softmax_scale, s.head_dim));
   const bool dsink = detail::present(p.learnable_sink) && detail::present(p.dsink);
@@ -144,7 +145,7 @@ cudaError_t run_backward_hdim(const BackwardParams& p, const detail::ProblemShap
                                   {lse_strides[0], lse_strides[1], lse_strides[2]},
                                   int(layout.rows_per_sequence),
                                   heads_q,
-                                  d,
+                                  dv,
                                   pointers,
                                   seqlen,
                                   dsink ? static_cast<float const*>(p.learnable_sink.data) : nullptr,
@@ -164,6 +165,7 @@ cudaError_t run_backward_hdim(const BackwardParams& p, const detail::ProblemShap
                                              stride_of(k_rows(p.v)),
                                              static_cast<Element const*>(p.dout.data),
                                              stride_of(dout_r),
+                                             dv,
                                              scale,
                                              p.softcap,
                                              local_mask_params(p),
@@ -172,7 +174,7 @@ cudaError_t run_backward_hdim(const BackwardParams& p, const detail::ProblemShap
                                              seqlen};
   typename Epilogue::Arguments epilogue_args{static_cast<Element*>(p.dk.data), stride_of(k_rows(p.dk)),
                                              static_cast<Element*>(p.dv.data), stride_of(k_rows(p.dv)),
-                                             make_shape(kr.rows, d, heads_kv, kr.batch), scale};
+                                             make_shape(kr.rows, d, heads_kv, kr.batch), dv, scale};
   const int num_n_blocks = (seqlen.seqlen_k + Tile::kBlockN - 1) / Tile::kBlockN;
   // One longest-first order over all heads balances best: the scheduler's L2 sections end
   // unevenly (hdim 128, causal, 16k: 0.68 of cuDNN with 5-head sections, 0.75 with one order).
@@ -181,7 +183,7 @@ cudaError_t run_backward_hdim(const BackwardParams& p, const detail::ProblemShap
   // heads from DRAM (hdim 128, 2k: 305 -> 258 TFLOP/s with one CTA a head; hdim 256, 2k: 211 ->
   // 275 with two), so L2-sized sections keep a head's CTAs together.
   const bool one_order = int64_t(heads_kv) * batch * 4 <= num_sms;
-  const int64_t qdo_bytes_per_row = int64_t(heads_q / heads_kv) * 2 * d * sizeof(Element);
+  const int64_t qdo_bytes_per_row = int64_t(heads_q / heads_kv) * (d + dv) * sizeof(Element);
   typename Scheduler::Params scheduler;
   if (s.varlen_k) {
     auto* tiles = reinterpret_cast<hopper::PlannedTile*>(ws + layout.main_tiles);

@@ -21,16 +21,17 @@ std::string forward_unsupported_reason(const ForwardParams& p, const detail::Pro
   if (mask.num_sink_tokens > 0 && mask.attention_chunk > 0)
     return "num_sink_tokens together with attention_chunk is not supported by the kernels";
   if (p.num_splits > 1) return "split-KV (num_splits > 1) is not supported yet";
-  if (s.head_dim != s.head_dim_v) return "head_dim_v different from head_dim is not supported yet";
   return family_unsupported_reason(Pass::kForward, static_cast<fh_dtype>(p.q.dtype), s.head_dim, s.head_dim_v);
 }
 
 // Packed queries: the planned tile list (launch/varlen_plan.hpp).
 size_t forward_workspace_size(const ForwardParams& p, const detail::ProblemShape& s) {
   if (!s.varlen_q) return 0;
-  return visit_built_family<Pass::kForward>(forward_family(p, s), size_t(0), [&](auto, auto head_dim, auto) {
-    constexpr int kBlockM = hopper::ForwardTileSize<decltype(head_dim)::value, false>::kBlockM;
-    static_assert(kBlockM == hopper::ForwardTileSize<decltype(head_dim)::value, true>::kBlockM);
+  return visit_built_family<Pass::kForward>(forward_family(p, s), size_t(0), [&](auto, auto head_dim, auto head_dim_v) {
+    using Unmasked = hopper::ForwardTileSize<decltype(head_dim)::value, decltype(head_dim_v)::value, false>;
+    using Masked = hopper::ForwardTileSize<decltype(head_dim)::value, decltype(head_dim_v)::value, true>;
+    constexpr int kBlockM = Unmasked::kBlockM;
+    static_assert(kBlockM == Masked::kBlockM);
     return planned_tiles_bytes(max_planned_tiles(s.total_q, s.seqlen_q, s.batch, s.heads_q, kBlockM));
   });
 }

@@ -25,11 +25,11 @@ cudaError_t run_forward_hdim(const ForwardParams& p, const detail::ProblemShape&
                              cudaStream_t stream) {
   using namespace cute;
   using namespace flashhopper::hopper;
-  static_assert(kHeadDimV == kHeadDim, "the kernels take one head dim for Q, K and V");
   using Element = typename ElementOf<kDType>::type;
-  using Tile = ForwardTileSize<kHeadDim, /*kMasked=*/kMask != MaskKind::kNone>;
-  using Mainloop = ForwardMainloop<Element, Tile::kBlockM, Tile::kBlockN, kHeadDim, Tile::kStages, kMask, kSoftcap>;
-  using Epilogue = ForwardEpilogue<Element, Tile::kBlockM, kHeadDim, typename Mainloop::TiledMmaPV>;
+  using Tile = ForwardTileSize<kHeadDim, kHeadDimV, /*kMasked=*/kMask != MaskKind::kNone>;
+  using Mainloop =
+      ForwardMainloop<Element, Tile::kBlockM, Tile::kBlockN, kHeadDim, kHeadDimV, Tile::kStages, kMask, kSoftcap>;
+  using Epilogue = ForwardEpilogue<Element, Tile::kBlockM, kHeadDimV, typename Mainloop::TiledMmaPV>;
   // Causal tiles differ in length (longest first); a window's are alike, and those run together
   // share their K/V in L2 when the blocks of a head go together.
   using Scheduler = PersistentTileScheduler</*kLongestFirst=*/kMask == MaskKind::kCausal>;

@@ -68,19 +68,23 @@ struct GridCase {
   // Outputs are views of tensors kGuardColumns wider, whose extra columns must stay poisoned
   // (the padded head dims: the kernels compute kHeadDim columns and must write only d).
   bool guard_columns = false;
-  int output_columns() const;
+  int head_dim_v = 0;  // v's, out's and dout's head dim; 0: head_dim
+  int value_dim() const { return head_dim_v > 0 ? head_dim_v : head_dim; }
+  // A tensor of `dim` columns as the kernel writes it: with the guard columns.
+  int output_columns(int dim) const;
 
   std::string name() const {
     std::ostringstream s;
     s << (dtype == FH_DTYPE_BF16 ? "bf16" : "fp16") << "_d" << head_dim << (causal ? "_causal" : "_full") << "_b"
       << batch << "_sq" << seqlen_q << "_sk" << seqlen_k << "_h" << heads_q << "_hkv" << heads_kv
-      << (heads_major_layout ? "_bhsd" : "") << features.tag();
+      << (heads_major_layout ? "_bhsd" : "") << (head_dim_v > 0 ? "_dv" + std::to_string(head_dim_v) : "")
+      << features.tag();
     return s.str();
   }
 };
 
 inline constexpr int kGuardColumns = 8;
-inline int GridCase::output_columns() const { return head_dim + (guard_columns ? kGuardColumns : 0); }
+inline int GridCase::output_columns(int dim) const { return dim + (guard_columns ? kGuardColumns : 0); }
 
 // The (dtype, head dim) of each family this build compiled for a pass (fh_compiled_families,
 // from the kernel manifest): the grids run on these.
@@ -112,6 +116,14 @@ inline std::vector<GridCase> padded_head_dim_cases(bool backward) {
       cases.push_back({dtype, head_dim, true, 2, 1000, 513, 4, 1, false, {}, true});
       cases.push_back({dtype, head_dim, false, 1, 257, 1000, 2, 2, true, {}, true});
       cases.push_back({dtype, head_dim, false, 1, 600, 500, 4, 2, false, {100, 0, 2, 0, 20.f, true}, true});
+    }
+  // A value head dim other than the head dim (MLA's 192/128, and both ways), run on a family that
+  // holds both.
+  for (const auto& [d, dv] : std::vector<std::pair<int, int>>{{192, 128}, {128, 64}, {64, 128}, {96, 40}})
+    for (bool causal : {false, true}) {
+      bool runs = false;
+      for (const auto& [d_type, compiled_d] : compiled) runs |= d_type == FH_DTYPE_BF16 && compiled_d >= std::max(d, dv);
+      if (runs) cases.push_back({FH_DTYPE_BF16, d, causal, 2, 300, 257, 4, 2, false, {}, true, dv});
     }
   return cases;
 }

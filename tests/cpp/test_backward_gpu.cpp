@@ -35,18 +35,19 @@ namespace {
 constexpr double kAbsSlack = 1e-4;
 constexpr int kRepeats = 20;  // runs of the determinism and spread tests
 
-// dq, dk, dv on the host, contiguous [B, S, H, columns] (columns: the head dim, or with the
-// case's guard columns for the kernel's outputs); dsink [Hq] (float32, or float64 for the exact
+// dq, dk, dv on the host, contiguous [B, S, H, d or dv] (with the case's guard columns for the
+// kernel's outputs); dsink [Hq] (float32, or float64 for the exact
 // reference), used only with a learnable sink.
 struct Gradients {
   HostTensor dq, dk, dv, dsink;
 };
 
-Gradients make_gradients(int32_t dtype, const GridCase& c, int columns = 0) {
-  if (columns == 0) columns = c.head_dim;
-  return {HostTensor(dtype, {c.batch, c.seqlen_q, c.heads_q, columns}),
-          HostTensor(dtype, {c.batch, c.seqlen_k, c.heads_kv, columns}),
-          HostTensor(dtype, {c.batch, c.seqlen_k, c.heads_kv, columns}),
+Gradients make_gradients(int32_t dtype, const GridCase& c, bool with_guard = false) {
+  const int d = with_guard ? c.output_columns(c.head_dim) : c.head_dim;
+  const int dv = with_guard ? c.output_columns(c.value_dim()) : c.value_dim();
+  return {HostTensor(dtype, {c.batch, c.seqlen_q, c.heads_q, d}),
+          HostTensor(dtype, {c.batch, c.seqlen_k, c.heads_kv, d}),
+          HostTensor(dtype, {c.batch, c.seqlen_k, c.heads_kv, dv}),
           HostTensor(dtype == FH_DTYPE_FP64 ? FH_DTYPE_FP64 : FH_DTYPE_FP32, {c.heads_q})};
 }
 
@@ -81,10 +82,10 @@ class BackwardProblem {
     const uint32_t seed = uint32_t(std::hash<std::string>{}(c.name()));
     q_ = make_input(c.dtype, c.batch, c.seqlen_q, c.heads_q, c.head_dim, hm, seed);
     k_ = make_input(c.dtype, c.batch, c.seqlen_k, c.heads_kv, c.head_dim, hm, seed + 1);
-    v_ = make_input(c.dtype, c.batch, c.seqlen_k, c.heads_kv, c.head_dim, hm, seed + 2);
-    dout_ = make_input(c.dtype, c.batch, c.seqlen_q, c.heads_q, c.head_dim, hm, seed + 3);
+    v_ = make_input(c.dtype, c.batch, c.seqlen_k, c.heads_kv, c.value_dim(), hm, seed + 2);
+    dout_ = make_input(c.dtype, c.batch, c.seqlen_q, c.heads_q, c.value_dim(), hm, seed + 3);
     // Written in the tensors' dtypes: out is the exact forward rounded once, lse float32.
-    out_ = HostTensor(c.dtype, {c.batch, c.seqlen_q, c.heads_q, c.head_dim});
+    out_ = HostTensor(c.dtype, {c.batch, c.seqlen_q, c.heads_q, c.value_dim()});
     lse_ = HostTensor(FH_DTYPE_FP32, {c.batch, c.heads_q, c.seqlen_q});
     ForwardParams f = default_forward_params();
     f.q = bshd_view(q_, hm);
@@ -99,7 +100,7 @@ class BackwardProblem {
     const Status status = reference::forward(f);
     ASSERT_TRUE(status.ok()) << status.message;
 
-    const Gradients shapes = make_gradients(c.dtype, c, c.output_columns());
+    const Gradients shapes = make_gradients(c.dtype, c, /*with_guard=*/true);
     d_q_ = std::make_unique<DeviceTensor>(q_);
     d_k_ = std::make_unique<DeviceTensor>(k_);
     d_v_ = std::make_unique<DeviceTensor>(v_);
@@ -132,7 +133,7 @@ class BackwardProblem {
     params_.lse = d_lse_->view();
     params_.dq = narrow(d_dq_->view(), 3, 0, c.head_dim);
     params_.dk = narrow(d_dk_->view(), 3, 0, c.head_dim);
-    params_.dv = narrow(d_dv_->view(), 3, 0, c.head_dim);
+    params_.dv = narrow(d_dv_->view(), 3, 0, c.value_dim());
     params_.causal = c.causal;
     c.features.apply(params_);
     if (c.features.learnable_sink) {
@@ -210,7 +211,7 @@ class BackwardProblem {
         for (int h = 0; h < c_.heads_q; ++h)
           for (int i = 0; i < c_.seqlen_q; ++i) {
             double d = 0;
-            for (int x = 0; x < c_.head_dim; ++x)
+            for (int x = 0; x < c_.value_dim(); ++x)
               d += read(bshd_view(dout_, c_.heads_major_layout), {b, i, h, x}) * read(out_.view(), {b, i, h, x});
             e->dsink_given[h] -= std::exp(read(sink_.view(), {h}) - read(lse_.view(), {b, h, i})) * d;
           }
@@ -294,7 +295,7 @@ TEST_P(BackwardGpuTest, MatchesReference) {
   ASSERT_NO_FATAL_FAILURE(problem.run(/*deterministic=*/0, &status));
   if (status.code == FH_ERROR_NOT_SUPPORTED) GTEST_SKIP() << "not in this build: " << status.message;
   ASSERT_TRUE(status.ok()) << status.message;
-  Gradients ours = make_gradients(c.dtype, c, c.output_columns());
+  Gradients ours = make_gradients(c.dtype, c, /*with_guard=*/true);
   ASSERT_NO_FATAL_FAILURE(problem.download(&ours));
 
   Expected expected;

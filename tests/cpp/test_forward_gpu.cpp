@@ -25,8 +25,8 @@ TEST_P(ForwardGpuTest, MatchesReference) {
   const uint32_t seed = uint32_t(std::hash<std::string>{}(c.name()));
   HostTensor q = make_input(c.dtype, c.batch, c.seqlen_q, c.heads_q, c.head_dim, c.heads_major_layout, seed);
   HostTensor k = make_input(c.dtype, c.batch, c.seqlen_k, c.heads_kv, c.head_dim, c.heads_major_layout, seed + 1);
-  HostTensor v = make_input(c.dtype, c.batch, c.seqlen_k, c.heads_kv, c.head_dim, c.heads_major_layout, seed + 2);
-  HostTensor out(c.dtype, {c.batch, c.seqlen_q, c.heads_q, c.output_columns()});
+  HostTensor v = make_input(c.dtype, c.batch, c.seqlen_k, c.heads_kv, c.value_dim(), c.heads_major_layout, seed + 2);
+  HostTensor out(c.dtype, {c.batch, c.seqlen_q, c.heads_q, c.output_columns(c.value_dim())});
   HostTensor lse(FH_DTYPE_FP32, {c.batch, c.heads_q, c.seqlen_q});
 
   HostTensor sink = make_sink_logits(c.heads_q, seed + 3);
@@ -48,7 +48,7 @@ TEST_P(ForwardGpuTest, MatchesReference) {
     p.k = permute(p.k, {0, 2, 1, 3});
     p.v = permute(p.v, {0, 2, 1, 3});
   }
-  p.out = narrow(d_out.view(), 3, 0, c.head_dim);
+  p.out = narrow(d_out.view(), 3, 0, c.value_dim());
   p.lse = d_lse.view();
   p.causal = c.causal;
   c.features.apply(p);
@@ -76,13 +76,13 @@ TEST_P(ForwardGpuTest, MatchesReference) {
   host.k = bshd_view(k, c.heads_major_layout);
   host.v = bshd_view(v, c.heads_major_layout);
   if (c.features.learnable_sink) host.learnable_sink = sink.view();
-  HostTensor out_exact(FH_DTYPE_FP64, {c.batch, c.seqlen_q, c.heads_q, c.head_dim});
+  HostTensor out_exact(FH_DTYPE_FP64, {c.batch, c.seqlen_q, c.heads_q, c.value_dim()});
   HostTensor lse_exact(FH_DTYPE_FP64, {c.batch, c.heads_q, c.seqlen_q});
   host.out = out_exact.view();
   host.lse = lse_exact.view();
   status = reference::forward(host);
   ASSERT_TRUE(status.ok()) << status.message;
-  HostTensor out_plain(c.dtype, {c.batch, c.seqlen_q, c.heads_q, c.head_dim});
+  HostTensor out_plain(c.dtype, {c.batch, c.seqlen_q, c.heads_q, c.value_dim()});
   HostTensor lse_plain(FH_DTYPE_FP32, {c.batch, c.heads_q, c.seqlen_q});
   host.out = out_plain.view();
   host.lse = lse_plain.view();
@@ -91,8 +91,9 @@ TEST_P(ForwardGpuTest, MatchesReference) {
   status = reference::forward(host, plain);
   ASSERT_TRUE(status.ok()) << status.message;
 
-  const Tensor out_view = narrow(out.view(), 3, 0, c.head_dim);
-  EXPECT_EQ(count_not_nan(narrow(out.view(), 3, c.head_dim, c.output_columns() - c.head_dim)), 0)
+  const int dv = c.value_dim();
+  const Tensor out_view = narrow(out.view(), 3, 0, dv);
+  EXPECT_EQ(count_not_nan(narrow(out.view(), 3, dv, c.output_columns(dv) - dv)), 0)
       << "out: columns past the head dim were written";
   const double out_err = max_abs_diff(out_view, out_exact.view());
   const double out_plain_err = max_abs_diff(out_plain.view(), out_exact.view());

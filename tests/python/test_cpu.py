@@ -161,16 +161,26 @@ def test_not_implemented_arguments(kwargs, argument):
         fa3.flash_attn_varlen_func(*varlen_args(), **kwargs)
 
 
-def test_not_implemented_dtypes_and_head_dim_v():
+def test_not_implemented_dtypes():
     q, k, v = qkv()
     if hasattr(torch, "float8_e4m3fn"):
         with pytest.raises(NotImplementedError, match="q: dtype"):
             flash_attn_func(*(t.to(torch.float8_e4m3fn) for t in (q, k, v)))
-    with pytest.raises(NotImplementedError, match="v: head dim 64"):
-        flash_attn_func(q, k, v[..., :64].contiguous())
-    q, k, v, *varlen = varlen_args()
-    with pytest.raises(NotImplementedError, match="v: head dim 64"):
-        fa3.flash_attn_varlen_func(q, k, v[..., :64].contiguous(), *varlen)
+
+
+@pytest.mark.parametrize("head_dim, head_dim_v", [(128, 64), (192, 128), (64, 256), (96, 59)])
+def test_value_head_dim_other_than_head_dim(head_dim, head_dim_v):
+    """out takes v's head dim (dense and packed), under fake tensors; past 256 it is refused."""
+    with FakeTensorMode():
+        q, k, v = qkv(head_dim=head_dim, device="cuda")
+        v = torch.empty(*v.shape[:-1], head_dim_v, dtype=v.dtype, device="cuda")
+        assert flash_attn_func(q, k, v).shape == (*q.shape[:-1], head_dim_v)
+        q, k, v, *varlen = varlen_args(head_dim=head_dim, device="cuda")
+        v = torch.empty(*v.shape[:-1], head_dim_v, dtype=v.dtype, device="cuda")
+        assert fa3.flash_attn_varlen_func(q, k, v, *varlen).shape == (*q.shape[:-1], head_dim_v)
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match="v: value head dim 264 is larger than 256"):
+        flash_attn_func(q, k, torch.randn(*v.shape[:-1], 264, dtype=v.dtype))
 
 
 @pytest.mark.parametrize("function, args", [

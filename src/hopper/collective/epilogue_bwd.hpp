@@ -29,7 +29,8 @@ struct BackwardEpilogue {
     StridedKV stride_dk;
     Element* ptr_dv;
     StridedKV stride_dv;
-    ShapedKV shape_dkv;
+    ShapedKV shape_dkv;  // dK's columns: the call's d; dV has head_dim_v
+    int head_dim_v;
     float softmax_scale;
   };
   using Params = Arguments;
@@ -41,7 +42,7 @@ struct BackwardEpilogue {
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < size(tdKrdK); ++i) tdKrdK(i) *= params.softmax_scale;
     const int rows = blk.seq.capacity_k - blk.n_block * kBlockN;
-    const int cols = get<1>(params.shape_dkv);  // the call's head dim, at most kHeadDim
+    const int cols_k = get<1>(params.shape_dkv), cols_v = params.head_dim_v;  // at most kHeadDim
     auto tile = [&](Element* ptr, StridedKV stride) {
       Tensor m = domain_offset(make_coord(blk.seq.offset_k, _0{}), make_tensor(make_gmem_ptr(ptr), params.shape_dkv,
                                                                                  stride)(_, _, blk.head_kv, blk.seq.batch_k));
@@ -57,15 +58,15 @@ struct BackwardEpilogue {
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < size(tdKrdK); ++i) {
         const auto [d, n] = coords(i);
-        if (n < rows && d < cols) {
-          gdK(n, d) = Element(tdKrdK(i));
-          gdV(n, d) = Element(tdVrdV(i));
+        if (n < rows) {
+          if (d < cols_k) gdK(n, d) = Element(tdKrdK(i));
+          if (d < cols_v) gdV(n, d) = Element(tdVrdV(i));
         }
       }
     } else {
       Tensor coords = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));  // (N, d)
-      store_accumulator_rows(tdKrdK, coords, tile(params.ptr_dk, params.stride_dk), rows, cols);
-      store_accumulator_rows(tdVrdV, coords, tile(params.ptr_dv, params.stride_dv), rows, cols);
+      store_accumulator_rows(tdKrdK, coords, tile(params.ptr_dk, params.stride_dk), rows, cols_k);
+      store_accumulator_rows(tdVrdV, coords, tile(params.ptr_dv, params.stride_dv), rows, cols_v);
     }
   }
 };

@@ -202,6 +202,7 @@ struct BackwardMainloop {
     StrideQKV stride_v;
     Element const* ptr_do;
     StrideQKV stride_do;
+    int head_dim_v;  // the columns of V and dO (the call's dv); Q and K have shape_q's and shape_k's
     float softmax_scale;
     float softcap;          // > 0 only with kSoftcap
     LocalMaskParams local;  // kLocal only
@@ -213,6 +214,8 @@ struct BackwardMainloop {
   struct Params {
     ShapeQKV shape_q;
     ShapeQKV shape_k;
+    ShapeQKV shape_v;   // shape_k with dv columns
+    ShapeQKV shape_do;  // shape_q with dv columns
     TmaQ tma_q;
     TmaQ tma_do;
     TmaK tma_k;
@@ -227,20 +230,24 @@ struct BackwardMainloop {
   };
 
   static Params to_underlying_arguments(Arguments const& args) {
-    auto q_tma = [&](Element const* ptr, StrideQKV stride) {
-      return make_tma_copy(SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(ptr), args.shape_q, stride),
+    const ShapeQKV shape_v = with_columns(args.shape_k, args.head_dim_v);
+    const ShapeQKV shape_do = with_columns(args.shape_q, args.head_dim_v);
+    auto q_tma = [&](Element const* ptr, ShapeQKV shape, StrideQKV stride) {
+      return make_tma_copy(SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(ptr), shape, stride),
                            take<0, 2>(SmemLayoutQ{}), Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{});
     };
-    auto k_tma = [&](Element const* ptr, StrideQKV stride) {
-      return make_tma_copy(SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(ptr), args.shape_k, stride), SmemLayoutK{},
+    auto k_tma = [&](Element const* ptr, ShapeQKV shape, StrideQKV stride) {
+      return make_tma_copy(SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(ptr), shape, stride), SmemLayoutK{},
                            Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{});
     };
     return {args.shape_q,
             args.shape_k,
-            q_tma(args.ptr_q, args.stride_q),
-            q_tma(args.ptr_do, args.stride_do),
-            k_tma(args.ptr_k, args.stride_k),
-            k_tma(args.ptr_v, args.stride_v),
+            shape_v,
+            shape_do,
+            q_tma(args.ptr_q, args.shape_q, args.stride_q),
+            q_tma(args.ptr_do, shape_do, args.stride_do),
+            k_tma(args.ptr_k, args.shape_k, args.stride_k),
+            k_tma(args.ptr_v, shape_v, args.stride_v),
             float(Transform::softmax_scale(args.softmax_scale, args.softcap) * M_LOG2E),
             Transform::make(args.softmax_scale, args.softcap),
             args.local,
@@ -286,15 +293,15 @@ struct BackwardMainloop {
     Tensor sK = make_tensor(make_smem_ptr(storage.smem_k.data()), SmemLayoutK{});
     Tensor sV = make_tensor(make_smem_ptr(storage.smem_v.data()), SmemLayoutK{});
 
-    auto key_tile = [&](auto const& tma) {
+    auto key_tile = [&](auto const& tma, ShapeQKV const& shape) {
       auto m = domain_offset(make_coord(blk.seq.offset_k, _0{}),
-                             tma.get_tma_tensor(params.shape_k)(_, _, blk.head_kv, blk.seq.batch_k));
+                             tma.get_tma_tensor(shape)(_, _, blk.head_kv, blk.seq.batch_k));
       return local_tile(m, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(blk.n_block, _0{}));  // (N, d)
     };
     auto [tKgK, tKsK] = tma_partition(params.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK),
-                                      group_modes<0, 2>(key_tile(params.tma_k)));
+                                      group_modes<0, 2>(key_tile(params.tma_k, params.shape_k)));
     auto [tVgV, tVsV] = tma_partition(params.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV),
-                                      group_modes<0, 2>(key_tile(params.tma_v)));
+                                      group_modes<0, 2>(key_tile(params.tma_v, params.shape_v)));
     storage.kv_empty.wait(kv_empty_phase);
     kv_empty_phase ^= 1;
     storage.kv_full.arrive_and_expect_tx(kTmaBytesKV);
@@ -303,15 +310,15 @@ struct BackwardMainloop {
 
     for (int g = 0; g < params.heads_per_kv_head; ++g) {
       const int head = blk.head_kv * params.heads_per_kv_head + g;
-      auto query_tiles = [&](auto const& tma) {
+      auto query_tiles = [&](auto const& tma, ShapeQKV const& shape) {
         auto m = domain_offset(make_coord(blk.seq.offset_q, _0{}),
-                               tma.get_tma_tensor(params.shape_q)(_, _, head, blk.seq.batch_q));
+                               tma.get_tma_tensor(shape)(_, _, head, blk.seq.batch_q));
         return local_tile(m, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, _0{}));  // (M, d, m)
       };
       auto [tQgQ, tQsQ] = tma_partition(params.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ),
-                                        group_modes<0, 2>(query_tiles(params.tma_q)));
+                                        group_modes<0, 2>(query_tiles(params.tma_q, params.shape_q)));
       auto [tdOgdO, tdOsdO] = tma_partition(params.tma_do, _0{}, Layout<_1>{}, group_modes<0, 2>(sdO),
-                                            group_modes<0, 2>(query_tiles(params.tma_do)));
+                                            group_modes<0, 2>(query_tiles(params.tma_do, params.shape_do)));
       const int64_t row0_head = params.workspace.row0(blk.seq, head);
       // One stage: a query block's tile (Q or dO) by TMA and its rows' statistic (LSE2 or D) by a
       // bulk copy, on the stage's barrier.

@@ -113,6 +113,7 @@ struct BackwardDqMainloop {
     StrideQKV stride_v;
     Element const* ptr_do;
     StrideQKV stride_do;
+    int head_dim_v;  // the columns of V and dO (the call's dv); Q and K have shape_q's and shape_k's
     Element* ptr_dq;
     StrideQKV stride_dq;
     float softmax_scale;
@@ -125,6 +126,8 @@ struct BackwardDqMainloop {
   struct Params {
     ShapeQKV shape_q;
     ShapeQKV shape_k;
+    ShapeQKV shape_v;   // shape_k with dv columns
+    ShapeQKV shape_do;  // shape_q with dv columns
     TmaQ tma_q;
     TmaQ tma_do;
     TmaK tma_k;
@@ -141,20 +144,24 @@ struct BackwardDqMainloop {
   };
 
   static Params to_underlying_arguments(Arguments const& args) {
-    auto q_tma = [&](Element const* ptr, StrideQKV stride) {
-      return make_tma_copy(SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(ptr), args.shape_q, stride), SmemLayoutQ{},
+    const ShapeQKV shape_v = with_columns(args.shape_k, args.head_dim_v);
+    const ShapeQKV shape_do = with_columns(args.shape_q, args.head_dim_v);
+    auto q_tma = [&](Element const* ptr, ShapeQKV shape, StrideQKV stride) {
+      return make_tma_copy(SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(ptr), shape, stride), SmemLayoutQ{},
                            Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{});
     };
-    auto k_tma = [&](Element const* ptr, StrideQKV stride) {
-      return make_tma_copy(SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(ptr), args.shape_k, stride),
+    auto k_tma = [&](Element const* ptr, ShapeQKV shape, StrideQKV stride) {
+      return make_tma_copy(SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(ptr), shape, stride),
                            take<0, 2>(SmemLayoutK{}), Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{});
     };
     return {args.shape_q,
             args.shape_k,
-            q_tma(args.ptr_q, args.stride_q),
-            q_tma(args.ptr_do, args.stride_do),
-            k_tma(args.ptr_k, args.stride_k),
-            k_tma(args.ptr_v, args.stride_v),
+            shape_v,
+            shape_do,
+            q_tma(args.ptr_q, args.shape_q, args.stride_q),
+            q_tma(args.ptr_do, shape_do, args.stride_do),
+            k_tma(args.ptr_k, args.shape_k, args.stride_k),
+            k_tma(args.ptr_v, shape_v, args.stride_v),
             args.ptr_dq,
             args.stride_dq,
             args.softmax_scale,
@@ -191,25 +198,25 @@ struct BackwardDqMainloop {
     Tensor sV = make_tensor(make_smem_ptr(storage.smem_v.data()), SmemLayoutV{});
     const int head_kv = params.heads_per_kv_head.divide(work.head);
 
-    auto query_tile = [&](auto const& tma) {
+    auto query_tile = [&](auto const& tma, ShapeQKV const& shape) {
       auto m = domain_offset(make_coord(seq.offset_q, _0{}),
-                             tma.get_tma_tensor(params.shape_q)(_, _, work.head, seq.batch_q));
+                             tma.get_tma_tensor(shape)(_, _, work.head, seq.batch_q));
       return local_tile(m, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(work.block, _0{}));  // (M, d)
     };
-    auto key_tiles = [&](auto const& tma) {
+    auto key_tiles = [&](auto const& tma, ShapeQKV const& shape) {
       auto m = domain_offset(make_coord(seq.offset_k, _0{}),
-                             tma.get_tma_tensor(params.shape_k)(_, _, head_kv, seq.batch_k));
+                             tma.get_tma_tensor(shape)(_, _, head_kv, seq.batch_k));
       return local_tile(m, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, _0{}));  // (N, d, n)
     };
     auto [tQgQ, tQsQ] = tma_partition(params.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ),
-                                      group_modes<0, 2>(query_tile(params.tma_q)));
+                                      group_modes<0, 2>(query_tile(params.tma_q, params.shape_q)));
     auto [tdOgdO, tdOsdO] = tma_partition(params.tma_do, _0{}, Layout<_1>{}, group_modes<0, 2>(sdO),
-                                          group_modes<0, 2>(query_tile(params.tma_do)));
+                                          group_modes<0, 2>(query_tile(params.tma_do, params.shape_do)));
     // Plain tensors rather than structured bindings: lambdas capture them (C++17).
     auto k_parts = tma_partition(params.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK),
-                                 group_modes<0, 2>(key_tiles(params.tma_k)));
+                                 group_modes<0, 2>(key_tiles(params.tma_k, params.shape_k)));
     auto v_parts = tma_partition(params.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV),
-                                 group_modes<0, 2>(key_tiles(params.tma_v)));
+                                 group_modes<0, 2>(key_tiles(params.tma_v, params.shape_v)));
     Tensor tKgK = get<0>(k_parts);  // (TMA, n)
     Tensor tKsK = get<1>(k_parts);  // (TMA, PIPE)
     Tensor tVgV = get<0>(v_parts);

@@ -27,12 +27,14 @@ namespace flashhopper::hopper {
 
 using namespace cute;
 
-template <class Element_, int kBlockM_, int kBlockN_, int kHeadDim_, int kStages_, MaskKind kMask_, bool kSoftcap_>
+template <class Element_, int kBlockM_, int kBlockN_, int kHeadDim_, int kHeadDimV_, int kStages_, MaskKind kMask_,
+          bool kSoftcap_>
 struct ForwardMainloop {
   using Element = Element_;
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
-  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kHeadDim = kHeadDim_;    // Q and K
+  static constexpr int kHeadDimV = kHeadDimV_;  // V and O
   static constexpr int kStages = kStages_;
   static constexpr MaskKind kMask = kMask_;
   using Mask = AttentionMask<kBlockM_, kBlockN_, kMask_>;
@@ -41,7 +43,7 @@ struct ForwardMainloop {
   static constexpr int kNumMmaThreads = kNumMmaWarpGroups * cutlass::NumThreadsPerWarpGroup;
 
   using TileShapeQK = Shape<Int<kBlockM>, Int<kBlockN>, Int<kHeadDim>>;  // (M, N, d)
-  using TileShapePV = Shape<Int<kBlockM>, Int<kHeadDim>, Int<kBlockN>>;  // (M, dv, N)
+  using TileShapePV = Shape<Int<kBlockM>, Int<kHeadDimV>, Int<kBlockN>>;  // (M, dv, N)
 
   // One 64-row WGMMA atom per consumer warpgroup, stacked along M.
   using WarpGroupLayout = Layout<Shape<Int<kNumMmaWarpGroups>, _1, _1>>;
@@ -49,7 +51,7 @@ struct ForwardMainloop {
       GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kBlockN>, Int<kHeadDim>>>(),
       WarpGroupLayout{}));
   using TiledMmaPV = decltype(make_tiled_mma(
-      GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim>, Int<kBlockN>>,
+      GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<kHeadDimV>, Int<kBlockN>>,
                            GMMA::Major::K, GMMA::Major::MN>(),
       WarpGroupLayout{}));
 
@@ -62,8 +64,8 @@ struct ForwardMainloop {
       cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element, Int<kBlockN>, Int<kHeadDim>>(),
       Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
   using SmemLayoutVt = decltype(tile_to_shape(
-      cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::MN, Element, Int<kHeadDim>, Int<kBlockN>>(),
-      Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{}, Step<_2, _1, _3>{}));
+      cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::MN, Element, Int<kHeadDimV>, Int<kBlockN>>(),
+      Shape<Int<kHeadDimV>, Int<kBlockN>, Int<kStages>>{}, Step<_2, _1, _3>{}));
 
   // Global tensors as (seqlen, d, head, batch); Vt as (dv, seqlen, head, batch). Packed batches:
   // (total, d, head, 1), a tile's sequence at its SeqlenInfo's row offset.
@@ -79,7 +81,7 @@ struct ForwardMainloop {
       take<0, 2>(SmemLayoutK{}), Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
   using TmaVt = decltype(make_tma_copy(
       SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), ShapeQKV{}, StrideVt{}),
-      take<0, 2>(SmemLayoutVt{}), Shape<Int<kHeadDim>, Int<kBlockN>>{}, _1{}));
+      take<0, 2>(SmemLayoutVt{}), Shape<Int<kHeadDimV>, Int<kBlockN>>{}, _1{}));
 
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
   using PipelineState = cutlass::PipelineState<kStages>;
@@ -134,7 +136,7 @@ struct ForwardMainloop {
     TmaK tma_k = make_tma_copy(SM90_TMA_LOAD{}, mK, take<0, 2>(SmemLayoutK{}),
                                Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{});
     TmaVt tma_vt = make_tma_copy(SM90_TMA_LOAD{}, mVt, take<0, 2>(SmemLayoutVt{}),
-                                 Shape<Int<kHeadDim>, Int<kBlockN>>{}, _1{});
+                                 Shape<Int<kHeadDimV>, Int<kBlockN>>{}, _1{});
     const int heads_per_kv_head = get<2>(args.shape_q) / get<2>(args.shape_k);
     const float scale = Transform::softmax_scale(args.softmax_scale, args.softcap);
     return {args.shape_q,
@@ -192,7 +194,7 @@ struct ForwardMainloop {
                                params.tma_vt.get_tma_tensor(params.shape_vt)(_, _, head_kv, seq.batch_k));  // (dv, sk)
     Tensor gQ = local_tile(mQ, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(work.block, _0{}));  // (M, d)
     Tensor gK = local_tile(mK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, _0{}));  // (N, d, n)
-    Tensor gVt = local_tile(mVt, Shape<Int<kHeadDim>, Int<kBlockN>>{}, make_coord(_0{}, _));  // (dv, N, n)
+    Tensor gVt = local_tile(mVt, Shape<Int<kHeadDimV>, Int<kBlockN>>{}, make_coord(_0{}, _));  // (dv, N, n)
 
     auto [tQgQ, tQsQ] = tma_partition(params.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
     auto tma_k_parts = tma_partition(params.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));

@@ -1,19 +1,21 @@
 // The kernels' tunables per head dim, in one table.
 // Forward: shared memory holds Q, kStages K tiles and kStages V tiles,
-// (kBlockM + 2 * kStages * kBlockN) * d * 2 bytes, plus O's kBlockM * d * 2 where that still fits
-// 227 KiB; otherwise O is stored from registers (ForwardKernel::kOStagedInSmem). Registers: each
-// consumer warpgroup owns 64 rows, so O takes d/2 and S kBlockN/2 floats a thread.
+// ((kBlockM + kStages * kBlockN) * d + kStages * kBlockN * dv) * 2 bytes, plus O's kBlockM * dv * 2
+// where that still fits 227 KiB; otherwise O is stored from registers
+// (ForwardKernel::kOStagedInSmem). Registers: each consumer warpgroup owns 64 rows, so O takes
+// dv/2 and S kBlockN/2 floats a thread.
 #pragma once
 
 namespace flashhopper::hopper {
 
-// kMasked: causal or local (blocks cross a mask boundary; narrower key blocks waste less there).
-template <int kHeadDim, bool kMasked>
+// Per (head dim, value head dim), the families of scripts/kernel_manifest.py. kMasked: causal or
+// local (blocks cross a mask boundary; narrower key blocks waste less there).
+template <int kHeadDim, int kHeadDimV, bool kMasked>
 struct ForwardTileSize;
 
 // hdim 64: three consumer warpgroups (192 rows) amortise each K/V tile over more rows.
 template <bool kMasked>
-struct ForwardTileSize<64, kMasked> {
+struct ForwardTileSize<64, 64, kMasked> {
   static constexpr int kBlockM = 192;
   static constexpr int kBlockN = 128;  // 192 spills: S, P and O exceed 160 registers
   static constexpr int kStages = 2;
@@ -23,16 +25,34 @@ struct ForwardTileSize<64, kMasked> {
 // fastest of 128-176; masked keeps 128 (192 KiB), so the blocks at a boundary waste less.
 // (Measurements: bench/RESULTS.md, "Tile and schedule choices".)
 template <bool kMasked>
-struct ForwardTileSize<128, kMasked> {
+struct ForwardTileSize<128, 128, kMasked> {
   static constexpr int kBlockM = 128;
   static constexpr int kBlockN = kMasked ? 128 : 160;
+  static constexpr int kStages = 2;
+};
+
+// hdim 96: as hdim 128 (160 key columns unmasked, O staged: 176 KiB; 128 masked).
+template <bool kMasked>
+struct ForwardTileSize<96, 96, kMasked> {
+  static constexpr int kBlockM = 128;
+  static constexpr int kBlockN = kMasked ? 128 : 160;
+  static constexpr int kStages = 2;
+};
+
+// hdim 192: 112 key columns fill 220 KiB with two stages (O from registers); with dv 128 (MLA
+// prefill) the same leaves room to stage O (223 KiB).
+template <int kHeadDimV, bool kMasked>
+struct ForwardTileSize<192, kHeadDimV, kMasked> {
+  static_assert(kHeadDimV == 128 || kHeadDimV == 192);
+  static constexpr int kBlockM = 128;
+  static constexpr int kBlockN = 112;
   static constexpr int kStages = 2;
 };
 
 // hdim 256: O alone is 128 registers a thread; 80 key columns keep S small and fit 224 KiB
 // (O from registers).
 template <bool kMasked>
-struct ForwardTileSize<256, kMasked> {
+struct ForwardTileSize<256, 256, kMasked> {
   static constexpr int kBlockM = 128;
   static constexpr int kBlockN = 80;
   static constexpr int kStages = 2;

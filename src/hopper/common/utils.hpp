@@ -79,6 +79,13 @@ CUTLASS_DEVICE float quad_allreduce(float x, Op op) {
   return op(x, __shfl_xor_sync(0xffffffff, x, 1));
 }
 
+// A (rows, columns, heads, batch) shape with another column count: V and dO take dv where Q and K
+// take d.
+template <class Shape4>
+CUTLASS_HOST_DEVICE Shape4 with_columns(Shape4 const& shape, int columns) {
+  return Shape4(get<0>(shape), columns, get<2>(shape), get<3>(shape));
+}
+
 // A float32 accumulator tile straight to global memory in dst's element type: each thread writes
 // its column pairs as 4-byte stores; rows at or past `rows` and columns at or past `cols` (even:
 // head dims are multiples of 8) are skipped. gdst is the tile's (rows, cols) window, coords the

@@ -49,7 +49,7 @@ struct BackwardPreprocess {
     int64_t stride_lse[3];  // batch (0 when packed), head, row
     int rows_per_sequence;  // the grid's rows per (sequence, head): max_seqlen_q rounded up to kRowAlign
     int heads_q;
-    int head_dim;           // the call's, at most kHeadDim (a multiple of kChunk)
+    int head_dim_v;         // O's and dO's columns: the call's dv, at most kHeadDim (a multiple of kChunk)
     BackwardWorkspacePointers workspace;
     SeqlenParams seqlen;
     float const* learnable_sink;  // [heads_q] or null
@@ -87,7 +87,7 @@ struct BackwardPreprocess {
         CUTLASS_PRAGMA_UNROLL
         for (int c = 0; c < kChunksPerLane; ++c) {
           const int col = (c * kLanesPerRow + lane) * kChunk;
-          if (col < params.head_dim) {
+          if (col < params.head_dim_v) {
             o[i][c] = *reinterpret_cast<Vector const*>(o_head + token * params.stride_o[1] + col);
             d_o[i][c] = *reinterpret_cast<Vector const*>(do_head + token * params.stride_do[1] + col);
           } else {
