@@ -156,6 +156,9 @@ const char* fh_last_error(void);
 /* 1 when the library was built with its CUDA kernels. */
 int32_t fh_built_with_cuda(void);
 
+/* The library's version, "MAJOR.MINOR.PATCH" (the SONAME carries MAJOR). */
+const char* fh_version(void);
+
 /* A compiled kernel family: one pass for one dtype and (head dim, value head dim). A call runs
  * on the family of its pass and dtype with the smallest head dim at least its own (then the
  * smallest value head dim at least its own): head dims in between run padded. */

@@ -27,6 +27,9 @@ struct Status {
 Tensor make_tensor(void* data, DType dtype, std::initializer_list<int64_t> shape,
                    std::initializer_list<int64_t> stride = {});
 
+// The library's version, "MAJOR.MINOR.PATCH" (as fh_version).
+const char* version();
+
 // Bytes of one element of `dtype`.
 size_t dtype_size(DType dtype);
 

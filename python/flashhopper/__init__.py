@@ -12,12 +12,40 @@ A thin layer over the library's C ABI (ctypes; nothing compiled against PyTorch)
   selects the packed layout.
 - use_as_sdpa_flash_backend(): FlashHopper behind torch.nn.functional.scaled_dot_product_attention's
   FLASH backend.
-- compiled_families(): the kernel families (pass, dtype, head dims) the loaded library has.
+- compiled_families(): the kernel families (pass, dtype, head dims) the loaded library has;
+  is_available() (can the kernels run here?), build_info() (version, library, families, GPU).
+- Errors: every refusal is a FlashHopperError (a RuntimeError) and also ValueError
+  (FlashHopperInvalidArgument) or NotImplementedError (FlashHopperNotSupported).
 - python -m flashhopper.bench: side-by-side benchmark against PyTorch SDPA.
 """
 from ._ffi import FlashHopperError
+
+
+def _version() -> str:
+    """The one version, CMakeLists.txt's project(VERSION): read there in a checkout, else from the
+    installed distribution's metadata (the wheel takes it from the same line)."""
+    import pathlib
+    import re
+    cmake = pathlib.Path(__file__).resolve().parents[2] / "CMakeLists.txt"
+    if cmake.is_file():
+        match = re.search(r"project\([^)]*VERSION\s+([0-9][0-9.]*)", cmake.read_text())
+        if match:
+            return match.group(1)
+    try:
+        from importlib.metadata import version
+        return version("flashhopper")
+    except Exception:
+        return "unknown"
+
+
+__version__ = _version()
+try:
+    import torch as _torch  # noqa: F401
+except ImportError as _error:
+    raise ImportError("flashhopper's Python API runs on PyTorch, which is not installed: pip install torch "
+                      "(or pip install 'flashhopper[torch]')") from _error
 from .interface import (FlashHopperInvalidArgument, FlashHopperNotSupported, KernelFamily, Varlen, backward,
-                        compiled_families, forward)
+                        build_info, compiled_families, forward, is_available)
 from . import ops  # registers torch.ops.flashhopper.fwd / bwd
 from . import flash_attn_interface
 from .flash_attn_interface import (
@@ -39,6 +67,9 @@ __all__ = [
     "backward",
     "Varlen",
     "compiled_families",
+    "is_available",
+    "build_info",
+    "__version__",
     "KernelFamily",
     "use_as_sdpa_flash_backend",
     "restore_sdpa_flash_backend",

@@ -110,6 +110,8 @@ def lib() -> ctypes.CDLL:
         handle.fh_built_with_cuda.restype = ctypes.c_int32
         handle.fh_compiled_families.argtypes = [ctypes.POINTER(KernelFamilyStruct), ctypes.c_int32]
         handle.fh_compiled_families.restype = ctypes.c_int32
+        handle.fh_version.argtypes = []
+        handle.fh_version.restype = ctypes.c_char_p
         _lib = handle
     return _lib
 

@@ -50,7 +50,7 @@ __all__ = [
 
 
 def _not_yet(argument: str, value, what: str):
-    raise NotImplementedError(f"{argument}={value!r}: {what} is not supported by FlashHopper yet")
+    raise interface.not_supported(f"{argument}={value!r}: {what} is not supported by FlashHopper yet")
 
 
 def _resolve_options(causal, qv, q_descale, k_descale, v_descale, window_size, attention_chunk, softcap,
@@ -167,20 +167,20 @@ def flash_attn_qkvpacked_func(
     (batch_size, seqlen, nheads_q + 2 * nheads_k, headdim) with num_heads_q given (GQA).
     learnable_sink as flash_attn_func's."""
     if not isinstance(qkv, torch.Tensor):
-        raise ValueError(f"qkv: expected a torch.Tensor, got {type(qkv).__name__}")
+        raise interface.invalid_argument(f"qkv: expected a torch.Tensor, got {type(qkv).__name__}")
     if qkv.dim() == 5:
         if qkv.shape[2] != 3:
-            raise ValueError(f"qkv: expected shape (batch, seqlen, 3, nheads, headdim), got {tuple(qkv.shape)}")
+            raise interface.invalid_argument(f"qkv: expected shape (batch, seqlen, 3, nheads, headdim), got {tuple(qkv.shape)}")
         q, k, v = qkv.unbind(dim=2)
     elif qkv.dim() == 4:
         if num_heads_q is None:
-            raise ValueError("num_heads_q: required when qkv has 4 dims (batch, seqlen, heads, headdim)")
+            raise interface.invalid_argument("num_heads_q: required when qkv has 4 dims (batch, seqlen, heads, headdim)")
         num_heads_k = (qkv.shape[2] - num_heads_q) // 2
         if num_heads_k <= 0 or num_heads_q + 2 * num_heads_k != qkv.shape[2]:
-            raise ValueError(f"qkv: {qkv.shape[2]} heads is not num_heads_q ({num_heads_q}) + 2 * nheads_k")
+            raise interface.invalid_argument(f"qkv: {qkv.shape[2]} heads is not num_heads_q ({num_heads_q}) + 2 * nheads_k")
         q, k, v = qkv.split([num_heads_q, num_heads_k, num_heads_k], dim=2)
     else:
-        raise ValueError(f"qkv: expected 5 dims (or 4 with num_heads_q), got shape {tuple(qkv.shape)}")
+        raise interface.invalid_argument(f"qkv: expected 5 dims (or 4 with num_heads_q), got shape {tuple(qkv.shape)}")
     return flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal, q_descale=q_descale,
                            k_descale=k_descale, v_descale=v_descale, window_size=window_size,
                            attention_chunk=attention_chunk, softcap=softcap, deterministic=deterministic,
@@ -277,15 +277,15 @@ def flash_attn_with_kvcache(
     """FlashAttention-3's KV-cache attention (decoding: cache_seqlens, paged KV, in-place append,
     rotary). Not supported yet; raises NotImplementedError. (FA3 returns out, or (out, softmax_lse,
     ...) with return_softmax_lse=True.)"""
-    raise NotImplementedError("flash_attn_with_kvcache: KV-cache attention (cache_seqlens, page_table, k/v "
+    raise interface.not_supported("flash_attn_with_kvcache: KV-cache attention (cache_seqlens, page_table, k/v "
                               "append, rotary) is not supported by FlashHopper yet")
 
 
 def flash_attn_combine(out_partial, lse_partial, out=None, out_dtype=None):
     """FlashAttention-3's combine of split-KV partials. Not supported yet; raises NotImplementedError."""
-    raise NotImplementedError("flash_attn_combine: the split-KV combine is not supported by FlashHopper yet")
+    raise interface.not_supported("flash_attn_combine: the split-KV combine is not supported by FlashHopper yet")
 
 
 def get_scheduler_metadata(*args, **kwargs):
     """FlashAttention-3's scheduler metadata for flash_attn_with_kvcache. Not supported yet."""
-    raise NotImplementedError("get_scheduler_metadata: KV-cache scheduling is not supported by FlashHopper yet")
+    raise interface.not_supported("get_scheduler_metadata: KV-cache scheduling is not supported by FlashHopper yet")

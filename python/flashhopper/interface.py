@@ -48,6 +48,17 @@ class FlashHopperNotSupported(FlashHopperError, NotImplementedError):
     e.g. a (dtype, head dim) that a development build did not compile."""
 
 
+# Every refusal, from the library or from the checks here, is a FlashHopperError (a RuntimeError,
+# which FA3 callers catch) and also the builtin type it stands for: ValueError for a bad argument,
+# NotImplementedError for what FlashHopper cannot do (yet).
+def invalid_argument(message: str) -> FlashHopperInvalidArgument:
+    return FlashHopperInvalidArgument(_STATUS_INVALID_ARGUMENT, message)
+
+
+def not_supported(message: str) -> FlashHopperNotSupported:
+    return FlashHopperNotSupported(_STATUS_NOT_SUPPORTED, message)
+
+
 def _check(status: int) -> None:
     if status == 0:
         return
@@ -78,6 +89,26 @@ def compiled_families() -> list:
     dtypes = {code: dtype for dtype, code in _DTYPES.items()}
     return [KernelFamily("backward" if f.backward else "forward", dtypes[f.dtype], f.head_dim, f.head_dim_v)
             for f in families[:count]]
+
+
+def is_available() -> bool:
+    """True when the kernels can run here: the library loads and has its CUDA kernels, and PyTorch
+    sees an sm_90 GPU (H100/H200) as its current device. Never raises."""
+    try:
+        if not _ffi.lib().fh_built_with_cuda():
+            return False
+        return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+    except Exception:
+        return False
+
+
+def build_info() -> dict:
+    """What the loaded library is: its version, its path, whether it has CUDA kernels and which
+    families (compiled_families()), and the GPU PyTorch sees (None without one)."""
+    lib = _ffi.lib()
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    return {"version": lib.fh_version().decode(), "library": lib._name, "cuda_kernels": bool(lib.fh_built_with_cuda()),
+            "families": compiled_families(), "gpu": gpu, "available": is_available()}
 
 
 class Varlen(NamedTuple):
@@ -135,25 +166,25 @@ def lse_shape(q: torch.Tensor, varlen: Optional[Varlen] = None) -> tuple:
 
 def _check_input(name: str, t, rank: int, layout: str) -> None:
     if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        raise invalid_argument(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if t.dtype in _FP8_DTYPES:
-        raise NotImplementedError(f"{name}: dtype {t.dtype}: fp8 attention is not supported by FlashHopper "
+        raise not_supported(f"{name}: dtype {t.dtype}: fp8 attention is not supported by FlashHopper "
                                   "yet (bfloat16 or float16)")
     if t.dtype not in INPUT_DTYPES:
-        raise ValueError(f"{name}: dtype {t.dtype} is not supported (torch.bfloat16 or torch.float16)")
+        raise invalid_argument(f"{name}: dtype {t.dtype} is not supported (torch.bfloat16 or torch.float16)")
     if t.dim() != rank:
-        raise ValueError(f"{name}: expected {rank} dims {layout}, got shape {tuple(t.shape)}")
+        raise invalid_argument(f"{name}: expected {rank} dims {layout}, got shape {tuple(t.shape)}")
 
 
 def check_layout(name: str, t: torch.Tensor) -> None:
     """Last dim contiguous, other strides multiples of 16 bytes (what the kernels' TMA loads need)."""
     if t.stride(-1) != 1:
-        raise ValueError(f"{name}: the last dim must be contiguous (stride 1), got strides {tuple(t.stride())}; "
+        raise invalid_argument(f"{name}: the last dim must be contiguous (stride 1), got strides {tuple(t.stride())}; "
                          "call .contiguous()")
     granule = _TMA_BYTES // t.element_size()
     for dim in range(t.dim() - 1):
         if t.stride(dim) % granule != 0:
-            raise ValueError(f"{name}: stride[{dim}] is {t.stride(dim)}, not a multiple of {granule} elements "
+            raise invalid_argument(f"{name}: stride[{dim}] is {t.stride(dim)}, not a multiple of {granule} elements "
                              f"(16 bytes), got strides {tuple(t.stride())}; call .contiguous()")
 
 
@@ -174,25 +205,25 @@ def check_forward_args(q, k, v, softmax_scale=None, learnable_sink=None, varlen=
     _check_input("v", v, rank, kv_dims)
     for name, t in (("k", k), ("v", v)):
         if t.dtype != q.dtype:
-            raise ValueError(f"{name}: dtype {t.dtype} differs from q's {q.dtype}; q, k and v must have one dtype")
+            raise invalid_argument(f"{name}: dtype {t.dtype} differs from q's {q.dtype}; q, k and v must have one dtype")
     heads_q, head_dim = q.shape[-2], q.shape[-1]
     if varlen is None and k.shape[0] != q.shape[0]:
-        raise ValueError(f"k: batch size {k.shape[0]} differs from q's {q.shape[0]} (shapes q {tuple(q.shape)}, "
+        raise invalid_argument(f"k: batch size {k.shape[0]} differs from q's {q.shape[0]} (shapes q {tuple(q.shape)}, "
                          f"k {tuple(k.shape)})")
     if v.shape[:-1] != k.shape[:-1]:
-        raise ValueError(f"v: shape {tuple(v.shape)} must match k's {tuple(k.shape)} in all dims but the head dim")
+        raise invalid_argument(f"v: shape {tuple(v.shape)} must match k's {tuple(k.shape)} in all dims but the head dim")
     if k.shape[-1] != head_dim:
-        raise ValueError(f"k: head dim {k.shape[-1]} differs from q's {head_dim}")
+        raise invalid_argument(f"k: head dim {k.shape[-1]} differs from q's {head_dim}")
     granule = _TMA_BYTES // q.element_size()
     for name, what, dim in (("q", "head dim", head_dim), ("v", "value head dim", v.shape[-1])):
         if dim > MAX_HEAD_DIM:
-            raise ValueError(f"{name}: {what} {dim} is larger than {MAX_HEAD_DIM}")
+            raise invalid_argument(f"{name}: {what} {dim} is larger than {MAX_HEAD_DIM}")
         if dim % granule != 0:
-            raise ValueError(f"{name}: {what} {dim} is not a multiple of {granule} (flash_attn_func pads it; "
+            raise invalid_argument(f"{name}: {what} {dim} is not a multiple of {granule} (flash_attn_func pads it; "
                              "the plain calls do not)")
     heads_kv = k.shape[-2]
     if heads_kv == 0 or heads_q % heads_kv != 0:
-        raise ValueError(f"k: {heads_kv} key/value heads do not divide q's {heads_q} query heads (GQA/MQA "
+        raise invalid_argument(f"k: {heads_kv} key/value heads do not divide q's {heads_q} query heads (GQA/MQA "
                          "needs heads_q % heads_kv == 0)")
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_layout(name, t)
@@ -205,16 +236,16 @@ def check_forward_args(q, k, v, softmax_scale=None, learnable_sink=None, varlen=
 def _check_contiguous_vector(name: str, t: torch.Tensor) -> None:
     """The library reads 1-d tensors (sinks, sequence lengths) as rows: stride 1."""
     if t.shape[0] > 1 and t.stride(0) != 1:
-        raise ValueError(f"{name}: must be contiguous (stride 1), got stride {t.stride(0)}; call .contiguous()")
+        raise invalid_argument(f"{name}: must be contiguous (stride 1), got stride {t.stride(0)}; call .contiguous()")
 
 
 def _check_int32_vector(name: str, t, length, what: str) -> None:
     """An int32 1-d tensor of `length` entries (None: any), contiguous; `what` its expected shape."""
     expected = f"an int32 tensor of shape {what}"
     if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name}: expected {expected}, got {type(t).__name__}")
+        raise invalid_argument(f"{name}: expected {expected}, got {type(t).__name__}")
     if t.dtype != torch.int32 or t.dim() != 1 or (length is not None and t.shape[0] != length):
-        raise ValueError(f"{name}: expected {expected}, got dtype {t.dtype} shape {tuple(t.shape)}")
+        raise invalid_argument(f"{name}: expected {expected}, got dtype {t.dtype} shape {tuple(t.shape)}")
     _check_contiguous_vector(name, t)
 
 
@@ -225,7 +256,7 @@ def check_varlen(varlen: Varlen) -> None:
     _check_int32_vector("cu_seqlens_q", varlen.cu_seqlens_q, None, "[batch + 1] (prefix sums of the lengths)")
     entries = varlen.cu_seqlens_q.shape[0]
     if entries < 2:
-        raise ValueError(f"cu_seqlens_q: shape ({entries},) is too short; it holds batch + 1 prefix sums, so at "
+        raise invalid_argument(f"cu_seqlens_q: shape ({entries},) is too short; it holds batch + 1 prefix sums, so at "
                          "least 2 entries")
     _check_int32_vector("cu_seqlens_k", varlen.cu_seqlens_k, entries, f"[batch + 1] = ({entries},), as cu_seqlens_q")
     for name, t in (("seqused_q", varlen.seqused_q), ("seqused_k", varlen.seqused_k)):
@@ -234,7 +265,7 @@ def check_varlen(varlen: Varlen) -> None:
     for name, value in (("max_seqlen_q", varlen.max_seqlen_q), ("max_seqlen_k", varlen.max_seqlen_k)):
         length = _int_option(name, value, "the longest sequence's length")
         if length < 1 or length > _INT32_MAX:
-            raise ValueError(f"{name}: {length} must be in [1, {_INT32_MAX}] (an int32 in the C ABI)")
+            raise invalid_argument(f"{name}: {length} must be in [1, {_INT32_MAX}] (an int32 in the C ABI)")
 
 
 def check_learnable_sink(learnable_sink, heads_q) -> None:
@@ -243,10 +274,10 @@ def check_learnable_sink(learnable_sink, heads_q) -> None:
         return
     expected = f"a torch.float32 tensor of shape [heads_q] = ({heads_q},) (one logit per query head)"
     if not isinstance(learnable_sink, torch.Tensor):
-        raise ValueError(f"learnable_sink: expected None or {expected}, got {type(learnable_sink).__name__}")
+        raise invalid_argument(f"learnable_sink: expected None or {expected}, got {type(learnable_sink).__name__}")
     if (learnable_sink.dtype != torch.float32 or learnable_sink.dim() != 1
             or learnable_sink.shape[0] != heads_q):
-        raise ValueError(f"learnable_sink: expected {expected}, got dtype {learnable_sink.dtype} shape "
+        raise invalid_argument(f"learnable_sink: expected {expected}, got dtype {learnable_sink.dtype} shape "
                          f"{tuple(learnable_sink.shape)}")
     _check_contiguous_vector("learnable_sink", learnable_sink)
 
@@ -256,7 +287,7 @@ def _int_option(name: str, value, what: str) -> int:
     naming `name`. A SymInt (torch.compile) is returned as it is: int() would specialise it, one
     recompile per value (max_seqlen changes from batch to batch)."""
     if isinstance(value, (bool, torch.Tensor)) or not isinstance(value, (numbers.Integral, torch.SymInt)):
-        raise ValueError(f"{name}: {what} must be an int, got {type(value).__name__} {value!r}")
+        raise invalid_argument(f"{name}: {what} must be an int, got {type(value).__name__} {value!r}")
     return value if isinstance(value, torch.SymInt) else int(value)
 
 
@@ -266,18 +297,18 @@ def check_window_size(window_size) -> tuple[int, int]:
     if window_size is None:
         return -1, -1
     if isinstance(window_size, (str, bytes, torch.Tensor)):
-        raise ValueError(f"window_size: expected a pair of ints (left, right), got {window_size!r}")
+        raise invalid_argument(f"window_size: expected a pair of ints (left, right), got {window_size!r}")
     try:
         bounds = tuple(window_size)
     except TypeError:
-        raise ValueError(f"window_size: expected a pair of ints (left, right), got {window_size!r}") from None
+        raise invalid_argument(f"window_size: expected a pair of ints (left, right), got {window_size!r}") from None
     if len(bounds) != 2:
-        raise ValueError(f"window_size: expected a pair of ints (left, right), got {window_size!r}")
+        raise invalid_argument(f"window_size: expected a pair of ints (left, right), got {window_size!r}")
     resolved = []
     for side, bound in zip(("left", "right"), bounds):
         bound = -1 if bound is None else _int_option("window_size", bound, f"the {side} bound")
         if bound < -1:
-            raise ValueError(f"window_size: the {side} bound is {bound}; must be >= -1 (-1 means unbounded), "
+            raise invalid_argument(f"window_size: the {side} bound is {bound}; must be >= -1 (-1 means unbounded), "
                              f"got {window_size!r}")
         resolved.append(bound)
     return resolved[0], resolved[1]
@@ -288,12 +319,12 @@ def check_softcap(softcap) -> float:
     if softcap is None:
         return 0.0
     if isinstance(softcap, (bool, torch.Tensor)) or not isinstance(softcap, numbers.Real):
-        raise ValueError(f"softcap: must be a Python float >= 0, got {type(softcap).__name__} {softcap!r}")
+        raise invalid_argument(f"softcap: must be a Python float >= 0, got {type(softcap).__name__} {softcap!r}")
     # comparisons only (no math.isfinite, no float() of a float): Dynamo traces them as constants
     if softcap != softcap or softcap < 0 or softcap == math.inf:
-        raise ValueError(f"softcap: {softcap} must be finite and >= 0 (0 disables it)")
+        raise invalid_argument(f"softcap: {softcap} must be finite and >= 0 (0 disables it)")
     if softcap > _FLOAT32_MAX or 0 < softcap < _FLOAT32_MIN_NORMAL:  # the C ABI takes a float32
-        raise ValueError(f"softcap: {softcap} is outside float32's normal range (the C ABI's type)")
+        raise invalid_argument(f"softcap: {softcap} is outside float32's normal range (the C ABI's type)")
     return softcap if isinstance(softcap, float) else float(softcap)
 
 
@@ -303,9 +334,9 @@ def check_attention_chunk(attention_chunk) -> int:
         return 0
     chunk = _int_option("attention_chunk", attention_chunk, "the chunk size")
     if chunk < 0:
-        raise ValueError(f"attention_chunk: {chunk} must be >= 0 (0 means no chunking)")
+        raise invalid_argument(f"attention_chunk: {chunk} must be >= 0 (0 means no chunking)")
     if chunk > _INT32_MAX:
-        raise ValueError(f"attention_chunk: {chunk} does not fit in int32 (the C ABI's type)")
+        raise invalid_argument(f"attention_chunk: {chunk} does not fit in int32 (the C ABI's type)")
     return chunk
 
 
@@ -342,11 +373,11 @@ def check_softmax_scale(softmax_scale) -> None:
     if softmax_scale is None:
         return
     if isinstance(softmax_scale, torch.Tensor):
-        raise ValueError("softmax_scale: must be a Python float or None, not a tensor")
+        raise invalid_argument("softmax_scale: must be a Python float or None, not a tensor")
     if softmax_scale != softmax_scale or softmax_scale < 0 or softmax_scale == math.inf:  # NaN, < 0, inf
-        raise ValueError(f"softmax_scale: {softmax_scale} must be finite and > 0")
+        raise invalid_argument(f"softmax_scale: {softmax_scale} must be finite and > 0")
     if softmax_scale == 0:
-        raise NotImplementedError("softmax_scale: 0.0 is not supported (the C ABI reads 0 as 1/sqrt(head_dim)); "
+        raise not_supported("softmax_scale: 0.0 is not supported (the C ABI reads 0 as 1/sqrt(head_dim)); "
                                   "pass None for the default")
 
 
@@ -358,19 +389,19 @@ def check_backward_args(dout, q, k, v, out, lse, softmax_scale=None, check_dout_
     for name, t in (("out", out), ("dout", dout)):
         _check_input(name, t, rank, q_dims)
         if t.dtype != q.dtype:
-            raise ValueError(f"{name}: dtype {t.dtype} differs from q's {q.dtype}")
+            raise invalid_argument(f"{name}: dtype {t.dtype} differs from q's {q.dtype}")
         if tuple(t.shape) != tuple(expected):
-            raise ValueError(f"{name}: shape {tuple(t.shape)}, expected {tuple(expected)}")
+            raise invalid_argument(f"{name}: shape {tuple(t.shape)}, expected {tuple(expected)}")
     check_layout("out", out)
     if check_dout_layout:
         check_layout("dout", dout)
     if not isinstance(lse, torch.Tensor):
-        raise ValueError(f"lse: expected a torch.Tensor, got {type(lse).__name__}")
+        raise invalid_argument(f"lse: expected a torch.Tensor, got {type(lse).__name__}")
     if lse.dtype != torch.float32:
-        raise ValueError(f"lse: dtype {lse.dtype}, expected torch.float32 (as returned by the forward)")
+        raise invalid_argument(f"lse: dtype {lse.dtype}, expected torch.float32 (as returned by the forward)")
     expected_lse = tuple(lse_shape(q, varlen))
     if tuple(lse.shape) != expected_lse:
-        raise ValueError(f"lse: shape {tuple(lse.shape)}, expected {lse_dims} = {expected_lse}")
+        raise invalid_argument(f"lse: shape {tuple(lse.shape)}, expected {lse_dims} = {expected_lse}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -383,23 +414,23 @@ def check_devices(named) -> None:
         if t is None:
             continue
         if not t.is_cuda:
-            raise ValueError(f"{name}: must be a CUDA tensor, got device {t.device}")
+            raise invalid_argument(f"{name}: must be a CUDA tensor, got device {t.device}")
         if device is None:
             device = t.device
         elif t.device != device:
-            raise ValueError(f"{name}: is on {t.device} but the other tensors are on {device}")
+            raise invalid_argument(f"{name}: is on {t.device} but the other tensors are on {device}")
 
 
 def check_alignment(named) -> None:
     for name, t in named:
         if t is not None and t.data_ptr() % _TMA_BYTES != 0:
-            raise ValueError(f"{name}: data pointer 0x{t.data_ptr():x} is not 16-byte aligned (a view with an "
+            raise invalid_argument(f"{name}: data pointer 0x{t.data_ptr():x} is not 16-byte aligned (a view with an "
                              "element offset?); call .clone() or .contiguous()")
 
 
 def _view(t: torch.Tensor) -> _ffi.Tensor:
     if t.dtype not in _DTYPES:
-        raise ValueError(f"dtype {t.dtype} is not supported (bf16, fp16, float32, int32)")
+        raise invalid_argument(f"dtype {t.dtype} is not supported (bf16, fp16, float32, int32)")
     return _ffi.make_tensor(t.data_ptr(), _DTYPES[t.dtype], t.shape, t.stride())
 
 
@@ -468,7 +499,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = Fa
     if out is None:
         out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
     elif out.dtype != q.dtype or tuple(out.shape) != out_shape:
-        raise ValueError(f"out: dtype {out.dtype} shape {tuple(out.shape)}, expected {q.dtype} {out_shape}")
+        raise invalid_argument(f"out: dtype {out.dtype} shape {tuple(out.shape)}, expected {q.dtype} {out_shape}")
     else:
         check_layout("out", out)
     check_alignment(named[:3] + [("out", out)])
@@ -507,7 +538,7 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     for name, grad, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
         if grad is not None:
             if grad.dtype != like.dtype or grad.shape != like.shape:
-                raise ValueError(f"{name}: dtype {grad.dtype} shape {tuple(grad.shape)}, expected {like.dtype} "
+                raise invalid_argument(f"{name}: dtype {grad.dtype} shape {tuple(grad.shape)}, expected {like.dtype} "
                                  f"{tuple(like.shape)}")
             check_layout(name, grad)
     dq = torch.empty_like(q) if dq is None else dq

@@ -80,6 +80,8 @@ FLASHHOPPER_EXPORT int32_t fh_built_with_cuda(void) {
 #endif
 }
 
+FLASHHOPPER_EXPORT const char* fh_version(void) { return flashhopper::version(); }
+
 FLASHHOPPER_EXPORT int32_t fh_compiled_families(fh_kernel_family* families, int32_t capacity) {
   using flashhopper::launch::KernelFamily;
   int32_t count = 0;

@@ -80,6 +80,8 @@ const char* kNoCuda = "this FlashHopper build has no CUDA kernels (configured wi
 
 }  // namespace
 
+const char* version() { return FLASHHOPPER_VERSION; }
+
 size_t dtype_size(DType dtype) {
   switch (dtype) {
     case FH_DTYPE_BF16:

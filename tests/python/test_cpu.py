@@ -245,6 +245,22 @@ def test_bad_tensors(make, pattern):
         flash_attn_func(*make(*qkv()))
 
 
+def test_refusals_are_flashhopper_errors_of_the_builtin_type():
+    """A bad argument is a FlashHopperInvalidArgument: a FlashHopperError, a RuntimeError (what FA3
+    callers catch) and a ValueError; what FlashHopper cannot do is a FlashHopperNotSupported, also a
+    NotImplementedError."""
+    q, k, v = qkv()
+    with pytest.raises(flashhopper.FlashHopperInvalidArgument, match="q: dtype torch.float32") as info:
+        flash_attn_func(q.float(), k.float(), v.float())
+    assert isinstance(info.value, (flashhopper.FlashHopperError)) and isinstance(info.value, RuntimeError)
+    assert isinstance(info.value, ValueError)
+    with pytest.raises(flashhopper.FlashHopperNotSupported, match="num_splits") as info:
+        flash_attn_func(q, k, v, num_splits=2)
+    assert isinstance(info.value, flashhopper.FlashHopperError) and isinstance(info.value, NotImplementedError)
+    with pytest.raises(flashhopper.FlashHopperInvalidArgument, match="window_size"):
+        fa3.flash_attn_varlen_func(*varlen_args(), window_size=(-2, 0))
+
+
 def test_bad_softmax_scale():
     with pytest.raises(ValueError, match="softmax_scale"):
         flash_attn_func(*qkv(), softmax_scale=-1.0)

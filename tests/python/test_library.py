@@ -33,3 +33,37 @@ def test_compiled_families_are_manifest_rows():
             assert (pass_, torch.bfloat16, 128, 128) in families
     else:
         assert families == []
+
+
+def test_one_version_everywhere():
+    """flashhopper.__version__ (CMakeLists.txt's project version) is the library's fh_version()."""
+    try:
+        lib = _ffi.lib()
+    except OSError as error:
+        pytest.skip(f"library not loadable: {error}")
+    assert flashhopper.__version__ == lib.fh_version().decode()
+    assert flashhopper.__version__.count(".") == 2
+
+
+def test_is_available_and_build_info():
+    """is_available() says whether the kernels can run here (False without an sm_90 GPU or without
+    kernels); build_info() reports the library, its version and families."""
+    try:
+        _ffi.lib()
+    except OSError as error:
+        pytest.skip(f"library not loadable: {error}")
+    info = flashhopper.build_info()
+    assert info["version"] == flashhopper.__version__
+    assert info["cuda_kernels"] == bool(_ffi.lib().fh_built_with_cuda())
+    assert info["families"] == flashhopper.compiled_families()
+    expected = (info["cuda_kernels"] and torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0))
+    assert flashhopper.is_available() == expected == info["available"]
+
+
+def test_import_without_torch_says_how_to_install():
+    """`import flashhopper` where torch is missing: an ImportError with the pip command."""
+    import subprocess
+    code = "import sys; sys.modules['torch'] = None\ntry:\n    import flashhopper\nexcept ImportError as e:\n    print(e)\n"
+    env = {"PYTHONPATH": str(ROOT / "python"), "PATH": "/usr/bin:/bin"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert "pip install torch" in result.stdout, result.stdout + result.stderr
