@@ -18,4 +18,4 @@ except ImportError:  # run from a checkout without PYTHONPATH=python
     from flashhopper.bench import main
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -70,19 +70,31 @@ def time_all_ms(fns, warmup=10, rounds=15, calls=10):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--passes", nargs="+", choices=["fwd", "bwd"], default=["fwd", "bwd"])
+    parser.add_argument("--passes", nargs="+", choices=["fwd", "bwd"], default=["fwd", "bwd"],
+                        help="passes to time, in this order (default: %(default)s)")
     parser.add_argument("--hdims", type=int, nargs="+", default=None,
                         help="head dims (default: the bf16 forward families the library compiled)")
-    parser.add_argument("--seqlens", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
-    parser.add_argument("--causal", type=int, nargs="+", default=[0, 1])
-    parser.add_argument("--total-tokens", type=int, default=16384)
-    parser.add_argument("--model-dim", type=int, default=2048)
-    parser.add_argument("--rounds", type=int, default=15, help="forward: interleaved rounds")
-    parser.add_argument("--calls", type=int, default=10, help="forward: back-to-back calls per round")
-    parser.add_argument("--bwd-rounds", type=int, default=10, help="backward: interleaved rounds")
-    parser.add_argument("--bwd-calls", type=int, default=5, help="backward: back-to-back calls per round")
-    parser.add_argument("--out", default="bench")
+    parser.add_argument("--seqlens", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384],
+                        help="sequence lengths (default: %(default)s)")
+    parser.add_argument("--causal", type=int, nargs="+", default=[0, 1], choices=[0, 1],
+                        help="0: full, 1: causal (default: %(default)s)")
+    parser.add_argument("--total-tokens", type=int, default=16384,
+                        help="batch = total tokens / seqlen (default: %(default)s)")
+    parser.add_argument("--model-dim", type=int, default=2048, help="heads = model dim / head dim (default: %(default)s)")
+    parser.add_argument("--rounds", type=int, default=15, help="forward: interleaved rounds (default: %(default)s)")
+    parser.add_argument("--calls", type=int, default=10,
+                        help="forward: back-to-back calls per round (default: %(default)s)")
+    parser.add_argument("--bwd-rounds", type=int, default=10, help="backward: interleaved rounds (default: %(default)s)")
+    parser.add_argument("--bwd-calls", type=int, default=5,
+                        help="backward: back-to-back calls per round (default: %(default)s)")
+    parser.add_argument("--out", default="flashhopper-bench",
+                        help="folder for the CSVs and plots, created when the run starts (default: %(default)s)")
     args = parser.parse_args(argv)
+    if not flashhopper.is_available():
+        reason = ("PyTorch sees no CUDA GPU" if not torch.cuda.is_available() else
+                  "the library has no CUDA kernels or the GPU is not an sm_90 (H100/H200)")
+        print(f"flashhopper.bench: nothing to time here: {reason}.", file=sys.stderr)
+        return 1
     if args.hdims is None:
         args.hdims = sorted({f.head_dim for f in flashhopper.compiled_families()
                              if f.pass_ == "forward" and f.dtype == torch.bfloat16})
@@ -276,4 +288,4 @@ def _plot(rows, path, gpu, date, pass_name):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1076,6 +1076,9 @@ def test_bench_help_and_outputs(tmp_path):
     with pytest.raises(SystemExit) as exit_info:
         bench.main(["--help"])
     assert exit_info.value.code == 0
+    # Where the kernels cannot run: one line, exit code 1, no output folder.
+    assert bench.main(["--out", str(tmp_path / "never")]) == 1
+    assert not (tmp_path / "never").exists()
     nan = float("nan")
     rows = []
     for seqlen, fh in ((512, 300.0), (1024, nan)):
