@@ -99,7 +99,10 @@ Tensor make_tensor(void* data, DType dtype, std::initializer_list<int64_t> shape
   Tensor t{};
   t.data = data;
   t.dtype = dtype;
-  t.ndim = static_cast<int32_t>(shape.size() < FH_MAX_DIMS ? shape.size() : FH_MAX_DIMS);
+  // More dims than a tensor holds: ndim 0, which every check refuses ("expected N dims"), rather
+  // than a silently shortened view.
+  if (shape.size() > FH_MAX_DIMS) return t;
+  t.ndim = static_cast<int32_t>(shape.size());
   int i = 0;
   for (int64_t extent : shape) {
     if (i < FH_MAX_DIMS) t.shape[i++] = extent;
@@ -110,10 +113,10 @@ Tensor make_tensor(void* data, DType dtype, std::initializer_list<int64_t> shape
       if (i < FH_MAX_DIMS) t.stride[i++] = s;
     }
   } else {
-    int64_t running = 1;
+    int64_t running = 1;  // saturates: a shape past int64 gets strides the range check refuses
     for (i = t.ndim - 1; i >= 0; --i) {
       t.stride[i] = running;
-      running *= t.shape[i];
+      running = detail::saturating_product(running, t.shape[i]);
     }
   }
   return t;

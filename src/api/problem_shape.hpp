@@ -47,6 +47,13 @@ struct MaskSpec {
 
 inline bool present(const Tensor& t) { return t.data != nullptr; }
 
+// a * b for extents read before they are checked: saturates at INT64_MAX (a huge product is then
+// refused by the shape checks) instead of overflowing.
+inline int64_t saturating_product(int64_t a, int64_t b) {
+  int64_t product = 0;
+  return __builtin_mul_overflow(a, b, &product) ? INT64_MAX : product;
+}
+
 // Assumes the rank checks passed (the validator calls it only then).
 inline ProblemShape forward_shape(const ForwardParams& p) {
   ProblemShape s;
@@ -57,7 +64,7 @@ inline ProblemShape forward_shape(const ForwardParams& p) {
   const int qo = s.varlen_q ? 0 : 1;  // offset of the head dim in q's shape
   s.batch = s.varlen_q ? p.cu_seqlens_q.shape[0] - 1 : p.q.shape[0];
   s.seqlen_q = s.varlen_q ? p.max_seqlen_q : p.q.shape[1];
-  s.total_q = s.varlen_q ? p.q.shape[0] : s.batch * s.seqlen_q;
+  s.total_q = s.varlen_q ? p.q.shape[0] : saturating_product(s.batch, s.seqlen_q);
   s.heads_q = p.q.shape[qo + 1];
   s.head_dim = p.q.shape[qo + 2];
   const int ko = (s.varlen_k && !s.paged) ? 0 : 1;
@@ -67,13 +74,13 @@ inline ProblemShape forward_shape(const ForwardParams& p) {
     s.num_pages = p.k.shape[0];
     s.page_size = p.k.shape[1];
     s.max_pages = p.page_table.shape[1];
-    s.seqlen_k = s.max_pages * s.page_size;
+    s.seqlen_k = saturating_product(s.max_pages, s.page_size);
   } else if (s.varlen_k) {
     s.total_k = p.k.shape[0];
     s.seqlen_k = p.max_seqlen_k;
   } else {
     s.seqlen_k = p.k.shape[1];
-    s.total_k = s.batch * s.seqlen_k;
+    s.total_k = saturating_product(s.batch, s.seqlen_k);
   }
   if (s.append_kv) s.seqlen_new = p.k_new.shape[1];
   return s;

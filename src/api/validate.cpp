@@ -206,6 +206,12 @@ Status check_strides_and_alignment(const Arg& arg, Target target) {
         return invalid(arg.name, "stride[", dim, "] is ", t.stride[dim], ", not a multiple of ", granule,
                        " elements (16 bytes of ", dtype_name(t.dtype), "); TMA needs 16-byte aligned strides");
       }
+      // A TMA descriptor holds strides below 2^40 bytes (CuTe only asserts it, and release builds
+      // drop asserts).
+      if (t.stride[dim] >= (int64_t(1) << 40) / bytes) {
+        return invalid(arg.name, "stride[", dim, "] is ", t.stride[dim], " elements (", dtype_name(t.dtype),
+                       "), 2^40 bytes or more; TMA descriptors take strides below 2^40 bytes");
+      }
     }
   }
   const int64_t alignment = arg.access == Access::kTma ? kTmaAlignment : bytes;
@@ -228,7 +234,7 @@ Status check_offset_range(const Arg& arg) {
     end += static_cast<WideInt>(t.shape[dim] - 1) * t.stride[dim];
     if (end > kInt64Max) break;  // stop before the sum itself could overflow
   }
-  if (end * element_bytes(t) > kInt64Max) {
+  if (end > kInt64Max / static_cast<WideInt>(element_bytes(t))) {  // end * bytes, without overflowing
     return invalid(arg.name, "shape ", bracketed(t.shape, t.ndim), " with stride ", bracketed(t.stride, t.ndim),
                    " reaches past the int64 range of byte offsets");
   }
@@ -718,6 +724,36 @@ Status check_dsink_not_aliased(const BackwardParams& p) {
   return {};
 }
 
+// Outputs written by many threads must not alias: not each other's or an input's first element,
+// and no output dim of extent > 1 with stride 0 (its elements would be one). The cheap checks;
+// interleaved views of one buffer (e.g. dk and dv as halves of a [.., 2, d] tensor) stay allowed.
+Status check_outputs_not_aliased(const std::vector<Arg>& outputs, const std::vector<Arg>& others) {
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    const Tensor& t = *outputs[i].tensor;
+    if (!present(t)) continue;
+    for (int dim = 0; dim < t.ndim; ++dim) {
+      if (t.stride[dim] == 0 && t.shape[dim] > 1) {
+        return invalid(outputs[i].name, "stride[", dim, "] is 0 on a dim of extent ", t.shape[dim],
+                       ": its elements would overwrite each other");
+      }
+    }
+    auto same_start = [&](const Arg& other) { return present(*other.tensor) && other.tensor->data == t.data; };
+    for (size_t j = i + 1; j < outputs.size(); ++j) {
+      if (same_start(outputs[j])) {
+        return invalid(outputs[j].name, "starts at the same address as ", outputs[i].name,
+                       "; outputs must not overlap each other");
+      }
+    }
+    for (const Arg& other : others) {
+      if (same_start(other)) {
+        return invalid(outputs[i].name, "starts at the same address as ", other.name,
+                       "; outputs must not overlap the inputs");
+      }
+    }
+  }
+  return {};
+}
+
 Status check_backward_scalars(const BackwardParams& p, const AttentionArgs& a) {
   FLASHHOPPER_RETURN_IF_INVALID(check_mask_and_scale(a));
   if (p.deterministic != 0 && p.deterministic != 1) {
@@ -760,6 +796,11 @@ Status validate(const ForwardParams& p, Target target) {
   FLASHHOPPER_RETURN_IF_INVALID(check_forward_shapes(p, a, shape));
   FLASHHOPPER_RETURN_IF_INVALID(check_head_dims(a, shape, target));
   FLASHHOPPER_RETURN_IF_INVALID(check_tensors_layout(tensors, target));
+  // (k and v are written too when k_new is appended: in place, by design.)
+  FLASHHOPPER_RETURN_IF_INVALID(check_outputs_not_aliased(
+      {{&p.out, "out", Access::kTma}, {&p.lse, "lse", Access::kRows}},
+      {{&p.q, "q", Access::kTma}, {&p.k, "k", Access::kTma}, {&p.v, "v", Access::kTma},
+       {&p.k_new, "k_new", Access::kTma}, {&p.v_new, "v_new", Access::kTma}}));
   if (target == Target::kKernel) {
     FLASHHOPPER_RETURN_IF_INVALID(check_tile_count(shape, "q", shape.seqlen_q, "query sequence length"));
   }
@@ -794,6 +835,10 @@ Status validate(const BackwardParams& p, Target target) {
   FLASHHOPPER_RETURN_IF_INVALID(check_head_dims(a, shape, target));
   FLASHHOPPER_RETURN_IF_INVALID(check_tensors_layout(tensors, target));
   FLASHHOPPER_RETURN_IF_INVALID(check_dsink_not_aliased(p));
+  FLASHHOPPER_RETURN_IF_INVALID(check_outputs_not_aliased(
+      {{&p.dq, "dq", Access::kTma}, {&p.dk, "dk", Access::kTma}, {&p.dv, "dv", Access::kTma}},
+      {{&p.q, "q", Access::kTma}, {&p.k, "k", Access::kTma}, {&p.v, "v", Access::kTma},
+       {&p.out, "out", Access::kTma}, {&p.dout, "dout", Access::kTma}, {&p.lse, "lse", Access::kRows}}));
   if (target == Target::kKernel) {
     // The backward's main kernel walks key-row tiles; its pre/postprocessing walks query-row tiles.
     FLASHHOPPER_RETURN_IF_INVALID(check_tile_count(shape, "q", shape.seqlen_q, "query sequence length"));

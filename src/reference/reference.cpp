@@ -83,6 +83,24 @@ std::string shape_string(const std::vector<int64_t>& shape) {
 bool is_writable_float(int32_t dtype) { return is_readable_float(dtype); }
 
 // A float tensor the reference reads: present, bf16/fp16/fp32/fp64, of rank `ndim`.
+// No negative extent or stride: the loops below size buffers and index with them. (Extents of 0
+// are allowed here, e.g. an empty sequence's view; check_heads refuses a head dim of 0.)
+Status check_extents(const Tensor& t, const char* name) {
+  for (int dim = 0; dim < t.ndim; ++dim) {
+    if (t.shape[dim] < 0) {
+      return invalid(std::string(name) + " has shape[" + std::to_string(dim) + "] = " + std::to_string(t.shape[dim]) +
+                     "; extents must not be negative");
+    }
+  }
+  for (int dim = 0; dim < t.ndim; ++dim) {
+    if (t.stride[dim] < 0) {
+      return invalid(std::string(name) + " has stride[" + std::to_string(dim) + "] = " +
+                     std::to_string(t.stride[dim]) + "; negative strides are not supported");
+    }
+  }
+  return {};
+}
+
 Status check_input(const Tensor& t, const char* name, int ndim) {
   if (!present(t)) return invalid(std::string(name) + " is required");
   if (t.dtype == FH_DTYPE_FP8_E4M3) {
@@ -99,7 +117,7 @@ Status check_input(const Tensor& t, const char* name, int ndim) {
     return invalid(std::string(name) + " has rank " + std::to_string(t.ndim) + ", expected " +
                    std::to_string(ndim));
   }
-  return {};
+  return check_extents(t, name);
 }
 
 Status check_output(const Tensor& t, const char* name, int ndim) {
@@ -112,7 +130,7 @@ Status check_output(const Tensor& t, const char* name, int ndim) {
     return invalid(std::string(name) + " has rank " + std::to_string(t.ndim) + ", expected " +
                    std::to_string(ndim));
   }
-  return {};
+  return check_extents(t, name);
 }
 
 Status check_int32(const Tensor& t, const char* name, int ndim) {
@@ -121,7 +139,7 @@ Status check_int32(const Tensor& t, const char* name, int ndim) {
     return invalid(std::string(name) + " has rank " + std::to_string(t.ndim) + ", expected " +
                    std::to_string(ndim));
   }
-  return {};
+  return check_extents(t, name);
 }
 
 Status check_shape(const Tensor& t, const char* name, const std::vector<int64_t>& expected) {
@@ -266,7 +284,14 @@ Status sequence_lengths(const ProblemShape& shape, const LengthSources& src,
     s.keys = k_packed;
     s.key_capacity = shape.paged || present(src.cache_seqlens) ? 0 : k_packed;
     if (present(src.seqused_k)) s.keys = int_at(src.seqused_k, b);
-    if (present(src.cache_seqlens)) s.keys = int_at(src.cache_seqlens, b) + src.seqlen_new;
+    if (present(src.cache_seqlens)) {
+      const int64_t cached = int_at(src.cache_seqlens, b);
+      if (cached < 0) {  // the append would write before the sequence's first key
+        return invalid(seq + "cache_seqlens[" + std::to_string(b) + "] = " + std::to_string(cached) +
+                       " is negative; cached lengths are >= 0");
+      }
+      s.keys = cached + src.seqlen_new;
+    }
     if (s.keys < 0 || s.keys > k_capacity) {
       return invalid(seq + std::to_string(s.keys) + " keys used (after any append), but the " +
                      "key tensor holds " + std::to_string(k_capacity) + " for it");
@@ -834,6 +859,10 @@ Status check_heads(const ProblemShape& shape) {
     return invalid("query heads (" + std::to_string(shape.heads_q) +
                    ") must be a multiple of key/value heads (" + std::to_string(shape.heads_kv) +
                    ")");
+  }
+  if (shape.head_dim < 1 || shape.head_dim_v < 1) {
+    return invalid("head dims (" + std::to_string(shape.head_dim) + ", " + std::to_string(shape.head_dim_v) +
+                   ") must be at least 1");
   }
   return {};
 }

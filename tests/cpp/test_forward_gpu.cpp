@@ -135,12 +135,12 @@ INSTANTIATE_TEST_SUITE_P(PaddedHeadDims, ForwardGpuTest, ::testing::ValuesIn(pad
 
 // Bad input through the real entry point: refused with the argument's name, nothing launched.
 TEST(ForwardGpuErrors, HostPointerRefused) {
-  HostTensor q = random_tensor(FH_DTYPE_BF16, {1, 64, 1, 128}, 1);
+  HostTensor q = random_tensor(FH_DTYPE_BF16, {1, 64, 1, 128}, 1), out(FH_DTYPE_BF16, {1, 64, 1, 128});
   ForwardParams p = default_forward_params();
   p.q = q.view();
   p.k = q.view();
   p.v = q.view();
-  p.out = q.view();
+  p.out = out.view();
   const Status status = forward(p, nullptr, 0, nullptr);
   EXPECT_EQ(status.code, FH_ERROR_INVALID_ARGUMENT);
   EXPECT_NE(status.message.find("q"), std::string::npos) << status.message;

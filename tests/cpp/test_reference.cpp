@@ -637,6 +637,44 @@ TEST(ReferenceIdentities, AppendIsConcatenation) {
   }
 }
 
+// A negative cache_seqlens is refused before the append, which would write before the sequence's
+// first key (dense) or read page_table[b, -1] (paged); the cache is left as it was.
+TEST(ReferenceErrors, NegativeCacheSeqlensRefusedWithoutWriting) {
+  const Dims dims{2, 3, 12, 4, 2, 8, 6};
+  const HostTensor cache_seqlens = int32_tensor({-1, 9});
+  const HostTensor k_new = random_tensor(FH_DTYPE_FP64, {dims.batch, dims.sq, dims.hkv, dims.d}, 261);
+  const HostTensor v_new = random_tensor(FH_DTYPE_FP64, {dims.batch, dims.sq, dims.hkv, dims.dv}, 262);
+  DenseCase c(dims, 263), untouched(dims, 263);
+  fh::ForwardParams p = c.forward();
+  p.k_new = k_new.view();
+  p.v_new = v_new.view();
+  p.cache_seqlens = cache_seqlens.view();
+  const fh::Status status = ref::forward(p);
+  EXPECT_EQ(status.code, FH_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(status.message.find("cache_seqlens[0] = -1 is negative"), std::string::npos) << status.message;
+  EXPECT_EQ(max_abs_diff(c.k.view(), untouched.k.view()), 0);
+  EXPECT_EQ(max_abs_diff(c.v.view(), untouched.v.view()), 0);
+}
+
+// Negative extents and a head dim of 0 are refused with a Status (no exception, no undefined
+// behaviour), before anything is sized or written. (Empty sequences, extent 0, stay allowed.)
+TEST(ReferenceErrors, BadExtentsRefused) {
+  std::vector<double> buffer(4096, 0.0);
+  const std::vector<std::vector<int64_t>> shapes = {{1, -3, 2, 8}, {1, 4, 2, 0}, {-1, 4, 2, 8}};
+  for (const std::vector<int64_t>& q : shapes) {
+    fh::ForwardParams p = fh::default_forward_params();
+    p.q = fh::make_tensor(buffer.data(), FH_DTYPE_FP64, {q[0], q[1], q[2], q[3]});
+    p.k = fh::make_tensor(buffer.data(), FH_DTYPE_FP64, {1, 4, 2, q[3]});
+    p.v = fh::make_tensor(buffer.data(), FH_DTYPE_FP64, {1, 4, 2, q[3]});
+    p.out = fh::make_tensor(buffer.data(), FH_DTYPE_FP64, {q[0], q[1], q[2], q[3]});
+    const fh::Status status = ref::forward(p);
+    EXPECT_EQ(status.code, FH_ERROR_INVALID_ARGUMENT);
+    const bool named = status.message.find("must not be negative") != std::string::npos ||
+                       status.message.find("head dims (0, 0) must be at least 1") != std::string::npos;
+    EXPECT_TRUE(named) << status.message;
+  }
+}
+
 // Split-KV partials combined equal the unsplit result, including splits that see no key for
 // some rows (causal) and an empty last split.
 TEST(ReferenceIdentities, CombinedSplitsAreUnsplit) {

@@ -666,10 +666,10 @@ TEST(ForwardSize, ElementCountsFitInt64) {
 TEST(ForwardSize, ElementOffsetsFitInt64) {
   fh::ForwardParams p = dense_forward();
   p.q.stride[0] = int64_t{1} << 62;  // a multiple of 8; byte offset 2^63 overflows
-  EXPECT_REFUSED(fh::check(p), "q", "int64 range");
+  EXPECT_REFUSED(fh::check(p), "q", "below 2^40 bytes");  // the kernels' TMA limit comes first
   EXPECT_REFUSED(check_for_reference(p), "q", "int64 range");
   p.q.stride[0] = int64_t{1} << 60;
-  EXPECT_PASSES(fh::check(p));
+  EXPECT_PASSES(check_for_reference(p));
   // Extent x stride products beyond 2^64 must not wrap around into a small, accepted offset.
   p.q.stride[0] = p.q.stride[1] = p.q.stride[2] = std::numeric_limits<int64_t>::max() - 7;
   EXPECT_REFUSED(check_for_reference(p), "q", "int64 range");
@@ -1381,6 +1381,90 @@ TEST(KernelFamilies, UncompiledFamilyIsRefusedByName) {
     EXPECT_THAT(status.message, HasSubstr("head dim 200 runs on the forward bf16 hdim 256 kernels"));
     EXPECT_THAT(status.message, HasSubstr("-DFLASHHOPPER_KERNELS=full"));
   }
+}
+
+}  // namespace
+
+// ---- Hostile extents and strides: refused, never overflowed ------------------------------------
+
+namespace {
+
+TEST(HostileShapes, HugeStridesOfAnIndexTensorAreRefused) {
+  // cu_seqlens_q of shape {INT64_MAX} and stride {INT64_MAX}: its byte range overflows even 128 bits.
+  // cu_seqlens_k of the same length but stride 0 (one element), so only cu_seqlens_q's range is wrong.
+  fh::ForwardParams p = varlen_forward();
+  p.seqused_k = fh::Tensor{};
+  p.cu_seqlens_q.shape[0] = p.cu_seqlens_k.shape[0] = std::numeric_limits<int64_t>::max();
+  p.cu_seqlens_q.stride[0] = std::numeric_limits<int64_t>::max();
+  p.cu_seqlens_k.stride[0] = 0;
+  for (Target target : {Target::kHostReference, Target::kKernel}) {
+    const fh::Status status = fh::detail::validate(p, target);
+    EXPECT_EQ(status.code, FH_ERROR_INVALID_ARGUMENT);
+    EXPECT_THAT(status.message, StartsWith("cu_seqlens_q: ")) << status.message;
+  }
+}
+
+TEST(HostileShapes, BatchTimesKeysDoesNotOverflow) {
+  // q [2^32, 1, 1, 8] and k/v [1, 2^32, 1, 8]: batch from q, sequence from k; refused by name.
+  const int64_t big = int64_t(1) << 32;
+  fh::ForwardParams p = fh::default_forward_params();
+  p.q = fh::make_tensor(fake_pointer(0), FH_DTYPE_BF16, {big, 1, 1, 8});
+  p.k = fh::make_tensor(fake_pointer(1), FH_DTYPE_BF16, {1, big, 1, 8});
+  p.v = fh::make_tensor(fake_pointer(2), FH_DTYPE_BF16, {1, big, 1, 8});
+  p.out = fh::make_tensor(fake_pointer(3), FH_DTYPE_BF16, {big, 1, 1, 8});
+  for (Target target : {Target::kHostReference, Target::kKernel}) {
+    const fh::Status status = fh::detail::validate(p, target);
+    EXPECT_EQ(status.code, FH_ERROR_INVALID_ARGUMENT) << status.message;
+    EXPECT_FALSE(status.message.empty());
+  }
+}
+
+TEST(HostileShapes, MakeTensorRefusesWhatItCannotHold) {
+  // More than FH_MAX_DIMS dims: not silently cut to five but marked invalid (ndim 0 is refused
+  // by every check as "expected N dims").
+  const fh::Tensor six = fh::make_tensor(fake_pointer(0), FH_DTYPE_BF16, {1, 2, 3, 4, 5, 6});
+  EXPECT_EQ(six.ndim, 0);
+  // Contiguous strides that overflow int64: saturated, so the range check refuses the tensor.
+  const int64_t big = int64_t(1) << 40;
+  const fh::Tensor huge = fh::make_tensor(fake_pointer(0), FH_DTYPE_BF16, {8, big, big, 8});
+  EXPECT_EQ(huge.stride[0], std::numeric_limits<int64_t>::max());
+  fh::ForwardParams p = dense_forward();
+  p.q = huge;
+  EXPECT_EQ(fh::detail::validate(p, Target::kHostReference).code, FH_ERROR_INVALID_ARGUMENT);
+}
+
+TEST(HostileShapes, OutputsMustNotAlias) {
+  fh::ForwardParams p = dense_forward();
+  p.out.data = p.q.data;
+  EXPECT_REFUSED(fh::check(p), "out", "same address as q");
+  p = dense_forward();
+  p.out.stride[0] = 0;  // batch 2 written into one place
+  EXPECT_REFUSED(fh::check(p), "out", "stride[0] is 0");
+  fh::BackwardParams b = dense_backward();
+  b.dk.data = b.v.data;
+  EXPECT_REFUSED(fh::check(b), "dk", "same address as v");
+  b = dense_backward();
+  b.dv.data = b.dq.data;
+  EXPECT_REFUSED(fh::check(b), "dv", "same address as dq");
+  EXPECT_PASSES(fh::check(dense_backward()));  // distinct buffers pass
+}
+
+TEST(HostileShapes, TmaStridesBelowTwoToTheForty) {
+  fh::ForwardParams p = dense_forward();
+  p.k.stride[0] = (int64_t(1) << 39);  // 2^40 bytes of bf16
+  EXPECT_REFUSED(fh::detail::validate(p, Target::kKernel), "k", "below 2^40 bytes");
+  EXPECT_PASSES(fh::detail::validate(p, Target::kHostReference));  // the CPU reference reads any stride
+}
+
+TEST(HostileShapes, BooleansAreZeroOrOne) {
+  fh::ForwardParams p = dense_forward();
+  for (int32_t causal : {7, -1}) {
+    p.causal = causal;
+    EXPECT_REFUSED(fh::check(p), "causal", "must be 0 or 1");
+  }
+  fh::BackwardParams b = dense_backward();
+  b.deterministic = 2;
+  EXPECT_REFUSED(fh::check(b), "deterministic", "must be 0 or 1");
 }
 
 }  // namespace
