@@ -83,9 +83,15 @@ std::string shape_string(const std::vector<int64_t>& shape) {
 bool is_writable_float(int32_t dtype) { return is_readable_float(dtype); }
 
 // A float tensor the reference reads: present, bf16/fp16/fp32/fp64, of rank `ndim`.
-// No negative extent or stride: the loops below size buffers and index with them. (Extents of 0
-// are allowed here, e.g. an empty sequence's view; check_heads refuses a head dim of 0.)
+// No negative extent or stride: the loops below size buffers and index with them (extents of 0
+// are allowed here, e.g. an empty sequence's view; check_heads refuses a head dim of 0); and a data
+// pointer aligned to the element, which the loads and stores below dereference.
 Status check_extents(const Tensor& t, const char* name) {
+  const size_t element = dtype_size(static_cast<DType>(t.dtype));
+  if (element > 0 && reinterpret_cast<uintptr_t>(t.data) % element != 0) {
+    return invalid(std::string(name) + "'s data pointer is not aligned to its " + std::to_string(element) +
+                   "-byte elements");
+  }
   for (int dim = 0; dim < t.ndim; ++dim) {
     if (t.shape[dim] < 0) {
       return invalid(std::string(name) + " has shape[" + std::to_string(dim) + "] = " + std::to_string(t.shape[dim]) +
