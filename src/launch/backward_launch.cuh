@@ -87,7 +87,7 @@ cudaError_t run_backward_hdim(const BackwardParams& p, const detail::ProblemShap
                               cudaStream_t stream) {
   using namespace cute;
   using namespace flashhopper::hopper;
-  static_assert(kHeadDimV == kHeadDim, "the kernels take one head dim for Q, K and V");
+  static_assert(kHeadDimV == kHeadDim, "backward families have dv = d (a smaller dv of a call runs padded)");
   using Element = typename ElementOf<kDType>::type;
   using Tile = BackwardTileSize<kHeadDim>;
   constexpr bool kCausal = kMask == MaskKind::kCausal;
