@@ -98,8 +98,9 @@ def main(argv=None):
 
                 def cudnn(q_, k_, v_):
                     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                        return F.scaled_dot_product_attention(q_.transpose(1, 2), k_.transpose(1, 2),
-                                                              v_.transpose(1, 2), is_causal=bool(causal)).transpose(1, 2)
+                        out = F.scaled_dot_product_attention(q_.transpose(1, 2), k_.transpose(1, 2),
+                                                             v_.transpose(1, 2), is_causal=bool(causal))
+                    return out.transpose(1, 2)
 
                 calls = {"flashhopper": lambda q_, k_, v_: flashhopper.flash_attn_func(q_, k_, v_, causal=bool(causal)),
                          "cudnn": cudnn}

@@ -80,11 +80,13 @@ def main(argv=None):
                         help="0: full, 1: causal (default: %(default)s)")
     parser.add_argument("--total-tokens", type=int, default=16384,
                         help="batch = total tokens / seqlen (default: %(default)s)")
-    parser.add_argument("--model-dim", type=int, default=2048, help="heads = model dim / head dim (default: %(default)s)")
+    parser.add_argument("--model-dim", type=int, default=2048,
+                        help="heads = model dim / head dim (default: %(default)s)")
     parser.add_argument("--rounds", type=int, default=15, help="forward: interleaved rounds (default: %(default)s)")
     parser.add_argument("--calls", type=int, default=10,
                         help="forward: back-to-back calls per round (default: %(default)s)")
-    parser.add_argument("--bwd-rounds", type=int, default=10, help="backward: interleaved rounds (default: %(default)s)")
+    parser.add_argument("--bwd-rounds", type=int, default=10,
+                        help="backward: interleaved rounds (default: %(default)s)")
     parser.add_argument("--bwd-calls", type=int, default=5,
                         help="backward: back-to-back calls per round (default: %(default)s)")
     parser.add_argument("--out", default="flashhopper-bench",

@@ -170,14 +170,17 @@ def flash_attn_qkvpacked_func(
         raise interface.invalid_argument(f"qkv: expected a torch.Tensor, got {type(qkv).__name__}")
     if qkv.dim() == 5:
         if qkv.shape[2] != 3:
-            raise interface.invalid_argument(f"qkv: expected shape (batch, seqlen, 3, nheads, headdim), got {tuple(qkv.shape)}")
+            raise interface.invalid_argument(
+                f"qkv: expected shape (batch, seqlen, 3, nheads, headdim), got {tuple(qkv.shape)}")
         q, k, v = qkv.unbind(dim=2)
     elif qkv.dim() == 4:
         if num_heads_q is None:
-            raise interface.invalid_argument("num_heads_q: required when qkv has 4 dims (batch, seqlen, heads, headdim)")
+            raise interface.invalid_argument(
+                "num_heads_q: required when qkv has 4 dims (batch, seqlen, heads, headdim)")
         num_heads_k = (qkv.shape[2] - num_heads_q) // 2
         if num_heads_k <= 0 or num_heads_q + 2 * num_heads_k != qkv.shape[2]:
-            raise interface.invalid_argument(f"qkv: {qkv.shape[2]} heads is not num_heads_q ({num_heads_q}) + 2 * nheads_k")
+            raise interface.invalid_argument(
+                f"qkv: {qkv.shape[2]} heads is not num_heads_q ({num_heads_q}) + 2 * nheads_k")
         q, k, v = qkv.split([num_heads_q, num_heads_k, num_heads_k], dim=2)
     else:
         raise interface.invalid_argument(f"qkv: expected 5 dims (or 4 with num_heads_q), got shape {tuple(qkv.shape)}")

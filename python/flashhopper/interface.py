@@ -205,13 +205,15 @@ def check_forward_args(q, k, v, softmax_scale=None, learnable_sink=None, varlen=
     _check_input("v", v, rank, kv_dims)
     for name, t in (("k", k), ("v", v)):
         if t.dtype != q.dtype:
-            raise invalid_argument(f"{name}: dtype {t.dtype} differs from q's {q.dtype}; q, k and v must have one dtype")
+            raise invalid_argument(
+                f"{name}: dtype {t.dtype} differs from q's {q.dtype}; q, k and v must have one dtype")
     heads_q, head_dim = q.shape[-2], q.shape[-1]
     if varlen is None and k.shape[0] != q.shape[0]:
         raise invalid_argument(f"k: batch size {k.shape[0]} differs from q's {q.shape[0]} (shapes q {tuple(q.shape)}, "
                          f"k {tuple(k.shape)})")
     if v.shape[:-1] != k.shape[:-1]:
-        raise invalid_argument(f"v: shape {tuple(v.shape)} must match k's {tuple(k.shape)} in all dims but the head dim")
+        raise invalid_argument(
+            f"v: shape {tuple(v.shape)} must match k's {tuple(k.shape)} in all dims but the head dim")
     if k.shape[-1] != head_dim:
         raise invalid_argument(f"k: head dim {k.shape[-1]} differs from q's {head_dim}")
     granule = _TMA_BYTES // q.element_size()

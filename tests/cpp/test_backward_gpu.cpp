@@ -235,7 +235,8 @@ class BackwardProblem {
 // The pass rule for dq, dk and dv; a failure message carries all three errors. Returns the
 // kernel's errors.
 std::array<double, 3> expect_matches(const Gradients& ours, const Expected& e, bool with_sink) {
-  if (with_sink) expect_dsink_matches(ours.dsink.view(), e.exact.dsink.view(), e.plain.dsink.view(), e.dsink_given, kAbsSlack);
+  if (with_sink)
+    expect_dsink_matches(ours.dsink.view(), e.exact.dsink.view(), e.plain.dsink.view(), e.dsink_given, kAbsSlack);
   std::array<double, 3> err{};
   std::array<Tensor, 3> views{};  // ours without the guard columns
   std::ostringstream summary;

@@ -63,7 +63,8 @@ def test_is_available_and_build_info():
 def test_import_without_torch_says_how_to_install():
     """`import flashhopper` where torch is missing: an ImportError with the pip command."""
     import subprocess
-    code = "import sys; sys.modules['torch'] = None\ntry:\n    import flashhopper\nexcept ImportError as e:\n    print(e)\n"
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "try:\n    import flashhopper\nexcept ImportError as e:\n    print(e)\n")
     env = {"PYTHONPATH": str(ROOT / "python"), "PATH": "/usr/bin:/bin"}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert "pip install torch" in result.stdout, result.stdout + result.stderr
