@@ -44,31 +44,13 @@ def flops(batch, heads, seqlen, d, dv, causal, pass_):
     return fwd * (2.5 if pass_ == "bwd" else 1.0)
 
 
-def _first(result):
-    return result[0] if isinstance(result, (tuple, list)) else result
-
-
-def _setup(pass_, call, inputs, dout):
-    """(timed function, its result as a list of tensors); runs it once (raises if it cannot)."""
-    if pass_ == "fwd":
-        def fn():
-            return _first(call(*inputs))
-        return fn, [fn()]
-    leaves = [x.detach().requires_grad_() for x in inputs]
-    out = _first(call(*leaves))
-
-    def fn():
-        return torch.autograd.grad(out, leaves, dout, retain_graph=True)
-    return fn, list(fn())
-
-
 def _fmt(value, spec=".0f"):
     return "-" if value != value else format(value, spec)
 
 
 def main(argv=None):
     import flashhopper
-    from flashhopper.bench import time_all_ms
+    from flashhopper.bench import pass_setup, time_all_ms
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seqlens", type=int, nargs="+", default=[2048, 8192])
@@ -110,7 +92,7 @@ def main(argv=None):
                     fns, results = {}, {}
                     for name, call in calls.items():
                         try:
-                            fns[name], results[name] = _setup(pass_, call, (q, k, v), dout)
+                            fns[name], results[name] = pass_setup(pass_, call, (q, k, v), dout)
                         except Exception as error:
                             message = str(error).splitlines()[0] if str(error) else type(error).__name__
                             print(f"  d{d}/{dv} {pass_} {name}: {type(error).__name__}: {message[:160]}", flush=True)

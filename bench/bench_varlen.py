@@ -5,7 +5,7 @@ FlashAttention-3 through JAX (when `flash_attn3_jax` imports: flash-attn3-jax==0
 backward, bf16, GQA 32/8, head dim 128, causal (bottom-right aligned) unless the row says otherwise.
 
 Rows: "packed 11", the issue's batch of 11 sequences (16 to 3000 tokens, 16384 in all; FA4 measured
-512 fwd / 402 bwd TFLOP/s on it, shared/peers/README.md); "train mix 16k" and "train mix 64k",
+512 fwd / 402 bwd TFLOP/s on it in a peers run on our H200, 2026-12-01); "train mix 16k" and "train mix 64k",
 lengths drawn uniformly from 64..8192 (random.Random(0) and (1)) until the total reaches 16384 /
 65536 tokens, the last one cut; "equal 8x2048", eight sequences of 2048, where FlashHopper's dense
 flash_attn_func also runs on the same data viewed [8, 2048, H, d] (goal: varlen within 3% of dense);
@@ -51,7 +51,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.p
 
 HEADS_Q, HEADS_KV, HEAD_DIM = 32, 8, 128
 PACKED_11 = (2048, 2048, 128, 1000, 3000, 2048, 2048, 1000, 2048, 1000, 16)
-FA4_REFERENCE = {"packed 11": (512, 402)}  # TFLOP/s fwd / bwd, shared/peers/README.md (H200, 2026-12-01)
+FA4_REFERENCE = {"packed 11": (512, 402)}  # TFLOP/s fwd / bwd: FA4 measured on our H200, 2026-12-01
 BACKENDS = ("flashhopper", "fa4", "fa3", "dense")
 LABELS = {"flashhopper": "FlashHopper varlen", "fa4": "FlashAttention-4", "fa3": "FlashAttention-3 (JAX)",
           "dense": "FlashHopper dense"}
@@ -201,20 +201,6 @@ def _first(result):
     return result[0] if isinstance(result, (tuple, list)) else result
 
 
-def _torch_setup(pass_, call, inputs, dout):
-    """Returns (timed function, its result as a list of tensors). Runs it once (raises if it cannot)."""
-    if pass_ == "fwd":
-        def fn():
-            return _first(call(*inputs))
-        return fn, [fn()]
-    leaves = [x.detach().requires_grad_() for x in inputs]
-    out = _first(call(*leaves))
-
-    def fn():
-        return torch.autograd.grad(out, leaves, dout, retain_graph=True)
-    return fn, list(fn())
-
-
 def _fa3_setup(pass_, fa3, inputs, dout, cu, max_seqlen, causal):
     jax, _, mha = fa3
     names = _fa3_keywords(mha)
@@ -273,6 +259,7 @@ def _max_diff(ours, theirs):
 
 def measure_row(name, lengths, causal, dense, args, peers, date, gpu, started):
     import flashhopper
+    from flashhopper.bench import pass_setup
 
     fa4_varlen, fa3 = peers
     total, max_seqlen, seqs = sum(lengths), max(lengths), len(lengths)
@@ -308,14 +295,14 @@ def measure_row(name, lengths, causal, dense, args, peers, date, gpu, started):
     rows = []
     for pass_ in ("fwd", "bwd"):
         pass_started = time.monotonic()
-        setups = {"flashhopper": lambda: _torch_setup(pass_, ours, (q, k, v), dout)}
+        setups = {"flashhopper": lambda: pass_setup(pass_, ours, (q, k, v), dout)}
         if fa4_varlen is not None:
-            setups["fa4"] = lambda: _torch_setup(pass_, fa4, (q, k, v), dout)
+            setups["fa4"] = lambda: pass_setup(pass_, fa4, (q, k, v), dout)
         if dense:
             b, s = seqs, lengths[0]
             dense_inputs = (q.view(b, s, HEADS_Q, HEAD_DIM), k.view(b, s, HEADS_KV, HEAD_DIM),
                             v.view(b, s, HEADS_KV, HEAD_DIM))
-            setups["dense"] = lambda: _torch_setup(pass_, flash_dense, dense_inputs,
+            setups["dense"] = lambda: pass_setup(pass_, flash_dense, dense_inputs,
                                                    dout.view(b, s, HEADS_Q, HEAD_DIM))
         torch_fns, jax_fns, results = {}, {}, {}
         for backend, setup in setups.items():
@@ -386,7 +373,7 @@ def print_table(results, gpu, date):
               f"{_fmt(r['fa3_tflops'], '.0f')} | {_fmt(r['ours_vs_fa4'], '.2f')} | {_fmt(r['ours_vs_fa3'], '.2f')} | "
               f"{_fmt(r['dense_tflops'], '.0f')} | {_fmt(r['varlen_vs_dense'], '.2f')} |")
     refs = "; ".join(f"{k} {f} fwd / {b} bwd" for k, (f, b) in FA4_REFERENCE.items())
-    print(f"(FA4 reference, shared/peers/README.md: {refs}; goal for equal 8x2048: varlen / dense >= 0.97)",
+    print(f"(FA4 reference, our H200 on 2026-12-01: {refs}; goal for equal 8x2048: varlen / dense >= 0.97)",
           flush=True)
 
 

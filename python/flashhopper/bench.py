@@ -46,6 +46,28 @@ def flops(batch, heads, seqlen, head_dim, causal):
     return 4.0 * batch * heads * seqlen * seqlen * head_dim * (0.5 if causal else 1.0)
 
 
+def first_tensor(result):
+    """A backend's output: the first of a tuple (out, lse, ...) or the tensor itself."""
+    return result[0] if isinstance(result, (tuple, list)) else result
+
+
+def pass_setup(pass_, call, inputs, dout):
+    """(timed function, its result as a list of tensors) for one backend's call(*inputs): "fwd"
+    times the call; "bwd" runs the forward once on requires_grad copies of the inputs and times
+    torch.autograd.grad(out, inputs, dout, retain_graph=True), that backend's backward alone. Runs
+    it once (raises if the backend cannot)."""
+    if pass_ == "fwd":
+        def fn():
+            return first_tensor(call(*inputs))
+        return fn, [fn()]
+    leaves = [x.detach().requires_grad_() for x in inputs]
+    out = first_tensor(call(*leaves))
+
+    def fn():
+        return torch.autograd.grad(out, leaves, dout, retain_graph=True)
+    return fn, list(fn())
+
+
 def time_all_ms(fns, warmup=10, rounds=15, calls=10):
     """Median per backend of `rounds` timings, each the mean of `calls` back-to-back calls, after
     `warmup` calls. Rounds interleave the backends (A, B, C, A, B, C, ...) so that clock and power
