@@ -150,7 +150,11 @@ fh_status fh_backward(const fh_backward_params* params, void* workspace, size_t 
                       fh_stream_t stream);
 fh_status fh_combine(const fh_combine_params* params, fh_stream_t stream);
 
-/* The message of the last failed call on this thread ("" after a success). */
+/* The message of the last failed call on this thread ("" after a success).
+ * Threads: every function here may be called from several host threads at once. The library
+ * keeps no state between calls but this message, which is per thread. Calls on different streams
+ * run concurrently when each has its own outputs and workspace; a workspace may not be shared by
+ * calls in flight at the same time. */
 const char* fh_last_error(void);
 
 /* 1 when the library was built with its CUDA kernels. */

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <limits>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -1465,6 +1466,36 @@ TEST(HostileShapes, BooleansAreZeroOrOne) {
   fh::BackwardParams b = dense_backward();
   b.deterministic = 2;
   EXPECT_REFUSED(fh::check(b), "deterministic", "must be 0 or 1");
+}
+
+}  // namespace
+
+// ---- Threads: the last error is per thread ----------------------------------------------------
+
+namespace {
+
+TEST(Threads, LastErrorIsPerThread) {
+  // Each thread makes its own bad call many times over and must read back its own message,
+  // whatever the others do meanwhile.
+  constexpr int kThreads = 8, kCalls = 2000;
+  std::vector<int> mismatches(kThreads, 0);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([t, &mismatches] {
+      fh::ForwardParams p = dense_forward();
+      p.window_left = -2 - t;  // a refusal that names this thread's value
+      const std::string expected = "window_left: is " + std::to_string(-2 - t);
+      for (int i = 0; i < kCalls; ++i) {
+        if (fh_forward_check(&p) != FH_ERROR_INVALID_ARGUMENT ||
+            std::string(fh_last_error()).rfind(expected, 0) != 0)
+          ++mismatches[size_t(t)];
+        fh::ForwardParams ok = dense_forward();
+        if (fh_forward_check(&ok) != FH_SUCCESS || std::string(fh_last_error()) != "") ++mismatches[size_t(t)];
+      }
+    });
+  }
+  for (std::thread& thread : threads) thread.join();
+  for (int t = 0; t < kThreads; ++t) EXPECT_EQ(mismatches[size_t(t)], 0) << "thread " << t;
 }
 
 }  // namespace
