@@ -225,8 +225,14 @@ def check_forward_args(q, k, v, softmax_scale=None, learnable_sink=None, varlen=
                              "the plain calls do not)")
     heads_kv = k.shape[-2]
     if heads_kv == 0 or heads_q % heads_kv != 0:
+        hint = ""
+        if varlen is None and q.dim() == 4 and k.shape[1] > 0 and q.shape[1] % k.shape[1] == 0:
+            # [B, H, S, D] (PyTorch SDPA's layout) read as FA3's [B, S, H, D] looks exactly so.
+            hint = ("; if these are [batch, heads, seqlen, head_dim] (PyTorch SDPA's layout), pass "
+                    "q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2): flash_attn_func takes "
+                    "[batch, seqlen, heads, head_dim]")
         raise invalid_argument(f"k: {heads_kv} key/value heads do not divide q's {heads_q} query heads (GQA/MQA "
-                         "needs heads_q % heads_kv == 0)")
+                               f"needs heads_q % heads_kv == 0){hint}")
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_layout(name, t)
     check_softmax_scale(softmax_scale)

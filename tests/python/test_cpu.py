@@ -261,6 +261,15 @@ def test_refusals_are_flashhopper_errors_of_the_builtin_type():
         fa3.flash_attn_varlen_func(*varlen_args(), window_size=(-2, 0))
 
 
+def test_sdpa_layout_gets_a_hint():
+    """[B, H, S, D] tensors (SDPA's layout) whose shapes break FA3's [B, S, H, D] rules are refused
+    with a hint to transpose."""
+    q = torch.randn(2, 8, 64, 128, dtype=torch.bfloat16)   # [B, H, S, D]
+    k = torch.randn(2, 2, 96, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"k: 96 key/value heads do not divide q's 64 .*transpose\(1, 2\)"):
+        flash_attn_func(q, k, k)
+
+
 def test_bad_softmax_scale():
     with pytest.raises(ValueError, match="softmax_scale"):
         flash_attn_func(*qkv(), softmax_scale=-1.0)
