@@ -1,7 +1,8 @@
 // The switch from a call's family (compiled_families.hpp: family_for) to a compiled
 // instantiation, shared by both passes. visit_built_family hands `f` the family's dtype, head dim
 // and value head dim as integral_constant tags; with_variant adds the mask kind and softcap (the
-// variants of scripts/kernel_manifest.py). Only the families this build compiled are visited.
+// variants of scripts/kernel_manifest.py); visit_instantiation is both at once, what a pass's
+// run_* calls. Only the families this build compiled are visited.
 #pragma once
 
 #include <cstddef>
@@ -67,6 +68,17 @@ auto with_variant(hopper::MaskKind mask, bool softcap, F&& f) {
     default:
       return with_softcap(std::integral_constant<MaskKind, MaskKind::kNone>{});
   }
+}
+
+// run(dtype, head_dim, head_dim_v, mask, softcap), all as tags, for `family`'s instantiation of
+// that mask kind and softcap; cudaErrorInvalidValue when this build did not compile the family.
+template <Pass kPass, class Run>
+cudaError_t visit_instantiation(const KernelFamily* family, hopper::MaskKind mask, bool softcap, Run&& run) {
+  return visit_built_family<kPass>(family, cudaErrorInvalidValue, [&](auto dtype, auto head_dim, auto head_dim_v) {
+    return with_variant(mask, softcap, [&](auto mask_tag, auto softcap_tag) {
+      return run(dtype, head_dim, head_dim_v, mask_tag, softcap_tag);
+    });
+  });
 }
 
 }  // namespace flashhopper::launch

@@ -37,12 +37,11 @@ size_t forward_workspace_size(const ForwardParams& p, const detail::ProblemShape
 }
 
 int run_forward(const ForwardParams& params, const detail::ProblemShape& shape, void* workspace, fh_stream_t stream) {
-  return visit_built_family<Pass::kForward>(
-      forward_family(params, shape), cudaErrorInvalidValue, [&](auto dtype, auto head_dim, auto head_dim_v) {
-        return with_variant(mask_kind(params), params.softcap > 0.f, [&](auto mask, auto softcap) {
-          return run_forward_hdim<decltype(dtype)::value, decltype(head_dim)::value, decltype(head_dim_v)::value,
-                                  decltype(mask)::value, decltype(softcap)::value>(params, shape, workspace, stream);
-        });
+  return visit_instantiation<Pass::kForward>(
+      forward_family(params, shape), mask_kind(params), params.softcap > 0.f,
+      [&](auto dtype, auto head_dim, auto head_dim_v, auto mask, auto softcap) {
+        return run_forward_hdim<dtype.value, head_dim.value, head_dim_v.value, mask.value, softcap.value>(
+            params, shape, workspace, stream);
       });
 }
 

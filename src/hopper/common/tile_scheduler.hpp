@@ -141,7 +141,7 @@ struct PersistentTileScheduler {
   // + gridDim.x, ..., which each thread computes alone. Packed ones: the first is blockIdx.x;
   // the taker (one MMA thread) takes tile k + 1 from the counter as the MMA warpgroups start
   // tile k, so the producer has it before it is needed, and hands it to the others through the
-  // ring. (The producer warpgroup, at 24 registers, spilled 236 more bytes as the taker.)
+  // ring. (Not the producer: its warpgroup runs on 24 registers.)
   CUTLASS_DEVICE static int tile_at(Params const& params, TileRing& ring, int k, bool taker) {
     if (params.planned == nullptr) return int(blockIdx.x) + k * int(gridDim.x);
     int tile = int(blockIdx.x);
