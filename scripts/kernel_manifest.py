@@ -38,7 +38,7 @@ HEAD_DIMS = [
     HeadDims(96, 96, passes=("fwd",)),
     HeadDims(128, 128, dev=True),
     HeadDims(192, 128, passes=("fwd",)),  # MLA prefill
-    HeadDims(192, 192, passes=("fwd",)),
+    HeadDims(192, 192),
     HeadDims(256, 256),
 ]
 

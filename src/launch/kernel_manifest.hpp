@@ -23,6 +23,8 @@ inline constexpr KernelFamily kKernelFamilies[] = {
     {Pass::kForward, FH_DTYPE_FP16, 192, 128, 1},
     {Pass::kForward, FH_DTYPE_BF16, 192, 192, 1},
     {Pass::kForward, FH_DTYPE_FP16, 192, 192, 1},
+    {Pass::kBackward, FH_DTYPE_BF16, 192, 192, 1},
+    {Pass::kBackward, FH_DTYPE_FP16, 192, 192, 1},
     {Pass::kForward, FH_DTYPE_BF16, 256, 256, 1},
     {Pass::kForward, FH_DTYPE_FP16, 256, 256, 1},
     {Pass::kBackward, FH_DTYPE_BF16, 256, 256, 1},

@@ -79,8 +79,14 @@ struct BackwardMainloop {
   static constexpr int kNumMmaWarpGroups = 2;
   static constexpr int kNumMmaThreads = kNumMmaWarpGroups * cutlass::NumThreadsPerWarpGroup;
   // dK/dV split by key rows while each warpgroup still gets a 64-row WGMMA; else the
-  // warpgroups compute dK^T and dV^T (rows: head dim), which takes any kBlockN as the WGMMA's N.
+  // warpgroups compute dK^T and dV^T (rows: head dim), which takes any kBlockN as the WGMMA's N,
+  // and split those by head dim in 64-row atoms where d has an even count of them, else by key
+  // columns (hdim 192: each warpgroup then takes every head-dim row of the keys it scored).
   static constexpr bool kDkvTransposed = kBlockN / kNumMmaWarpGroups < 64;
+  static constexpr bool kDkvSplitByKeys = kDkvTransposed && kHeadDim % (64 * kNumMmaWarpGroups) != 0;
+  // dQ splits d in halves, which must be whole swizzle atoms of K: where they are not, the tile
+  // table gives dQ its own kernel (BackwardDqMainloop).
+  static_assert(!kComputeDq || kHeadDim % (64 * kNumMmaWarpGroups) == 0);
   static constexpr int kDqTileFloats = kBlockM * kHeadDim;
   static_assert(kBlockM % 64 == 0 && kBlockN % 16 == 0 && kHeadDim % 64 == 0);
   static_assert((kDqTileFloats / kNumMmaThreads) % 4 == 0);
@@ -95,10 +101,13 @@ struct BackwardMainloop {
       Layout<Shape<_1, _2, _1>>{}));
   // dV = P^T dO and dK = dS^T Q (or dV^T = dO^T P and dK^T = Q^T dS) read both operands
   // transposed (MN-major) from shared memory; the warpgroups split the result's rows.
+  using DkvAtomN = cute::conditional_t<kDkvSplitByKeys, Int<kBlockN / kNumMmaWarpGroups>,
+                                       cute::tuple_element_t<1, TileShapedKV>>;
+  using DkvWarpGroups = cute::conditional_t<kDkvSplitByKeys, Layout<Shape<_1, _2, _1>>, Layout<Shape<_2, _1, _1>>>;
   using TiledMmadKV = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, float, Shape<_64, cute::tuple_element_t<1, TileShapedKV>, Int<kBlockM>>,
-                           GMMA::Major::MN, GMMA::Major::MN>(),
-      Layout<Shape<_2, _1, _1>>{}));
+      GMMA::ss_op_selector<Element, Element, float, Shape<_64, DkvAtomN, Int<kBlockM>>, GMMA::Major::MN,
+                           GMMA::Major::MN>(),
+      DkvWarpGroups{}));
   using TiledMmadQ = decltype(make_tiled_mma(
       GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim / 2>, Int<kBlockN>>, GMMA::Major::K,
                            GMMA::Major::MN>(),
@@ -125,16 +134,19 @@ struct BackwardMainloop {
       SmemLayoutK{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, Stride<Int<kBlockN>, _1>{})));
   // P and dS: (M, N, buffer), N contiguous; transposed (N, M, buffer) for dV and dK. When a
   // warpgroup's kBlockN / 2 columns do not fill whole 16-column swizzle atoms (kBlockN = 80), the
-  // unswizzled 8x8 atom. dS has two buffers, so that one warpgroup may write block m + 1's while
-  // the other still reads block m's for dQ. P needs only one when dV is split by key rows: each
-  // warpgroup then reads just the P columns it wrote itself, and its dV GEMM is done before it
-  // writes the next block's.
-  static constexpr int kPBuffers = kDkvTransposed ? 2 : 1;
+  // unswizzled 8x8 atom; split by key columns, atoms no wider than a warpgroup's columns (its
+  // dK/dV GEMM's B operand starts there). dS has two buffers, so that one warpgroup may write block
+  // m + 1's while the other still reads block m's for dQ. P needs only one when dV is split by key
+  // rows or key columns: each warpgroup then reads just the P columns it wrote itself, and its dV
+  // GEMM is done before it writes the next block's.
+  static constexpr int kPBuffers = kDkvTransposed && !kDkvSplitByKeys ? 2 : 1;
   static constexpr bool kPdSSwizzled = (kBlockN / 2) % 16 == 0;
-  using SmemLayoutAtomPdS = cute::conditional_t<
-      kPdSSwizzled,
-      decltype(cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element, Int<kBlockM>, Int<kBlockN>>()),
-      GMMA::Layout_K_INTER_Atom<Element>>;
+  static constexpr int kPdSAtomColumns = kDkvSplitByKeys ? kBlockN / kNumMmaWarpGroups : kBlockN;
+  using SmemLayoutAtomPdS =
+      cute::conditional_t<kPdSSwizzled,
+                          decltype(cutlass::gemm::collective::detail::ss_smem_selector<
+                                   GMMA::Major::K, Element, Int<kBlockM>, Int<kPdSAtomColumns>>()),
+                          GMMA::Layout_K_INTER_Atom<Element>>;
   template <int kBuffers>
   using SmemLayoutPdSBuffers =
       decltype(tile_to_shape(SmemLayoutAtomPdS{}, Shape<Int<kBlockM>, Int<kBlockN>, Int<kBuffers>>{}));
@@ -460,8 +472,15 @@ struct BackwardMainloop {
       if constexpr (kDkvTransposed) warpgroup_gemm<false, -1>(tiled_mma_dkv, qdo, pds, acc);
       else warpgroup_gemm<false, -1>(tiled_mma_dkv, pds, qdo, acc);
     };
-    Tensor tdQrdS = thr_mma_dq.partition_fragment_A(sdS);  // (MMA, MMA_M, MMA_N, BUF)
-    Tensor tdQrKt = thr_mma_dq.partition_fragment_B(sKt);  // (MMA, MMA_d, MMA_N)
+    // dQ's operands, only where this kernel computes dQ (TiledMmadQ's split of d needs it).
+    auto dq_operands = [&] {
+      if constexpr (kComputeDq) {
+        return cute::make_tuple(thr_mma_dq.partition_fragment_A(sdS),   // (MMA, MMA_M, MMA_N, BUF)
+                                thr_mma_dq.partition_fragment_B(sKt));  // (MMA, MMA_d, MMA_N)
+      } else {
+        return cute::make_tuple(0, 0);
+      }
+    }();
 
     auto smem_tiled_copy_pds = make_tiled_copy_C(SmemCopyAtomPdS{}, tiled_mma_sdp);
     auto smem_copy_pds = smem_tiled_copy_pds.get_thread_slice(thread_idx);
@@ -555,7 +574,8 @@ struct BackwardMainloop {
           pipeline_q.consumer_release(pipe_q_read);
         } else {
           cute::Tensor tdQrdQ = partition_fragment_C(tiled_mma_dq, select<0, 1>(TileShapedQ{}));
-          warpgroup_gemm<true, -1>(tiled_mma_dq, tdQrdS(_, _, _, buffer), descriptors_per_use(tdQrKt), tdQrdQ);
+          warpgroup_gemm<true, -1>(tiled_mma_dq, get<0>(dq_operands)(_, _, _, buffer),
+                                   descriptors_per_use(get<1>(dq_operands)), tdQrdQ);
           gemm_dkv(tdKrdSt(_, _, _, buffer), tdKrQt(_, _, _, pipe_q_read.index()), tdKrdK);
           warpgroup_wait<2>();  // dV is done with dO
           pipeline_do.consumer_release(pipe_do_read);

@@ -93,6 +93,18 @@ struct BackwardTileSize<128> {  // 209 KiB
   static constexpr bool kDqKernel = false;
 };
 
+// hdim 192: as hdim 256 (the dQ kernel; 64 keys). Three 64-row atoms of d do not split in two,
+// so the warpgroups split dK^T and dV^T by key columns (BackwardMainloop::kDkvSplitByKeys), and
+// the dQ kernel is the only way (the main kernel's dQ splits d in halves). 176 KiB. Not tuned yet.
+template <>
+struct BackwardTileSize<192> {
+  static constexpr int kBlockM = 64;
+  static constexpr int kBlockN = 64;
+  static constexpr int kStages = 2;
+  static constexpr int kStagesDo = 2;
+  static constexpr bool kDqKernel = true;
+};
+
 // hdim 256: dQ by the dQ kernel. Added from here, its 64 KiB a block pair bound the kernel at the
 // L2; the dQ kernel recomputes S and dP instead (7 GEMMs a block pair, not 5) and needs no adds
 // and no turns in deterministic mode. (At hdim 64 and 128 the same split is slower.) 224 KiB: the
@@ -112,6 +124,15 @@ struct BackwardTileSize<256> {
 // Registers a thread: dQ kBlockM * d / 256 floats, S and dP kBlockM * kBlockN / 256 each.
 template <int kHeadDim>
 struct BackwardDqTileSize;
+
+// hdim 192: as hdim 256, 172 KiB. Not tuned yet.
+template <>
+struct BackwardDqTileSize<192> {
+  static constexpr int kBlockM = 128;
+  static constexpr int kBlockN = 64;
+  static constexpr int kStagesK = 2;
+  static constexpr int kStagesV = 1;
+};
 
 // hdim 256: 224 KiB. V has one stage: only dP reads it, early in a block (faster than 48 keys
 // with two K and two V stages).
