@@ -11,7 +11,9 @@ inputs; each timed call is torch.autograd.grad(out, (q, k, v), dout, retain_grap
 number is the median of interleaved rounds of flashhopper.bench.time_all_ms (CUDA events around
 back-to-back calls). A backend that cannot run a row leaves it empty ('-', NaN in the CSV) and
 prints why. max_diff_vs_fa4 is the largest absolute difference of our out (fwd) or dq/dk/dv (bwd)
-from FA4's.
+from FA4's. A row whose (d, dv) has no family of its own for the pass also times FlashHopper on
+the same batch and heads at the family it runs on (family_hdim, family_ms): padded_vs_family is
+its time over that one's (the issue's "within 5% of the next compiled size's time").
 
 Writes bench_head_dims_<date>.csv (after every row) and .png into --out; prints a table last.
 
@@ -35,13 +37,21 @@ ROWS = [(64, 64), (80, 80), (96, 96), (112, 112), (128, 128), (192, 128), (192, 
 BACKENDS = ("flashhopper", "fa4", "cudnn")
 FIELDS = ["date", "gpu", "pass", "hdim", "hdim_v", "causal", "seqlen", "batch", "heads",
           *(f"{b}_{unit}" for b in BACKENDS for unit in ("ms", "tflops")), "ours_vs_fa4", "ours_vs_cudnn",
-          "max_diff_vs_fa4"]
+          "max_diff_vs_fa4", "family_hdim", "family_ms", "padded_vs_family"]
 NAN = float("nan")
 
 
 def flops(batch, heads, seqlen, d, dv, causal, pass_):
     fwd = 2.0 * batch * heads * seqlen * seqlen * (d + dv) * (0.5 if causal else 1.0)
     return fwd * (2.5 if pass_ == "bwd" else 1.0)
+
+
+def family_of(families, pass_, d, dv):
+    """(D, DV) of the family a bf16 call with head dims (d, dv) runs on: the smallest D >= d, then
+    DV >= dv (the library's own rule), or None when the build has none."""
+    fits = [(f.head_dim, f.head_dim_v) for f in families
+            if f.pass_ == pass_ and f.dtype == torch.bfloat16 and f.head_dim >= d and f.head_dim_v >= dv]
+    return min(fits) if fits else None
 
 
 def _fmt(value, spec=".0f"):
@@ -65,6 +75,7 @@ def main(argv=None):
     except Exception as error:
         fa4_func = None
         print(f"FlashAttention-4 not available ({error!r}): its columns stay empty", flush=True)
+    families = flashhopper.compiled_families()
     gpu, date = torch.cuda.get_device_name(), datetime.date.today().isoformat()
     csv_path = os.path.join(args.out, f"bench_head_dims_{date}.csv")
     rows, started = [], time.monotonic()
@@ -90,9 +101,18 @@ def main(argv=None):
                     calls["fa4"] = lambda q_, k_, v_: fa4_func(q_, k_, v_, causal=bool(causal))
                 for pass_ in ("fwd", "bwd"):
                     fns, results = {}, {}
-                    for name, call in calls.items():
+                    family = family_of(families, "forward" if pass_ == "fwd" else "backward", d, dv)
+                    padded = family is not None and family != (d, dv)
+                    setups = [(name, call, (q, k, v), dout) for name, call in calls.items()]
+                    if padded:  # the same batch and heads at the family's own head dims
+                        fq, fk = (torch.randn(batch, seqlen, heads, family[0], device="cuda", dtype=torch.bfloat16)
+                                  for _ in range(2))
+                        fv, fdout = (torch.randn(batch, seqlen, heads, family[1], device="cuda", dtype=torch.bfloat16)
+                                     for _ in range(2))
+                        setups.append(("family", calls["flashhopper"], (fq, fk, fv), fdout))
+                    for name, call, inputs, grad_out in setups:
                         try:
-                            fns[name], results[name] = pass_setup(pass_, call, (q, k, v), dout)
+                            fns[name], results[name] = pass_setup(pass_, call, inputs, grad_out)
                         except Exception as error:
                             message = str(error).splitlines()[0] if str(error) else type(error).__name__
                             print(f"  d{d}/{dv} {pass_} {name}: {type(error).__name__}: {message[:160]}", flush=True)
@@ -110,6 +130,9 @@ def main(argv=None):
                     row["max_diff_vs_fa4"] = (max((x.float() - y.float()).abs().max().item()
                                                   for x, y in zip(results["flashhopper"], results["fa4"]))
                                               if "flashhopper" in results and "fa4" in results else NAN)
+                    row["family_hdim"] = f"{family[0]}/{family[1]}" if family else ""
+                    row["family_ms"] = ms.get("family", NAN)
+                    row["padded_vs_family"] = row["flashhopper_ms"] / row["family_ms"]
                     rows.append(row)
                     with open(csv_path, "w", newline="") as f:
                         writer = csv.DictWriter(f, fieldnames=FIELDS)
@@ -118,16 +141,17 @@ def main(argv=None):
                     print(f"[{len(rows)}/{total}] {pass_} d{d}/{dv} causal={causal} s={seqlen}: ours "
                           f"{_fmt(row['flashhopper_tflops'])}, FA4 {_fmt(row['fa4_tflops'])}, cuDNN "
                           f"{_fmt(row['cudnn_tflops'])} TFLOP/s ({time.monotonic() - started:.0f} s)", flush=True)
-                    del fns, results
+                    del fns, results, setups
                 del q, k, v, dout
     _plot(rows, os.path.join(args.out, f"bench_head_dims_{date}.png"))
     print(f"\n{gpu}, {date}, bf16, {TOTAL_TOKENS} tokens; TFLOP/s\n")
-    print("| pass | d/dv | causal | seqlen | FlashHopper | FA4 | cuDNN | ours/FA4 | ours/cuDNN |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| pass | d/dv | causal | seqlen | FlashHopper | FA4 | cuDNN | ours/FA4 | ours/cuDNN | runs on | time / its |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['pass']} | {r['hdim']}/{r['hdim_v']} | {r['causal']} | {r['seqlen']} | "
               f"{_fmt(r['flashhopper_tflops'])} | {_fmt(r['fa4_tflops'])} | {_fmt(r['cudnn_tflops'])} | "
-              f"{_fmt(r['ours_vs_fa4'], '.2f')} | {_fmt(r['ours_vs_cudnn'], '.2f')} |")
+              f"{_fmt(r['ours_vs_fa4'], '.2f')} | {_fmt(r['ours_vs_cudnn'], '.2f')} | {r['family_hdim'] or '-'} | "
+              f"{_fmt(r['padded_vs_family'], '.2f')} |")
 
 
 def _plot(rows, path):

@@ -1103,6 +1103,22 @@ def test_bench_help_and_outputs(tmp_path):
     assert (tmp_path / "bench_forward.png").stat().st_size > 0
 
 
+def test_bench_head_dims_picks_the_family_as_the_library_does():
+    """bench_head_dims times a padded head dim against the family it runs on: the smallest head dim
+    at least the call's, then the smallest value head dim (bf16, the pass's own families)."""
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "bench"))
+    import bench_head_dims
+    family = flashhopper.interface.KernelFamily
+    families = [family("forward", torch.bfloat16, 96, 96), family("forward", torch.bfloat16, 192, 128),
+                family("forward", torch.bfloat16, 192, 192), family("backward", torch.bfloat16, 128, 128),
+                family("backward", torch.bfloat16, 192, 192), family("forward", torch.float16, 80, 80)]
+    assert bench_head_dims.family_of(families, "forward", 80, 80) == (96, 96)
+    assert bench_head_dims.family_of(families, "forward", 160, 128) == (192, 128)
+    assert bench_head_dims.family_of(families, "backward", 192, 128) == (192, 192)
+    assert bench_head_dims.family_of(families, "backward", 96, 96) == (128, 128)
+    assert bench_head_dims.family_of(families, "backward", 256, 256) is None
+
+
 def test_reference_conventions():
     """The test reference itself: bottom-right causal mask, empty rows give 0 and -inf, GQA."""
     q = torch.randn(1, 5, 2, 8, dtype=torch.float64)

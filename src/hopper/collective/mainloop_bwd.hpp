@@ -84,9 +84,6 @@ struct BackwardMainloop {
   // columns (hdim 192: each warpgroup then takes every head-dim row of the keys it scored).
   static constexpr bool kDkvTransposed = kBlockN / kNumMmaWarpGroups < 64;
   static constexpr bool kDkvSplitByKeys = kDkvTransposed && kHeadDim % (64 * kNumMmaWarpGroups) != 0;
-  // dQ splits d in halves, which must be whole swizzle atoms of K: where they are not, the tile
-  // table gives dQ its own kernel (BackwardDqMainloop).
-  static_assert(!kComputeDq || kHeadDim % (64 * kNumMmaWarpGroups) == 0);
   static constexpr int kDqTileFloats = kBlockM * kHeadDim;
   static_assert(kBlockM % 64 == 0 && kBlockN % 16 == 0 && kHeadDim % 64 == 0);
   static_assert((kDqTileFloats / kNumMmaThreads) % 4 == 0);

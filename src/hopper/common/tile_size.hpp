@@ -94,8 +94,8 @@ struct BackwardTileSize<128> {  // 209 KiB
 };
 
 // hdim 192: as hdim 256 (the dQ kernel; 64 keys). Three 64-row atoms of d do not split in two,
-// so the warpgroups split dK^T and dV^T by key columns (BackwardMainloop::kDkvSplitByKeys), and
-// the dQ kernel is the only way (the main kernel's dQ splits d in halves). 176 KiB. Not tuned yet.
+// so the warpgroups split dK^T and dV^T by key columns (BackwardMainloop::kDkvSplitByKeys); the
+// main kernel's dQ would split d in halves of 96 as well. 169 KiB. Not tuned yet.
 template <>
 struct BackwardTileSize<192> {
   static constexpr int kBlockM = 64;
@@ -125,7 +125,7 @@ struct BackwardTileSize<256> {
 template <int kHeadDim>
 struct BackwardDqTileSize;
 
-// hdim 192: as hdim 256, 172 KiB. Not tuned yet.
+// hdim 192: as hdim 256, 168 KiB. Not tuned yet.
 template <>
 struct BackwardDqTileSize<192> {
   static constexpr int kBlockM = 128;
