@@ -68,7 +68,10 @@ typedef struct fh_tensor {
  *         page_table [B, max_pages], cache_seqlens [B]; k_new/v_new [B, s_new, Hkv, d|dv]
  *         are written into the cache at cache_seqlens before attending.
  * Split-KV (num_splits > 1): partials out_partial [num_splits, B, Hq, sq, dv] and
- *         lse_partial [num_splits, B, Hq, sq] in float32 live in the workspace, then combined. */
+ *         lse_partial [num_splits, B, Hq, sq] in float32 live in the workspace, then combined.
+ * qv (optional, forward only; FA3's argument for absorbed MLA decode): like out, [B, sq, Hq, dv]
+ *         or [total_q, Hq, dv], q's dtype; the scores become S = Q K^T + Qv V^T (before scale,
+ *         softcap and mask) and the default scale 1/sqrt(d + dv). There is no backward with qv. */
 typedef struct fh_forward_params {
   fh_tensor q, k, v, out;
   fh_tensor lse;                  /* optional, float32 */
@@ -96,6 +99,7 @@ typedef struct fh_forward_params {
   int32_t attention_chunk;        /* 0: none; c > 0: row i sees key j only in the same chunk of c keys */
   fh_tensor learnable_sink;       /* optional float32 [Hq]: a logit per query head in every row's
                                      softmax denominator, with no value (gpt-oss) */
+  fh_tensor qv;                   /* optional, as out: S = Q K^T + Qv V^T (see above) */
 } fh_forward_params;
 
 /* Backward pass. Layouts as the forward; dq like q, dk like k, dv like v; lse from the

@@ -41,7 +41,7 @@ class ForwardParams(ctypes.Structure):
         ("softmax_scale", ctypes.c_float), ("softcap", ctypes.c_float),
         ("causal", ctypes.c_int32), ("window_left", ctypes.c_int32), ("window_right", ctypes.c_int32),
         ("num_sink_tokens", ctypes.c_int32), ("num_splits", ctypes.c_int32),
-        ("attention_chunk", ctypes.c_int32), ("learnable_sink", Tensor),
+        ("attention_chunk", ctypes.c_int32), ("learnable_sink", Tensor), ("qv", Tensor),
     ]
 
 

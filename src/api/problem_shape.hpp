@@ -122,4 +122,10 @@ inline double default_scale(float scale, int64_t head_dim) {
   return scale != 0.f ? double(scale) : 1.0 / std::sqrt(double(head_dim));
 }
 
+// The forward's scores sum over d columns, and over dv more with qv (S = Q K^T + Qv V^T): the
+// default scale is 1/sqrt of that, as FlashAttention-3's.
+inline double forward_scale(const ForwardParams& p, const ProblemShape& s) {
+  return default_scale(p.softmax_scale, s.head_dim + (present(p.qv) ? s.head_dim_v : 0));
+}
+
 }  // namespace flashhopper::detail

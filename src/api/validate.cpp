@@ -601,6 +601,7 @@ Status check_forward_ranks(const ForwardParams& p, const AttentionArgs& a) {
     FLASHHOPPER_RETURN_IF_INVALID(check_rank(p.k_new, "k_new", {4, "", "[B, s_new, Hkv, d]"}));
     FLASHHOPPER_RETURN_IF_INVALID(check_rank(p.v_new, "v_new", {4, "", "[B, s_new, Hkv, dv]"}));
   }
+  if (present(p.qv)) FLASHHOPPER_RETURN_IF_INVALID(check_rank(p.qv, "qv", query_layout(a, "dv")));
   for (const auto& [tensor, name] : descale_factors(p)) {
     if (present(*tensor)) FLASHHOPPER_RETURN_IF_INVALID(check_rank(*tensor, name, {2, "", "[B, Hkv]"}));
   }
@@ -616,6 +617,10 @@ Status check_forward_dtypes(const ForwardParams& p, const AttentionArgs& a, Targ
       return invalid(name, "dtype is ", dtype_name(tensor->dtype), " but k's is ", dtype_name(p.k.dtype),
                      "; appended keys/values must have the cache's dtype");
     }
+  }
+  if (present(p.qv) && p.qv.dtype != p.q.dtype) {
+    return invalid("qv", "dtype is ", dtype_name(p.qv.dtype), " but q's is ", dtype_name(p.q.dtype),
+                   "; qv must have q's dtype");
   }
   for (const auto& [tensor, name] : descale_factors(p)) {
     if (!present(*tensor)) continue;
@@ -644,6 +649,7 @@ Status check_forward_shapes(const ForwardParams& p, const AttentionArgs& a, cons
   for (const auto& [tensor, name] : descale_factors(p)) {
     if (present(*tensor)) FLASHHOPPER_RETURN_IF_INVALID(check_shape(*tensor, name, {batch, heads_kv}));
   }
+  if (present(p.qv)) FLASHHOPPER_RETURN_IF_INVALID(check_out_shape(p.qv, "qv", a, s));
   return {};
 }
 
@@ -789,6 +795,7 @@ Status validate(const ForwardParams& p, Target target) {
       {&p.k_descale, "k_descale", Access::kStrided},
       {&p.v_descale, "v_descale", Access::kStrided},
       {&p.learnable_sink, "learnable_sink", Access::kRows},
+      {&p.qv, "qv", Access::kTma},
   };
   FLASHHOPPER_RETURN_IF_INVALID(check_tensors_extents(tensors, target));
   FLASHHOPPER_RETURN_IF_INVALID(check_paged_capacity(p));
@@ -800,7 +807,8 @@ Status validate(const ForwardParams& p, Target target) {
   FLASHHOPPER_RETURN_IF_INVALID(check_outputs_not_aliased(
       {{&p.out, "out", Access::kTma}, {&p.lse, "lse", Access::kRows}},
       {{&p.q, "q", Access::kTma}, {&p.k, "k", Access::kTma}, {&p.v, "v", Access::kTma},
-       {&p.k_new, "k_new", Access::kTma}, {&p.v_new, "v_new", Access::kTma}}));
+       {&p.k_new, "k_new", Access::kTma}, {&p.v_new, "v_new", Access::kTma},
+       {&p.qv, "qv", Access::kTma}}));
   if (target == Target::kKernel) {
     FLASHHOPPER_RETURN_IF_INVALID(check_tile_count(shape, "q", shape.seqlen_q, "query sequence length"));
   }

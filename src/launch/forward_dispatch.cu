@@ -21,6 +21,7 @@ std::string forward_unsupported_reason(const ForwardParams& p, const detail::Pro
   if (mask.num_sink_tokens > 0 && mask.attention_chunk > 0)
     return "num_sink_tokens together with attention_chunk is not supported by the kernels";
   if (p.num_splits > 1) return "split-KV (num_splits > 1) is not supported yet";
+  if (detail::present(p.qv)) return "qv (scores Q K^T + Qv V^T) is not supported by the kernels yet";
   return family_unsupported_reason(Pass::kForward, static_cast<fh_dtype>(p.q.dtype), s.head_dim, s.head_dim_v);
 }
 

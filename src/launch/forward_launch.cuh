@@ -53,7 +53,7 @@ cudaError_t run_forward_hdim(const ForwardParams& p, const detail::ProblemShape&
       static_cast<Element const*>(p.v.data),
       make_shape(dv, v_rows.rows, heads_kv, v_rows.batch),
       make_stride(_1{}, v_rows.row_stride, v_rows.head_stride, v_rows.batch_stride),
-      float(detail::default_scale(p.softmax_scale, s.head_dim)),
+      float(detail::forward_scale(p, s)),
       p.softcap,
       local_mask_params(p),
       static_cast<float const*>(p.learnable_sink.data),

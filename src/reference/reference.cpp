@@ -406,6 +406,18 @@ std::vector<Acc> transpose(const std::vector<Acc>& a, int64_t rows, int64_t cols
   return t;
 }
 
+// [rows, a_cols] next to [rows, b_cols]: [rows, a_cols + b_cols].
+template <class Acc>
+std::vector<Acc> concat_columns(const std::vector<Acc>& a, int64_t a_cols, const std::vector<Acc>& b, int64_t b_cols,
+                                int64_t rows) {
+  std::vector<Acc> out(rows * (a_cols + b_cols));
+  for (int64_t r = 0; r < rows; ++r) {
+    std::copy_n(a.data() + r * a_cols, a_cols, out.data() + r * (a_cols + b_cols));
+    std::copy_n(b.data() + r * b_cols, b_cols, out.data() + r * (a_cols + b_cols) + a_cols);
+  }
+  return out;
+}
+
 template <class Acc>
 void gather_rows(const TokenLayout& layout, int64_t b, int64_t head, int64_t count, int64_t dim,
                  std::vector<Acc>* dst) {
@@ -618,6 +630,8 @@ struct ForwardPlan {
   MaskSpec mask;
   double scale = 0, softcap = 0;
   TokenLayout q, k, v, out;
+  TokenLayout qv;                      // with has_qv only
+  bool has_qv = false;
   RowLayout lse;                       // tensor absent: not written
   RowLayout out_partial, lse_partial;  // split-KV only
   int64_t num_splits = 1;
@@ -649,6 +663,13 @@ void run_forward(const ForwardPlan& plan, int num_threads) {
     gather_rows(plan.q, b, h, head.rows, head.d, &head.q);
     gather_rows(plan.k, b, hk, head.keys, head.d, &head.k);
     gather_rows(plan.v, b, hk, head.keys, head.dv, &head.v);
+    if (plan.has_qv) {  // S = Q K^T + Qv V^T = [Q | Qv] [K | V]^T: scores over d + dv columns
+      std::vector<Acc> qv;
+      gather_rows(plan.qv, b, h, head.rows, head.dv, &qv);
+      head.q = concat_columns(head.q, head.d, qv, head.dv, head.rows);
+      head.k = concat_columns(head.k, head.d, head.v, head.dv, head.keys);
+      head.d += head.dv;
+    }
     head.k_t = transpose(head.k, head.keys, head.d);
 
     // Split s attends to keys [s*c, (s+1)*c), c = ceil(keys / num_splits).
@@ -915,6 +936,12 @@ Status forward(const ForwardParams& p, const Options& options, const Tensor* out
   }
   FLASHHOPPER_REFERENCE_CHECK(check_shape(p.k, "k", k_shape));
   FLASHHOPPER_REFERENCE_CHECK(check_shape(p.v, "v", v_shape));
+  if (present(p.qv)) {
+    FLASHHOPPER_REFERENCE_CHECK(check_input(p.qv, "qv", q_rank));
+    FLASHHOPPER_REFERENCE_CHECK(check_shape(p.qv, "qv", out_shape));
+    plan.qv = varlen_q ? TokenLayout::packed(p.qv, p.cu_seqlens_q) : TokenLayout::dense(p.qv);
+    plan.has_qv = true;
+  }
   if (varlen_q) FLASHHOPPER_REFERENCE_CHECK(check_shape(p.cu_seqlens_q, "cu_seqlens_q", {B + 1}));
   if (varlen_k) FLASHHOPPER_REFERENCE_CHECK(check_shape(p.cu_seqlens_k, "cu_seqlens_k", {B + 1}));
   if (paged)
@@ -970,7 +997,7 @@ Status forward(const ForwardParams& p, const Options& options, const Tensor* out
 
   FLASHHOPPER_REFERENCE_CHECK(read_sinks(p.learnable_sink, Hq, &plan.sinks));
   plan.mask = detail::mask_spec(p);
-  plan.scale = detail::default_scale(p.softmax_scale, d);
+  plan.scale = detail::forward_scale(p, shape);
   plan.softcap = p.softcap > 0 ? double(p.softcap) : 0.0;
   plan.q = varlen_q ? TokenLayout::packed(p.q, p.cu_seqlens_q) : TokenLayout::dense(p.q);
   plan.out = varlen_q ? TokenLayout::packed(p.out, p.cu_seqlens_q) : TokenLayout::dense(p.out);

@@ -23,6 +23,9 @@
 //   order (float32 accumulation in low-precision emulation, like the softmax).
 // - Outputs are written in their tensor's dtype (fp64, fp32, bf16, fp16; rounded to nearest
 //   even); lse may be fp32 or fp64.
+// - qv (forward): the scores are S = Q K^T + Qv V^T, summed over d + dv columns as one dot
+//   product (in low-precision emulation one float32 sum, rounded once); default scale
+//   1/sqrt(d + dv).
 // - Results do not depend on the thread count: every sum runs in a fixed order (the GQA sums
 //   of dK/dV add the group's query heads in head order).
 // - Refusals come back as a Status, nothing is written then: fp8 inputs (FH_ERROR_NOT_SUPPORTED),

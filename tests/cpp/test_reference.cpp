@@ -1367,6 +1367,93 @@ TEST(ReferenceRefusals, SinkArgumentsAreChecked) {
 
 // ---- speed ---------------------------------------------------------------------------------
 
+// ---- qv: S = Q K^T + Qv V^T ---------------------------------------------------------------------
+
+// qv [B, sq, Hq, dv] with unit-normal entries next to a dense case.
+HostTensor make_qv(const Dims& n, uint32_t seed) {
+  return random_tensor(FH_DTYPE_FP64, {n.batch, n.sq, n.hq, n.dv}, seed);
+}
+
+// qv is one more block of head-dim columns: S = [Q | Qv] [K | V]^T. So a call with qv gives what
+// the call without it gives on q' = [q | qv] and k' = [k | v] (v unchanged), with the same
+// default scale 1/sqrt(d + dv), every mask and transform alike.
+TEST(ReferenceIdentities, QvIsConcatenatedHeadDims) {
+  std::vector<std::pair<Dims, Mask>> configs;
+  for (Dims dims : {Dims{2, 5, 9, 4, 2, 8, 6}, Dims{1, 9, 5, 2, 1, 4, 16}}) {
+    configs.push_back({dims, Mask{}});
+    configs.push_back({dims, Mask{1}});                    // causal
+    configs.push_back({dims, Mask{0, 2, 1, 1, 3.0f}});     // window with a sink token, softcap
+    configs.push_back({dims, Mask{0, -1, -1, 0, 0, 0.2f}});  // explicit scale
+  }
+  uint32_t seed = 1501;
+  for (const auto& [n, mask] : configs) {
+    SCOPED_TRACE(testing::Message() << "sq " << n.sq << " sk " << n.sk << " d " << n.d << " dv " << n.dv
+                                    << " causal " << mask.causal << " window " << mask.window_left);
+    DenseCase with_qv(n, seed += 10);
+    const HostTensor qv = make_qv(n, seed + 7);
+    fh::ForwardParams p = with_qv.forward(mask);
+    p.qv = qv.view();
+    ASSERT_OK(ref::forward(p));
+
+    Dims wide = n;
+    wide.d = n.d + n.dv;
+    DenseCase concatenated(wide, seed);
+    for (int64_t b = 0; b < n.batch; ++b) {
+      for (int64_t h = 0; h < n.hq; ++h)
+        for (int64_t i = 0; i < n.sq; ++i)
+          for (int64_t x = 0; x < wide.d; ++x)
+            concatenated.q.set({b, i, h, x}, x < n.d ? with_qv.q.get({b, i, h, x}) : qv.get({b, i, h, x - n.d}));
+      for (int64_t h = 0; h < n.hkv; ++h)
+        for (int64_t j = 0; j < n.sk; ++j) {
+          for (int64_t x = 0; x < wide.d; ++x)
+            concatenated.k.set({b, j, h, x},
+                               x < n.d ? with_qv.k.get({b, j, h, x}) : with_qv.v.get({b, j, h, x - n.d}));
+          for (int64_t x = 0; x < n.dv; ++x) concatenated.v.set({b, j, h, x}, with_qv.v.get({b, j, h, x}));
+        }
+    }
+    ASSERT_OK(ref::forward(concatenated.forward(mask)));
+    EXPECT_LE(max_abs_diff(with_qv.out.view(), concatenated.out.view()), kSameMaths);
+    EXPECT_LE(max_abs_diff(with_qv.lse.view(), concatenated.lse.view()), kSameMaths);
+  }
+}
+
+// qv = 0 adds nothing to the scores: with the scale given, the call without qv.
+TEST(ReferenceIdentities, QvOfZerosIsNoQv) {
+  const Dims n{2, 5, 9, 4, 2, 8, 6};
+  for (int causal : {0, 1}) {
+    DenseCase a(n, 1601), b(n, 1601);
+    HostTensor zeros(FH_DTYPE_FP64, {n.batch, n.sq, n.hq, n.dv});
+    Mask mask;
+    mask.causal = causal;
+    mask.scale = 0.35f;
+    fh::ForwardParams p = a.forward(mask);
+    p.qv = zeros.view();
+    ASSERT_OK(ref::forward(p));
+    ASSERT_OK(ref::forward(b.forward(mask)));
+    EXPECT_EQ(max_abs_diff(a.out.view(), b.out.view()), 0);
+    EXPECT_EQ(max_abs_diff(a.lse.view(), b.lse.view()), 0);
+    // Without a scale the default counts qv's columns: 1/sqrt(d + dv), not 1/sqrt(d).
+    mask.scale = 0;
+    p = a.forward(mask);
+    p.qv = zeros.view();
+    ASSERT_OK(ref::forward(p));
+    mask.scale = float(1 / std::sqrt(double(n.d + n.dv)));
+    ASSERT_OK(ref::forward(b.forward(mask)));
+    EXPECT_LE(max_abs_diff(a.out.view(), b.out.view()), 1e-6);  // the scale rounded to float once
+  }
+}
+
+TEST(ReferenceRefusals, QvOfTheWrongShapeIsRefused) {
+  const Dims n{2, 5, 9, 4, 2, 8, 6};
+  DenseCase c(n, 1701);
+  HostTensor qv(FH_DTYPE_FP64, {n.batch, n.sq, n.hq, n.d + 1});  // dv + 3 columns
+  fh::ForwardParams p = c.forward();
+  p.qv = qv.view();
+  const fh::Status status = ref::forward(p);
+  EXPECT_EQ(status.code, FH_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(status.message.find("qv"), std::string::npos) << status.message;
+}
+
 TEST(ReferenceSpeed, Forward2kBy2k16HeadsHeadDim128) {
   const Dims dims{1, 2048, 2048, 16, 16, 128, 128};
   const HostTensor q = random_tensor(FH_DTYPE_BF16, {1, 2048, 16, 128}, 351);

@@ -549,6 +549,26 @@ TEST(ForwardShape, ValueHeadDimAtMost256) {
   EXPECT_REFUSED(fh::check(p), "v", "value head dims up to 256");
 }
 
+// qv takes out's shape (dense and packed) and q's dtype, and is never written over by out.
+TEST(ForwardShape, QvHasTheShapeOfOutAndTheDtypeOfQ) {
+  fh::ForwardParams p = dense_forward();
+  p.qv = fh::make_tensor(fake_pointer(9), FH_DTYPE_BF16, {kBatch, kSeqQ, kHeadsQ, kDimV});
+  EXPECT_PASSES(fh::check(p));
+  p.qv.shape[3] = kDim / 2;
+  EXPECT_REFUSED(fh::check(p), "qv", "value head dim");
+  p.qv = fh::make_tensor(fake_pointer(9), FH_DTYPE_FP16, {kBatch, kSeqQ, kHeadsQ, kDimV});
+  EXPECT_REFUSED(fh::check(p), "qv", "q's dtype");
+  p.qv = fh::make_tensor(fake_pointer(9), FH_DTYPE_BF16, {kBatch, kSeqQ, kHeadsQ});
+  EXPECT_REFUSED(fh::check(p), "qv", "");
+  p.qv = p.out;
+  EXPECT_REFUSED(fh::check(p), "out", "qv");
+  fh::ForwardParams packed = varlen_forward();
+  packed.qv = fh::make_tensor(fake_pointer(9), FH_DTYPE_BF16, {kTotalQ, kHeadsQ, kDimV});
+  EXPECT_PASSES(fh::check(packed));
+  packed.qv = fh::make_tensor(fake_pointer(9), FH_DTYPE_BF16, {kTotalQ + 1, kHeadsQ, kDimV});
+  EXPECT_REFUSED(fh::check(packed), "qv", "total query tokens");
+}
+
 TEST(ForwardShape, QueryHeadsAreAMultipleOfKeyValueHeads) {
   fh::ForwardParams p = dense_forward();
   p.k.shape[2] = p.v.shape[2] = 3;

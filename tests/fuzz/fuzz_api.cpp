@@ -211,6 +211,8 @@ void run_one(std::mt19937_64& rng, Arena& arena, Findings& findings, long iterat
   const fh::Tensor dout = varlen ? arena.floats_of({batch * sq, hq, d}) : arena.floats_of({batch, sq, hq, d});
   f.out = varlen ? arena.floats_of({batch * sq, hq, d}) : arena.floats_of({batch, sq, hq, d});
   f.lse = varlen ? arena.floats_of({hq, batch * sq}) : arena.floats_of({batch, hq, sq});
+  if (kind != Kind::kBackward && rng() % 3 == 0)  // the scores' extra operand, shaped like out
+    f.qv = varlen ? arena.floats_of({batch * sq, hq, d}) : arena.floats_of({batch, sq, hq, d});
 
   if (kind == Kind::kBackward) {
     fh::BackwardParams b = fh::default_backward_params();
@@ -235,7 +237,7 @@ void run_one(std::mt19937_64& rng, Arena& arena, Findings& findings, long iterat
     return;
   }
   fh::Tensor* tensors[] = {&f.q, &f.k, &f.v, &f.out, &f.lse, &f.cu_seqlens_q, &f.cu_seqlens_k, &f.seqused_k,
-                           &f.page_table, &f.cache_seqlens, &f.k_new, &f.v_new};
+                           &f.page_table, &f.cache_seqlens, &f.k_new, &f.v_new, &f.qv};
   int32_t* ints[] = {&f.causal, &f.window_left, &f.window_right, &f.num_sink_tokens, &f.attention_chunk,
                      &f.num_splits, &f.max_seqlen_q, &f.max_seqlen_k};
   float* floats[] = {&f.softmax_scale, &f.softcap};
@@ -243,7 +245,7 @@ void run_one(std::mt19937_64& rng, Arena& arena, Findings& findings, long iterat
     const uint64_t what = rng() % 4;
     if (what == 0) mutate_scalars(rng, ints, 8, floats, 2);
     else if (what == 1) mutate_ints(rng, *tensors[5 + rng() % 5]);
-    else mutate_tensor(rng, *tensors[rng() % 12]);
+    else mutate_tensor(rng, *tensors[rng() % 13]);
   }
   expect_answer(fh_forward_check(&f), findings, iteration, "fh_forward_check");
   if (f.num_splits > 1) return;  // the reference then writes partials it is given: not driven here
