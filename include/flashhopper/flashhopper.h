@@ -67,6 +67,18 @@ typedef struct fh_tensor {
  * Paged KV (page_table present): k [num_pages, page_size, Hkv, d], v likewise with dv,
  *         page_table [B, max_pages], cache_seqlens [B]; k_new/v_new [B, s_new, Hkv, d|dv]
  *         are written into the cache at cache_seqlens before attending.
+ * KV cache extras (FA3's flash_attn_with_kvcache), all optional:
+ *   cache_batch_idx [B] int32 (dense cache only): sequence b's cache is k[cache_batch_idx[b]];
+ *         k and v then hold any number of cache rows.
+ *   cache_leftpad [B] int32 (dense cache only): sequence b's keys start at cache position
+ *         cache_leftpad[b] (the slots before it are padding); its keys are the positions
+ *         [cache_leftpad[b], cache_seqlens[b] + s_new), and the masks align to them.
+ *   rotary_cos/rotary_sin [seqlen_ro, rotary_dim / 2] (with k_new): rotary embedding on the
+ *         first rotary_dim dims of the new keys, at positions r + t (t = 0 .. s_new-1), before
+ *         they are written into the cache, and of q: row i at r + i with a mask (causal,
+ *         window, chunk), else every row at r. r = rotary_seqlens[b] when given, else
+ *         cache_seqlens[b]. rotary_interleaved 1 rotates the pairs (2i, 2i+1) (GPT-J), 0 the
+ *         pairs (i, i + rotary_dim/2) (GPT-NeoX). q itself is not written.
  * Split-KV (num_splits > 1): partials out_partial [num_splits, B, Hq, sq, dv] and
  *         lse_partial [num_splits, B, Hq, sq] in float32 live in the workspace, then combined.
  * qv (optional, forward only; FA3's argument for absorbed MLA decode): like out, [B, sq, Hq, dv]
@@ -100,6 +112,12 @@ typedef struct fh_forward_params {
   fh_tensor learnable_sink;       /* optional float32 [Hq]: a logit per query head in every row's
                                      softmax denominator, with no value (gpt-oss) */
   fh_tensor qv;                   /* optional, as out: S = Q K^T + Qv V^T (see above) */
+  fh_tensor cache_batch_idx;      /* optional int32 [B] (KV cache extras above) */
+  fh_tensor cache_leftpad;        /* optional int32 [B] */
+  fh_tensor rotary_cos;           /* optional [seqlen_ro, rotary_dim / 2], with rotary_sin */
+  fh_tensor rotary_sin;
+  fh_tensor rotary_seqlens;       /* optional int32 [B]: rotary positions start here */
+  int32_t rotary_interleaved;     /* 1: pairs (2i, 2i+1); 0: (i, i + rotary_dim / 2) */
 } fh_forward_params;
 
 /* Backward pass. Layouts as the forward; dq like q, dk like k, dv like v; lse from the

@@ -42,6 +42,8 @@ class ForwardParams(ctypes.Structure):
         ("causal", ctypes.c_int32), ("window_left", ctypes.c_int32), ("window_right", ctypes.c_int32),
         ("num_sink_tokens", ctypes.c_int32), ("num_splits", ctypes.c_int32),
         ("attention_chunk", ctypes.c_int32), ("learnable_sink", Tensor), ("qv", Tensor),
+        ("cache_batch_idx", Tensor), ("cache_leftpad", Tensor), ("rotary_cos", Tensor), ("rotary_sin", Tensor),
+        ("rotary_seqlens", Tensor), ("rotary_interleaved", ctypes.c_int32),
     ]
 
 

@@ -289,6 +289,7 @@ struct AttentionArgs {
   int32_t num_sink_tokens;
   int32_t attention_chunk;
   const Tensor& learnable_sink;
+  const Tensor& cache_batch_idx;  // absent in the backward
 
   bool varlen_q() const { return present(cu_seqlens_q); }
   bool varlen_k() const { return present(cu_seqlens_k); }
@@ -301,14 +302,16 @@ AttentionArgs attention_args(const ForwardParams& p) {
   return {p.q,           p.k,           p.v,           p.out,         p.lse,
           p.cu_seqlens_q, p.cu_seqlens_k, p.seqused_q,   p.seqused_k,   p.page_table,
           p.max_seqlen_q, p.max_seqlen_k, p.softmax_scale, p.softcap,   p.causal,
-          p.window_left,  p.window_right, p.num_sink_tokens, p.attention_chunk, p.learnable_sink};
+          p.window_left,  p.window_right, p.num_sink_tokens, p.attention_chunk, p.learnable_sink,
+          p.cache_batch_idx};
 }
 
 AttentionArgs attention_args(const BackwardParams& p) {
   return {p.q,           p.k,           p.v,           p.out,         p.lse,
           p.cu_seqlens_q, p.cu_seqlens_k, p.seqused_q,   p.seqused_k,   kAbsent,
           p.max_seqlen_q, p.max_seqlen_k, p.softmax_scale, p.softcap,   p.causal,
-          p.window_left,  p.window_right, p.num_sink_tokens, p.attention_chunk, p.learnable_sink};
+          p.window_left,  p.window_right, p.num_sink_tokens, p.attention_chunk, p.learnable_sink,
+          kAbsent};
 }
 
 // Layouts on the query side (q, out, their gradients) and the key side (k, v, theirs).
@@ -450,6 +453,10 @@ Status check_attention_shapes(const AttentionArgs& a, const ProblemShape& s) {
   } else if (a.varlen_k()) {
     FLASHHOPPER_RETURN_IF_INVALID(check_shape(a.k, "k", {kFree, kFree, head_dim}));
     FLASHHOPPER_RETURN_IF_INVALID(check_shape(a.v, "v", {{s.total_k, "total key tokens", "k"}, heads_kv, kFree}));
+  } else if (present(a.cache_batch_idx)) {  // any number of cache rows, indexed per sequence
+    FLASHHOPPER_RETURN_IF_INVALID(check_shape(a.k, "k", {kFree, kFree, kFree, head_dim}));
+    FLASHHOPPER_RETURN_IF_INVALID(check_shape(a.v, "v", {{a.k.shape[0], "number of cache rows", "k"},
+                                                         {s.seqlen_k, "key sequence length", "k"}, heads_kv, kFree}));
   } else {
     FLASHHOPPER_RETURN_IF_INVALID(check_shape(a.k, "k", {batch, kFree, kFree, head_dim}));
     FLASHHOPPER_RETURN_IF_INVALID(
@@ -573,6 +580,15 @@ std::array<NamedTensor, 3> descale_factors(const ForwardParams& p) {
   return {{{&p.q_descale, "q_descale"}, {&p.k_descale, "k_descale"}, {&p.v_descale, "v_descale"}}};
 }
 
+// The KV cache's int32 [B] extras, and the rotary tables.
+std::array<NamedTensor, 3> per_sequence_indices(const ForwardParams& p) {
+  return {{{&p.cache_batch_idx, "cache_batch_idx"}, {&p.cache_leftpad, "cache_leftpad"},
+           {&p.rotary_seqlens, "rotary_seqlens"}}};
+}
+std::array<NamedTensor, 2> rotary_tables(const ForwardParams& p) {
+  return {{{&p.rotary_cos, "rotary_cos"}, {&p.rotary_sin, "rotary_sin"}}};
+}
+
 Status check_forward_presence(const ForwardParams& p, const AttentionArgs& a) {
   for (const auto& [tensor, name] : NamedTensors{{&p.q, "q"}, {&p.k, "k"}, {&p.v, "v"}, {&p.out, "out"}}) {
     FLASHHOPPER_RETURN_IF_INVALID(require_present(*tensor, name));
@@ -588,6 +604,29 @@ Status check_forward_presence(const ForwardParams& p, const AttentionArgs& a) {
   if (present(p.k_new) && !present(p.cache_seqlens)) {
     return invalid("cache_seqlens", "is required with k_new/v_new (where to append them in the cache)");
   }
+  const bool dense_cache = !a.paged() && !a.varlen_k();
+  for (const auto& [tensor, name] :
+       NamedTensors{{&p.cache_batch_idx, "cache_batch_idx"}, {&p.cache_leftpad, "cache_leftpad"}}) {
+    if (present(*tensor) && !dense_cache) {
+      return invalid(name, "is given with ", a.paged() ? "page_table" : "cu_seqlens_k",
+                     "; it indexes a dense cache k [B_cache, sk, Hkv, d] (as in FlashAttention-3)");
+    }
+  }
+  if (present(p.cache_leftpad) && !present(p.cache_seqlens)) {
+    return invalid("cache_leftpad", "needs cache_seqlens: a sequence's keys are the cache positions "
+                                    "[cache_leftpad, cache_seqlens + s_new)");
+  }
+  if (present(p.rotary_cos) != present(p.rotary_sin)) {
+    return present(p.rotary_cos) ? invalid("rotary_sin", "is required together with rotary_cos")
+                                 : invalid("rotary_cos", "is required together with rotary_sin");
+  }
+  if (present(p.rotary_cos) && !present(p.k_new)) {
+    return invalid("rotary_cos", "is given without k_new/v_new; the rotary embedding applies to the appended "
+                                 "keys and q (apply it yourself to a cache without an append)");
+  }
+  if (present(p.rotary_seqlens) && !present(p.rotary_cos)) {
+    return invalid("rotary_seqlens", "is given without rotary_cos/rotary_sin");
+  }
   return {};
 }
 
@@ -602,6 +641,14 @@ Status check_forward_ranks(const ForwardParams& p, const AttentionArgs& a) {
     FLASHHOPPER_RETURN_IF_INVALID(check_rank(p.v_new, "v_new", {4, "", "[B, s_new, Hkv, dv]"}));
   }
   if (present(p.qv)) FLASHHOPPER_RETURN_IF_INVALID(check_rank(p.qv, "qv", query_layout(a, "dv")));
+  for (const auto& [tensor, name] : per_sequence_indices(p)) {
+    if (present(*tensor)) FLASHHOPPER_RETURN_IF_INVALID(check_rank(*tensor, name, kSequenceLengths));
+  }
+  for (const auto& [tensor, name] : rotary_tables(p)) {
+    if (present(*tensor)) {
+      FLASHHOPPER_RETURN_IF_INVALID(check_rank(*tensor, name, {2, "", "[seqlen_ro, rotary_dim / 2]"}));
+    }
+  }
   for (const auto& [tensor, name] : descale_factors(p)) {
     if (present(*tensor)) FLASHHOPPER_RETURN_IF_INVALID(check_rank(*tensor, name, {2, "", "[B, Hkv]"}));
   }
@@ -617,6 +664,17 @@ Status check_forward_dtypes(const ForwardParams& p, const AttentionArgs& a, Targ
       return invalid(name, "dtype is ", dtype_name(tensor->dtype), " but k's is ", dtype_name(p.k.dtype),
                      "; appended keys/values must have the cache's dtype");
     }
+  }
+  for (const auto& [tensor, name] : per_sequence_indices(p)) {
+    FLASHHOPPER_RETURN_IF_INVALID(check_int32_index(*tensor, name));
+  }
+  std::vector<fh_dtype> rotary_dtypes{static_cast<fh_dtype>(p.q.dtype)};
+  if (target == Target::kHostReference) rotary_dtypes.insert(rotary_dtypes.end(), {FH_DTYPE_FP32, FH_DTYPE_FP64});
+  for (const auto& [tensor, name] : rotary_tables(p)) {
+    if (present(*tensor)) FLASHHOPPER_RETURN_IF_INVALID(check_dtype(*tensor, name, rotary_dtypes, " (q's dtype)"));
+  }
+  if (!(p.rotary_interleaved == 0 || p.rotary_interleaved == 1)) {
+    return invalid("rotary_interleaved", "is ", p.rotary_interleaved, "; must be 0 or 1");
   }
   if (present(p.qv) && p.qv.dtype != p.q.dtype) {
     return invalid("qv", "dtype is ", dtype_name(p.qv.dtype), " but q's is ", dtype_name(p.q.dtype),
@@ -650,6 +708,19 @@ Status check_forward_shapes(const ForwardParams& p, const AttentionArgs& a, cons
     if (present(*tensor)) FLASHHOPPER_RETURN_IF_INVALID(check_shape(*tensor, name, {batch, heads_kv}));
   }
   if (present(p.qv)) FLASHHOPPER_RETURN_IF_INVALID(check_out_shape(p.qv, "qv", a, s));
+  for (const auto& [tensor, name] : per_sequence_indices(p)) {
+    if (present(*tensor)) FLASHHOPPER_RETURN_IF_INVALID(check_shape(*tensor, name, {batch}));
+  }
+  if (present(p.rotary_cos)) {
+    const int64_t half = p.rotary_cos.shape[1];
+    if (half * 2 > s.head_dim) {
+      return invalid("rotary_cos", "shape[1] (rotary_dim / 2) is ", half, "; rotary_dim ", half * 2,
+                     " must be at most the head dim ", s.head_dim, " (from q)");
+    }
+    FLASHHOPPER_RETURN_IF_INVALID(check_shape(p.rotary_sin, "rotary_sin",
+                                              {{p.rotary_cos.shape[0], "rotary positions (seqlen_ro)", "rotary_cos"},
+                                               {half, "rotary_dim / 2", "rotary_cos"}}));
+  }
   return {};
 }
 
@@ -796,6 +867,11 @@ Status validate(const ForwardParams& p, Target target) {
       {&p.v_descale, "v_descale", Access::kStrided},
       {&p.learnable_sink, "learnable_sink", Access::kRows},
       {&p.qv, "qv", Access::kTma},
+      {&p.cache_batch_idx, "cache_batch_idx", Access::kRows},
+      {&p.cache_leftpad, "cache_leftpad", Access::kRows},
+      {&p.rotary_cos, "rotary_cos", Access::kStrided},
+      {&p.rotary_sin, "rotary_sin", Access::kStrided},
+      {&p.rotary_seqlens, "rotary_seqlens", Access::kRows},
   };
   FLASHHOPPER_RETURN_IF_INVALID(check_tensors_extents(tensors, target));
   FLASHHOPPER_RETURN_IF_INVALID(check_paged_capacity(p));

@@ -180,6 +180,8 @@ struct TokenLayout {
   Tensor tensor{};
   Tensor cu_seqlens{};
   Tensor page_table{};
+  Tensor cache_row{};      // dense: sequence b lives in row cache_row[b] (cache_batch_idx)
+  Tensor first_token{};    // dense: token i of sequence b is stored at first_token[b] + i (cache_leftpad)
 
   static TokenLayout dense(const Tensor& t) { return {Kind::dense, t, {}, {}}; }
   static TokenLayout packed(const Tensor& t, const Tensor& cu) { return {Kind::packed, t, cu, {}}; }
@@ -191,7 +193,11 @@ struct TokenLayout {
   int64_t offset(int64_t b, int64_t i, int64_t head) const {
     const int64_t* st = tensor.stride;
     switch (kind) {
-      case Kind::dense: return b * st[0] + i * st[1] + head * st[2];
+      case Kind::dense: {
+        const int64_t row = present(cache_row) ? int_at(cache_row, b) : b;
+        const int64_t token = i + (present(first_token) ? int_at(first_token, b) : 0);
+        return row * st[0] + token * st[1] + head * st[2];
+      }
       case Kind::packed: return (int_at(cu_seqlens, b) + i) * st[0] + head * st[1];
       case Kind::paged: {
         const int64_t page_size = tensor.shape[1];
@@ -245,6 +251,8 @@ struct LengthSources {
   Tensor cu_seqlens_q{}, cu_seqlens_k{}, seqused_q{}, seqused_k{};
   Tensor cache_seqlens{}, page_table{};
   int64_t seqlen_new = 0;
+  Tensor cache_batch_idx{}, cache_leftpad{};
+  int64_t cache_rows = 0;  // k.shape[0] of a dense cache with cache_batch_idx
 };
 
 // Each sequence's rows and keys, checked against what the tensors hold. Keys: the packed
@@ -290,16 +298,32 @@ Status sequence_lengths(const ProblemShape& shape, const LengthSources& src,
     s.keys = k_packed;
     s.key_capacity = shape.paged || present(src.cache_seqlens) ? 0 : k_packed;
     if (present(src.seqused_k)) s.keys = int_at(src.seqused_k, b);
+    if (present(src.cache_batch_idx)) {
+      const int64_t row = int_at(src.cache_batch_idx, b);
+      if (row < 0 || row >= src.cache_rows) {
+        return invalid(seq + "cache_batch_idx[" + std::to_string(b) + "] = " + std::to_string(row) +
+                       " is not a row of k (" + std::to_string(src.cache_rows) + " rows)");
+      }
+    }
+    int64_t first = 0;  // the cache position of the sequence's first key (cache_leftpad)
     if (present(src.cache_seqlens)) {
       const int64_t cached = int_at(src.cache_seqlens, b);
       if (cached < 0) {  // the append would write before the sequence's first key
         return invalid(seq + "cache_seqlens[" + std::to_string(b) + "] = " + std::to_string(cached) +
                        " is negative; cached lengths are >= 0");
       }
-      s.keys = cached + src.seqlen_new;
+      if (present(src.cache_leftpad)) {
+        first = int_at(src.cache_leftpad, b);
+        if (first < 0 || first > cached) {
+          return invalid(seq + "cache_leftpad[" + std::to_string(b) + "] = " + std::to_string(first) +
+                         " is not within [0, cache_seqlens[" + std::to_string(b) + "] = " + std::to_string(cached) +
+                         "]");
+        }
+      }
+      s.keys = cached + src.seqlen_new - first;
     }
-    if (s.keys < 0 || s.keys > k_capacity) {
-      return invalid(seq + std::to_string(s.keys) + " keys used (after any append), but the " +
+    if (s.keys < 0 || first + s.keys > k_capacity) {
+      return invalid(seq + std::to_string(first + s.keys) + " cache positions used (after any append), but the " +
                      "key tensor holds " + std::to_string(k_capacity) + " for it");
     }
     if (shape.paged) {
@@ -625,6 +649,72 @@ void backward_block(const HeadData<typename Math::Acc>& head, const Scaling<Math
 
 // ---- forward -------------------------------------------------------------------------------
 
+// Rotary embedding of the appended keys and of q (flashhopper.h, "KV cache extras").
+struct Rotary {
+  Tensor cos{}, sin{};                // [seqlen_ro, rotary_dim / 2]; absent: no rotary
+  std::vector<int64_t> offsets;       // [B]: rotary_seqlens, else cache_seqlens
+  bool interleaved = false;
+  bool rows_advance = false;          // q's rows at consecutive positions (a mask), else all at the offset
+
+  int64_t key_position(int64_t b, int64_t t) const { return present(cos) ? offsets[b] + t : 0; }
+  int64_t query_position(int64_t b, int64_t i) const {
+    return present(cos) ? offsets[b] + (rows_advance ? i : 0) : 0;
+  }
+  // Rotates the first rotary_dim values of x at `position`; `round` as the stored result is.
+  template <class T, class Round>
+  void apply(T* x, int64_t position, Round round) const {
+    if (!present(cos)) return;
+    const int64_t half = cos.shape[1];
+    for (int64_t i = 0; i < half; ++i) {
+      double c = 0, s = 0;
+      load_strided(cos, position * cos.stride[0] + i * cos.stride[1], 1, 1, &c);
+      load_strided(sin, position * sin.stride[0] + i * sin.stride[1], 1, 1, &s);
+      T& a = interleaved ? x[2 * i] : x[i];
+      T& b = interleaved ? x[2 * i + 1] : x[i + half];
+      const double x0 = double(a), x1 = double(b);
+      a = round(T(x0 * c - x1 * s));
+      b = round(T(x0 * s + x1 * c));
+    }
+  }
+};
+
+// Checks the rotary tables and that every position the call rotates is a row of them.
+Status rotary_plan(const ForwardParams& p, const ProblemShape& shape, const std::vector<Sequence>& sequences,
+                   Rotary* rotary) {
+  if (!present(p.rotary_cos) && !present(p.rotary_sin)) return {};
+  if (!present(p.rotary_cos) || !present(p.rotary_sin)) return invalid("rotary_cos and rotary_sin go together");
+  if (!present(p.k_new)) return invalid("rotary_cos needs k_new/v_new (it rotates the appended keys and q)");
+  FLASHHOPPER_REFERENCE_CHECK(check_input(p.rotary_cos, "rotary_cos", 2));
+  FLASHHOPPER_REFERENCE_CHECK(check_input(p.rotary_sin, "rotary_sin", 2));
+  const int64_t positions = p.rotary_cos.shape[0], half = p.rotary_cos.shape[1];
+  if (2 * half > shape.head_dim) return invalid("rotary_cos: rotary_dim = 2 * shape[1] exceeds the head dim");
+  FLASHHOPPER_REFERENCE_CHECK(check_shape(p.rotary_sin, "rotary_sin", {positions, half}));
+  const Tensor& offsets = present(p.rotary_seqlens) ? p.rotary_seqlens : p.cache_seqlens;
+  const char* offsets_name = present(p.rotary_seqlens) ? "rotary_seqlens" : "cache_seqlens";
+  if (present(p.rotary_seqlens)) {
+    FLASHHOPPER_REFERENCE_CHECK(check_int32(p.rotary_seqlens, "rotary_seqlens", 1));
+    FLASHHOPPER_REFERENCE_CHECK(check_shape(p.rotary_seqlens, "rotary_seqlens", {shape.batch}));
+  }
+  rotary->cos = p.rotary_cos;
+  rotary->sin = p.rotary_sin;
+  rotary->interleaved = p.rotary_interleaved != 0;
+  rotary->rows_advance = detail::mask_spec(p).is_masked();
+  rotary->offsets.resize(shape.batch);
+  for (int64_t b = 0; b < shape.batch; ++b) {
+    const int64_t offset = int_at(offsets, b);
+    const int64_t capacity = sequences[b].row_capacity;  // q's rows (all are rotated)
+    const int64_t rows = rotary->rows_advance ? capacity : std::min<int64_t>(1, capacity);
+    const int64_t last = offset + std::max(shape.seqlen_new, rows) - 1;
+    if (offset < 0 || last >= positions) {
+      return invalid("sequence " + std::to_string(b) + ": rotary positions " + std::to_string(offset) + ".." +
+                     std::to_string(last) + " (from " + offsets_name + ") are not rows of rotary_cos (" +
+                     std::to_string(positions) + ")");
+    }
+    rotary->offsets[b] = offset;
+  }
+  return {};
+}
+
 struct ForwardPlan {
   ProblemShape shape;
   MaskSpec mask;
@@ -632,6 +722,7 @@ struct ForwardPlan {
   TokenLayout q, k, v, out;
   TokenLayout qv;                      // with has_qv only
   bool has_qv = false;
+  Rotary rotary;                       // rotary_cos absent: none
   RowLayout lse;                       // tensor absent: not written
   RowLayout out_partial, lse_partial;  // split-KV only
   int64_t num_splits = 1;
@@ -661,6 +752,8 @@ void run_forward(const ForwardPlan& plan, int num_threads) {
     head.d = shape.head_dim;
     head.dv = shape.head_dim_v;
     gather_rows(plan.q, b, h, head.rows, head.d, &head.q);
+    for (int64_t i = 0; i < head.rows; ++i)  // rounded as a plain implementation stores rotated q
+      plan.rotary.apply(head.q.data() + i * head.d, plan.rotary.query_position(b, i), Math::round);
     gather_rows(plan.k, b, hk, head.keys, head.d, &head.k);
     gather_rows(plan.v, b, hk, head.keys, head.dv, &head.v);
     if (plan.has_qv) {  // S = Q K^T + Qv V^T = [Q | Qv] [K | V]^T: scores over d + dv columns
@@ -721,10 +814,12 @@ void append_new_keys(const ForwardPlan& plan, const ForwardParams& p) {
   const TokenLayout v_new = TokenLayout::dense(p.v_new);
   std::vector<double> row(std::max(shape.head_dim, shape.head_dim_v));
   for (int64_t b = 0; b < shape.batch; ++b) {
-    const int64_t start = int_at(p.cache_seqlens, b);
+    // The layout counts tokens from the sequence's first key, cache_leftpad[b].
+    const int64_t start = int_at(p.cache_seqlens, b) - (present(p.cache_leftpad) ? int_at(p.cache_leftpad, b) : 0);
     for (int64_t t = 0; t < shape.seqlen_new; ++t) {
       for (int64_t hk = 0; hk < shape.heads_kv; ++hk) {
         k_new.load_row(b, t, hk, shape.head_dim, row.data());
+        plan.rotary.apply(row.data(), plan.rotary.key_position(b, t), [](double x) { return x; });
         plan.k.store_row(b, start + t, hk, shape.head_dim, row.data());
         v_new.load_row(b, t, hk, shape.head_dim_v, row.data());
         plan.v.store_row(b, start + t, hk, shape.head_dim_v, row.data());
@@ -931,8 +1026,9 @@ Status forward(const ForwardParams& p, const Options& options, const Tensor* out
     k_shape = {shape.total_k, Hkv, d};
     v_shape = {shape.total_k, Hkv, dv};
   } else {
-    k_shape = {B, shape.seqlen_k, Hkv, d};
-    v_shape = {B, shape.seqlen_k, Hkv, dv};
+    const int64_t rows = present(p.cache_batch_idx) ? p.k.shape[0] : B;  // cache rows, indexed per sequence
+    k_shape = {rows, shape.seqlen_k, Hkv, d};
+    v_shape = {rows, shape.seqlen_k, Hkv, dv};
   }
   FLASHHOPPER_REFERENCE_CHECK(check_shape(p.k, "k", k_shape));
   FLASHHOPPER_REFERENCE_CHECK(check_shape(p.v, "v", v_shape));
@@ -991,9 +1087,21 @@ Status forward(const ForwardParams& p, const Options& options, const Tensor* out
     }
   }
 
-  LengthSources lengths{p.cu_seqlens_q,  p.cu_seqlens_k, p.seqused_q,     p.seqused_k,
-                        p.cache_seqlens, p.page_table,   shape.seqlen_new};
+  const Tensor* cache_indices[] = {&p.cache_batch_idx, &p.cache_leftpad};
+  const char* cache_index_names[] = {"cache_batch_idx", "cache_leftpad"};
+  for (int i = 0; i < 2; ++i) {
+    if (!present(*cache_indices[i])) continue;
+    if (paged || varlen_k) return invalid(std::string(cache_index_names[i]) + " needs a dense cache");
+    FLASHHOPPER_REFERENCE_CHECK(check_int32(*cache_indices[i], cache_index_names[i], 1));
+    FLASHHOPPER_REFERENCE_CHECK(check_shape(*cache_indices[i], cache_index_names[i], {B}));
+  }
+  if (present(p.cache_leftpad) && !present(p.cache_seqlens)) return invalid("cache_leftpad needs cache_seqlens");
+
+  LengthSources lengths{p.cu_seqlens_q,  p.cu_seqlens_k, p.seqused_q,       p.seqused_k,
+                        p.cache_seqlens, p.page_table,   shape.seqlen_new, p.cache_batch_idx,
+                        p.cache_leftpad, p.k.shape[0]};
   FLASHHOPPER_REFERENCE_CHECK(sequence_lengths(shape, lengths, &plan.sequences));
+  FLASHHOPPER_REFERENCE_CHECK(rotary_plan(p, shape, plan.sequences, &plan.rotary));
 
   FLASHHOPPER_REFERENCE_CHECK(read_sinks(p.learnable_sink, Hq, &plan.sinks));
   plan.mask = detail::mask_spec(p);
@@ -1011,6 +1119,10 @@ Status forward(const ForwardParams& p, const Options& options, const Tensor* out
   } else {
     plan.k = TokenLayout::dense(p.k);
     plan.v = TokenLayout::dense(p.v);
+    for (TokenLayout* layout : {&plan.k, &plan.v}) {
+      layout->cache_row = p.cache_batch_idx;
+      layout->first_token = p.cache_leftpad;
+    }
   }
 
   if (options.emulate_low_precision && p.q.dtype != FH_DTYPE_BF16 && p.q.dtype != FH_DTYPE_FP16 &&

@@ -1454,6 +1454,281 @@ TEST(ReferenceRefusals, QvOfTheWrongShapeIsRefused) {
   EXPECT_NE(status.message.find("qv"), std::string::npos) << status.message;
 }
 
+// ---- KV cache extras: cache_batch_idx, cache_leftpad, rotary, varlen queries ----------------------
+
+// Sequence b reading cache row cache_batch_idx[b] (and appending there) is the call on the cache
+// rows gathered in that order; the rows no sequence names are left alone.
+TEST(ReferenceIdentities, CacheBatchIdxIsGatheredCache) {
+  const Dims dims{2, 3, 12, 4, 2, 8, 6};
+  const int64_t cache_rows = 3, s_new = 2;
+  const std::vector<int64_t> rows = {2, 0};
+  const HostTensor batch_idx = int32_tensor({2, 0}), cache_seqlens = int32_tensor({5, 9});
+  const HostTensor k_new = random_tensor(FH_DTYPE_FP64, {dims.batch, s_new, dims.hkv, dims.d}, 1801);
+  const HostTensor v_new = random_tensor(FH_DTYPE_FP64, {dims.batch, s_new, dims.hkv, dims.dv}, 1802);
+  const HostTensor k_before = random_tensor(FH_DTYPE_FP64, {cache_rows, dims.sk, dims.hkv, dims.d}, 1803);
+  const HostTensor v_cache = random_tensor(FH_DTYPE_FP64, {cache_rows, dims.sk, dims.hkv, dims.dv}, 1804);
+  for (int causal : {0, 1}) {
+    SCOPED_TRACE(causal);
+    Mask mask;
+    mask.causal = causal;
+    DenseCase gathered(dims, 1805), indexed(dims, 1805);
+    for (int64_t b = 0; b < dims.batch; ++b)
+      for (int64_t j = 0; j < dims.sk; ++j)
+        for (int64_t h = 0; h < dims.hkv; ++h) {
+          for (int64_t x = 0; x < dims.d; ++x) gathered.k.set({b, j, h, x}, k_before.get({rows[b], j, h, x}));
+          for (int64_t x = 0; x < dims.dv; ++x) gathered.v.set({b, j, h, x}, v_cache.get({rows[b], j, h, x}));
+        }
+    fh::ForwardParams g = gathered.forward(mask);
+    g.k_new = k_new.view();
+    g.v_new = v_new.view();
+    g.cache_seqlens = cache_seqlens.view();
+    ASSERT_OK(ref::forward(g));
+
+    HostTensor k_rows = k_before, v_rows = v_cache;  // fresh copies: the call appends into them
+    fh::ForwardParams p = indexed.forward(mask);
+    p.k = k_rows.view();
+    p.v = v_rows.view();
+    p.cache_batch_idx = batch_idx.view();
+    p.k_new = k_new.view();
+    p.v_new = v_new.view();
+    p.cache_seqlens = cache_seqlens.view();
+    ASSERT_OK(ref::forward(p));
+    EXPECT_EQ(max_abs_diff(indexed.out.view(), gathered.out.view()), 0);
+    EXPECT_EQ(max_abs_diff(indexed.lse.view(), gathered.lse.view()), 0);
+    for (int64_t b = 0; b < dims.batch; ++b)  // the appended keys landed in each sequence's row
+      for (int64_t j = 0; j < dims.sk; ++j)
+        EXPECT_EQ(k_rows.get({rows[b], j, 1, 3}), gathered.k.get({b, j, 1, 3})) << b << " " << j;
+    EXPECT_EQ(max_abs_diff(narrow(k_rows.view(), 0, 1, 1), narrow(k_before.view(), 0, 1, 1)), 0)
+        << "cache row 1 belongs to no sequence";
+  }
+}
+
+// A sequence whose keys start at cache position cache_leftpad[b] is the call on a cache shifted
+// left by that much: masks align to its own keys, and the append lands at cache_seqlens[b].
+TEST(ReferenceIdentities, LeftpadIsShiftedCache) {
+  const Dims dims{2, 3, 12, 4, 2, 8, 6};
+  const int64_t s_new = 2;
+  const std::vector<int32_t> leftpad = {3, 0}, cached = {7, 5};
+  const HostTensor leftpad_t = int32_tensor(leftpad), cache_seqlens = int32_tensor(cached);
+  std::vector<int32_t> shifted_lengths(2);
+  for (int b = 0; b < 2; ++b) shifted_lengths[b] = cached[b] - leftpad[b];
+  const HostTensor shifted_seqlens = int32_tensor(shifted_lengths);
+  const HostTensor k_new = random_tensor(FH_DTYPE_FP64, {dims.batch, s_new, dims.hkv, dims.d}, 1901);
+  const HostTensor v_new = random_tensor(FH_DTYPE_FP64, {dims.batch, s_new, dims.hkv, dims.dv}, 1902);
+  for (const Mask& mask : {Mask{}, Mask{1}, Mask{0, 2, 0, 1, 4.0f}}) {
+    SCOPED_TRACE(testing::Message() << "causal " << mask.causal << " window " << mask.window_left);
+    DenseCase padded(dims, 1903), shifted(dims, 1903);
+    for (int64_t b = 0; b < dims.batch; ++b)
+      for (int64_t j = 0; j + leftpad[b] < dims.sk; ++j)
+        for (int64_t h = 0; h < dims.hkv; ++h) {
+          for (int64_t x = 0; x < dims.d; ++x) shifted.k.set({b, j, h, x}, padded.k.get({b, j + leftpad[b], h, x}));
+          for (int64_t x = 0; x < dims.dv; ++x) shifted.v.set({b, j, h, x}, padded.v.get({b, j + leftpad[b], h, x}));
+        }
+    fh::ForwardParams s = shifted.forward(mask);
+    s.k_new = k_new.view();
+    s.v_new = v_new.view();
+    s.cache_seqlens = shifted_seqlens.view();
+    ASSERT_OK(ref::forward(s));
+    fh::ForwardParams p = padded.forward(mask);
+    p.cache_leftpad = leftpad_t.view();
+    p.k_new = k_new.view();
+    p.v_new = v_new.view();
+    p.cache_seqlens = cache_seqlens.view();
+    ASSERT_OK(ref::forward(p));
+    EXPECT_EQ(max_abs_diff(padded.out.view(), shifted.out.view()), 0);
+    EXPECT_EQ(max_abs_diff(padded.lse.view(), shifted.lse.view()), 0);
+    for (int64_t b = 0; b < dims.batch; ++b)
+      for (int64_t t = 0; t < s_new; ++t)
+        EXPECT_EQ(padded.k.get({b, cached[b] + t, 1, 2}), k_new.get({b, t, 1, 2})) << "appended at cache_seqlens";
+  }
+}
+
+// Rotary, by its definition: x' = x cos - y sin, y' = x sin + y cos for the pairs (x, y) = (2i,
+// 2i + 1) (interleaved) or (i, i + r/2), at position p of the tables.
+void rotate_by_hand(HostTensor* t, int64_t b, int64_t token, int64_t head, int64_t position, const HostTensor& cos,
+                    const HostTensor& sin, bool interleaved) {
+  const int64_t half = cos.shape()[1];
+  for (int64_t i = 0; i < half; ++i) {
+    const int64_t ix = interleaved ? 2 * i : i, iy = interleaved ? 2 * i + 1 : i + half;
+    const double x = t->get({b, token, head, ix}), y = t->get({b, token, head, iy});
+    const double c = cos.get({position, i}), s = sin.get({position, i});
+    t->set({b, token, head, ix}, x * c - y * s);
+    t->set({b, token, head, iy}, x * s + y * c);
+  }
+}
+
+// Rotary on the appended keys and q equals the call without it on inputs rotated by hand: keys
+// at offset + t, q's rows at offset + i with a mask, all at the offset without one; the cache
+// holds the rotated keys. Interleaved or not, a rotary dim below d, offsets from cache_seqlens or
+// rotary_seqlens.
+TEST(ReferenceIdentities, RotaryIsRotatedInputs) {
+  const Dims dims{2, 3, 12, 4, 2, 8, 6};
+  const int64_t s_new = 2, positions = 16;
+  const std::vector<int32_t> cached = {4, 9}, rotary_start = {1, 6};
+  const HostTensor cache_seqlens = int32_tensor(cached), rotary_seqlens = int32_tensor(rotary_start);
+  HostTensor angle = random_tensor(FH_DTYPE_FP64, {positions, 3}, 2001);
+  HostTensor cos(FH_DTYPE_FP64, {positions, 3}), sin(FH_DTYPE_FP64, {positions, 3});  // rotary_dim 6 < d = 8
+  for (int64_t p = 0; p < positions; ++p)
+    for (int64_t i = 0; i < 3; ++i) {
+      cos.set({p, i}, std::cos(3 * angle.get({p, i})));
+      sin.set({p, i}, std::sin(3 * angle.get({p, i})));
+    }
+  const HostTensor k_new = random_tensor(FH_DTYPE_FP64, {dims.batch, s_new, dims.hkv, dims.d}, 2002);
+  const HostTensor v_new = random_tensor(FH_DTYPE_FP64, {dims.batch, s_new, dims.hkv, dims.dv}, 2003);
+  for (bool interleaved : {true, false})
+    for (int causal : {0, 1})
+      for (bool own_offsets : {false, true}) {
+        SCOPED_TRACE(testing::Message() << "interleaved " << interleaved << " causal " << causal << " rotary_seqlens "
+                                        << own_offsets);
+        const std::vector<int32_t>& start = own_offsets ? rotary_start : cached;
+        Mask mask;
+        mask.causal = causal;
+        DenseCase by_hand(dims, 2004), rotary(dims, 2004);
+        HostTensor k_rotated = k_new;
+        for (int64_t b = 0; b < dims.batch; ++b)
+          for (int64_t h = 0; h < dims.hkv; ++h)
+            for (int64_t t = 0; t < s_new; ++t)
+              rotate_by_hand(&k_rotated, b, t, h, start[b] + t, cos, sin, interleaved);
+        for (int64_t b = 0; b < dims.batch; ++b)
+          for (int64_t h = 0; h < dims.hq; ++h)
+            for (int64_t i = 0; i < dims.sq; ++i)
+              rotate_by_hand(&by_hand.q, b, i, h, start[b] + (causal ? i : 0), cos, sin, interleaved);
+        fh::ForwardParams e = by_hand.forward(mask);
+        e.k_new = k_rotated.view();
+        e.v_new = v_new.view();
+        e.cache_seqlens = cache_seqlens.view();
+        ASSERT_OK(ref::forward(e));
+
+        const HostTensor q_before = rotary.q;
+        fh::ForwardParams p = rotary.forward(mask);
+        p.k_new = k_new.view();
+        p.v_new = v_new.view();
+        p.cache_seqlens = cache_seqlens.view();
+        p.rotary_cos = cos.view();
+        p.rotary_sin = sin.view();
+        p.rotary_interleaved = interleaved ? 1 : 0;
+        if (own_offsets) p.rotary_seqlens = rotary_seqlens.view();
+        ASSERT_OK(ref::forward(p));
+        EXPECT_LE(max_abs_diff(rotary.out.view(), by_hand.out.view()), kSameMaths);
+        EXPECT_LE(max_abs_diff(rotary.lse.view(), by_hand.lse.view()), kSameMaths);
+        EXPECT_LE(max_abs_diff(rotary.k.view(), by_hand.k.view()), kSameMaths) << "the cache holds rotated keys";
+        EXPECT_EQ(max_abs_diff(rotary.q.view(), q_before.view()), 0) << "q is not written";
+        EXPECT_GT(max_abs_diff(by_hand.q.view(), q_before.view()), 0.01) << "the rotation did something";
+      }
+}
+
+// Angle 0 everywhere (cos 1, sin 0) is no rotary at all.
+TEST(ReferenceIdentities, RotaryOfAngleZeroIsNoRotary) {
+  const Dims dims{2, 3, 12, 4, 2, 8, 6};
+  HostTensor cos(FH_DTYPE_FP64, {16, 4}), sin(FH_DTYPE_FP64, {16, 4});
+  for (int64_t p = 0; p < 16; ++p)
+    for (int64_t i = 0; i < 4; ++i) cos.set({p, i}, 1.0);
+  const HostTensor cache_seqlens = int32_tensor({4, 9});
+  const HostTensor k_new = random_tensor(FH_DTYPE_FP64, {dims.batch, 2, dims.hkv, dims.d}, 2101);
+  const HostTensor v_new = random_tensor(FH_DTYPE_FP64, {dims.batch, 2, dims.hkv, dims.dv}, 2102);
+  DenseCase plain(dims, 2103), rotary(dims, 2103);
+  for (DenseCase* c : {&plain, &rotary}) {
+    fh::ForwardParams p = c->forward(Mask{1});
+    p.k_new = k_new.view();
+    p.v_new = v_new.view();
+    p.cache_seqlens = cache_seqlens.view();
+    if (c == &rotary) {
+      p.rotary_cos = cos.view();
+      p.rotary_sin = sin.view();
+    }
+    ASSERT_OK(ref::forward(p));
+  }
+  EXPECT_EQ(max_abs_diff(plain.out.view(), rotary.out.view()), 0);
+  EXPECT_EQ(max_abs_diff(plain.k.view(), rotary.k.view()), 0);
+}
+
+// Packed queries (cu_seqlens_q) against a paged cache: each sequence is its own dense call.
+TEST(ReferenceIdentities, VarlenQueriesAgainstPagedCacheArePerSequence) {
+  const std::vector<int32_t> rows = {3, 0, 5}, keys = {9, 4, 12};
+  const int64_t hq = 4, hkv = 2, d = 8, dv = 6, sk = 12;
+  const HostTensor cu_q = int32_tensor({0, 3, 3, 8}), cache_seqlens = int32_tensor(keys);
+  HostTensor q = random_tensor(FH_DTYPE_FP64, {8, hq, d}, 2201);
+  HostTensor out(FH_DTYPE_FP64, {8, hq, dv}), lse(FH_DTYPE_FP64, {hq, 8});
+  const HostTensor k = random_tensor(FH_DTYPE_FP64, {3, sk, hkv, d}, 2202);
+  const HostTensor v = random_tensor(FH_DTYPE_FP64, {3, sk, hkv, dv}, 2203);
+  const PagedCache cache(k, v, keys, /*page_size=*/4, /*num_pages=*/10, 2204);
+  fh::ForwardParams p = fh::default_forward_params();
+  p.q = q.view();
+  p.k = cache.k.view();
+  p.v = cache.v.view();
+  p.out = out.view();
+  p.lse = lse.view();
+  p.cu_seqlens_q = cu_q.view();
+  p.max_seqlen_q = 5;
+  p.page_table = cache.page_table.view();
+  p.cache_seqlens = cache_seqlens.view();
+  p.causal = 1;
+  ASSERT_OK(ref::forward(p));
+  for (int64_t b = 0, row0 = 0; b < 3; row0 += rows[b], ++b) {
+    if (rows[b] == 0) continue;
+    HostTensor q1(FH_DTYPE_FP64, {1, rows[b], hq, d}), k1(FH_DTYPE_FP64, {1, keys[b], hkv, d});
+    HostTensor v1(FH_DTYPE_FP64, {1, keys[b], hkv, dv}), out1(FH_DTYPE_FP64, {1, rows[b], hq, dv});
+    for (int64_t i = 0; i < rows[b]; ++i)
+      for (int64_t h = 0; h < hq; ++h)
+        for (int64_t x = 0; x < d; ++x) q1.set({0, i, h, x}, q.get({row0 + i, h, x}));
+    for (int64_t j = 0; j < keys[b]; ++j)
+      for (int64_t h = 0; h < hkv; ++h) {
+        for (int64_t x = 0; x < d; ++x) k1.set({0, j, h, x}, k.get({b, j, h, x}));
+        for (int64_t x = 0; x < dv; ++x) v1.set({0, j, h, x}, v.get({b, j, h, x}));
+      }
+    fh::ForwardParams one = fh::default_forward_params();
+    one.q = q1.view();
+    one.k = k1.view();
+    one.v = v1.view();
+    one.out = out1.view();
+    one.causal = 1;
+    ASSERT_OK(ref::forward(one));
+    for (int64_t i = 0; i < rows[b]; ++i)
+      for (int64_t h = 0; h < hq; ++h)
+        for (int64_t x = 0; x < dv; ++x)
+          ASSERT_EQ(out.get({row0 + i, h, x}), out1.get({0, i, h, x})) << b << " " << i << " " << h;
+  }
+}
+
+TEST(ReferenceRefusals, KvCacheExtrasOutOfRangeAreRefused) {
+  const Dims dims{2, 3, 12, 4, 2, 8, 6};
+  const HostTensor cache_seqlens = int32_tensor({4, 9});
+  const HostTensor k_new = random_tensor(FH_DTYPE_FP64, {dims.batch, 2, dims.hkv, dims.d}, 2301);
+  const HostTensor v_new = random_tensor(FH_DTYPE_FP64, {dims.batch, 2, dims.hkv, dims.dv}, 2302);
+  HostTensor cos(FH_DTYPE_FP64, {10, 4}), sin(FH_DTYPE_FP64, {10, 4});  // positions up to 9 only
+  struct Case {
+    const char* what;
+    HostTensor batch_idx, leftpad;
+    bool rotary;
+    const char* keyword;
+  };
+  const Case cases[] = {
+      {"cache row out of range", int32_tensor({0, 2}), {}, false, "cache_batch_idx[1] = 2"},
+      {"leftpad past the cached keys", {}, int32_tensor({5, 0}), false, "cache_leftpad[0] = 5"},
+      {"rotary past the table", {}, {}, true, "rotary positions 9..10"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    DenseCase dense(dims, 2303);
+    const HostTensor k_before = dense.k;
+    fh::ForwardParams p = dense.forward();
+    p.k_new = k_new.view();
+    p.v_new = v_new.view();
+    p.cache_seqlens = cache_seqlens.view();
+    if (!c.batch_idx.shape().empty()) p.cache_batch_idx = c.batch_idx.view();
+    if (!c.leftpad.shape().empty()) p.cache_leftpad = c.leftpad.view();
+    if (c.rotary) {
+      p.rotary_cos = cos.view();
+      p.rotary_sin = sin.view();
+    }
+    const fh::Status status = ref::forward(p);
+    EXPECT_EQ(status.code, FH_ERROR_INVALID_ARGUMENT);
+    EXPECT_NE(status.message.find(c.keyword), std::string::npos) << status.message;
+    EXPECT_EQ(max_abs_diff(dense.k.view(), k_before.view()), 0) << "nothing appended";
+  }
+}
+
+
 TEST(ReferenceSpeed, Forward2kBy2k16HeadsHeadDim128) {
   const Dims dims{1, 2048, 2048, 16, 16, 128, 128};
   const HostTensor q = random_tensor(FH_DTYPE_BF16, {1, 2048, 16, 128}, 351);

@@ -259,6 +259,86 @@ TEST(ForwardPresence, KNewNeedsCacheSeqlens) {
   EXPECT_PASSES(fh::check(p));
 }
 
+// ---- KV cache extras: cache_batch_idx, cache_leftpad, rotary ------------------------------------
+
+// A dense cache of 5 rows for kBatch sequences, one appended token each, rotary on half of d.
+fh::ForwardParams dense_cache_forward() {
+  fh::ForwardParams p = dense_forward();
+  p.k = fh::make_tensor(fake_pointer(1), FH_DTYPE_BF16, {5, kSeqK, kHeadsKV, kDim});
+  p.v = fh::make_tensor(fake_pointer(2), FH_DTYPE_BF16, {5, kSeqK, kHeadsKV, kDimV});
+  p.cache_seqlens = fh::make_tensor(fake_pointer(20), FH_DTYPE_INT32, {kBatch});
+  p.cache_batch_idx = fh::make_tensor(fake_pointer(21), FH_DTYPE_INT32, {kBatch});
+  p.cache_leftpad = fh::make_tensor(fake_pointer(22), FH_DTYPE_INT32, {kBatch});
+  p.k_new = fh::make_tensor(fake_pointer(23), FH_DTYPE_BF16, {kBatch, 1, kHeadsKV, kDim});
+  p.v_new = fh::make_tensor(fake_pointer(24), FH_DTYPE_BF16, {kBatch, 1, kHeadsKV, kDimV});
+  p.rotary_cos = fh::make_tensor(fake_pointer(25), FH_DTYPE_BF16, {kSeqK, kDim / 4});
+  p.rotary_sin = fh::make_tensor(fake_pointer(26), FH_DTYPE_BF16, {kSeqK, kDim / 4});
+  p.rotary_seqlens = fh::make_tensor(fake_pointer(27), FH_DTYPE_INT32, {kBatch});
+  p.rotary_interleaved = 1;
+  return p;
+}
+
+TEST(ForwardKvCache, ExtrasPass) {
+  EXPECT_PASSES(fh::check(dense_cache_forward()));
+  EXPECT_PASSES(check_for_reference(dense_cache_forward()));
+}
+
+TEST(ForwardKvCache, BatchIdxAndLeftpadNeedADenseCache) {
+  for (const char* name : {"cache_batch_idx", "cache_leftpad"}) {
+    fh::ForwardParams p = paged_forward();
+    (std::string(name) == "cache_batch_idx" ? p.cache_batch_idx : p.cache_leftpad) =
+        fh::make_tensor(fake_pointer(21), FH_DTYPE_INT32, {kBatch});
+    EXPECT_REFUSED(fh::check(p), name, "page_table");
+  }
+  fh::ForwardParams p = dense_cache_forward();
+  p.k_new = p.v_new = p.rotary_cos = p.rotary_sin = p.rotary_seqlens = {};
+  p.cache_seqlens = {};
+  EXPECT_REFUSED(fh::check(p), "cache_leftpad", "cache_seqlens");
+}
+
+TEST(ForwardKvCache, BatchIdxLetsTheCacheHaveAnyRows) {
+  fh::ForwardParams p = dense_cache_forward();
+  p.v = fh::make_tensor(fake_pointer(2), FH_DTYPE_BF16, {4, kSeqK, kHeadsKV, kDimV});
+  EXPECT_REFUSED(fh::check(p), "v", "number of cache rows");
+  p = dense_cache_forward();
+  p.cache_batch_idx = {};  // without it the cache has one row a sequence
+  EXPECT_REFUSED(fh::check(p), "k", "batch size");
+  p = dense_cache_forward();
+  p.cache_batch_idx = fh::make_tensor(fake_pointer(21), FH_DTYPE_INT32, {kBatch + 1});
+  EXPECT_REFUSED(fh::check(p), "cache_batch_idx", "batch size");
+  p.cache_batch_idx = fh::make_tensor(fake_pointer(21), FH_DTYPE_FP32, {kBatch});
+  EXPECT_REFUSED(fh::check(p), "cache_batch_idx", "int32");
+}
+
+TEST(ForwardKvCache, RotaryRules) {
+  fh::ForwardParams p = dense_cache_forward();
+  p.rotary_sin = {};
+  EXPECT_REFUSED(fh::check(p), "rotary_sin", "together with rotary_cos");
+  p = dense_cache_forward();
+  p.k_new = p.v_new = {};
+  EXPECT_REFUSED(fh::check(p), "rotary_cos", "k_new");
+  p = dense_cache_forward();
+  p.rotary_cos = p.rotary_sin = {};
+  EXPECT_REFUSED(fh::check(p), "rotary_seqlens", "without rotary_cos");
+  p = dense_cache_forward();
+  p.rotary_cos.shape[1] = p.rotary_sin.shape[1] = kDim / 2 + 1;
+  EXPECT_REFUSED(fh::check(p), "rotary_cos", "at most the head dim");
+  p = dense_cache_forward();
+  p.rotary_sin.shape[0] = kSeqK / 2;
+  EXPECT_REFUSED(fh::check(p), "rotary_sin", "seqlen_ro");
+  p = dense_cache_forward();
+  p.rotary_cos.dtype = FH_DTYPE_FP16;
+  EXPECT_REFUSED(fh::check(p), "rotary_cos", "q's dtype");
+  p.rotary_cos.dtype = FH_DTYPE_FP32;  // the CPU reference also takes float32 tables
+  EXPECT_PASSES(check_for_reference(p));
+  p = dense_cache_forward();
+  p.rotary_interleaved = 2;
+  EXPECT_REFUSED(fh::check(p), "rotary_interleaved", "0 or 1");
+  p = dense_cache_forward();
+  p.rotary_cos = fh::make_tensor(fake_pointer(25), FH_DTYPE_BF16, {kSeqK});
+  EXPECT_REFUSED(fh::check(p), "rotary_cos", "");
+}
+
 // ---- Ranks ------------------------------------------------------------------------------------
 
 TEST(ForwardRank, DenseQIsFourDimensional) {

@@ -88,7 +88,10 @@ int64_t pick_extent(std::mt19937_64& rng, int64_t ordinary) {
                                     std::numeric_limits<int64_t>::max(), std::numeric_limits<int64_t>::min()};
   switch (rng() % 4) {
     case 0: return hostile[rng() % (sizeof(hostile) / sizeof(hostile[0]))];
-    case 1: return ordinary + int64_t(rng() % 5) - 2;
+    case 1: {  // near the current value (which an earlier mutation may have made extreme)
+      int64_t near = 0;
+      return __builtin_add_overflow(ordinary, int64_t(rng() % 5) - 2, &near) ? ordinary : near;
+    }
     default: return ordinary;
   }
 }
@@ -96,7 +99,11 @@ int64_t pick_extent(std::mt19937_64& rng, int64_t ordinary) {
 void mutate_tensor(std::mt19937_64& rng, fh::Tensor& t) {
   switch (rng() % 7) {
     case 0: t.shape[rng() % FH_MAX_DIMS] = pick_extent(rng, t.shape[0]); break;
-    case 1: t.stride[rng() % FH_MAX_DIMS] = pick_extent(rng, t.stride[std::max(0, t.ndim - 1)]); break;
+    case 1: {  // near the last dim's stride (ndim itself may be mutated past FH_MAX_DIMS)
+      const int last = std::min(FH_MAX_DIMS - 1, std::max(0, t.ndim - 1));
+      t.stride[rng() % FH_MAX_DIMS] = pick_extent(rng, t.stride[last]);
+      break;
+    }
     case 2: t.dtype = int32_t(rng() % 8) - 1; break;
     case 3: t.ndim = int32_t(rng() % 8) - 1; break;
     case 4: t.data = rng() % 2 ? nullptr : static_cast<char*>(t.data) + 1 + rng() % 8; break;  // absent, misaligned
@@ -205,6 +212,17 @@ void run_one(std::mt19937_64& rng, Arena& arena, Findings& findings, long iterat
     } else {
       f.k = arena.floats_of({batch, sk, hkv, d});
       f.v = arena.floats_of({batch, sk, hkv, d});
+      if (rng() % 2) {  // a dense cache: rows by cache_batch_idx, left padding, an append with rotary
+        f.cache_seqlens = arena.ints_of({3, 6});
+        f.cache_batch_idx = arena.ints_of({1, 0});
+        f.cache_leftpad = arena.ints_of({1, 0});
+        f.k_new = arena.floats_of({batch, s_new, hkv, d});
+        f.v_new = arena.floats_of({batch, s_new, hkv, d});
+        f.rotary_cos = arena.floats_of({sk + 8, d / 4});
+        f.rotary_sin = arena.floats_of({sk + 8, d / 4});
+        f.rotary_seqlens = arena.ints_of({0, 2});
+        f.rotary_interleaved = int32_t(rng() % 2);
+      }
     }
   }
   f.causal = int32_t(rng() % 2);
@@ -237,15 +255,17 @@ void run_one(std::mt19937_64& rng, Arena& arena, Findings& findings, long iterat
     return;
   }
   fh::Tensor* tensors[] = {&f.q, &f.k, &f.v, &f.out, &f.lse, &f.cu_seqlens_q, &f.cu_seqlens_k, &f.seqused_k,
-                           &f.page_table, &f.cache_seqlens, &f.k_new, &f.v_new, &f.qv};
+                           &f.page_table, &f.cache_seqlens, &f.k_new, &f.v_new, &f.qv, &f.cache_batch_idx,
+                           &f.cache_leftpad, &f.rotary_cos, &f.rotary_sin, &f.rotary_seqlens};
+  const int int_tensors[] = {5, 6, 7, 8, 9, 13, 14, 17};  // the int32 metadata among them
   int32_t* ints[] = {&f.causal, &f.window_left, &f.window_right, &f.num_sink_tokens, &f.attention_chunk,
-                     &f.num_splits, &f.max_seqlen_q, &f.max_seqlen_k};
+                     &f.num_splits, &f.max_seqlen_q, &f.max_seqlen_k, &f.rotary_interleaved};
   float* floats[] = {&f.softmax_scale, &f.softcap};
   for (int m = 0, n = 1 + int(rng() % 3); m < n; ++m) {
     const uint64_t what = rng() % 4;
-    if (what == 0) mutate_scalars(rng, ints, 8, floats, 2);
-    else if (what == 1) mutate_ints(rng, *tensors[5 + rng() % 5]);
-    else mutate_tensor(rng, *tensors[rng() % 13]);
+    if (what == 0) mutate_scalars(rng, ints, 9, floats, 2);
+    else if (what == 1) mutate_ints(rng, *tensors[int_tensors[rng() % 8]]);
+    else mutate_tensor(rng, *tensors[rng() % 18]);
   }
   expect_answer(fh_forward_check(&f), findings, iteration, "fh_forward_check");
   if (f.num_splits > 1) return;  // the reference then writes partials it is given: not driven here

@@ -724,14 +724,16 @@ def test_ffi_struct_sizes_and_new_fields():
     assert ctypes.sizeof(_ffi.Tensor) == 96
     fwd_fields = [name for name, _ in _ffi.ForwardParams._fields_]
     bwd_fields = [name for name, _ in _ffi.BackwardParams._fields_]
-    assert fwd_fields[-4:] == ["num_splits", "attention_chunk", "learnable_sink", "qv"]
+    assert fwd_fields[-10:] == ["num_splits", "attention_chunk", "learnable_sink", "qv", "cache_batch_idx",
+                                "cache_leftpad", "rotary_cos", "rotary_sin", "rotary_seqlens", "rotary_interleaved"]
     assert bwd_fields[-4:] == ["deterministic", "attention_chunk", "learnable_sink", "dsink"]
     # forward: 9 tensors, max_seqlen_q/k (2 x 4), 7 more tensors, softmax_scale .. num_splits (7 x 4),
     # attention_chunk (4; ends at a multiple of 8, so no padding before the tensor), learnable_sink, qv
     assert _ffi.ForwardParams.attention_chunk.offset == 16 * 96 + 8 + 28 == 1572
     assert _ffi.ForwardParams.learnable_sink.offset == 1576
     assert _ffi.ForwardParams.qv.offset == 1576 + 96
-    assert ctypes.sizeof(_ffi.ForwardParams) == 1576 + 2 * 96
+    assert _ffi.ForwardParams.rotary_interleaved.offset == 1576 + 7 * 96
+    assert ctypes.sizeof(_ffi.ForwardParams) == 1576 + 7 * 96 + 8  # the int32 padded to 8
     # backward: 13 tensors, max_seqlen_q/k, softmax_scale .. deterministic (7 x 4), attention_chunk, 2 tensors
     assert _ffi.BackwardParams.attention_chunk.offset == 13 * 96 + 8 + 28 == 1284
     assert _ffi.BackwardParams.learnable_sink.offset == 1288
