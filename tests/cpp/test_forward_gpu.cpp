@@ -146,6 +146,31 @@ TEST(ForwardGpuErrors, HostPointerRefused) {
   EXPECT_NE(status.message.find("q"), std::string::npos) << status.message;
 }
 
+// What the kernels do not run yet is refused by name, never run with the argument ignored: a dense
+// cache with cache_seqlens (which would otherwise attend over every key), its extras, and qv.
+TEST(ForwardGpuErrors, KvCacheAndQvAreRefusedNotIgnored) {
+  HostTensor q = random_tensor(FH_DTYPE_BF16, {2, 64, 2, 128}, 1), out(FH_DTYPE_BF16, {2, 64, 2, 128});
+  const HostTensor lengths = int32_tensor({10, 20});
+  DeviceTensor d_q(q), d_out(out), d_lengths(lengths);
+  ASSERT_TRUE(d_q.ok() && d_out.ok() && d_lengths.ok());
+  CUDA_CHECK(d_q.upload(q));
+  CUDA_CHECK(d_lengths.upload(lengths));
+  for (int what = 0; what < 3; ++what) {
+    ForwardParams p = default_forward_params();
+    p.q = p.k = p.v = d_q.view();
+    p.out = d_out.view();
+    p.cache_seqlens = d_lengths.view();
+    if (what == 1) p.cache_leftpad = d_lengths.view();
+    if (what == 2) {
+      p.cache_seqlens = {};
+      p.qv = d_q.view();
+    }
+    const Status status = forward(p, nullptr, 0, nullptr);
+    EXPECT_EQ(status.code, FH_ERROR_NOT_SUPPORTED) << what << ": " << status.message;
+    EXPECT_NE(status.message.find(what == 2 ? "qv" : "KV cache"), std::string::npos) << status.message;
+  }
+}
+
 }  // namespace
 }  // namespace flashhopper::test
 
