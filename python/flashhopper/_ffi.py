@@ -60,6 +60,10 @@ class BackwardParams(ctypes.Structure):
     ]
 
 
+class CombineParams(ctypes.Structure):
+    _fields_ = [("out_partial", Tensor), ("lse_partial", Tensor), ("out", Tensor), ("lse", Tensor)]
+
+
 class KernelFamilyStruct(ctypes.Structure):
     _fields_ = [("backward", ctypes.c_int32), ("dtype", ctypes.c_int32), ("head_dim", ctypes.c_int32),
                 ("head_dim_v", ctypes.c_int32)]
@@ -106,6 +110,10 @@ def lib() -> ctypes.CDLL:
             getattr(handle, f"fh_{name}_workspace_size").restype = ctypes.c_int
             getattr(handle, f"fh_{name}").argtypes = [params, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
             getattr(handle, f"fh_{name}").restype = ctypes.c_int
+        handle.fh_combine_params_init.argtypes = [ctypes.POINTER(CombineParams)]
+        handle.fh_combine_params_init.restype = None
+        handle.fh_combine.argtypes = [ctypes.POINTER(CombineParams), ctypes.c_void_p]
+        handle.fh_combine.restype = ctypes.c_int
         handle.fh_last_error.argtypes = []
         handle.fh_last_error.restype = ctypes.c_char_p
         handle.fh_built_with_cuda.argtypes = []

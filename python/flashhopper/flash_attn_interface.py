@@ -17,8 +17,8 @@ and sk, deterministic backward; and all of it over packed variable-length sequen
 flash_attn_varlen_func (q [total_q, Hq, d], cu_seqlens_q/k, max_seqlen_q/k, seqused_q/k; up to 8192
 sequences). What a build of the library cannot run raises FlashHopperNotSupported with the
 library's message. Every argument FlashHopper cannot honour yet raises NotImplementedError naming it
-(num_splits > 1, qv, fp8 descales, sm_margin); flash_attn_with_kvcache and flash_attn_combine raise
-NotImplementedError as a whole. Bad tensors (dtype, rank, shape, strides, device, alignment) and bad
+(num_splits > 1, qv, fp8 descales, sm_margin); flash_attn_with_kvcache raises NotImplementedError as
+a whole. flash_attn_combine merges split-KV partials (FA3's signature and layouts). Bad tensors (dtype, rank, shape, strides, device, alignment) and bad
 options (window_size, softcap, attention_chunk, learnable_sink, cu_seqlens, seqused, max_seqlen)
 raise ValueError naming the argument before anything is launched.
 
@@ -284,9 +284,41 @@ def flash_attn_with_kvcache(
                               "append, rotary) is not supported by FlashHopper yet")
 
 
+_COMBINE_OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def flash_attn_combine(out_partial, lse_partial, out=None, out_dtype=None):
-    """FlashAttention-3's combine of split-KV partials. Not supported yet; raises NotImplementedError."""
-    raise interface.not_supported("flash_attn_combine: the split-KV combine is not supported by FlashHopper yet")
+    """FlashAttention-3's combine of split-KV partials: out_partial [num_splits, B, sq, H, d] and
+    lse_partial [num_splits, B, sq, H] (float32) into (out, softmax_lse): out [B, sq, H, d] in
+    out_dtype (default: out's dtype if given, else float32), written into `out` when given, and
+    softmax_lse [B, sq, H] float32 (a transposed view of [B, H, sq], as FA3 returns it).
+    LSE = log sum_s exp(LSE_s), O = sum_s exp(LSE_s - LSE) O_s; a split with LSE_s = -inf adds
+    nothing, and a row that no split saw gets O = 0 and LSE = -inf (never NaN)."""
+    for name, t, rank, layout in (("out_partial", out_partial, 5, "[num_splits, B, sq, H, d]"),
+                                  ("lse_partial", lse_partial, 4, "[num_splits, B, sq, H]")):
+        if not isinstance(t, torch.Tensor):
+            raise interface.invalid_argument(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != rank:
+            raise interface.invalid_argument(f"{name}: expected {rank} dims {layout}, got shape {tuple(t.shape)}")
+        if t.dtype != torch.float32:
+            raise interface.invalid_argument(f"{name}: dtype {t.dtype}; split-KV partials are torch.float32")
+    if tuple(lse_partial.shape) != tuple(out_partial.shape[:4]):
+        raise interface.invalid_argument(f"lse_partial: shape {tuple(lse_partial.shape)} but out_partial's "
+                                         f"{tuple(out_partial.shape)} needs {tuple(out_partial.shape[:4])}")
+    splits, batch, seqlen, heads, head_dim = out_partial.shape
+    if out_dtype is None:
+        out_dtype = out.dtype if out is not None else torch.float32
+    if out_dtype not in _COMBINE_OUT_DTYPES:
+        raise interface.invalid_argument(f"out_dtype: {out_dtype} is not supported (torch.float32, torch.bfloat16 "
+                                         "or torch.float16)")
+    if out is None:
+        out = torch.empty(batch, seqlen, heads, head_dim, dtype=out_dtype, device=out_partial.device)
+    elif out.dtype != out_dtype or tuple(out.shape) != (batch, seqlen, heads, head_dim):
+        raise interface.invalid_argument(f"out: dtype {out.dtype} shape {tuple(out.shape)}, expected {out_dtype} "
+                                         f"{(batch, seqlen, heads, head_dim)}")
+    softmax_lse = torch.empty(batch, heads, seqlen, dtype=torch.float32, device=out_partial.device)
+    interface.combine(out_partial.permute(0, 1, 3, 2, 4), lse_partial.permute(0, 1, 3, 2), out, softmax_lse)
+    return out, softmax_lse.transpose(1, 2)
 
 
 def get_scheduler_metadata(*args, **kwargs):

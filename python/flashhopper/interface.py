@@ -570,3 +570,21 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         params.dsink = _view(dsink)
     _run(lib.fh_backward_workspace_size, lib.fh_backward, params, q.device)
     return (dq, dk, dv) if dsink is None else (dq, dk, dv, dsink)
+
+
+def combine(out_partial: torch.Tensor, lse_partial: torch.Tensor, out: torch.Tensor,
+            lse: torch.Tensor | None = None) -> None:
+    """The split-KV combine in the C ABI's layout: out_partial [num_splits, B, Hq, sq, dv] and
+    lse_partial [num_splits, B, Hq, sq] (float32, any strides with the last dim contiguous) into
+    out [B, sq, Hq, dv] (bf16, fp16 or float32) and lse [B, Hq, sq] (float32, optional):
+    LSE = log sum_s exp(LSE_s), O = sum_s exp(LSE_s - LSE) O_s. The library checks shapes and
+    strides and names what it refuses."""
+    check_devices([("out_partial", out_partial), ("lse_partial", lse_partial), ("out", out), ("lse", lse)])
+    params = _ffi.CombineParams()
+    lib = _ffi.lib()
+    lib.fh_combine_params_init(ctypes.byref(params))
+    params.out_partial, params.lse_partial, params.out = _view(out_partial), _view(lse_partial), _view(out)
+    if lse is not None:
+        params.lse = _view(lse)
+    with torch.cuda.device(out.device):
+        _check(lib.fh_combine(ctypes.byref(params), torch.cuda.current_stream(out.device).cuda_stream))

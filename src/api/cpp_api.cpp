@@ -227,10 +227,24 @@ Status backward(const BackwardParams& params, void* workspace, size_t workspace_
 }
 
 Status combine(const CombineParams& params, fh_stream_t stream) {
-  (void)stream;
   Status status = check(params);
   if (!status.ok()) return status;
-  return error(FH_ERROR_NOT_SUPPORTED, "combine: the split-KV combine is not supported yet");
+#ifdef FLASHHOPPER_WITH_CUDA
+  if (!(status = check_device()).ok()) return status;
+  const std::pair<const Tensor*, const char*> pointers[] = {{&params.out_partial, "out_partial"},
+                                                            {&params.lse_partial, "lse_partial"},
+                                                            {&params.out, "out"},
+                                                            {&params.lse, "lse"}};
+  for (const auto& [tensor, name] : pointers) {
+    if (!(status = check_device_pointer(*tensor, name)).ok()) return status;
+  }
+  const int err = launch::run_combine(params, stream);
+  if (err != 0) return cuda_error("combine kernel launch", static_cast<cudaError_t>(err));
+  return {};
+#else
+  (void)stream;
+  return error(FH_ERROR_NO_DEVICE, kNoCuda);
+#endif
 }
 
 }  // namespace flashhopper

@@ -965,10 +965,11 @@ Status validate(const CombineParams& p, Target target) {
   FLASHHOPPER_RETURN_IF_INVALID(check_dtype(p.out, "out", out_dtypes));
   if (present(p.lse)) FLASHHOPPER_RETURN_IF_INVALID(check_dtype(p.lse, "lse", lse_dtypes));
 
+  // The combine kernel reads and writes elements (SplitCombineKernel): no TMA alignment rules.
   const std::vector<Arg> tensors{
-      {&p.out_partial, "out_partial", Access::kTma},
+      {&p.out_partial, "out_partial", Access::kRows},
       {&p.lse_partial, "lse_partial", Access::kRows},
-      {&p.out, "out", Access::kTma},
+      {&p.out, "out", Access::kRows},
       {&p.lse, "lse", Access::kRows},
   };
   FLASHHOPPER_RETURN_IF_INVALID(check_tensors_extents(tensors, target));

@@ -27,4 +27,7 @@ size_t backward_workspace_size(const BackwardParams& params, const detail::Probl
 int run_backward(const BackwardParams& params, const detail::ProblemShape& shape, void* workspace,
                  fh_stream_t stream);
 
+// Enqueues the split-KV combine (checked params). Returns the CUDA error of the launch.
+int run_combine(const CombineParams& params, fh_stream_t stream);
+
 }  // namespace flashhopper::launch

@@ -5,6 +5,7 @@
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
 #include <sstream>
 #include <string>
@@ -132,6 +133,98 @@ INSTANTIATE_TEST_SUITE_P(Features, ForwardGpuTest, ::testing::ValuesIn(feature_c
                          [](const ::testing::TestParamInfo<GridCase>& info) { return info.param.name(); });
 INSTANTIATE_TEST_SUITE_P(PaddedHeadDims, ForwardGpuTest, ::testing::ValuesIn(padded_head_dim_cases(false)),
                          [](const ::testing::TestParamInfo<GridCase>& info) { return info.param.name(); });
+
+// ---- split-KV combine -----------------------------------------------------------------------------
+
+struct CombineCase {
+  bool packed;
+  fh_dtype out_dtype;
+  int splits;
+  std::string name() const {
+    const char* dtype = out_dtype == FH_DTYPE_FP32 ? "fp32" : out_dtype == FH_DTYPE_BF16 ? "bf16" : "fp16";
+    return std::string(packed ? "packed_" : "dense_") + dtype + "_splits" + std::to_string(splits);
+  }
+};
+
+// The combine kernel against the CPU reference's exact combine: random partials, LSE spread over
+// [-8, 8] with single splits and whole rows at -inf (a row no split saw: O = 0, LSE = -inf), out and
+// lse poisoned first. out within twice the rounding to its dtype of the exact value (float32:
+// 1e-5 relative, the sums' own rounding), plus 1e-6; lse within 1e-5 relative. NaN never passes.
+class CombineGpuTest : public ::testing::TestWithParam<CombineCase> {};
+
+TEST_P(CombineGpuTest, MatchesReference) {
+  const CombineCase c = GetParam();
+  const int64_t B = 3, H = 4, sq = 37, dv = 72, S = c.splits, total = B * sq;
+  const std::vector<int64_t> out_partial_shape =
+      c.packed ? std::vector<int64_t>{S, H, total, dv} : std::vector<int64_t>{S, B, H, sq, dv};
+  const std::vector<int64_t> lse_partial_shape =
+      c.packed ? std::vector<int64_t>{S, H, total} : std::vector<int64_t>{S, B, H, sq};
+  const std::vector<int64_t> out_shape = c.packed ? std::vector<int64_t>{total, H, dv} : std::vector<int64_t>{B, sq, H, dv};
+  const std::vector<int64_t> lse_shape = c.packed ? std::vector<int64_t>{H, total} : std::vector<int64_t>{B, H, sq};
+  HostTensor out_partial = random_tensor(FH_DTYPE_FP32, out_partial_shape, 4101);
+  HostTensor lse_partial = random_tensor(FH_DTYPE_FP32, lse_partial_shape, 4102);
+  for_each_index(lse_partial_shape, [&](const std::vector<int64_t>& i) {
+    const int64_t split = i[0], row = i.back();
+    double v = 4 * lse_partial.get(i);
+    if ((split + 3 * row) % 5 == 1 && S > 1) v = -INFINITY;  // this split saw no key of the row
+    if (row % 11 == 5) v = -INFINITY;                         // no split saw one
+    lse_partial.set(i, v);
+  });
+  HostTensor out(c.out_dtype, out_shape), lse(FH_DTYPE_FP32, lse_shape);
+  DeviceTensor d_out_partial(out_partial), d_lse_partial(lse_partial), d_out(out), d_lse(lse);
+  ASSERT_TRUE(d_out_partial.ok() && d_lse_partial.ok() && d_out.ok() && d_lse.ok());
+  CUDA_CHECK(d_out_partial.upload(out_partial));
+  CUDA_CHECK(d_lse_partial.upload(lse_partial));
+  CUDA_CHECK(d_out.poison());
+  CUDA_CHECK(d_lse.poison());
+  CombineParams p{};
+  fh_combine_params_init(&p);
+  p.out_partial = d_out_partial.view();
+  p.lse_partial = d_lse_partial.view();
+  p.out = d_out.view();
+  p.lse = d_lse.view();
+  const Status status = combine(p, nullptr);
+  ASSERT_TRUE(status.ok()) << status.message;
+  CUDA_CHECK(cudaDeviceSynchronize());
+  CUDA_CHECK(d_out.download(out));
+  CUDA_CHECK(d_lse.download(lse));
+
+  HostTensor out_exact(FH_DTYPE_FP64, out_shape), lse_exact(FH_DTYPE_FP64, lse_shape);
+  CombineParams host = p;
+  host.out_partial = out_partial.view();
+  host.lse_partial = lse_partial.view();
+  host.out = out_exact.view();
+  host.lse = lse_exact.view();
+  const Status reference = flashhopper::reference::combine(host);
+  ASSERT_TRUE(reference.ok()) << reference.message;
+
+  const double relative = c.out_dtype == FH_DTYPE_FP32 ? 1e-5 : c.out_dtype == FH_DTYPE_BF16 ? 2 * 0x1p-8 : 2 * 0x1p-11;
+  int64_t bad = 0, rows_seen_by_none = 0;
+  for_each_index(out_shape, [&](const std::vector<int64_t>& i) {
+    const double ours = out.get(i), exact = out_exact.get(i);
+    if (!(std::fabs(ours - exact) <= relative * std::fabs(exact) + 1e-6) && bad++ < 5)
+      ADD_FAILURE() << "out at " << ::testing::PrintToString(i) << ": " << ours << " against " << exact;
+  });
+  for_each_index(lse_shape, [&](const std::vector<int64_t>& i) {
+    const double ours = lse.get(i), exact = lse_exact.get(i);
+    rows_seen_by_none += exact == -INFINITY;
+    const bool ok = exact == -INFINITY ? ours == -INFINITY : std::fabs(ours - exact) <= 1e-5 * (1 + std::fabs(exact));
+    if (!ok && bad++ < 10) ADD_FAILURE() << "lse at " << ::testing::PrintToString(i) << ": " << ours << " against " << exact;
+  });
+  EXPECT_EQ(bad, 0);
+  EXPECT_GT(rows_seen_by_none, 0) << "the case has rows no split saw";
+}
+
+std::vector<CombineCase> combine_cases() {
+  std::vector<CombineCase> cases;
+  for (bool packed : {false, true})
+    for (fh_dtype dtype : {FH_DTYPE_FP32, FH_DTYPE_BF16, FH_DTYPE_FP16})
+      for (int splits : {1, 3, 7, 32, 256}) cases.push_back({packed, dtype, splits});
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(Combine, CombineGpuTest, ::testing::ValuesIn(combine_cases()),
+                         [](const ::testing::TestParamInfo<CombineCase>& info) { return info.param.name(); });
 
 // Bad input through the real entry point: refused with the argument's name, nothing launched.
 TEST(ForwardGpuErrors, HostPointerRefused) {

@@ -185,12 +185,29 @@ def test_value_head_dim_other_than_head_dim(head_dim, head_dim_v):
 
 @pytest.mark.parametrize("function, args", [
     (fa3.flash_attn_with_kvcache, (None,) * 3),
-    (fa3.flash_attn_combine, (None, None)),
 ])
 def test_not_implemented_functions(function, args):
     name = getattr(function, "func", function).__name__
     with pytest.raises(NotImplementedError, match=name):
         function(*args)
+
+
+def test_flash_attn_combine_checks_its_arguments():
+    """FA3's layout: out_partial [num_splits, B, sq, H, d], lse_partial [num_splits, B, sq, H], both
+    float32; out [B, sq, H, d] in out_dtype. Refused before the library, naming the argument."""
+    out_partial, lse_partial = torch.randn(3, 2, 5, 4, 8), torch.randn(3, 2, 5, 4)
+    cases = [
+        ((out_partial[0], lse_partial), {}, "out_partial: expected 5 dims"),
+        ((out_partial.bfloat16(), lse_partial), {}, "out_partial: dtype torch.bfloat16"),
+        ((out_partial, lse_partial[:, :, :4]), {}, "lse_partial: shape"),
+        ((out_partial, lse_partial.double()), {}, "lse_partial: dtype"),
+        ((out_partial, lse_partial), dict(out_dtype=torch.int32), "out_dtype"),
+        ((out_partial, lse_partial), dict(out=torch.empty(2, 5, 4, 7)), "out: dtype"),
+        ((out_partial, lse_partial), dict(out=torch.empty(2, 5, 4, 8), out_dtype=torch.bfloat16), "out: dtype"),
+    ]
+    for args, kwargs, message in cases:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            fa3.flash_attn_combine(*args, **kwargs)
 
 
 @pytest.mark.parametrize("kwargs", [
@@ -705,6 +722,7 @@ def _ctypes_layout(fields):
 
 @pytest.mark.parametrize("struct_name, mirror", [
     ("fh_tensor", _ffi.Tensor), ("fh_forward_params", _ffi.ForwardParams), ("fh_backward_params", _ffi.BackwardParams),
+    ("fh_combine_params", _ffi.CombineParams),
 ])
 def test_ffi_structs_match_the_header(struct_name, mirror):
     if not HEADER.exists():
@@ -748,7 +766,7 @@ def test_ffi_structs_match_the_c_compiler(tmp_path):
         pytest.skip("no C compiler or no header")
     lines = []
     for struct_name, mirror in (("fh_forward_params", _ffi.ForwardParams), ("fh_backward_params", _ffi.BackwardParams),
-                                ("fh_tensor", _ffi.Tensor)):
+                                ("fh_combine_params", _ffi.CombineParams), ("fh_tensor", _ffi.Tensor)):
         lines.append(f'printf("{struct_name} sizeof %zu\\n", sizeof({struct_name}));')
         for name, _ in mirror._fields_:
             lines.append(f'printf("{struct_name} {name} %zu\\n", offsetof({struct_name}, {name}));')
@@ -761,7 +779,7 @@ def test_ffi_structs_match_the_c_compiler(tmp_path):
     output = subprocess.run([str(binary)], check=True, capture_output=True, text=True, timeout=60).stdout
     c_layout = {tuple(line.split()[:2]): int(line.split()[2]) for line in output.splitlines()}
     for struct_name, mirror in (("fh_forward_params", _ffi.ForwardParams), ("fh_backward_params", _ffi.BackwardParams),
-                                ("fh_tensor", _ffi.Tensor)):
+                                ("fh_combine_params", _ffi.CombineParams), ("fh_tensor", _ffi.Tensor)):
         assert c_layout[(struct_name, "sizeof")] == ctypes.sizeof(mirror), struct_name
         for name, _ in mirror._fields_:
             assert c_layout[(struct_name, name)] == getattr(mirror, name).offset, f"{struct_name}.{name}"

@@ -669,3 +669,33 @@ def test_padded_head_dims_against_reference(dtype, head_dim, causal):
     grads = run_or_skip(torch.autograd.grad, out, (q, k, v), dout)
     assert_matches_reference(out, lse, grads, (q, k, v), dout, dtype, lambda leaves, in_dtype: attention_reference(
         *leaves, causal=causal, dtype=in_dtype))
+
+@pytest.mark.parametrize("out_dtype", [None, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("splits", [1, 5, 64])
+@requires_gpu
+def test_flash_attn_combine_against_reference(splits, out_dtype):
+    """FA3's layouts: out_partial [S, B, sq, H, d], lse_partial [S, B, sq, H] (here a transposed view,
+    contiguous in sq, as FA3's kernels write it). Against the combine in float64: splits at -inf add
+    nothing, rows no split saw give 0 and -inf; out poisoned first when given."""
+    torch.manual_seed(splits)
+    batch, seqlen, heads, head_dim = 2, 33, 4, 72
+    out_partial = torch.randn(splits, batch, seqlen, heads, head_dim, device="cuda")
+    lse_partial = (4 * torch.randn(splits, batch, heads, seqlen, device="cuda")).transpose(2, 3)
+    if splits > 1:
+        lse_partial[1:, :, ::3] = -math.inf  # only split 0 saw these rows
+    lse_partial[:, 1, 5] = -math.inf  # no split saw this row
+    out = None if out_dtype is None else torch.full((batch, seqlen, heads, head_dim), math.nan, dtype=out_dtype,
+                                                    device="cuda")
+    result, lse = fa3.flash_attn_combine(out_partial, lse_partial, out=out, out_dtype=out_dtype)
+    if out is not None:
+        assert result is out
+    assert result.dtype == (out_dtype or torch.float32) and lse.shape == (batch, seqlen, heads)
+    lse64 = torch.logsumexp(lse_partial.double(), dim=0)
+    weights = torch.exp(lse_partial.double() - lse64).nan_to_num(0.0)  # rows at -inf: weight 0
+    exact = (weights.unsqueeze(-1) * out_partial.double()).sum(0)
+    assert not torch.isnan(result).any() and not torch.isnan(lse).any()
+    assert torch.all(lse[1, 5] == -math.inf) and torch.all(result[1, 5] == 0)
+    finite = lse64 > -math.inf
+    torch.testing.assert_close(lse.double()[finite], lse64[finite], rtol=1e-5, atol=1e-5)
+    tolerance = {None: 1e-5, torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10}[out_dtype]
+    torch.testing.assert_close(result.double(), exact, rtol=tolerance, atol=1e-5)
