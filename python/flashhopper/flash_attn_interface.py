@@ -17,8 +17,9 @@ and sk, deterministic backward; and all of it over packed variable-length sequen
 flash_attn_varlen_func (q [total_q, Hq, d], cu_seqlens_q/k, max_seqlen_q/k, seqused_q/k; up to 8192
 sequences). What a build of the library cannot run raises FlashHopperNotSupported with the
 library's message. Every argument FlashHopper cannot honour yet raises NotImplementedError naming it
-(num_splits > 1, qv, fp8 descales, sm_margin); flash_attn_with_kvcache raises NotImplementedError as
-a whole. flash_attn_combine merges split-KV partials (FA3's signature and layouts). Bad tensors (dtype, rank, shape, strides, device, alignment) and bad
+(num_splits > 1, qv, fp8 descales, sm_margin). flash_attn_with_kvcache checks its arguments and then
+raises NotImplementedError (the kernels have no KV cache yet). flash_attn_combine merges split-KV
+partials (FA3's signature and layouts). Bad tensors (dtype, rank, shape, strides, device, alignment) and bad
 options (window_size, softcap, attention_chunk, learnable_sink, cu_seqlens, seqused, max_seqlen)
 raise ValueError naming the argument before anything is launched.
 
@@ -277,11 +278,41 @@ def flash_attn_with_kvcache(
     sm_margin=0,
     return_softmax_lse=False,
 ):
-    """FlashAttention-3's KV-cache attention (decoding: cache_seqlens, paged KV, in-place append,
-    rotary). Not supported yet; raises NotImplementedError. (FA3 returns out, or (out, softmax_lse,
-    ...) with return_softmax_lse=True.)"""
-    raise interface.not_supported("flash_attn_with_kvcache: KV-cache attention (cache_seqlens, page_table, k/v "
-                              "append, rotary) is not supported by FlashHopper yet")
+    """FlashAttention-3's KV-cache attention: q [B, sq, H, d] (or packed [total_q, H, d] with
+    cu_seqlens_q and max_seqlen_q) against k_cache/v_cache, dense [B_cache, S, Hkv, d] (rows picked
+    by cache_batch_idx, keys starting at cache_leftpad) or paged [num_pages, page_size, Hkv, d] with
+    page_table [B, max_pages]; cache_seqlens (int or int32 [B]) keys cached per sequence; k/v
+    [B, s_new, Hkv, d] appended in place at cache_seqlens first, with rotary (rotary_cos/sin
+    [seqlen_ro, rotary_dim / 2], rotary_seqlens, rotary_interleaved) on them and on q, as FA3 (the
+    rules are in include/flashhopper/flashhopper.h). Returns out, or (out, softmax_lse) with
+    return_softmax_lse.
+
+    The arguments are checked (ValueError naming the argument), but the kernels do not run a KV
+    cache yet: a valid call raises FlashHopperNotSupported (a NotImplementedError); so do fp8
+    descales, cu_seqlens_k_new, scheduler_metadata, num_splits > 1 and sm_margin."""
+    for name, descale in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
+        if descale is not None:
+            _not_yet(name, "<tensor>", "fp8 attention (descale factors)")
+    if cu_seqlens_k_new is not None:
+        _not_yet("cu_seqlens_k_new", "<tensor>", "packed new keys (k and v are [B, s_new, Hkv, d])")
+    if scheduler_metadata is not None:
+        _not_yet("scheduler_metadata", "<tensor>", "a precomputed split-KV plan")
+    if num_splits not in (0, 1):
+        _not_yet("num_splits", num_splits, "split-KV")
+    if sm_margin != 0:
+        _not_yet("sm_margin", sm_margin, "leaving SMs free")
+    mask = interface.check_mask_args(causal, window_size, softcap, attention_chunk)
+    interface.check_softmax_scale(softmax_scale)
+    if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
+        if not isinstance(q, torch.Tensor):
+            raise interface.invalid_argument(f"q: expected a torch.Tensor, got {type(q).__name__}")
+        batch = q.shape[0] if cu_seqlens_q is None else cu_seqlens_q.shape[0] - 1
+        cache_seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=q.device)
+    return interface.forward_with_kvcache(
+        q, k_cache, v_cache, k_new=k, v_new=v, qv=qv, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+        rotary_seqlens=rotary_seqlens, rotary_interleaved=rotary_interleaved, cache_seqlens=cache_seqlens,
+        cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, page_table=page_table, cu_seqlens_q=cu_seqlens_q,
+        max_seqlen_q=max_seqlen_q, softmax_scale=softmax_scale, mask=mask, return_lse=return_softmax_lse)
 
 
 _COMBINE_OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

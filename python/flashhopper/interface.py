@@ -588,3 +588,83 @@ def combine(out_partial: torch.Tensor, lse_partial: torch.Tensor, out: torch.Ten
         params.lse = _view(lse)
     with torch.cuda.device(out.device):
         _check(lib.fh_combine(ctypes.byref(params), torch.cuda.current_stream(out.device).cuda_stream))
+
+
+# The C ABI's names of flash_attn_with_kvcache's tensors, where FA3 names them otherwise.
+_KVCACHE_NAMES = {"k": "k_cache", "v": "v_cache", "k_new": "k", "v_new": "v"}
+
+
+def _renamed(error: FlashHopperError, names: dict) -> FlashHopperError:
+    """The library's refusal with its leading argument name in the caller's words (the library
+    message starts with "<name>: ")."""
+    _, _, message = str(error).partition("): ")  # after "flashhopper (<status>): "
+    name, sep, rest = message.partition(": ")
+    if not sep or name not in names:
+        return error
+    code = {status_name: code for code, status_name in _ffi.STATUS_NAMES.items()}.get(error.status, 0)
+    return type(error)(code, f"{names[name]}: {rest}")
+
+
+def forward_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, k_new=None, v_new=None,
+                         qv=None, rotary_cos=None, rotary_sin=None, rotary_seqlens=None, rotary_interleaved=True,
+                         cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, page_table=None,
+                         cu_seqlens_q=None, max_seqlen_q=None, softmax_scale=None, mask=(False, -1, -1, 0.0, 0),
+                         return_lse=False):
+    """Attention against a KV cache, in FA3's flash_attn_with_kvcache's terms (k_new/v_new are its k
+    and v): the C ABI's fields of include/flashhopper/flashhopper.h ("KV cache extras"). mask is
+    check_mask_args's tuple. Returns out, or (out, lse) with return_lse. The library checks what is
+    not checked here and names the argument as the caller does."""
+    varlen_q = cu_seqlens_q is not None
+    rank, layout = (3, "[total_q, H, d] (cu_seqlens_q given)") if varlen_q else (4, "[B, sq, H, d]")
+    _check_input("q", q, rank, layout)
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        _check_input(name, t, 4, "[B_cache, S, Hkv, d] or [num_pages, page_size, Hkv, d] (page_table given)")
+        if t.dtype != q.dtype:
+            raise invalid_argument(f"{name}: dtype {t.dtype} differs from q's {q.dtype}")
+    for name, t in (("k", k_new), ("v", v_new), ("qv", qv)):
+        if t is not None:
+            _check_input(name, t, 4 if name != "qv" else rank, "[B, s_new, Hkv, d]" if name != "qv" else layout)
+    if (k_new is None) != (v_new is None):
+        raise invalid_argument("k: k and v (the new keys and values) go together")
+    batch = cu_seqlens_q.shape[0] - 1 if varlen_q else q.shape[0]
+    for name, t in (("cache_seqlens", cache_seqlens), ("cache_batch_idx", cache_batch_idx),
+                    ("cache_leftpad", cache_leftpad), ("rotary_seqlens", rotary_seqlens)):
+        if t is not None:
+            _check_int32_vector(name, t, batch, f"[{batch}] (the batch size)")
+    if varlen_q:
+        _check_int32_vector("cu_seqlens_q", cu_seqlens_q, None, "[B + 1]")
+        if max_seqlen_q is None:
+            raise invalid_argument("max_seqlen_q: is required with cu_seqlens_q")
+    named = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k_new), ("v", v_new), ("qv", qv),
+             ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin), ("cache_seqlens", cache_seqlens),
+             ("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad), ("page_table", page_table),
+             ("cu_seqlens_q", cu_seqlens_q), ("rotary_seqlens", rotary_seqlens)]
+    check_devices(named)
+    out = torch.empty((*q.shape[:-1], v_cache.shape[-1]), dtype=q.dtype, device=q.device)
+    lse_dims = (q.shape[-2], q.shape[0]) if varlen_q else (q.shape[0], q.shape[-2], q.shape[1])
+    lse = torch.empty(lse_dims, dtype=torch.float32, device=q.device) if return_lse else None
+    params = _ffi.ForwardParams()
+    lib = _ffi.lib()
+    lib.fh_forward_params_init(ctypes.byref(params))
+    params.q, params.k, params.v, params.out = _view(q), _view(k_cache), _view(v_cache), _view(out)
+    for field, t in (("lse", lse), ("k_new", k_new), ("v_new", v_new), ("qv", qv), ("rotary_cos", rotary_cos),
+                     ("rotary_sin", rotary_sin), ("rotary_seqlens", rotary_seqlens), ("cache_seqlens", cache_seqlens),
+                     ("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad),
+                     ("page_table", page_table), ("cu_seqlens_q", cu_seqlens_q)):
+        if t is not None:
+            setattr(params, field, _view(t))
+    if varlen_q:
+        params.max_seqlen_q = int(max_seqlen_q)
+    params.rotary_interleaved = int(bool(rotary_interleaved))
+    params.softmax_scale = _scale(softmax_scale)
+    causal, left, right, softcap, chunk = mask
+    # FA3's rule "a bound covering the whole sequence is no bound", against the cache's capacity.
+    seqlen_k = page_table.shape[1] * k_cache.shape[1] if page_table is not None else k_cache.shape[1]
+    seqlen_q = int(max_seqlen_q) if varlen_q else q.shape[1]
+    params.causal, params.window_left, params.window_right = library_mask(causal, left, right, seqlen_q, seqlen_k)
+    params.softcap, params.attention_chunk = softcap, chunk
+    try:
+        _run(lib.fh_forward_workspace_size, lib.fh_forward, params, q.device)
+    except FlashHopperError as error:
+        raise _renamed(error, _KVCACHE_NAMES) from None
+    return (out, lse) if return_lse else out

@@ -183,13 +183,46 @@ def test_value_head_dim_other_than_head_dim(head_dim, head_dim_v):
         flash_attn_func(q, k, torch.randn(*v.shape[:-1], 264, dtype=v.dtype))
 
 
-@pytest.mark.parametrize("function, args", [
-    (fa3.flash_attn_with_kvcache, (None,) * 3),
-])
-def test_not_implemented_functions(function, args):
-    name = getattr(function, "func", function).__name__
-    with pytest.raises(NotImplementedError, match=name):
-        function(*args)
+def test_flash_attn_with_kvcache_checks_its_arguments():
+    """FA3's names in every refusal, before the library: what FlashHopper cannot do yet is a
+    NotImplementedError naming the argument, a bad tensor a ValueError."""
+    q = torch.randn(2, 1, 8, 64, dtype=torch.bfloat16)
+    k_cache = v_cache = torch.randn(2, 128, 2, 64, dtype=torch.bfloat16)
+    new = torch.randn(2, 1, 2, 64, dtype=torch.bfloat16)
+    lengths = torch.tensor([5, 9], dtype=torch.int32)
+    refusals = [
+        (dict(q=q[0]), ValueError, "q: expected 4 dims"),
+        (dict(k_cache=k_cache.half()), ValueError, "k_cache: dtype torch.float16 differs from q's"),
+        (dict(k=new), ValueError, "k: k and v (the new keys and values) go together"),
+        (dict(cache_seqlens=lengths.long()), ValueError, "cache_seqlens: expected an int32 tensor of shape [2]"),
+        (dict(cache_leftpad=lengths[:1]), ValueError, "cache_leftpad: expected an int32 tensor of shape [2]"),
+        (dict(q=q[:, 0], cu_seqlens_q=torch.tensor([0, 1, 2], dtype=torch.int32)), ValueError, "max_seqlen_q"),
+        (dict(window_size=(-2, 0)), ValueError, "window_size"),
+        (dict(k_descale=torch.ones(2, 2)), NotImplementedError, "k_descale"),
+        (dict(cu_seqlens_k_new=lengths), NotImplementedError, "cu_seqlens_k_new"),
+        (dict(num_splits=4), NotImplementedError, "num_splits=4"),
+        (dict(scheduler_metadata=lengths), NotImplementedError, "scheduler_metadata"),
+        (dict(), ValueError, "q: must be a CUDA tensor"),  # all valid but on the CPU
+    ]
+    for kwargs, error, message in refusals:
+        args = dict(q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=lengths)
+        args.update(kwargs)
+        with pytest.raises(error, match=re.escape(message)):
+            fa3.flash_attn_with_kvcache(**args)
+
+
+def test_library_refusals_take_the_callers_names():
+    """flash_attn_with_kvcache's k_cache is the C ABI's k, its k the C ABI's k_new: a library
+    refusal naming those is re-raised with FA3's name, the same type and status."""
+    from flashhopper import interface
+    error = interface.invalid_argument("k_new: shape[1] is 3 but must be 1 (number of new tokens)")
+    renamed = interface._renamed(error, interface._KVCACHE_NAMES)
+    assert isinstance(renamed, interface.FlashHopperInvalidArgument) and renamed.status == error.status
+    assert str(renamed) == "flashhopper (invalid argument): k: shape[1] is 3 but must be 1 (number of new tokens)"
+    assert str(interface._renamed(interface.invalid_argument("v: bad"), interface._KVCACHE_NAMES)).endswith(
+        "v_cache: bad")
+    other = interface.not_supported("forward: the KV cache is not supported")
+    assert interface._renamed(other, interface._KVCACHE_NAMES) is other
 
 
 def test_flash_attn_combine_checks_its_arguments():

@@ -699,3 +699,17 @@ def test_flash_attn_combine_against_reference(splits, out_dtype):
     torch.testing.assert_close(lse.double()[finite], lse64[finite], rtol=1e-5, atol=1e-5)
     tolerance = {None: 1e-5, torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10}[out_dtype]
     torch.testing.assert_close(result.double(), exact, rtol=tolerance, atol=1e-5)
+
+
+@requires_gpu
+def test_flash_attn_with_kvcache_is_refused_by_name():
+    """The kernels have no KV cache yet: a valid call raises FlashHopperNotSupported (never runs
+    with the cache arguments ignored), and the library's own refusals use FA3's names (k_cache,
+    not the C ABI's k)."""
+    q = torch.randn(2, 1, 8, 64, device="cuda", dtype=torch.bfloat16)
+    k_cache = torch.randn(2, 128, 2, 64, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    with pytest.raises(FlashHopperNotSupported, match="KV cache"):
+        fa3.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=17)
+    with pytest.raises(ValueError, match=r"^flashhopper \(invalid argument\): v_cache: "):
+        fa3.flash_attn_with_kvcache(q, k_cache, v_cache[:, :64], cache_seqlens=17)
