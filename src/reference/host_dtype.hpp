@@ -1,5 +1,6 @@
-// bf16 and fp16 on the host: rounding to their value sets and conversion to and from their bit
-// patterns, round-to-nearest-even (ties to even), overflow to inf, NaN kept. Header-only so the
+// bf16, fp16 and fp8 e4m3 on the host: rounding to their value sets and conversion to and from
+// their bit patterns, round-to-nearest-even (ties to even), overflow to inf (e4m3, which has no
+// inf: to NaN, as PyTorch's float8_e4m3fn does), NaN kept. Header-only so the
 // tests can use the very same conversions as the CPU reference.
 #pragma once
 
@@ -88,5 +89,37 @@ inline uint16_t double_to_fp16_bits(double x) {
 }
 
 inline uint16_t float_to_fp16_bits(float x) { return double_to_fp16_bits(double(x)); }
+
+// fp8 e4m3 ("fn": no inf): 1 sign, 4 exponent (bias 7), 3 mantissa bits; largest 448, smallest
+// normal 2^-6, subnormals down to 2^-9; S.1111.111 is NaN.
+constexpr float kE4m3MaxFinite = 448.f;
+
+template <class T>
+T round_to_e4m3(T x) {
+  const T rounded = round_to_format<T>(x, 4, -6, T(kE4m3MaxFinite));
+  return std::isinf(rounded) ? std::numeric_limits<T>::quiet_NaN() : rounded;
+}
+
+inline float e4m3_bits_to_float(uint8_t bits) {
+  const float sign = (bits & 0x80) ? -1.f : 1.f;
+  const int exponent_field = (bits >> 3) & 0xF;
+  const int mantissa = bits & 0x7;
+  if (exponent_field == 15 && mantissa == 7) return std::numeric_limits<float>::quiet_NaN();
+  if (exponent_field == 0) return sign * std::ldexp(float(mantissa), -9);  // zero, subnormal
+  return sign * std::ldexp(float(8 + mantissa), exponent_field - 10);
+}
+
+inline uint8_t double_to_e4m3_bits(double x) {
+  const double rounded = round_to_e4m3(x);
+  if (std::isnan(rounded)) return 0x7F;
+  const uint8_t sign = std::signbit(rounded) ? 0x80 : 0;
+  const double magnitude = std::fabs(rounded);
+  if (magnitude < std::ldexp(1.0, -6)) return sign | uint8_t(std::ldexp(magnitude, 9));  // 2^-9 steps
+  int e = 0;
+  std::frexp(magnitude, &e);
+  const int exponent = e - 1;  // in [-6, 8]
+  const int mantissa = int(std::ldexp(magnitude, 3 - exponent)) - 8;
+  return sign | uint8_t((exponent + 7) << 3) | uint8_t(mantissa);
+}
 
 }  // namespace flashhopper::reference

@@ -109,15 +109,9 @@ Status check_extents(const Tensor& t, const char* name) {
 
 Status check_input(const Tensor& t, const char* name, int ndim) {
   if (!present(t)) return invalid(std::string(name) + " is required");
-  if (t.dtype == FH_DTYPE_FP8_E4M3) {
-    return failure(FH_ERROR_NOT_SUPPORTED,
-                   std::string(name) +
-                       " is fp8_e4m3: the CPU reference takes bf16, fp16, fp32 "
-                       "or fp64 inputs (dequantise fp8 first)");
-  }
   if (!is_readable_float(t.dtype)) {
     return invalid(std::string(name) + " has dtype " + dtype_name(t.dtype) +
-                   "; expected bf16, fp16, fp32 or fp64");
+                   "; expected bf16, fp16, fp8_e4m3, fp32 or fp64");
   }
   if (t.ndim != ndim) {
     return invalid(std::string(name) + " has rank " + std::to_string(t.ndim) + ", expected " +
@@ -392,9 +386,12 @@ class RowMask {
 
 // ---- arithmetic: exact, or a plain low-precision implementation ------------------------------
 
+// round: O and every other rounded intermediate; round_score: S; round_prob: P.
 struct ExactMath {
   using Acc = double;
   static double round(double x) { return x; }
+  static double round_score(double x) { return x; }
+  static double round_prob(double x) { return x; }
 };
 
 // Products accumulate in float32; S, P, O (and dP, dS, the gradients) are rounded to `Dtype`.
@@ -406,6 +403,18 @@ struct LowPrecisionMath {
     if constexpr (Dtype == FH_DTYPE_FP16) return round_to_fp16(x);
     return x;  // fp32
   }
+  static float round_score(float x) { return round(x); }
+  static float round_prob(float x) { return round(x); }
+};
+
+// A plain fp8 (e4m3) forward: products of the (descaled) inputs accumulate in float32, S stays
+// float32, P is rounded to e4m3 as it is (values in [0, 1]; no per-row scaling), O to bf16, the
+// output dtype of fp8 attention.
+struct Fp8Math {
+  using Acc = float;
+  static float round(float x) { return round_to_bf16(x); }
+  static float round_score(float x) { return x; }
+  static float round_prob(float x) { return round_to_e4m3(x); }
 };
 
 // ---- one (batch, query head) -----------------------------------------------------------------
@@ -513,7 +522,7 @@ void compute_probabilities(const HeadData<typename Math::Acc>& head, const RowMa
     Acc row_max = -std::numeric_limits<Acc>::infinity();
     for (const KeyRange& range : blk.visible[r]) {
       for (int64_t j = range.begin - span_begin; j < range.end - span_begin; ++j) {
-        s[j] = Math::round(scaling.scale * s[j]);
+        s[j] = Math::round_score(scaling.scale * s[j]);
         if (scaling.softcap > 0) s[j] = scaling.softcap * std::tanh(s[j] / scaling.softcap);
         row_max = std::max(row_max, s[j]);
         sees_a_key = true;
@@ -535,7 +544,7 @@ void compute_probabilities(const HeadData<typename Math::Acc>& head, const RowMa
     if (has_sink) sum += std::exp(head.sink - m);
     for (const KeyRange& range : blk.visible[r])
       for (int64_t j = range.begin - span_begin; j < range.end - span_begin; ++j)
-        p[j] = Math::round(p[j] / sum);
+        p[j] = Math::round_prob(p[j] / sum);
     blk.lse[r] = m + std::log(sum);
   }
 }
@@ -678,6 +687,30 @@ struct Rotary {
   }
 };
 
+// fp8 descale factors [B, Hkv] (fp32 or fp64, host), read into `factors`; only with fp8 q.
+Status read_descale(const ForwardParams& p, const Tensor& t, const char* name, const ProblemShape& shape,
+                    std::vector<double>* factors) {
+  factors->clear();
+  if (!present(t)) return {};
+  if (p.q.dtype != FH_DTYPE_FP8_E4M3) return invalid(std::string(name) + " is given but q is not fp8_e4m3");
+  if (t.dtype != FH_DTYPE_FP32 && t.dtype != FH_DTYPE_FP64) {
+    return invalid(std::string(name) + " has dtype " + dtype_name(t.dtype) + "; expected fp32 or fp64");
+  }
+  FLASHHOPPER_REFERENCE_CHECK(check_shape(t, name, {shape.batch, shape.heads_kv}));
+  factors->resize(shape.batch * shape.heads_kv);
+  for (int64_t b = 0; b < shape.batch; ++b)
+    for (int64_t h = 0; h < shape.heads_kv; ++h)
+      (*factors)[b * shape.heads_kv + h] = load_element(t, b * t.stride[0] + h * t.stride[1]);
+  return {};
+}
+
+template <class Acc>
+void descale_rows(const std::vector<double>& factors, int64_t at, std::vector<Acc>* rows) {
+  if (factors.empty()) return;
+  const Acc factor = Acc(factors[at]);
+  for (Acc& x : *rows) x *= factor;
+}
+
 // Checks the rotary tables and that every position the call rotates is a row of them.
 Status rotary_plan(const ForwardParams& p, const ProblemShape& shape, const std::vector<Sequence>& sequences,
                    Rotary* rotary) {
@@ -723,6 +756,7 @@ struct ForwardPlan {
   TokenLayout qv;                      // with has_qv only
   bool has_qv = false;
   Rotary rotary;                       // rotary_cos absent: none
+  std::array<std::vector<double>, 3> descale;  // q, k, v [B * Hkv] (fp8): true value = stored * factor
   RowLayout lse;                       // tensor absent: not written
   RowLayout out_partial, lse_partial;  // split-KV only
   int64_t num_splits = 1;
@@ -752,10 +786,13 @@ void run_forward(const ForwardPlan& plan, int num_threads) {
     head.d = shape.head_dim;
     head.dv = shape.head_dim_v;
     gather_rows(plan.q, b, h, head.rows, head.d, &head.q);
+    descale_rows(plan.descale[0], b * shape.heads_kv + hk, &head.q);
     for (int64_t i = 0; i < head.rows; ++i)  // rounded as a plain implementation stores rotated q
       plan.rotary.apply(head.q.data() + i * head.d, plan.rotary.query_position(b, i), Math::round);
     gather_rows(plan.k, b, hk, head.keys, head.d, &head.k);
     gather_rows(plan.v, b, hk, head.keys, head.dv, &head.v);
+    descale_rows(plan.descale[1], b * shape.heads_kv + hk, &head.k);
+    descale_rows(plan.descale[2], b * shape.heads_kv + hk, &head.v);
     if (plan.has_qv) {  // S = Q K^T + Qv V^T = [Q | Qv] [K | V]^T: scores over d + dv columns
       std::vector<Acc> qv;
       gather_rows(plan.qv, b, h, head.rows, head.dv, &qv);
@@ -947,9 +984,10 @@ Status dispatch_math(const Options& options, int32_t q_dtype, const Run& run) {
     case FH_DTYPE_BF16: run(LowPrecisionMath<FH_DTYPE_BF16>{}); return {};
     case FH_DTYPE_FP16: run(LowPrecisionMath<FH_DTYPE_FP16>{}); return {};
     case FH_DTYPE_FP32: run(LowPrecisionMath<FH_DTYPE_FP32>{}); return {};
+    case FH_DTYPE_FP8_E4M3: run(Fp8Math{}); return {};
     default:
       return failure(FH_ERROR_NOT_SUPPORTED,
-                     std::string("emulate_low_precision needs q in bf16, fp16 or fp32, not ") +
+                     std::string("emulate_low_precision needs q in bf16, fp16, fp8_e4m3 or fp32, not ") +
                          dtype_name(q_dtype));
   }
 }
@@ -1102,6 +1140,9 @@ Status forward(const ForwardParams& p, const Options& options, const Tensor* out
                         p.cache_leftpad, p.k.shape[0]};
   FLASHHOPPER_REFERENCE_CHECK(sequence_lengths(shape, lengths, &plan.sequences));
   FLASHHOPPER_REFERENCE_CHECK(rotary_plan(p, shape, plan.sequences, &plan.rotary));
+  FLASHHOPPER_REFERENCE_CHECK(read_descale(p, p.q_descale, "q_descale", shape, &plan.descale[0]));
+  FLASHHOPPER_REFERENCE_CHECK(read_descale(p, p.k_descale, "k_descale", shape, &plan.descale[1]));
+  FLASHHOPPER_REFERENCE_CHECK(read_descale(p, p.v_descale, "v_descale", shape, &plan.descale[2]));
 
   FLASHHOPPER_REFERENCE_CHECK(read_sinks(p.learnable_sink, Hq, &plan.sinks));
   plan.mask = detail::mask_spec(p);
@@ -1126,9 +1167,9 @@ Status forward(const ForwardParams& p, const Options& options, const Tensor* out
   }
 
   if (options.emulate_low_precision && p.q.dtype != FH_DTYPE_BF16 && p.q.dtype != FH_DTYPE_FP16 &&
-      p.q.dtype != FH_DTYPE_FP32) {
+      p.q.dtype != FH_DTYPE_FP32 && p.q.dtype != FH_DTYPE_FP8_E4M3) {
     return failure(FH_ERROR_NOT_SUPPORTED,
-                   std::string("emulate_low_precision needs q in bf16, fp16 or fp32, not ") +
+                   std::string("emulate_low_precision needs q in bf16, fp16, fp8_e4m3 or fp32, not ") +
                        dtype_name(p.q.dtype));
   }
   if (append) append_new_keys(plan, p);
@@ -1142,6 +1183,11 @@ Status backward(const BackwardParams& p, const Options& options) {
   const bool varlen_k = present(p.cu_seqlens_k);
   const int q_rank = varlen_q ? 3 : 4;
   const int k_rank = varlen_k ? 3 : 4;
+  for (const auto& [tensor, name] : {std::pair{&p.q, "q"}, {&p.k, "k"}, {&p.v, "v"}, {&p.dout, "dout"}}) {
+    if (tensor->dtype == FH_DTYPE_FP8_E4M3) {
+      return failure(FH_ERROR_NOT_SUPPORTED, std::string(name) + " is fp8_e4m3: there is no fp8 backward");
+    }
+  }
   FLASHHOPPER_REFERENCE_CHECK(check_input(p.q, "q", q_rank));
   FLASHHOPPER_REFERENCE_CHECK(check_input(p.k, "k", k_rank));
   FLASHHOPPER_REFERENCE_CHECK(check_input(p.v, "v", k_rank));

@@ -28,7 +28,10 @@
 //   1/sqrt(d + dv).
 // - Results do not depend on the thread count: every sum runs in a fixed order (the GQA sums
 //   of dK/dV add the group's query heads in head order).
-// - Refusals come back as a Status, nothing is written then: fp8 inputs (FH_ERROR_NOT_SUPPORTED),
+// - fp8 (e4m3) inputs, forward only: read exactly, times their descale factors q/k/v_descale
+//   [B, Hkv] (fp32 or fp64) when given; low-precision emulation is Fp8Math (P rounded to e4m3, O
+//   to bf16).
+// - Refusals come back as a Status, nothing is written then: an fp8 backward (FH_ERROR_NOT_SUPPORTED),
 //   metadata that points outside the tensors, shapes that disagree (FH_ERROR_INVALID_ARGUMENT).
 #pragma once
 

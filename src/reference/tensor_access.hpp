@@ -13,7 +13,7 @@ namespace flashhopper::reference {
 
 inline bool is_readable_float(int32_t dtype) {
   return dtype == FH_DTYPE_BF16 || dtype == FH_DTYPE_FP16 || dtype == FH_DTYPE_FP32 ||
-         dtype == FH_DTYPE_FP64;
+         dtype == FH_DTYPE_FP64 || dtype == FH_DTYPE_FP8_E4M3;
 }
 
 inline const char* dtype_name(int32_t dtype) {
@@ -42,6 +42,11 @@ void load_strided(const Tensor& t, int64_t offset, int64_t stride, int64_t n, T*
       for (int64_t i = 0; i < n; ++i) dst[i] = T(fp16_bits_to_float(p[i * stride]));
       break;
     }
+    case FH_DTYPE_FP8_E4M3: {
+      const uint8_t* p = static_cast<const uint8_t*>(t.data) + offset;
+      for (int64_t i = 0; i < n; ++i) dst[i] = T(e4m3_bits_to_float(p[i * stride]));
+      break;
+    }
     case FH_DTYPE_FP32: {
       const float* p = static_cast<const float*>(t.data) + offset;
       for (int64_t i = 0; i < n; ++i) dst[i] = T(p[i * stride]);
@@ -68,6 +73,11 @@ void store_strided(const Tensor& t, int64_t offset, int64_t stride, int64_t n, c
     case FH_DTYPE_FP16: {
       uint16_t* p = static_cast<uint16_t*>(t.data) + offset;
       for (int64_t i = 0; i < n; ++i) p[i * stride] = double_to_fp16_bits(double(src[i]));
+      break;
+    }
+    case FH_DTYPE_FP8_E4M3: {
+      uint8_t* p = static_cast<uint8_t*>(t.data) + offset;
+      for (int64_t i = 0; i < n; ++i) p[i * stride] = double_to_e4m3_bits(double(src[i]));
       break;
     }
     case FH_DTYPE_FP32: {

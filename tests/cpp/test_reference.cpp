@@ -1315,13 +1315,14 @@ TEST(ReferenceHostDtype, RoundToNearestEven) {
 
 // ---- refusals ------------------------------------------------------------------------------
 
-TEST(ReferenceRefusals, Fp8AndBadMetadataAreRefusedWithAMessage) {
+TEST(ReferenceRefusals, Fp8BackwardAndBadMetadataAreRefusedWithAMessage) {
   DenseCase c(Dims{}, 341);
-  fh::ForwardParams f = c.forward();
-  f.q.dtype = FH_DTYPE_FP8_E4M3;
-  fh::Status status = ref::forward(f);
+  fh::BackwardParams b = c.backward();
+  b.q.dtype = FH_DTYPE_FP8_E4M3;
+  fh::Status status = ref::backward(b);
   EXPECT_EQ(status.code, FH_ERROR_NOT_SUPPORTED);
   EXPECT_NE(status.message.find("fp8"), std::string::npos) << status.message;
+  fh::ForwardParams f = c.forward();
 
   ref::Options emulate;
   emulate.emulate_low_precision = true;
@@ -1726,6 +1727,122 @@ TEST(ReferenceRefusals, KvCacheExtrasOutOfRangeAreRefused) {
     EXPECT_NE(status.message.find(c.keyword), std::string::npos) << status.message;
     EXPECT_EQ(max_abs_diff(dense.k.view(), k_before.view()), 0) << "nothing appended";
   }
+}
+
+
+// ---- fp8 (e4m3) ------------------------------------------------------------------------------------
+
+using flashhopper::reference::double_to_e4m3_bits;
+using flashhopper::reference::e4m3_bits_to_float;
+using flashhopper::reference::round_to_e4m3;
+using fh::test::for_each_index;
+
+// Every e4m3 bit pattern decodes and encodes back to itself (NaN to the canonical 0x7F), and the
+// rounding ties to even between neighbours; beyond 448 is NaN (no inf in e4m3fn).
+TEST(ReferenceHostDtype, E4m3RoundTripsAndRounds) {
+  for (int bits = 0; bits < 256; ++bits) {
+    const float x = e4m3_bits_to_float(uint8_t(bits));
+    if (std::isnan(x)) {
+      EXPECT_EQ(bits & 0x7F, 0x7F) << bits;
+      continue;
+    }
+    EXPECT_EQ(double_to_e4m3_bits(x), bits == 0x80 ? 0x80 : bits) << bits;  // -0 stays -0
+  }
+  EXPECT_EQ(e4m3_bits_to_float(0x7E), 448.f);
+  EXPECT_EQ(e4m3_bits_to_float(0x01), std::ldexp(1.f, -9));  // smallest subnormal
+  EXPECT_EQ(e4m3_bits_to_float(0x08), std::ldexp(1.f, -6));  // smallest normal
+  EXPECT_EQ(round_to_e4m3(1.0625), 1.0);    // halfway between 1 and 1.125: to even (1)
+  EXPECT_EQ(round_to_e4m3(1.1875), 1.25);   // halfway between 1.125 and 1.25: to even (1.25)
+  EXPECT_EQ(round_to_e4m3(0.0009765625), 0.0);  // 2^-10, half the smallest subnormal: to even (0)
+  EXPECT_TRUE(std::isnan(round_to_e4m3(1000.0)));
+}
+
+// fp8 q, k, v with descale factors [B, Hkv] are the exact call on the dequantised values
+// (stored value times its head's factor), whatever the mask.
+TEST(ReferenceIdentities, Fp8IsDequantisedExact) {
+  const Dims n{2, 5, 9, 4, 2, 8, 6};
+  const HostTensor q8 = random_tensor(FH_DTYPE_FP8_E4M3, {n.batch, n.sq, n.hq, n.d}, 2401);
+  const HostTensor k8 = random_tensor(FH_DTYPE_FP8_E4M3, {n.batch, n.sk, n.hkv, n.d}, 2402);
+  const HostTensor v8 = random_tensor(FH_DTYPE_FP8_E4M3, {n.batch, n.sk, n.hkv, n.dv}, 2403);
+  std::array<HostTensor, 3> descale;
+  for (int i = 0; i < 3; ++i) {  // in [0.5, 2)
+    descale[i] = HostTensor(FH_DTYPE_FP32, {n.batch, n.hkv});
+    for (int64_t b = 0; b < n.batch; ++b)
+      for (int64_t h = 0; h < n.hkv; ++h) descale[i].set({b, h}, 0.5 + 0.25 * double((b * 7 + h * 3 + i) % 6));
+  }
+  for (const Mask& mask : {Mask{}, Mask{1}, Mask{0, 2, 1, 1, 3.0f}}) {
+    DenseCase dequantised(n, 2404);
+    const int64_t group = n.hq / n.hkv;
+    for_each_index({n.batch, n.sq, n.hq, n.d}, [&](const std::vector<int64_t>& i) {
+      dequantised.q.set(i, q8.get(i) * descale[0].get({i[0], i[2] / group}));
+    });
+    for_each_index({n.batch, n.sk, n.hkv, n.d}, [&](const std::vector<int64_t>& i) {
+      dequantised.k.set(i, k8.get(i) * descale[1].get({i[0], i[2]}));
+    });
+    for_each_index({n.batch, n.sk, n.hkv, n.dv}, [&](const std::vector<int64_t>& i) {
+      dequantised.v.set(i, v8.get(i) * descale[2].get({i[0], i[2]}));
+    });
+    ASSERT_OK(ref::forward(dequantised.forward(mask)));
+    DenseCase fp8(n, 2404);
+    fh::ForwardParams p = fp8.forward(mask);
+    p.q = q8.view();
+    p.k = k8.view();
+    p.v = v8.view();
+    p.q_descale = descale[0].view();
+    p.k_descale = descale[1].view();
+    p.v_descale = descale[2].view();
+    ASSERT_OK(ref::forward(p));
+    EXPECT_LE(max_abs_diff(fp8.out.view(), dequantised.out.view()), kSameMaths);
+    EXPECT_LE(max_abs_diff(fp8.lse.view(), dequantised.lse.view()), kSameMaths);
+  }
+}
+
+// The plain fp8 implementation (P in e4m3, O in bf16) is further from the exact result than the
+// bf16 one on the same values, and not wildly: the yardstick fp8 kernels are held to.
+TEST(ReferenceLowPrecision, Fp8EmulationErrorIsPlausible) {
+  const Dims n{1, 64, 128, 2, 1, 64, 64};
+  const HostTensor q8 = random_tensor(FH_DTYPE_FP8_E4M3, {n.batch, n.sq, n.hq, n.d}, 2501);
+  const HostTensor k8 = random_tensor(FH_DTYPE_FP8_E4M3, {n.batch, n.sk, n.hkv, n.d}, 2502);
+  const HostTensor v8 = random_tensor(FH_DTYPE_FP8_E4M3, {n.batch, n.sk, n.hkv, n.dv}, 2503);
+  HostTensor q16(FH_DTYPE_BF16, {n.batch, n.sq, n.hq, n.d}), k16(FH_DTYPE_BF16, {n.batch, n.sk, n.hkv, n.d});
+  HostTensor v16(FH_DTYPE_BF16, {n.batch, n.sk, n.hkv, n.dv});
+  for (auto [from, to] : {std::pair{&q8, &q16}, {&k8, &k16}, {&v8, &v16}})  // e4m3 values are bf16 values
+    for_each_index(from->shape(), [&](const std::vector<int64_t>& i) { to->set(i, from->get(i)); });
+  ref::Options emulate;
+  emulate.emulate_low_precision = true;
+  std::array<double, 3> err{};
+  HostTensor exact(FH_DTYPE_FP64, {n.batch, n.sq, n.hq, n.dv});
+  for (int run = 0; run < 3; ++run) {
+    DenseCase c(n, 2504);
+    fh::ForwardParams p = c.forward(Mask{1});
+    p.q = run == 2 ? q16.view() : q8.view();
+    p.k = run == 2 ? k16.view() : k8.view();
+    p.v = run == 2 ? v16.view() : v8.view();
+    ASSERT_OK(ref::forward(p, run == 0 ? ref::Options{} : emulate));
+    if (run == 0) exact = c.out;
+    err[run] = max_abs_diff(c.out.view(), exact.view());
+  }
+  EXPECT_EQ(err[0], 0);
+  EXPECT_GT(err[1], err[2]) << "fp8 emulation " << err[1] << ", bf16 " << err[2];
+  EXPECT_GT(err[2], 0);
+  EXPECT_LT(err[1], 0.1);
+}
+
+TEST(ReferenceRefusals, DescalesNeedFp8AndTheirShape) {
+  const Dims n{2, 5, 9, 4, 2, 8, 6};
+  DenseCase c(n, 2601);
+  HostTensor descale(FH_DTYPE_FP32, {n.batch, n.hkv}), wrong(FH_DTYPE_FP32, {n.batch, n.hq});
+  fh::ForwardParams p = c.forward();
+  p.k_descale = descale.view();
+  fh::Status status = ref::forward(p);  // fp64 q
+  EXPECT_EQ(status.code, FH_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(status.message.find("k_descale is given but q is not fp8_e4m3"), std::string::npos) << status.message;
+  const HostTensor q8 = random_tensor(FH_DTYPE_FP8_E4M3, {n.batch, n.sq, n.hq, n.d}, 2602);
+  p.q = q8.view();
+  p.k_descale = wrong.view();
+  status = ref::forward(p);
+  EXPECT_EQ(status.code, FH_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(status.message.find("k_descale"), std::string::npos) << status.message;
 }
 
 
