@@ -159,7 +159,8 @@ TEST_P(CombineGpuTest, MatchesReference) {
       c.packed ? std::vector<int64_t>{S, H, total, dv} : std::vector<int64_t>{S, B, H, sq, dv};
   const std::vector<int64_t> lse_partial_shape =
       c.packed ? std::vector<int64_t>{S, H, total} : std::vector<int64_t>{S, B, H, sq};
-  const std::vector<int64_t> out_shape = c.packed ? std::vector<int64_t>{total, H, dv} : std::vector<int64_t>{B, sq, H, dv};
+  const std::vector<int64_t> out_shape =
+      c.packed ? std::vector<int64_t>{total, H, dv} : std::vector<int64_t>{B, sq, H, dv};
   const std::vector<int64_t> lse_shape = c.packed ? std::vector<int64_t>{H, total} : std::vector<int64_t>{B, H, sq};
   HostTensor out_partial = random_tensor(FH_DTYPE_FP32, out_partial_shape, 4101);
   HostTensor lse_partial = random_tensor(FH_DTYPE_FP32, lse_partial_shape, 4102);
@@ -198,7 +199,9 @@ TEST_P(CombineGpuTest, MatchesReference) {
   const Status reference = flashhopper::reference::combine(host);
   ASSERT_TRUE(reference.ok()) << reference.message;
 
-  const double relative = c.out_dtype == FH_DTYPE_FP32 ? 1e-5 : c.out_dtype == FH_DTYPE_BF16 ? 2 * 0x1p-8 : 2 * 0x1p-11;
+  const double relative = c.out_dtype == FH_DTYPE_FP32   ? 1e-5
+                           : c.out_dtype == FH_DTYPE_BF16 ? 2 * 0x1p-8
+                                                          : 2 * 0x1p-11;
   int64_t bad = 0, rows_seen_by_none = 0;
   for_each_index(out_shape, [&](const std::vector<int64_t>& i) {
     const double ours = out.get(i), exact = out_exact.get(i);
@@ -209,7 +212,8 @@ TEST_P(CombineGpuTest, MatchesReference) {
     const double ours = lse.get(i), exact = lse_exact.get(i);
     rows_seen_by_none += exact == -INFINITY;
     const bool ok = exact == -INFINITY ? ours == -INFINITY : std::fabs(ours - exact) <= 1e-5 * (1 + std::fabs(exact));
-    if (!ok && bad++ < 10) ADD_FAILURE() << "lse at " << ::testing::PrintToString(i) << ": " << ours << " against " << exact;
+    if (!ok && bad++ < 10)
+      ADD_FAILURE() << "lse at " << ::testing::PrintToString(i) << ": " << ours << " against " << exact;
   });
   EXPECT_EQ(bad, 0);
   EXPECT_GT(rows_seen_by_none, 0) << "the case has rows no split saw";

@@ -48,7 +48,8 @@ struct SplitCombineKernel {
     };
     float max_lse = -INFINITY;
     for (int s = lane; s < p.splits; s += 32) max_lse = fmaxf(max_lse, lse_of(s));
-    for (int offset = 16; offset > 0; offset /= 2) max_lse = fmaxf(max_lse, __shfl_xor_sync(0xffffffff, max_lse, offset));
+    for (int offset = 16; offset > 0; offset /= 2)
+      max_lse = fmaxf(max_lse, __shfl_xor_sync(0xffffffff, max_lse, offset));
     OutElement* out_row = p.out + batch * p.out_stride[0] + head * p.out_stride[1] + row * p.out_stride[2];
     if (max_lse == -INFINITY) {  // no split saw a key of this row
       for (int c = lane; c < p.columns; c += 32) out_row[c * p.out_stride[3]] = OutElement(0.f);
