@@ -130,8 +130,8 @@ def make_tensor(data_ptr: int, dtype: int, shape, stride) -> Tensor:
     t = Tensor()
     t.data = data_ptr
     t.dtype = dtype
-    t.ndim = len(shape)
-    for i, (extent, step) in enumerate(zip(shape, stride)):
-        t.shape[i] = extent
-        t.stride[i] = step
+    ndim = len(shape)
+    t.ndim = ndim
+    t.shape[:ndim] = shape  # slice assignment: one call, not one per dim (host work per call)
+    t.stride[:ndim] = stride
     return t

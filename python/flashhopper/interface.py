@@ -178,14 +178,15 @@ def _check_input(name: str, t, rank: int, layout: str) -> None:
 
 def check_layout(name: str, t: torch.Tensor) -> None:
     """Last dim contiguous, other strides multiples of 16 bytes (what the kernels' TMA loads need)."""
-    if t.stride(-1) != 1:
-        raise invalid_argument(f"{name}: the last dim must be contiguous (stride 1), got strides {tuple(t.stride())}; "
+    strides = t.stride()  # once: each call crosses into C++ (host work per call)
+    if strides[-1] != 1:
+        raise invalid_argument(f"{name}: the last dim must be contiguous (stride 1), got strides {tuple(strides)}; "
                          "call .contiguous()")
     granule = _TMA_BYTES // t.element_size()
-    for dim in range(t.dim() - 1):
-        if t.stride(dim) % granule != 0:
-            raise invalid_argument(f"{name}: stride[{dim}] is {t.stride(dim)}, not a multiple of {granule} elements "
-                             f"(16 bytes), got strides {tuple(t.stride())}; call .contiguous()")
+    for dim, stride in enumerate(strides[:-1]):
+        if stride % granule != 0:
+            raise invalid_argument(f"{name}: stride[{dim}] is {stride}, not a multiple of {granule} elements "
+                             f"(16 bytes), got strides {tuple(strides)}; call .contiguous()")
 
 
 def layout_ok(t: torch.Tensor) -> bool:
@@ -207,26 +208,27 @@ def check_forward_args(q, k, v, softmax_scale=None, learnable_sink=None, varlen=
         if t.dtype != q.dtype:
             raise invalid_argument(
                 f"{name}: dtype {t.dtype} differs from q's {q.dtype}; q, k and v must have one dtype")
-    heads_q, head_dim = q.shape[-2], q.shape[-1]
-    if varlen is None and k.shape[0] != q.shape[0]:
-        raise invalid_argument(f"k: batch size {k.shape[0]} differs from q's {q.shape[0]} (shapes q {tuple(q.shape)}, "
-                         f"k {tuple(k.shape)})")
-    if v.shape[:-1] != k.shape[:-1]:
+    q_shape, k_shape, v_shape = q.shape, k.shape, v.shape  # once each (host work per call)
+    heads_q, head_dim = q_shape[-2], q_shape[-1]
+    if varlen is None and k_shape[0] != q_shape[0]:
+        raise invalid_argument(f"k: batch size {k_shape[0]} differs from q's {q_shape[0]} (shapes q {tuple(q_shape)}, "
+                         f"k {tuple(k_shape)})")
+    if v_shape[:-1] != k_shape[:-1]:
         raise invalid_argument(
-            f"v: shape {tuple(v.shape)} must match k's {tuple(k.shape)} in all dims but the head dim")
-    if k.shape[-1] != head_dim:
-        raise invalid_argument(f"k: head dim {k.shape[-1]} differs from q's {head_dim}")
+            f"v: shape {tuple(v_shape)} must match k's {tuple(k_shape)} in all dims but the head dim")
+    if k_shape[-1] != head_dim:
+        raise invalid_argument(f"k: head dim {k_shape[-1]} differs from q's {head_dim}")
     granule = _TMA_BYTES // q.element_size()
-    for name, what, dim in (("q", "head dim", head_dim), ("v", "value head dim", v.shape[-1])):
+    for name, what, dim in (("q", "head dim", head_dim), ("v", "value head dim", v_shape[-1])):
         if dim > MAX_HEAD_DIM:
             raise invalid_argument(f"{name}: {what} {dim} is larger than {MAX_HEAD_DIM}")
         if dim % granule != 0:
             raise invalid_argument(f"{name}: {what} {dim} is not a multiple of {granule} (flash_attn_func pads it; "
                              "the plain calls do not)")
-    heads_kv = k.shape[-2]
+    heads_kv = k_shape[-2]
     if heads_kv == 0 or heads_q % heads_kv != 0:
         hint = ""
-        if varlen is None and q.dim() == 4 and k.shape[1] > 0 and q.shape[1] % k.shape[1] == 0:
+        if varlen is None and q.dim() == 4 and k_shape[1] > 0 and q_shape[1] % k_shape[1] == 0:
             # [B, H, S, D] (PyTorch SDPA's layout) read as FA3's [B, S, H, D] looks exactly so.
             hint = ("; if these are [batch, heads, seqlen, head_dim] (PyTorch SDPA's layout), pass "
                     "q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2): flash_attn_func takes "
@@ -294,6 +296,8 @@ def _int_option(name: str, value, what: str) -> int:
     """An int-like value (int, numpy integer; not bool, float or tensor) as an int, or ValueError
     naming `name`. A SymInt (torch.compile) is returned as it is: int() would specialise it, one
     recompile per value (max_seqlen changes from batch to batch)."""
+    if type(value) is int:  # the common case, without the ABC checks below (host work per call)
+        return value
     if isinstance(value, (bool, torch.Tensor)) or not isinstance(value, (numbers.Integral, torch.SymInt)):
         raise invalid_argument(f"{name}: {what} must be an int, got {type(value).__name__} {value!r}")
     return value if isinstance(value, torch.SymInt) else int(value)
@@ -304,6 +308,10 @@ def check_window_size(window_size) -> tuple[int, int]:
     Returns the pair as ints; None means (-1, -1)."""
     if window_size is None:
         return -1, -1
+    if type(window_size) is tuple and len(window_size) == 2:  # the common case, fast (host work per call)
+        left, right = window_size
+        if type(left) is int and type(right) is int and left >= -1 and right >= -1:
+            return left, right
     if isinstance(window_size, (str, bytes, torch.Tensor)):
         raise invalid_argument(f"window_size: expected a pair of ints (left, right), got {window_size!r}")
     try:
@@ -324,7 +332,7 @@ def check_window_size(window_size) -> tuple[int, int]:
 
 def check_softcap(softcap) -> float:
     """softcap: a finite float >= 0 (0 disables it); scores become softcap * tanh(scores / softcap)."""
-    if softcap is None:
+    if softcap is None or (type(softcap) is float and softcap == 0.0):  # the common case, fast
         return 0.0
     if isinstance(softcap, (bool, torch.Tensor)) or not isinstance(softcap, numbers.Real):
         raise invalid_argument(f"softcap: must be a Python float >= 0, got {type(softcap).__name__} {softcap!r}")

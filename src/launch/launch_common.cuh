@@ -4,6 +4,9 @@
 
 #include <cuda_runtime_api.h>
 
+#include <atomic>
+#include <cstdint>
+
 #include "api/problem_shape.hpp"
 #include "hopper/common/mask.hpp"
 
@@ -17,12 +20,21 @@ inline cudaError_t device_sms_and_l2(int* num_sms, int* l2_bytes) {
   return err;
 }
 
-// Opts the kernel into its shared memory and launches it on `grid` CTAs.
+// Opts the kernel into its shared memory (once per device: the attribute stays set, and setting
+// it costs host time on every call) and launches it on `grid` CTAs.
 template <class Kernel, class Entry>
 cudaError_t launch_kernel(Entry entry, int grid, typename Kernel::Params const& params, cudaStream_t stream) {
   constexpr int kSmemBytes = Kernel::kSharedStorageSize;
-  cudaError_t err = cudaFuncSetAttribute(entry, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  static std::atomic<uint64_t> opted_in{0};  // bit i: done on device i (this instantiation's own)
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return err;
+  const uint64_t bit = device < 64 ? uint64_t(1) << device : 0;
+  if (bit == 0 || (opted_in.load(std::memory_order_acquire) & bit) == 0) {
+    err = cudaFuncSetAttribute(entry, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+    if (err != cudaSuccess) return err;
+    opted_in.fetch_or(bit, std::memory_order_release);
+  }
   entry<<<grid, Kernel::kNumThreads, kSmemBytes, stream>>>(params);
   return cudaGetLastError();
 }

@@ -121,9 +121,11 @@ __global__ void __launch_bounds__(hopper::VarlenTilePlanner::kThreads)
 
 cudaError_t plan_varlen_tiles(const hopper::VarlenTilePlanner::Params& params, cudaStream_t stream) {
   const size_t smem = hopper::VarlenTilePlanner::shared_bytes(params.batch);
-  cudaError_t err = cudaFuncSetAttribute(varlen_tile_planner_entry, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         int(smem));
-  if (err != cudaSuccess) return err;
+  if (smem > 48 * 1024) {  // beyond the default only (big batches): the call costs host time
+    const cudaError_t err =
+        cudaFuncSetAttribute(varlen_tile_planner_entry, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+    if (err != cudaSuccess) return err;
+  }
   using Planner = hopper::VarlenTilePlanner;
   varlen_tile_planner_entry<<<Planner::grid_size(params.max_tiles), Planner::kThreads, smem, stream>>>(params);
   return cudaGetLastError();

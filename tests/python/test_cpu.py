@@ -211,6 +211,17 @@ def test_flash_attn_with_kvcache_checks_its_arguments():
             fa3.flash_attn_with_kvcache(**args)
 
 
+def test_host_overhead_components_run_without_a_gpu():
+    """bench/profile/host_overhead.py --components times the Python layer's steps on the CPU (its
+    GPU mode needs a GPU); a short run prints its table."""
+    script = pathlib.Path(__file__).resolve().parents[2] / "bench" / "profile" / "host_overhead.py"
+    result = subprocess.run([sys.executable, str(script), "--components", "--calls", "20", "--loops", "1"],
+                            capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "PYTHONPATH": str(script.parents[2] / "python")})
+    assert result.returncode == 0, result.stderr
+    assert "| check_forward_args |" in result.stdout
+
+
 def test_library_refusals_take_the_callers_names():
     """flash_attn_with_kvcache's k_cache is the C ABI's k, its k the C ABI's k_new: a library
     refusal naming those is re-raised with FA3's name, the same type and status."""

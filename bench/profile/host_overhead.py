@@ -1,0 +1,86 @@
+#!/usr/bin/env python3
+"""Host work per call: a timed loop of many back-to-back calls on a tiny problem (1 x 1 x 1 x 64
+bf16, so the GPU finishes each call long before the host issues the next), FlashHopper's
+flash_attn_func beside PyTorch SDPA's cuDNN and FLASH backends; microseconds per call from the
+Python side, the median of several loops. With --components (no GPU needed) it times the Python
+layer's own steps on CPU tensors instead: the checks, the tensor views and the parameter struct.
+
+    PYTHONPATH=python FLASHHOPPER_LIBRARY=build/libflashhopper.so python3 bench/profile/host_overhead.py
+    PYTHONPATH=python python3 bench/profile/host_overhead.py --components
+"""
+import argparse
+import statistics
+import time
+
+import torch
+
+
+def per_call_us(fn, calls, loops):
+    fn()
+    samples = []
+    for _ in range(loops):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        samples.append((time.perf_counter() - start) / calls * 1e6)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return statistics.median(samples)
+
+
+def components(calls, loops):
+    from flashhopper import _ffi, interface
+    q = torch.randn(1, 1, 1, 64, dtype=torch.bfloat16)
+    steps = {
+        "check_mask_args": lambda: interface.check_mask_args(False, (-1, -1), 0.0, 0),
+        "check_forward_args": lambda: interface.check_forward_args(q, q, q),
+        "tensor view (_view) x 5": lambda: [interface._view(q) for _ in range(5)],
+        "ForwardParams()": lambda: _ffi.ForwardParams(),
+        "torch.empty (out)": lambda: torch.empty((1, 1, 1, 64), dtype=torch.bfloat16),
+    }
+    print("| Python step (CPU tensors) | us per call |\n|---|---|")
+    for name, fn in steps.items():
+        print(f"| {name} | {per_call_us(fn, calls, loops):.2f} |")
+
+
+def end_to_end(calls, loops):
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import flashhopper
+    q = torch.randn(1, 1, 1, 64, device="cuda", dtype=torch.bfloat16)
+    qt = q.transpose(1, 2)
+    rows = {"flashhopper.flash_attn_func": lambda: flashhopper.flash_attn_func(q, q, q),
+            "flashhopper.forward (no op)": lambda: flashhopper.forward(q, q, q)}
+    for name, backend in (("SDPA cuDNN", SDPBackend.CUDNN_ATTENTION), ("SDPA FLASH", SDPBackend.FLASH_ATTENTION)):
+        def call(backend=backend):
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(qt, qt, qt)
+        rows[name] = call
+    print(f"{torch.cuda.get_device_name()}; 1 x 1 x 1 x 64 bf16 forward\n")
+    print("| call | us per call |\n|---|---|")
+    for name, fn in rows.items():
+        try:
+            print(f"| {name} | {per_call_us(fn, calls, loops):.1f} |")
+        except Exception as error:  # a backend this PyTorch build lacks
+            print(f"| {name} | - ({type(error).__name__}) |")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--components", action="store_true", help="time the Python layer's steps on the CPU")
+    parser.add_argument("--calls", type=int, default=2000, help="calls per timed loop (default 2000)")
+    parser.add_argument("--loops", type=int, default=7, help="timed loops; the median is reported (default 7)")
+    args = parser.parse_args()
+    if args.components:
+        components(args.calls, args.loops)
+    elif not torch.cuda.is_available():
+        print("host_overhead: no CUDA GPU here; run with --components for the Python layer's steps")
+    else:
+        end_to_end(args.calls, args.loops)
+
+
+if __name__ == "__main__":
+    main()
