@@ -16,10 +16,11 @@ const KernelFamily* forward_family(const ForwardParams& p, const detail::Problem
 std::string forward_unsupported_reason(const ForwardParams& p, const detail::ProblemShape& s) {
   const detail::MaskSpec mask = detail::mask_spec(p);
   if (const char* reason = varlen_batch_reason(s)) return reason;
-  if (s.paged || s.append_kv || detail::present(p.cache_seqlens) || detail::present(p.cache_batch_idx) ||
-      detail::present(p.cache_leftpad))
-    return "the KV cache (page_table, cache_seqlens, k_new/v_new, cache_batch_idx, cache_leftpad) is not supported "
-           "by the kernels yet";
+  // A dense KV cache runs (cache_seqlens, cache_leftpad, cache_batch_idx: the sequence lengths);
+  // appending, rotary and paging do not yet.
+  if (s.paged || s.append_kv)
+    return "the KV cache's page_table and k_new/v_new (append) are not supported by the kernels yet";
+  if (detail::present(p.cache_seqlens) && s.varlen_k) return "cache_seqlens with cu_seqlens_k is not supported";
   if (p.q.dtype == FH_DTYPE_FP8_E4M3) return "fp8 e4m3 inputs are not supported yet";
   if (mask.num_sink_tokens > 0 && mask.attention_chunk > 0)
     return "num_sink_tokens together with attention_chunk is not supported by the kernels";

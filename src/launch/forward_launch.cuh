@@ -40,8 +40,10 @@ cudaError_t run_forward_hdim(const ForwardParams& p, const detail::ProblemShape&
   const hopper::SeqlenParams seqlen = seqlen_params(p, s);
   // (rows, d, heads, batch) views: dense [B, S, H, d]; packed [total, H, d] as one batch.
   const TensorRows q_rows = tensor_rows(p.q, s.varlen_q, seqlen.total_q, batch);
-  const TensorRows k_rows = tensor_rows(p.k, s.varlen_k, seqlen.total_k, batch);
-  const TensorRows v_rows = tensor_rows(p.v, s.varlen_k, seqlen.total_k, batch);
+  // A dense K/V's own batch extent: a KV cache indexed by cache_batch_idx has any number of rows.
+  const int kv_batch = s.varlen_k ? 1 : int(p.k.shape[0]);
+  const TensorRows k_rows = tensor_rows(p.k, s.varlen_k, seqlen.total_k, kv_batch);
+  const TensorRows v_rows = tensor_rows(p.v, s.varlen_k, seqlen.total_k, kv_batch);
   const TensorRows o_rows = tensor_rows(p.out, s.varlen_q, seqlen.total_q, batch);
   typename Mainloop::Arguments mainloop_args{
       static_cast<Element const*>(p.q.data),

@@ -3,6 +3,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 #include <cuda_runtime_api.h>
 
@@ -36,6 +37,12 @@ hopper::SeqlenParams seqlen_params(const Params& p, const detail::ProblemShape& 
   q.cu_seqlens_k = static_cast<int const*>(p.cu_seqlens_k.data);
   q.seqused_q = static_cast<int const*>(p.seqused_q.data);
   q.seqused_k = static_cast<int const*>(p.seqused_k.data);
+  if constexpr (std::is_same_v<Params, ForwardParams>) {  // a dense KV cache
+    q.cache_seqlens = static_cast<int const*>(p.cache_seqlens.data);
+    q.cache_leftpad = static_cast<int const*>(p.cache_leftpad.data);
+    q.cache_batch_idx = static_cast<int const*>(p.cache_batch_idx.data);
+    q.seqlen_new = int(s.seqlen_new);
+  }
   return q;
 }
 

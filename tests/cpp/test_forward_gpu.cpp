@@ -243,30 +243,140 @@ TEST(ForwardGpuErrors, HostPointerRefused) {
   EXPECT_NE(status.message.find("q"), std::string::npos) << status.message;
 }
 
-// What the kernels do not run yet is refused by name, never run with the argument ignored: a dense
-// cache with cache_seqlens (which would otherwise attend over every key), its extras, and qv.
-TEST(ForwardGpuErrors, KvCacheAndQvAreRefusedNotIgnored) {
+// What the kernels do not run yet is refused by name, never run with the argument ignored: the
+// append into a KV cache (k_new/v_new) and qv.
+TEST(ForwardGpuErrors, AppendAndQvAreRefusedNotIgnored) {
   HostTensor q = random_tensor(FH_DTYPE_BF16, {2, 64, 2, 128}, 1), out(FH_DTYPE_BF16, {2, 64, 2, 128});
   const HostTensor lengths = int32_tensor({10, 20});
   DeviceTensor d_q(q), d_out(out), d_lengths(lengths);
   ASSERT_TRUE(d_q.ok() && d_out.ok() && d_lengths.ok());
   CUDA_CHECK(d_q.upload(q));
   CUDA_CHECK(d_lengths.upload(lengths));
-  for (int what = 0; what < 3; ++what) {
+  for (int what = 0; what < 2; ++what) {
     ForwardParams p = default_forward_params();
     p.q = p.k = p.v = d_q.view();
     p.out = d_out.view();
-    p.cache_seqlens = d_lengths.view();
-    if (what == 1) p.cache_leftpad = d_lengths.view();
-    if (what == 2) {
-      p.cache_seqlens = {};
+    if (what == 0) {
+      p.cache_seqlens = d_lengths.view();
+      p.k_new = p.v_new = narrow(d_q.view(), 1, 0, 1);
+    } else {
       p.qv = d_q.view();
     }
     const Status status = forward(p, nullptr, 0, nullptr);
     EXPECT_EQ(status.code, FH_ERROR_NOT_SUPPORTED) << what << ": " << status.message;
-    EXPECT_NE(status.message.find(what == 2 ? "qv" : "KV cache"), std::string::npos) << status.message;
+    EXPECT_NE(status.message.find(what == 1 ? "qv" : "k_new/v_new"), std::string::npos) << status.message;
   }
 }
+
+// ---- a dense KV cache ---------------------------------------------------------------------------
+
+struct KvCacheCase {
+  int batch, seqlen_q, heads_q, heads_kv, cache_rows, cache_len;
+  bool causal, leftpad, batch_idx;
+  int window_left = -1;
+  std::string name() const {
+    return "b" + std::to_string(batch) + "_sq" + std::to_string(seqlen_q) + "_h" + std::to_string(heads_q) + "_hkv" +
+           std::to_string(heads_kv) + "_rows" + std::to_string(cache_rows) + "_S" + std::to_string(cache_len) +
+           (causal ? "_causal" : "") + (leftpad ? "_leftpad" : "") + (batch_idx ? "_batchidx" : "") +
+           (window_left >= 0 ? "_w" + std::to_string(window_left) : "");
+  }
+};
+
+// Decoding against a dense cache k/v [cache_rows, S, Hkv, 128] bf16: each sequence's keys are the
+// positions [cache_leftpad, cache_seqlens) of its row (cache_batch_idx), lengths of 0, 1 and the
+// whole cache among them. Against the CPU reference with the pass rule, out and lse poisoned.
+class KvCacheGpuTest : public ::testing::TestWithParam<KvCacheCase> {};
+
+TEST_P(KvCacheGpuTest, MatchesReference) {
+  const KvCacheCase c = GetParam();
+  const int d = 128;
+  HostTensor q = random_tensor(FH_DTYPE_BF16, {c.batch, c.seqlen_q, c.heads_q, d}, 5101);
+  HostTensor k = random_tensor(FH_DTYPE_BF16, {c.cache_rows, c.cache_len, c.heads_kv, d}, 5102);
+  HostTensor v = random_tensor(FH_DTYPE_BF16, {c.cache_rows, c.cache_len, c.heads_kv, d}, 5103);
+  std::vector<int32_t> lengths(c.batch), firsts(c.batch, 0), rows(c.batch);
+  for (int b = 0; b < c.batch; ++b) {
+    lengths[b] = b == 0 ? c.cache_len : b == 1 ? 0 : b == 2 ? 1 : (b * 977) % c.cache_len;
+    if (c.leftpad) firsts[b] = std::min(lengths[b], (b * 131) % 300);
+    rows[b] = c.batch_idx ? (c.cache_rows - 1 - b) % c.cache_rows : b;
+  }
+  const HostTensor cache_seqlens = int32_tensor(lengths), leftpad = int32_tensor(firsts), batch_idx = int32_tensor(rows);
+  HostTensor out(FH_DTYPE_BF16, {c.batch, c.seqlen_q, c.heads_q, d}), lse(FH_DTYPE_FP32, {c.batch, c.heads_q, c.seqlen_q});
+  DeviceTensor d_q(q), d_k(k), d_v(v), d_out(out), d_lse(lse), d_lengths(cache_seqlens), d_leftpad(leftpad),
+      d_rows(batch_idx);
+  for (auto [device, host] : {std::pair<DeviceTensor*, const HostTensor*>{&d_q, &q}, {&d_k, &k}, {&d_v, &v},
+                              {&d_lengths, &cache_seqlens}, {&d_leftpad, &leftpad}, {&d_rows, &batch_idx}}) {
+    ASSERT_TRUE(device->ok());
+    CUDA_CHECK(device->upload(*host));
+  }
+  CUDA_CHECK(d_out.poison());
+  CUDA_CHECK(d_lse.poison());
+  ForwardParams p = default_forward_params();
+  p.q = d_q.view();
+  p.k = d_k.view();
+  p.v = d_v.view();
+  p.out = d_out.view();
+  p.lse = d_lse.view();
+  p.cache_seqlens = d_lengths.view();
+  if (c.leftpad) p.cache_leftpad = d_leftpad.view();
+  if (c.batch_idx) p.cache_batch_idx = d_rows.view();
+  p.causal = c.causal;
+  p.window_left = c.window_left;
+  if (c.window_left >= 0) p.window_right = 0, p.causal = 0;
+  size_t workspace_bytes = 0;
+  Status status = workspace_size(p, &workspace_bytes);
+  ASSERT_TRUE(status.ok()) << status.message;
+  DeviceBuffer workspace;
+  CUDA_CHECK(workspace.allocate(workspace_bytes));
+  status = forward(p, workspace.data(), workspace_bytes, nullptr);
+  if (status.code == FH_ERROR_NOT_SUPPORTED) GTEST_SKIP() << "not in this build: " << status.message;
+  ASSERT_TRUE(status.ok()) << status.message;
+  CUDA_CHECK(cudaDeviceSynchronize());
+  CUDA_CHECK(d_out.download(out));
+  CUDA_CHECK(d_lse.download(lse));
+
+  ForwardParams host = p;
+  host.q = q.view();
+  host.k = k.view();
+  host.v = v.view();
+  host.cache_seqlens = cache_seqlens.view();
+  host.cache_leftpad = c.leftpad ? leftpad.view() : Tensor{};
+  host.cache_batch_idx = c.batch_idx ? batch_idx.view() : Tensor{};
+  HostTensor out_exact(FH_DTYPE_FP64, {c.batch, c.seqlen_q, c.heads_q, d}), lse_exact(FH_DTYPE_FP64, lse.shape());
+  HostTensor out_plain(FH_DTYPE_BF16, out.shape());
+  host.out = out_exact.view();
+  host.lse = lse_exact.view();
+  Status reference = flashhopper::reference::forward(host);
+  ASSERT_TRUE(reference.ok()) << reference.message;
+  flashhopper::reference::Options emulate;
+  emulate.emulate_low_precision = true;
+  host.out = out_plain.view();
+  host.lse = Tensor{};
+  reference = flashhopper::reference::forward(host, emulate);
+  ASSERT_TRUE(reference.ok()) << reference.message;
+  const double ours = max_abs_diff(out.view(), out_exact.view());
+  const double plain = max_abs_diff(out_plain.view(), out_exact.view());
+  EXPECT_LE(ours, 2 * plain + 1e-5) << "plain bf16 error " << plain;  // NaN fails
+  for_each_index(lse.shape(), [&](const std::vector<int64_t>& i) {
+    const double a = lse.get(i), e = lse_exact.get(i);
+    if (!(e == -INFINITY ? a == -INFINITY : std::fabs(a - e) <= 1e-3 * (1 + std::fabs(e))))
+      ADD_FAILURE() << "lse at " << ::testing::PrintToString(i) << ": " << a << " against " << e;
+  });
+}
+
+std::vector<KvCacheCase> kv_cache_cases() {
+  std::vector<KvCacheCase> cases;
+  for (bool causal : {false, true})
+    for (int seqlen_q : {1, 3, 64}) {
+      cases.push_back({6, seqlen_q, 8, 2, 6, 1000, causal, false, false});
+      cases.push_back({6, seqlen_q, 8, 1, 9, 1000, causal, true, true});
+    }
+  cases.push_back({5, 4, 32, 8, 7, 4096, true, true, true});
+  cases.push_back({5, 4, 4, 4, 5, 700, false, true, false, 100});  // a window over the cache
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(KvCache, KvCacheGpuTest, ::testing::ValuesIn(kv_cache_cases()),
+                         [](const ::testing::TestParamInfo<KvCacheCase>& info) { return info.param.name(); });
 
 }  // namespace
 }  // namespace flashhopper::test

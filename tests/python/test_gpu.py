@@ -703,13 +703,40 @@ def test_flash_attn_combine_against_reference(splits, out_dtype):
 
 @requires_gpu
 def test_flash_attn_with_kvcache_is_refused_by_name():
-    """The kernels have no KV cache yet: a valid call raises FlashHopperNotSupported (never runs
-    with the cache arguments ignored), and the library's own refusals use FA3's names (k_cache,
-    not the C ABI's k)."""
+    """What the kernels cannot do yet (the append k/v into the cache) raises FlashHopperNotSupported,
+    never runs with the argument ignored; the library's own refusals use FA3's names (k_cache, not
+    the C ABI's k)."""
     q = torch.randn(2, 1, 8, 64, device="cuda", dtype=torch.bfloat16)
     k_cache = torch.randn(2, 128, 2, 64, device="cuda", dtype=torch.bfloat16)
     v_cache = torch.randn_like(k_cache)
-    with pytest.raises(FlashHopperNotSupported, match="KV cache"):
-        fa3.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=17)
+    new = torch.randn(2, 1, 2, 64, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(FlashHopperNotSupported, match="k_new/v_new"):
+        fa3.flash_attn_with_kvcache(q, k_cache, v_cache, k=new, v=new, cache_seqlens=17)
     with pytest.raises(ValueError, match=r"^flashhopper \(invalid argument\): v_cache: "):
         fa3.flash_attn_with_kvcache(q, k_cache, v_cache[:, :64], cache_seqlens=17)
+
+
+@pytest.mark.parametrize("seqlen_q, causal", [(1, False), (4, True)])
+@requires_gpu
+def test_flash_attn_with_kvcache_dense_cache_against_reference(seqlen_q, causal):
+    """Decoding against a dense cache: sequence b reads cache row cache_batch_idx[b], keys
+    [cache_leftpad[b], cache_seqlens[b]); against attention over exactly those keys in float64,
+    within twice the error of the same attention in plain bf16."""
+    torch.manual_seed(seqlen_q)
+    q = torch.randn(3, seqlen_q, 8, 64, device="cuda", dtype=torch.bfloat16)
+    k_cache = torch.randn(4, 256, 2, 64, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    lengths, firsts, rows = [200, 1, 256], [10, 0, 0], [3, 0, 1]
+    to_int32 = lambda values: torch.tensor(values, dtype=torch.int32, device="cuda")  # noqa: E731
+    out, lse = fa3.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=to_int32(lengths),
+                                           cache_batch_idx=to_int32(rows), cache_leftpad=to_int32(firsts),
+                                           causal=causal, return_softmax_lse=True)
+    for b in range(3):
+        keys = k_cache[rows[b], firsts[b]:lengths[b]].unsqueeze(0)
+        values = v_cache[rows[b], firsts[b]:lengths[b]].unsqueeze(0)
+        ref64, lse64 = attention_reference(q[b:b + 1].double(), keys.double(), values.double(), causal=causal)
+        plain, _ = attention_reference(q[b:b + 1], keys, values, causal=causal)
+        ours_err = (out[b:b + 1].double() - ref64).abs().max().item()
+        plain_err = (plain.double() - ref64).abs().max().item()
+        assert ours_err <= 2 * plain_err + 1e-5, (b, ours_err, plain_err)
+        torch.testing.assert_close(lse[b:b + 1].double(), lse64, rtol=1e-3, atol=1e-3)

@@ -161,7 +161,7 @@ struct ForwardMainloop {
   }
 
   CUTLASS_DEVICE static SeqlenInfo seqlen_info(Params const& params, WorkTile const& work) {
-    return SeqlenInfo::make(params.seqlen, work.batch);
+    return SeqlenInfo::make</*kKvCache=*/true>(params.seqlen, work.batch);
   }
   CUTLASS_DEVICE static Mask make_mask(Params const& params, SeqlenInfo const& seq) {
     return Mask(seq, params.local);

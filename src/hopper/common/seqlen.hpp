@@ -7,7 +7,9 @@
 // Monotone cu_seqlens are the caller's contract; whatever they hold, a sequence is clamped into
 // the tensor (0 <= start <= end <= total) and its length to max_seqlen, so that no kernel reads
 // or writes outside the tensors or the workspace. seqused (dense or packed) shortens a sequence:
-// only its first seqused[b] tokens take part (clamped likewise).
+// only its first seqused[b] tokens take part (clamped likewise). A dense KV cache (cache_seqlens)
+// sets a sequence's keys instead: the cache positions [cache_leftpad[b], cache_seqlens[b] + s_new)
+// of cache row cache_batch_idx[b] (b without it), clamped to the cache.
 #pragma once
 
 #include <cutlass/cutlass.h>
@@ -23,6 +25,10 @@ struct SeqlenParams {
   int const* cu_seqlens_k = nullptr;
   int const* seqused_q = nullptr;     // [batch], or null
   int const* seqused_k = nullptr;
+  int const* cache_seqlens = nullptr;    // [batch], or null: a dense KV cache (forward)
+  int const* cache_leftpad = nullptr;    // [batch], or null
+  int const* cache_batch_idx = nullptr;  // [batch], or null
+  int seqlen_new = 0;                    // keys appended after the cached ones
 
   CUTLASS_HOST_DEVICE bool packed_q() const { return cu_seqlens_q != nullptr; }
   CUTLASS_HOST_DEVICE bool packed_k() const { return cu_seqlens_k != nullptr; }
@@ -39,6 +45,9 @@ struct SeqlenInfo {
   int batch_k = 0;
   int batch = 0;     // the sequence's index in the batch
 
+  // kKvCache: read the KV cache's fields (the forward only; the other kernels never get them, so
+  // they do not compile the code).
+  template <bool kKvCache = false>
   CUTLASS_DEVICE static SeqlenInfo make(SeqlenParams const& p, int batch) {
     SeqlenInfo s{p.seqlen_q, p.seqlen_k, p.seqlen_q, p.seqlen_k};
     s.batch = batch;
@@ -54,6 +63,16 @@ struct SeqlenInfo {
     }
     s.seqlen_q = p.seqused_q != nullptr ? min(s.capacity_q, max(__ldg(p.seqused_q + batch), 0)) : s.capacity_q;
     s.seqlen_k = p.seqused_k != nullptr ? min(s.capacity_k, max(__ldg(p.seqused_k + batch), 0)) : s.capacity_k;
+    if constexpr (kKvCache) {
+      if (p.cache_seqlens != nullptr) {
+        const int first = p.cache_leftpad != nullptr ? min(max(__ldg(p.cache_leftpad + batch), 0), p.seqlen_k) : 0;
+        const int used = __ldg(p.cache_seqlens + batch) + p.seqlen_new - first;
+        s.offset_k = first;
+        s.capacity_k = s.seqlen_k = min(max(used, 0), p.seqlen_k - first);
+      }
+      // A row past the cache's is the caller's contract; the loads zero-fill outside the tensor.
+      if (p.cache_batch_idx != nullptr) s.batch_k = __ldg(p.cache_batch_idx + batch);
+    }
     return s;
   }
 
