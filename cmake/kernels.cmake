@@ -11,7 +11,7 @@ endif()
 
 set(FLASHHOPPER_KERNEL_SOURCES ${PROJECT_SOURCE_DIR}/src/launch/forward_dispatch.cu
     ${PROJECT_SOURCE_DIR}/src/launch/backward_dispatch.cu ${PROJECT_SOURCE_DIR}/src/launch/varlen_plan.cu
-    ${PROJECT_SOURCE_DIR}/src/launch/combine_launch.cu)
+    ${PROJECT_SOURCE_DIR}/src/launch/combine_launch.cu ${PROJECT_SOURCE_DIR}/src/launch/kv_append_launch.cu)
 set(FLASHHOPPER_KERNEL_DEFINES FLASHHOPPER_KERNEL_SET=${_set_index})
 foreach(_family IN LISTS FLASHHOPPER_KERNEL_FAMILIES_${FLASHHOPPER_KERNELS})
   foreach(_variant IN LISTS FLASHHOPPER_KERNEL_VARIANTS)

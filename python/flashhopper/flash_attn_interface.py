@@ -17,9 +17,9 @@ and sk, deterministic backward; and all of it over packed variable-length sequen
 flash_attn_varlen_func (q [total_q, Hq, d], cu_seqlens_q/k, max_seqlen_q/k, seqused_q/k; up to 8192
 sequences). What a build of the library cannot run raises FlashHopperNotSupported with the
 library's message. Every argument FlashHopper cannot honour yet raises NotImplementedError naming it
-(num_splits > 1, qv, fp8 descales, sm_margin). flash_attn_with_kvcache runs a dense KV cache without
-an append and raises NotImplementedError for the rest (append, rotary, paged). flash_attn_combine
-merges split-KV partials (FA3's signature and layouts). Bad tensors (dtype, rank, shape, strides, device, alignment) and bad
+(num_splits > 1, qv, fp8 descales, sm_margin). flash_attn_with_kvcache runs a dense KV cache (with
+the append and rotary) and raises NotImplementedError for a paged one. flash_attn_combine merges
+split-KV partials (FA3's signature and layouts). Bad tensors (dtype, rank, shape, strides, device, alignment) and bad
 options (window_size, softcap, attention_chunk, learnable_sink, cu_seqlens, seqused, max_seqlen)
 raise ValueError naming the argument before anything is launched.
 
@@ -288,9 +288,9 @@ def flash_attn_with_kvcache(
     return_softmax_lse.
 
     The arguments are checked (ValueError naming the argument). The kernels run a dense cache
-    without an append (cache_seqlens, cache_batch_idx, cache_leftpad); the append (k, v), rotary
-    and a paged cache raise FlashHopperNotSupported (a NotImplementedError), and so do fp8 descales,
-    cu_seqlens_k_new, scheduler_metadata, num_splits > 1 and sm_margin."""
+    (cache_seqlens, cache_batch_idx, cache_leftpad) with the append and rotary; a paged cache raises
+    FlashHopperNotSupported (a NotImplementedError), and so do fp8 descales, cu_seqlens_k_new,
+    scheduler_metadata, num_splits > 1 and sm_margin."""
     for name, descale in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
         if descale is not None:
             _not_yet(name, "<tensor>", "fp8 attention (descale factors)")

@@ -177,7 +177,11 @@ Status forward(const ForwardParams& params, void* workspace, size_t workspace_by
       {&params.q, "q"},     {&params.k, "k"},     {&params.v, "v"},
       {&params.out, "out"}, {&params.lse, "lse"}, {&params.learnable_sink, "learnable_sink"},
       {&params.cu_seqlens_q, "cu_seqlens_q"}, {&params.cu_seqlens_k, "cu_seqlens_k"},
-      {&params.seqused_q, "seqused_q"}, {&params.seqused_k, "seqused_k"}};
+      {&params.seqused_q, "seqused_q"}, {&params.seqused_k, "seqused_k"},
+      {&params.cache_seqlens, "cache_seqlens"}, {&params.cache_batch_idx, "cache_batch_idx"},
+      {&params.cache_leftpad, "cache_leftpad"}, {&params.k_new, "k_new"}, {&params.v_new, "v_new"},
+      {&params.rotary_cos, "rotary_cos"}, {&params.rotary_sin, "rotary_sin"},
+      {&params.rotary_seqlens, "rotary_seqlens"}};
   for (const auto& [tensor, name] : pointers) {
     if (!(status = check_device_pointer(*tensor, name)).ok()) return status;
   }

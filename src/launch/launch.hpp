@@ -27,6 +27,14 @@ size_t backward_workspace_size(const BackwardParams& params, const detail::Probl
 int run_backward(const BackwardParams& params, const detail::ProblemShape& shape, void* workspace,
                  fh_stream_t stream);
 
+// The KV cache's append: k_new/v_new into the dense cache at cache_seqlens, rotary on them and, into
+// a copy at q_rotated (rotated_q_bytes of the workspace, laid out as rotated_q_view), on q.
+// Enqueued before the attention, which then reads the copy. Returns the CUDA error of the launch.
+int run_kv_append(const ForwardParams& params, const detail::ProblemShape& shape, void* q_rotated,
+                  fh_stream_t stream);
+size_t rotated_q_bytes(const ForwardParams& params, const detail::ProblemShape& shape);
+Tensor rotated_q_view(const ForwardParams& params, const detail::ProblemShape& shape, void* data);
+
 // Enqueues the split-KV combine (checked params). Returns the CUDA error of the launch.
 int run_combine(const CombineParams& params, fh_stream_t stream);
 

@@ -243,28 +243,29 @@ TEST(ForwardGpuErrors, HostPointerRefused) {
   EXPECT_NE(status.message.find("q"), std::string::npos) << status.message;
 }
 
-// What the kernels do not run yet is refused by name, never run with the argument ignored: the
-// append into a KV cache (k_new/v_new) and qv.
-TEST(ForwardGpuErrors, AppendAndQvAreRefusedNotIgnored) {
+// What the kernels do not run yet is refused by name, never run with the argument ignored: a paged
+// KV cache and qv.
+TEST(ForwardGpuErrors, PagedCacheAndQvAreRefusedNotIgnored) {
   HostTensor q = random_tensor(FH_DTYPE_BF16, {2, 64, 2, 128}, 1), out(FH_DTYPE_BF16, {2, 64, 2, 128});
-  const HostTensor lengths = int32_tensor({10, 20});
-  DeviceTensor d_q(q), d_out(out), d_lengths(lengths);
-  ASSERT_TRUE(d_q.ok() && d_out.ok() && d_lengths.ok());
+  const HostTensor lengths = int32_tensor({10, 20}), pages = int32_tensor({0, 1}, {2, 1});
+  DeviceTensor d_q(q), d_out(out), d_lengths(lengths), d_pages(pages);
+  ASSERT_TRUE(d_q.ok() && d_out.ok() && d_lengths.ok() && d_pages.ok());
   CUDA_CHECK(d_q.upload(q));
   CUDA_CHECK(d_lengths.upload(lengths));
+  CUDA_CHECK(d_pages.upload(pages));
   for (int what = 0; what < 2; ++what) {
     ForwardParams p = default_forward_params();
     p.q = p.k = p.v = d_q.view();
     p.out = d_out.view();
-    if (what == 0) {
+    if (what == 0) {  // k, v as 2 pages of 64 tokens
       p.cache_seqlens = d_lengths.view();
-      p.k_new = p.v_new = narrow(d_q.view(), 1, 0, 1);
+      p.page_table = d_pages.view();
     } else {
       p.qv = d_q.view();
     }
     const Status status = forward(p, nullptr, 0, nullptr);
     EXPECT_EQ(status.code, FH_ERROR_NOT_SUPPORTED) << what << ": " << status.message;
-    EXPECT_NE(status.message.find(what == 1 ? "qv" : "k_new/v_new"), std::string::npos) << status.message;
+    EXPECT_NE(status.message.find(what == 1 ? "qv" : "page_table"), std::string::npos) << status.message;
   }
 }
 
@@ -274,17 +275,24 @@ struct KvCacheCase {
   int batch, seqlen_q, heads_q, heads_kv, cache_rows, cache_len;
   bool causal, leftpad, batch_idx;
   int window_left = -1;
+  int seqlen_new = 0;  // keys appended (k_new/v_new) before attending
+  int rotary_dim = 0;  // with an append: rotary on the new keys and q
+  bool interleaved = true;
   std::string name() const {
     return "b" + std::to_string(batch) + "_sq" + std::to_string(seqlen_q) + "_h" + std::to_string(heads_q) + "_hkv" +
            std::to_string(heads_kv) + "_rows" + std::to_string(cache_rows) + "_S" + std::to_string(cache_len) +
            (causal ? "_causal" : "") + (leftpad ? "_leftpad" : "") + (batch_idx ? "_batchidx" : "") +
-           (window_left >= 0 ? "_w" + std::to_string(window_left) : "");
+           (window_left >= 0 ? "_w" + std::to_string(window_left) : "") +
+           (seqlen_new > 0 ? "_new" + std::to_string(seqlen_new) : "") +
+           (rotary_dim > 0 ? "_rotary" + std::to_string(rotary_dim) + (interleaved ? "i" : "h") : "");
   }
 };
 
 // Decoding against a dense cache k/v [cache_rows, S, Hkv, 128] bf16: each sequence's keys are the
-// positions [cache_leftpad, cache_seqlens) of its row (cache_batch_idx), lengths of 0, 1 and the
-// whole cache among them. Against the CPU reference with the pass rule, out and lse poisoned.
+// positions [cache_leftpad, cache_seqlens + s_new) of its row (cache_batch_idx), lengths of 0, 1
+// and the whole cache among them, after appending s_new keys (rotated, with rotary, as q is).
+// Against the CPU reference with the pass rule, out and lse poisoned; the cache afterwards: the
+// appended keys as the reference's (rotated ones within a bf16 rounding), the rest bit-unchanged.
 class KvCacheGpuTest : public ::testing::TestWithParam<KvCacheCase> {};
 
 TEST_P(KvCacheGpuTest, MatchesReference) {
@@ -296,6 +304,7 @@ TEST_P(KvCacheGpuTest, MatchesReference) {
   std::vector<int32_t> lengths(c.batch), firsts(c.batch, 0), rows(c.batch);
   for (int b = 0; b < c.batch; ++b) {
     lengths[b] = b == 0 ? c.cache_len : b == 1 ? 0 : b == 2 ? 1 : (b * 977) % c.cache_len;
+    lengths[b] = std::min(lengths[b], c.cache_len - c.seqlen_new);  // room for the append
     if (c.leftpad) firsts[b] = std::min(lengths[b], (b * 131) % 300);
     rows[b] = c.batch_idx ? (c.cache_rows - 1 - b) % c.cache_rows : b;
   }
@@ -310,6 +319,22 @@ TEST_P(KvCacheGpuTest, MatchesReference) {
   }
   CUDA_CHECK(d_out.poison());
   CUDA_CHECK(d_lse.poison());
+  const int s_new = std::max(c.seqlen_new, 1);  // tensors of at least one token (unused without an append)
+  HostTensor k_new = random_tensor(FH_DTYPE_BF16, {c.batch, s_new, c.heads_kv, d}, 5104);
+  HostTensor v_new = random_tensor(FH_DTYPE_BF16, {c.batch, s_new, c.heads_kv, d}, 5105);
+  const int positions = c.cache_len + c.seqlen_q, half = std::max(c.rotary_dim / 2, 1);
+  HostTensor angle = random_tensor(FH_DTYPE_FP64, {positions, half}, 5106);
+  HostTensor cos(FH_DTYPE_BF16, {positions, half}), sin(FH_DTYPE_BF16, {positions, half});
+  for_each_index({positions, half}, [&](const std::vector<int64_t>& i) {
+    cos.set(i, std::cos(3 * angle.get(i)));
+    sin.set(i, std::sin(3 * angle.get(i)));
+  });
+  DeviceTensor d_k_new(k_new), d_v_new(v_new), d_cos(cos), d_sin(sin);
+  for (auto [device, host] : {std::pair<DeviceTensor*, const HostTensor*>{&d_k_new, &k_new}, {&d_v_new, &v_new},
+                              {&d_cos, &cos}, {&d_sin, &sin}}) {
+    ASSERT_TRUE(device->ok());
+    CUDA_CHECK(device->upload(*host));
+  }
   ForwardParams p = default_forward_params();
   p.q = d_q.view();
   p.k = d_k.view();
@@ -322,6 +347,15 @@ TEST_P(KvCacheGpuTest, MatchesReference) {
   p.causal = c.causal;
   p.window_left = c.window_left;
   if (c.window_left >= 0) p.window_right = 0, p.causal = 0;
+  if (c.seqlen_new > 0) {
+    p.k_new = d_k_new.view();
+    p.v_new = d_v_new.view();
+  }
+  if (c.rotary_dim > 0) {
+    p.rotary_cos = d_cos.view();
+    p.rotary_sin = d_sin.view();
+    p.rotary_interleaved = c.interleaved;
+  }
   size_t workspace_bytes = 0;
   Status status = workspace_size(p, &workspace_bytes);
   ASSERT_TRUE(status.ok()) << status.message;
@@ -333,11 +367,19 @@ TEST_P(KvCacheGpuTest, MatchesReference) {
   CUDA_CHECK(cudaDeviceSynchronize());
   CUDA_CHECK(d_out.download(out));
   CUDA_CHECK(d_lse.download(lse));
+  HostTensor k_ours = k, v_ours = v;  // the device cache after the call
+  CUDA_CHECK(d_k.download(k_ours));
+  CUDA_CHECK(d_v.download(v_ours));
+  const HostTensor k_before = k, v_before = v;
 
   ForwardParams host = p;
   host.q = q.view();
-  host.k = k.view();
+  host.k = k.view();  // the reference appends into these host copies
   host.v = v.view();
+  host.k_new = c.seqlen_new > 0 ? k_new.view() : Tensor{};
+  host.v_new = c.seqlen_new > 0 ? v_new.view() : Tensor{};
+  host.rotary_cos = c.rotary_dim > 0 ? cos.view() : Tensor{};
+  host.rotary_sin = c.rotary_dim > 0 ? sin.view() : Tensor{};
   host.cache_seqlens = cache_seqlens.view();
   host.cache_leftpad = c.leftpad ? leftpad.view() : Tensor{};
   host.cache_batch_idx = c.batch_idx ? batch_idx.view() : Tensor{};
@@ -353,6 +395,18 @@ TEST_P(KvCacheGpuTest, MatchesReference) {
   host.lse = Tensor{};
   reference = flashhopper::reference::forward(host, emulate);
   ASSERT_TRUE(reference.ok()) << reference.message;
+  for (auto [ours, expected, before, name] :
+       {std::tuple<const HostTensor*, const HostTensor*, const HostTensor*, const char*>{&k_ours, &k, &k_before, "k"},
+        {&v_ours, &v, &v_before, "v"}}) {
+    int64_t bad = 0;
+    for_each_index(ours->shape(), [&](const std::vector<int64_t>& i) {
+      const double a = ours->get(i), e = expected->get(i);
+      const bool untouched = before->get(i) == e && a == before->get(i);
+      const bool appended = std::fabs(a - e) <= 0x1p-7 * std::fabs(e) + 1e-6;  // a rotated key's rounding
+      if (!(untouched || (before->get(i) != e && appended)) && bad++ < 5)
+        ADD_FAILURE() << name << " cache at " << ::testing::PrintToString(i) << ": " << a << ", expected " << e;
+    });
+  }
   const double ours = max_abs_diff(out.view(), out_exact.view());
   const double plain = max_abs_diff(out_plain.view(), out_exact.view());
   EXPECT_LE(ours, 2 * plain + 1e-5) << "plain bf16 error " << plain;  // NaN fails
@@ -372,6 +426,12 @@ std::vector<KvCacheCase> kv_cache_cases() {
     }
   cases.push_back({5, 4, 32, 8, 7, 4096, true, true, true});
   cases.push_back({5, 4, 4, 4, 5, 700, false, true, false, 100});  // a window over the cache
+  // Appending, with rotary (interleaved or not, a rotary dim below d), q rotated at consecutive
+  // positions (causal) or all at the offset.
+  cases.push_back({4, 1, 8, 2, 4, 1000, false, false, false, -1, 1});
+  cases.push_back({4, 3, 8, 2, 6, 1000, true, true, true, -1, 3, 64, true});
+  cases.push_back({4, 3, 8, 2, 4, 1000, false, false, false, -1, 2, 128, false});
+  cases.push_back({4, 5, 8, 8, 4, 600, true, false, true, -1, 5, 32, false});
   return cases;
 }
 

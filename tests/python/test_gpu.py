@@ -703,15 +703,15 @@ def test_flash_attn_combine_against_reference(splits, out_dtype):
 
 @requires_gpu
 def test_flash_attn_with_kvcache_is_refused_by_name():
-    """What the kernels cannot do yet (the append k/v into the cache) raises FlashHopperNotSupported,
-    never runs with the argument ignored; the library's own refusals use FA3's names (k_cache, not
-    the C ABI's k)."""
+    """What the kernels cannot do yet (a paged cache) raises FlashHopperNotSupported, never runs
+    with the argument ignored; the library's own refusals use FA3's names (k_cache, not the C
+    ABI's k)."""
     q = torch.randn(2, 1, 8, 64, device="cuda", dtype=torch.bfloat16)
     k_cache = torch.randn(2, 128, 2, 64, device="cuda", dtype=torch.bfloat16)
     v_cache = torch.randn_like(k_cache)
-    new = torch.randn(2, 1, 2, 64, device="cuda", dtype=torch.bfloat16)
-    with pytest.raises(FlashHopperNotSupported, match="k_new/v_new"):
-        fa3.flash_attn_with_kvcache(q, k_cache, v_cache, k=new, v=new, cache_seqlens=17)
+    pages = torch.tensor([[0], [1]], dtype=torch.int32, device="cuda")
+    with pytest.raises(FlashHopperNotSupported, match="page_table"):
+        fa3.flash_attn_with_kvcache(q, k_cache, v_cache, page_table=pages, cache_seqlens=17)
     with pytest.raises(ValueError, match=r"^flashhopper \(invalid argument\): v_cache: "):
         fa3.flash_attn_with_kvcache(q, k_cache, v_cache[:, :64], cache_seqlens=17)
 

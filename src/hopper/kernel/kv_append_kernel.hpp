@@ -1,0 +1,102 @@
+// The KV cache's append, before the attention reads the cache: k_new/v_new [B, s_new, Hkv, d|dv]
+// into a dense cache at positions cache_seqlens[b] + t of row cache_batch_idx[b] (b without it),
+// with the rotary embedding on the new keys' first rotary_dim dims; and, with rotary, q rotated
+// into a copy the attention then reads (q itself is not written). Positions and rows outside the
+// cache or the rotary tables are the caller's contract: such a row is not written (cache) or not
+// rotated (tables), so nothing is read or written outside the tensors. One warp a row; plain CUDA.
+#pragma once
+
+#include <cstdint>
+
+#include <cutlass/cutlass.h>
+#include <cutlass/numeric_conversion.h>
+
+namespace flashhopper::hopper {
+
+template <class Element>
+struct KvAppendKernel {
+  static constexpr int kWarps = 8;
+  static constexpr int kThreads = kWarps * 32;
+
+  // A [.., token, head, column] tensor as element strides (batch, token, head); the column is
+  // contiguous.
+  struct Rows {
+    Element* data;
+    int64_t batch_stride, token_stride, head_stride;
+    CUTLASS_DEVICE Element* row(int64_t b, int64_t token, int head) const {
+      return data + b * batch_stride + token * token_stride + head * head_stride;
+    }
+  };
+
+  struct Params {
+    Rows k_new, v_new, k_cache, v_cache;  // k_new/v_new read only
+    Rows q, q_rotated;                    // with rotary only; q read only. q_rotated dense [B, sq, Hq, d]
+    int const* cache_seqlens;
+    int const* cache_batch_idx;  // or null
+    Element const* rotary_cos;   // [positions, rotary_dim / 2], or null: no rotary
+    Element const* rotary_sin;
+    int64_t cos_stride[2], sin_stride[2];
+    int rotary_positions, rotary_half;
+    int const* rotary_seqlens;  // or null: cache_seqlens
+    bool interleaved, query_rows_advance;
+    int const* cu_seqlens_q;  // packed q, or null
+    int batch, seqlen_new, heads_kv, heads_q, seqlen_q, head_dim, head_dim_v, cache_rows, cache_len;
+  };
+
+  // Rows: the keys (k and v) of every (b, t, hk), then with rotary q's (b, i, h).
+  CUTLASS_DEVICE static int64_t key_rows(Params const& p) { return int64_t(p.batch) * p.seqlen_new * p.heads_kv; }
+  CUTLASS_DEVICE static int64_t query_rows(Params const& p) {
+    return p.rotary_cos == nullptr ? 0 : int64_t(p.batch) * p.seqlen_q * p.heads_q;
+  }
+
+  // dst[c] = src[c] for c < columns, the first 2 * rotary_half of them rotated at `position`
+  // (position < 0: not rotated).
+  CUTLASS_DEVICE static void copy_row(Params const& p, Element const* src, Element* dst, int columns, int position,
+                                      int lane) {
+    cutlass::NumericConverter<Element, float> to_element;
+    const bool rotate = p.rotary_cos != nullptr && position >= 0 && position < p.rotary_positions;
+    const int rotated = rotate ? 2 * p.rotary_half : 0;
+    for (int c = rotated + lane; c < columns; c += 32) dst[c] = src[c];
+    for (int i = lane; i < rotated / 2; i += 32) {
+      const int ix = p.interleaved ? 2 * i : i, iy = p.interleaved ? 2 * i + 1 : i + p.rotary_half;
+      const float x = float(src[ix]), y = float(src[iy]);
+      const float cos = float(p.rotary_cos[position * p.cos_stride[0] + i * p.cos_stride[1]]);
+      const float sin = float(p.rotary_sin[position * p.sin_stride[0] + i * p.sin_stride[1]]);
+      dst[ix] = to_element(x * cos - y * sin);
+      dst[iy] = to_element(x * sin + y * cos);
+    }
+  }
+
+  CUTLASS_DEVICE void operator()(Params const& p) const {
+    const int lane = threadIdx.x % 32;
+    const int64_t item = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32;
+    const int64_t keys = key_rows(p);
+    if (item < keys) {  // (b, t, hk), hk fastest
+      const int hk = int(item % p.heads_kv), t = int(item / p.heads_kv % p.seqlen_new);
+      const int b = int(item / p.heads_kv / p.seqlen_new);
+      const int row = p.cache_batch_idx != nullptr ? __ldg(p.cache_batch_idx + b) : b;
+      const int at = __ldg(p.cache_seqlens + b) + t;
+      if (row < 0 || row >= p.cache_rows || at < 0 || at >= p.cache_len) return;  // outside the cache
+      const int offset = p.rotary_seqlens != nullptr ? __ldg(p.rotary_seqlens + b) : __ldg(p.cache_seqlens + b);
+      copy_row(p, p.k_new.row(b, t, hk), p.k_cache.row(row, at, hk), p.head_dim, offset + t, lane);
+      copy_row(p, p.v_new.row(b, t, hk), p.v_cache.row(row, at, hk), p.head_dim_v, -1, lane);
+      return;
+    }
+    const int64_t query = item - keys;
+    if (query >= query_rows(p)) return;  // (b, i, h), h fastest
+    const int h = int(query % p.heads_q), i = int(query / p.heads_q % p.seqlen_q);
+    const int b = int(query / p.heads_q / p.seqlen_q);
+    int64_t token = i;  // q's row: dense (b, i); packed cu_seqlens_q[b] + i, within the sequence
+    if (p.cu_seqlens_q != nullptr) {
+      const int start = __ldg(p.cu_seqlens_q + b), end = __ldg(p.cu_seqlens_q + b + 1);
+      if (i >= end - start) return;
+      token = int64_t(start) + i;
+    }
+    const int offset = p.rotary_seqlens != nullptr ? __ldg(p.rotary_seqlens + b) : __ldg(p.cache_seqlens + b);
+    const int64_t b_row = p.cu_seqlens_q != nullptr ? 0 : b;
+    copy_row(p, p.q.row(b_row, token, h), p.q_rotated.row(b_row, token, h), p.head_dim,
+             offset + (p.query_rows_advance ? i : 0), lane);
+  }
+};
+
+}  // namespace flashhopper::hopper
