@@ -107,6 +107,9 @@ for step in "${steps[@]}"; do
         128 'causal_q1_7_113_0_1000_300_0_*' 128 'causal_q1_7_113_0_1000_300_0_*' \
         256 'causal_q200_513_64_0_*' 256 'causal_q200_513_64_0_*')"
       sanitize varlen test_varlen_gpu "$varlen_filter"
+      # The KV cache (append with rotary, leftpad, cache rows) and the split-KV combine.
+      sanitize kv_cache test_forward_gpu \
+        'KvCache/KvCacheGpuTest.*/b4_sq3_h8_hkv2_rows6_S1000_causal_leftpad_batchidx_new3_rotary64i:Combine/*/packed_bf16_splits7:Combine/*/dense_fp32_splits256'
       ;;
     demo)
       timeout 300 "$build/examples/flashhopper_demo" 2048 128 2>&1 | tee "$out/demo.log"
