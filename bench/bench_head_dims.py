@@ -145,7 +145,8 @@ def main(argv=None):
                 del q, k, v, dout
     _plot(rows, os.path.join(args.out, f"bench_head_dims_{date}.png"))
     print(f"\n{gpu}, {date}, bf16, {TOTAL_TOKENS} tokens; TFLOP/s\n")
-    print("| pass | d/dv | causal | seqlen | FlashHopper | FA4 | cuDNN | ours/FA4 | ours/cuDNN | runs on | time / its |")
+    print("| pass | d/dv | causal | seqlen | FlashHopper | FA4 | cuDNN | ours/FA4 | ours/cuDNN | runs on "
+          "| time / its |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['pass']} | {r['hdim']}/{r['hdim_v']} | {r['causal']} | {r['seqlen']} | "

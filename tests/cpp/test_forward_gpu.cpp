@@ -308,8 +308,10 @@ TEST_P(KvCacheGpuTest, MatchesReference) {
     if (c.leftpad) firsts[b] = std::min(lengths[b], (b * 131) % 300);
     rows[b] = c.batch_idx ? (c.cache_rows - 1 - b) % c.cache_rows : b;
   }
-  const HostTensor cache_seqlens = int32_tensor(lengths), leftpad = int32_tensor(firsts), batch_idx = int32_tensor(rows);
-  HostTensor out(FH_DTYPE_BF16, {c.batch, c.seqlen_q, c.heads_q, d}), lse(FH_DTYPE_FP32, {c.batch, c.heads_q, c.seqlen_q});
+  const HostTensor cache_seqlens = int32_tensor(lengths), leftpad = int32_tensor(firsts);
+  const HostTensor batch_idx = int32_tensor(rows);
+  HostTensor out(FH_DTYPE_BF16, {c.batch, c.seqlen_q, c.heads_q, d});
+  HostTensor lse(FH_DTYPE_FP32, {c.batch, c.heads_q, c.seqlen_q});
   DeviceTensor d_q(q), d_k(k), d_v(v), d_out(out), d_lse(lse), d_lengths(cache_seqlens), d_leftpad(leftpad),
       d_rows(batch_idx);
   for (auto [device, host] : {std::pair<DeviceTensor*, const HostTensor*>{&d_q, &q}, {&d_k, &k}, {&d_v, &v},
