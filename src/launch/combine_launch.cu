@@ -6,16 +6,8 @@
 #include <cutlass/numeric_types.h>
 
 #include "hopper/kernel/split_combine_kernel.hpp"
+#include "hopper/kernel/plain_kernel_entry.hpp"
 #include "launch/launch.hpp"
-
-namespace flashhopper::hopper {
-
-template <class Kernel>
-__global__ void __launch_bounds__(Kernel::kThreads) split_combine_entry(typename Kernel::Params const params) {
-  Kernel{}(params);
-}
-
-}  // namespace flashhopper::hopper
 
 namespace flashhopper::launch {
 namespace {
@@ -62,7 +54,7 @@ int run_combine_as(const CombineParams& p, cudaStream_t stream) {
   }
   const int64_t items = int64_t(k.batch) * k.heads * k.rows;
   const int64_t blocks = (items + Kernel::kWarps - 1) / Kernel::kWarps;
-  hopper::split_combine_entry<Kernel><<<unsigned(blocks), Kernel::kThreads, 0, stream>>>(k);
+  hopper::plain_kernel_entry<Kernel><<<unsigned(blocks), Kernel::kThreads, 0, stream>>>(k);
   return int(cudaGetLastError());
 }
 

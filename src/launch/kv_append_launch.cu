@@ -4,16 +4,8 @@
 #include <cutlass/numeric_types.h>
 
 #include "hopper/kernel/kv_append_kernel.hpp"
+#include "hopper/kernel/plain_kernel_entry.hpp"
 #include "launch/launch.hpp"
-
-namespace flashhopper::hopper {
-
-template <class Kernel>
-__global__ void __launch_bounds__(Kernel::kThreads) kv_append_entry(typename Kernel::Params const params) {
-  Kernel{}(params);
-}
-
-}  // namespace flashhopper::hopper
 
 namespace flashhopper::launch {
 namespace {
@@ -63,7 +55,7 @@ int run_as(const ForwardParams& p, const detail::ProblemShape& s, void* q_rotate
   const int64_t rows = Kernel::key_rows(k) + Kernel::query_rows(k);
   if (rows == 0) return 0;
   const int64_t blocks = (rows + Kernel::kWarps - 1) / Kernel::kWarps;
-  hopper::kv_append_entry<Kernel><<<unsigned(blocks), Kernel::kThreads, 0, stream>>>(k);
+  hopper::plain_kernel_entry<Kernel><<<unsigned(blocks), Kernel::kThreads, 0, stream>>>(k);
   return int(cudaGetLastError());
 }
 
