@@ -52,7 +52,7 @@ int run_forward(const ForwardParams& params, const detail::ProblemShape& shape, 
   if (shape.append_kv) {
     void* q_rotated = static_cast<char*>(workspace) + planned_tiles_workspace(params, shape);
     if (const int err = run_kv_append(params, shape, q_rotated, stream); err != 0) return err;
-    if (rotated_q_bytes(params, shape) > 0) attention.q = rotated_q_view(params, shape, q_rotated);
+    if (rotated_q_bytes(params, shape) > 0) attention.q = rotated_q_view(params, q_rotated);
   }
   return visit_instantiation<Pass::kForward>(
       forward_family(attention, shape), mask_kind(attention), attention.softcap > 0.f,

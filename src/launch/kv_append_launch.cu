@@ -50,7 +50,7 @@ int run_as(const ForwardParams& p, const detail::ProblemShape& s, void* q_rotate
     k.query_rows_advance = detail::mask_spec(p).is_masked();
     k.cu_seqlens_q = static_cast<int const*>(p.cu_seqlens_q.data);
     k.q = rows_of<Element>(p.q, s.varlen_q);
-    k.q_rotated = rows_of<Element>(rotated_q_view(p, s, q_rotated), s.varlen_q);
+    k.q_rotated = rows_of<Element>(rotated_q_view(p, q_rotated), s.varlen_q);
   }
   const int64_t rows = Kernel::key_rows(k) + Kernel::query_rows(k);
   if (rows == 0) return 0;
@@ -61,7 +61,7 @@ int run_as(const ForwardParams& p, const detail::ProblemShape& s, void* q_rotate
 
 }  // namespace
 
-Tensor rotated_q_view(const ForwardParams& p, const detail::ProblemShape& s, void* data) {
+Tensor rotated_q_view(const ForwardParams& p, void* data) {
   Tensor t = p.q;  // q's shape, contiguous
   t.data = data;
   int64_t stride = 1;
@@ -69,7 +69,6 @@ Tensor rotated_q_view(const ForwardParams& p, const detail::ProblemShape& s, voi
     t.stride[dim] = stride;
     stride *= t.shape[dim];
   }
-  (void)s;
   return t;
 }
 

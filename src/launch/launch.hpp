@@ -33,7 +33,7 @@ int run_backward(const BackwardParams& params, const detail::ProblemShape& shape
 int run_kv_append(const ForwardParams& params, const detail::ProblemShape& shape, void* q_rotated,
                   fh_stream_t stream);
 size_t rotated_q_bytes(const ForwardParams& params, const detail::ProblemShape& shape);
-Tensor rotated_q_view(const ForwardParams& params, const detail::ProblemShape& shape, void* data);
+Tensor rotated_q_view(const ForwardParams& params, void* data);  // q's shape, contiguous
 
 // Enqueues the split-KV combine (checked params). Returns the CUDA error of the launch.
 int run_combine(const CombineParams& params, fh_stream_t stream);
