@@ -4,7 +4,7 @@
 # and carry the build folder, or build there (step `build`: the full kernel set, or KERNELS=dev, with the
 # GoogleTest headers and archives carried in .gtest/). Usage:
 #   scripts/device_check.sh [build|tests|features|varlen|sanitize|demo|bench|features_bench|varlen_bench|
-#                            kernel_times|head_dims_bench]...
+#                            kernel_times|head_dims_bench|kv_cache|python|host_overhead]...
 set -uo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 build="${BUILD:-$root/build}"
@@ -17,8 +17,10 @@ summary=()
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv,noheader || true
 
 # compute-sanitizer memcheck and racecheck over one test binary's filtered cases.
+# SANITIZE_SETS (default all) picks sets by name: forward, backward, forward_features, ..., kv_cache.
 sanitize() {
   local pass_=$1 binary=$2 filter=$3 tool rc
+  [[ " ${SANITIZE_SETS:-$pass_} " == *" $pass_ "* ]] || return 0
   for tool in memcheck racecheck; do
     timeout 300 compute-sanitizer --tool "$tool" --error-exitcode 9 "$build/tests/cpp/$binary" \
       --gtest_brief=1 --gtest_filter="$filter" >"$out/sanitizer_${pass_}_$tool.log" 2>&1
@@ -76,6 +78,24 @@ for step in "${steps[@]}"; do
           timeout 120 python3 "$root/bench/profile/kernel_times.py" --lengths "$lengths" 2>&1 | grep -v Warn
       done
       summary+=("kernel_times: printed above")
+      ;;
+    kv_cache)
+      # The KV cache (append, rotary, leftpad, cache rows) and the split-KV combine, forward only.
+      run_gtests "kv cache tests" test_forward_gpu 'KvCache/*:Combine/*:ForwardGpuErrors.*' 300 gpu_tests_kv_cache.log
+      ;;
+    python)
+      # The PyTorch package on the GPU (PYTEST_FILTER: a pytest -k expression, default all).
+      FLASHHOPPER_LIBRARY="$build/libflashhopper.so" PYTHONPATH="$root/python" timeout "${PYTEST_TIMEOUT:-400}" \
+        python3 -m pytest -q -x "$root/tests/python/test_gpu.py" "$root/tests/python/test_library.py" \
+        ${PYTEST_FILTER:+-k "$PYTEST_FILTER"} >"$out/pytest_gpu.log" 2>&1
+      rc=$?
+      grep -E "passed|failed|error" "$out/pytest_gpu.log" | tail -15
+      summary+=("python gpu tests: rc=$rc, $(tail -1 "$out/pytest_gpu.log")")
+      ;;
+    host_overhead)
+      FLASHHOPPER_LIBRARY="$build/libflashhopper.so" PYTHONPATH="$root/python" \
+        timeout 120 python3 "$root/bench/profile/host_overhead.py" 2>&1 | tee "$out/host_overhead.txt" | tail -12
+      summary+=("host_overhead: see $out/host_overhead.txt")
       ;;
     features_bench) run_bench features ;;
     head_dims_bench) run_bench head_dims ;;
