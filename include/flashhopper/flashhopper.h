@@ -81,6 +81,9 @@ typedef struct fh_tensor {
  *         pairs (i, i + rotary_dim/2) (GPT-NeoX). q itself is not written.
  * Split-KV (num_splits > 1): partials out_partial [num_splits, B, Hq, sq, dv] and
  *         lse_partial [num_splits, B, Hq, sq] in float32 live in the workspace, then combined.
+ *         num_splits 0 lets the library choose the count from the shapes alone (never the
+ *         lengths in device memory, so a captured CUDA graph stays valid): more than one when
+ *         the query tiles would leave most SMs idle. Not with cu_seqlens_q yet.
  * qv (optional, forward only; FA3's argument for absorbed MLA decode): like out, [B, sq, Hq, dv]
  *         or [total_q, Hq, dv], q's dtype; the scores become S = Q K^T + Qv V^T (before scale,
  *         softcap and mask) and the default scale 1/sqrt(d + dv). There is no backward with qv. */
@@ -107,7 +110,7 @@ typedef struct fh_forward_params {
   int32_t window_left;            /* -1: unbounded */
   int32_t window_right;           /* -1: unbounded */
   int32_t num_sink_tokens;        /* local windows only */
-  int32_t num_splits;             /* 1: no split */
+  int32_t num_splits;             /* 1: no split; 0: chosen from the shapes */
   int32_t attention_chunk;        /* 0: none; c > 0: row i sees key j only in the same chunk of c keys */
   fh_tensor learnable_sink;       /* optional float32 [Hq]: a logit per query head in every row's
                                      softmax denominator, with no value (gpt-oss) */

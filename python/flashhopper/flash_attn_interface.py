@@ -18,7 +18,7 @@ flash_attn_varlen_func (q [total_q, Hq, d], cu_seqlens_q/k, max_seqlen_q/k, sequ
 sequences). What a build of the library cannot run raises FlashHopperNotSupported with the
 library's message. Every argument FlashHopper cannot honour yet raises NotImplementedError naming it
 (num_splits > 1, qv, fp8 descales, sm_margin). flash_attn_with_kvcache runs a dense KV cache (with
-the append and rotary) and raises NotImplementedError for a paged one. flash_attn_combine merges
+the append, rotary and split-KV) and raises NotImplementedError for a paged one. flash_attn_combine merges
 split-KV partials (FA3's signature and layouts). Bad tensors (dtype, rank, shape, strides, device, alignment) and bad
 options (window_size, softcap, attention_chunk, learnable_sink, cu_seqlens, seqused, max_seqlen)
 raise ValueError naming the argument before anything is launched.
@@ -31,8 +31,9 @@ Differences from FlashAttention-3 worth knowing:
 - window_size also takes None for an unbounded side (FlashAttention-4's spelling, as -1); its
   bounds must be ints >= -1 (FA3 converts with int()). learnable_sink is a keyword after FA3's
   parameters, so FA3's positional calls keep their meaning.
-- pack_gqa is a tuning hint in FA3 and is accepted and ignored here; num_splits 0 (FA3's "choose
-  for me") and 1 both mean one split.
+- pack_gqa is a tuning hint in FA3 and is accepted and ignored here. In flash_attn_func and
+  flash_attn_varlen_func, num_splits 0 (FA3's "choose for me") and 1 both mean one split; in
+  flash_attn_with_kvcache, 0 lets the library choose from the shapes (as FA3).
 """
 from typing import Optional, Union
 
@@ -288,9 +289,10 @@ def flash_attn_with_kvcache(
     return_softmax_lse.
 
     The arguments are checked (ValueError naming the argument). The kernels run a dense cache
-    (cache_seqlens, cache_batch_idx, cache_leftpad) with the append and rotary; a paged cache raises
-    FlashHopperNotSupported (a NotImplementedError), and so do fp8 descales, cu_seqlens_k_new,
-    scheduler_metadata, num_splits > 1 and sm_margin."""
+    (cache_seqlens, cache_batch_idx, cache_leftpad) with the append and rotary, split over the keys
+    (num_splits; 0 chooses from the shapes); a paged cache raises FlashHopperNotSupported (a
+    NotImplementedError), and so do fp8 descales, cu_seqlens_k_new, scheduler_metadata, num_splits
+    > 1 with cu_seqlens_q, and sm_margin."""
     for name, descale in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
         if descale is not None:
             _not_yet(name, "<tensor>", "fp8 attention (descale factors)")
@@ -298,8 +300,6 @@ def flash_attn_with_kvcache(
         _not_yet("cu_seqlens_k_new", "<tensor>", "packed new keys (k and v are [B, s_new, Hkv, d])")
     if scheduler_metadata is not None:
         _not_yet("scheduler_metadata", "<tensor>", "a precomputed split-KV plan")
-    if num_splits not in (0, 1):
-        _not_yet("num_splits", num_splits, "split-KV")
     if sm_margin != 0:
         _not_yet("sm_margin", sm_margin, "leaving SMs free")
     mask = interface.check_mask_args(causal, window_size, softcap, attention_chunk)
@@ -313,7 +313,8 @@ def flash_attn_with_kvcache(
         q, k_cache, v_cache, k_new=k, v_new=v, qv=qv, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
         rotary_seqlens=rotary_seqlens, rotary_interleaved=rotary_interleaved, cache_seqlens=cache_seqlens,
         cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, page_table=page_table, cu_seqlens_q=cu_seqlens_q,
-        max_seqlen_q=max_seqlen_q, softmax_scale=softmax_scale, mask=mask, return_lse=return_softmax_lse)
+        max_seqlen_q=max_seqlen_q, softmax_scale=softmax_scale, mask=mask, num_splits=num_splits,
+        return_lse=return_softmax_lse)
 
 
 _COMBINE_OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

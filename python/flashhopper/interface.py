@@ -617,11 +617,14 @@ def forward_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                          qv=None, rotary_cos=None, rotary_sin=None, rotary_seqlens=None, rotary_interleaved=True,
                          cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, page_table=None,
                          cu_seqlens_q=None, max_seqlen_q=None, softmax_scale=None, mask=(False, -1, -1, 0.0, 0),
-                         return_lse=False):
+                         num_splits=0, return_lse=False):
     """Attention against a KV cache, in FA3's flash_attn_with_kvcache's terms (k_new/v_new are its k
     and v): the C ABI's fields of include/flashhopper/flashhopper.h ("KV cache extras"). mask is
-    check_mask_args's tuple. Returns out, or (out, lse) with return_lse. The library checks what is
+    check_mask_args's tuple; num_splits 0 lets the library choose the split-KV count from the shapes.
+    Returns out, or (out, lse) with return_lse. The library checks what is
     not checked here and names the argument as the caller does."""
+    if not isinstance(num_splits, int) or isinstance(num_splits, bool):
+        raise invalid_argument(f"num_splits: expected an int, got {type(num_splits).__name__}")
     varlen_q = cu_seqlens_q is not None
     rank, layout = (3, "[total_q, H, d] (cu_seqlens_q given)") if varlen_q else (4, "[B, sq, H, d]")
     _check_input("q", q, rank, layout)
@@ -665,6 +668,7 @@ def forward_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         params.max_seqlen_q = int(max_seqlen_q)
     params.rotary_interleaved = int(bool(rotary_interleaved))
     params.softmax_scale = _scale(softmax_scale)
+    params.num_splits = num_splits
     causal, left, right, softcap, chunk = mask
     # FA3's rule "a bound covering the whole sequence is no bound", against the cache's capacity.
     seqlen_k = page_table.shape[1] * k_cache.shape[1] if page_table is not None else k_cache.shape[1]

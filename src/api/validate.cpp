@@ -726,8 +726,8 @@ Status check_forward_shapes(const ForwardParams& p, const AttentionArgs& a, cons
 
 Status check_forward_scalars(const ForwardParams& p, const AttentionArgs& a) {
   FLASHHOPPER_RETURN_IF_INVALID(check_mask_and_scale(a));
-  if (p.num_splits < 1 || p.num_splits > kMaxSplits) {
-    return invalid("num_splits", "is ", p.num_splits, "; must be in [1, ", kMaxSplits, "]");
+  if (p.num_splits < 0 || p.num_splits > kMaxSplits) {
+    return invalid("num_splits", "is ", p.num_splits, "; must be in [0, ", kMaxSplits, "] (0: chosen from the shapes)");
   }
   return {};
 }

@@ -1,5 +1,10 @@
-// Forward dispatch: what this build can run, and the switch to the compiled instantiation.
+// Forward dispatch: what this build can run, the split-KV plan, the workspace's layout and the
+// switch to the compiled instantiation.
+#include <algorithm>
+#include <cmath>
+
 #include "hopper/common/tile_size.hpp"
+#include "launch/device_info.hpp"
 #include "launch/dispatch.hpp"
 #include "launch/forward_launch.hpp"
 #include "launch/launch.hpp"
@@ -10,6 +15,72 @@ namespace flashhopper::launch {
 namespace {
 const KernelFamily* forward_family(const ForwardParams& p, const detail::ProblemShape& s) {
   return family_for(Pass::kForward, static_cast<fh_dtype>(p.q.dtype), s.head_dim, s.head_dim_v);
+}
+
+// The call's tile (rows, key columns), from its family and mask; 0 x 0 when not built.
+struct TileExtent {
+  int block_m = 0, block_n = 0;
+};
+TileExtent forward_tile(const ForwardParams& p, const detail::ProblemShape& s) {
+  const bool masked = mask_kind(p) != hopper::MaskKind::kNone;
+  return visit_built_family<Pass::kForward>(forward_family(p, s), TileExtent{}, [&](auto, auto head_dim, auto head_dim_v) {
+    using Unmasked = hopper::ForwardTileSize<decltype(head_dim)::value, decltype(head_dim_v)::value, false>;
+    using Masked = hopper::ForwardTileSize<decltype(head_dim)::value, decltype(head_dim_v)::value, true>;
+    static_assert(Unmasked::kBlockM == Masked::kBlockM);
+    return masked ? TileExtent{Masked::kBlockM, Masked::kBlockN} : TileExtent{Unmasked::kBlockM, Unmasked::kBlockN};
+  });
+}
+
+// num_splits 0: split the keys when the query tiles leave most SMs idle (decoding: a few query
+// rows against long keys). From the shapes alone (never the lengths in device memory), so a CUDA
+// graph captured with it stays valid: the fewest splits whose waves of tiles use the SMs within
+// 85% as well as the best count does, each split at least two key blocks.
+int choose_num_splits(int64_t tiles, int64_t key_blocks, int num_sms) {
+  if (tiles <= 0 || tiles * 5 >= int64_t(num_sms) * 4) return 1;
+  const int most = int(std::min<int64_t>({key_blocks / 2, 128, 2 * int64_t(num_sms)}));
+  auto efficiency = [&](int splits) {
+    const double waves = double(tiles * splits) / num_sms;
+    return waves / std::ceil(waves);
+  };
+  double best = 0;
+  for (int splits = 1; splits <= most; ++splits) best = std::max(best, efficiency(splits));
+  for (int splits = 1; splits <= most; ++splits)
+    if (efficiency(splits) >= 0.85 * best) return splits;
+  return 1;
+}
+
+int forward_num_splits(const ForwardParams& p, const detail::ProblemShape& s) {
+  if (p.num_splits != 0) return p.num_splits;
+  const TileExtent tile = forward_tile(p, s);
+  int num_sms = 0, l2_bytes = 0;
+  if (s.varlen_q || tile.block_m == 0 || device_sms_and_l2(&num_sms, &l2_bytes) != cudaSuccess) return 1;
+  const int64_t tiles = (s.seqlen_q + tile.block_m - 1) / tile.block_m * s.heads_q * s.batch;
+  return choose_num_splits(tiles, (s.seqlen_k + tile.block_n - 1) / tile.block_n, num_sms);
+}
+
+size_t round_up_256(size_t bytes) { return (bytes + 255) / 256 * 256; }
+
+// The workspace: the planned tiles (packed queries), the rotated copy of q (an append with
+// rotary), the split partials (split-KV).
+struct WorkspaceLayout {
+  size_t planned_tiles = 0, rotated_q = 0, out_partial = 0, lse_partial = 0;
+  int num_splits = 1;
+  size_t total() const { return planned_tiles + rotated_q + out_partial + lse_partial; }
+};
+WorkspaceLayout workspace_layout(const ForwardParams& p, const detail::ProblemShape& s) {
+  WorkspaceLayout w;
+  if (s.varlen_q) {
+    w.planned_tiles =
+        planned_tiles_bytes(max_planned_tiles(s.total_q, s.seqlen_q, s.batch, s.heads_q, forward_tile(p, s).block_m));
+  }
+  w.rotated_q = rotated_q_bytes(p, s);
+  w.num_splits = forward_num_splits(p, s);
+  if (w.num_splits > 1) {
+    const size_t rows = size_t(w.num_splits) * s.batch * s.heads_q * s.seqlen_q;
+    w.out_partial = round_up_256(rows * s.head_dim_v * sizeof(float));
+    w.lse_partial = round_up_256(rows * sizeof(float));
+  }
+  return w;
 }
 }  // namespace
 
@@ -23,43 +94,39 @@ std::string forward_unsupported_reason(const ForwardParams& p, const detail::Pro
   if (p.q.dtype == FH_DTYPE_FP8_E4M3) return "fp8 e4m3 inputs are not supported yet";
   if (mask.num_sink_tokens > 0 && mask.attention_chunk > 0)
     return "num_sink_tokens together with attention_chunk is not supported by the kernels";
-  if (p.num_splits > 1) return "split-KV (num_splits > 1) is not supported yet";
+  if (p.num_splits > 1 && s.varlen_q) return "split-KV (num_splits > 1) with cu_seqlens_q is not supported yet";
   if (detail::present(p.qv)) return "qv (scores Q K^T + Qv V^T) is not supported by the kernels yet";
   return family_unsupported_reason(Pass::kForward, static_cast<fh_dtype>(p.q.dtype), s.head_dim, s.head_dim_v);
 }
 
-namespace {
-// Packed queries: the planned tile list (launch/varlen_plan.hpp), at the workspace's start.
-size_t planned_tiles_workspace(const ForwardParams& p, const detail::ProblemShape& s) {
-  if (!s.varlen_q) return 0;
-  return visit_built_family<Pass::kForward>(forward_family(p, s), size_t(0), [&](auto, auto head_dim, auto head_dim_v) {
-    using Unmasked = hopper::ForwardTileSize<decltype(head_dim)::value, decltype(head_dim_v)::value, false>;
-    using Masked = hopper::ForwardTileSize<decltype(head_dim)::value, decltype(head_dim_v)::value, true>;
-    constexpr int kBlockM = Unmasked::kBlockM;
-    static_assert(kBlockM == Masked::kBlockM);
-    return planned_tiles_bytes(max_planned_tiles(s.total_q, s.seqlen_q, s.batch, s.heads_q, kBlockM));
-  });
-}
-}  // namespace
-
-// The planned tiles, then (an append with rotary) the rotated copy of q.
 size_t forward_workspace_size(const ForwardParams& p, const detail::ProblemShape& s) {
-  return planned_tiles_workspace(p, s) + rotated_q_bytes(p, s);
+  return workspace_layout(p, s).total();
 }
 
 int run_forward(const ForwardParams& params, const detail::ProblemShape& shape, void* workspace, fh_stream_t stream) {
+  const WorkspaceLayout layout = workspace_layout(params, shape);
+  char* const base = static_cast<char*>(workspace);
   ForwardParams attention = params;
   if (shape.append_kv) {
-    void* q_rotated = static_cast<char*>(workspace) + planned_tiles_workspace(params, shape);
+    void* q_rotated = base + layout.planned_tiles;
     if (const int err = run_kv_append(params, shape, q_rotated, stream); err != 0) return err;
-    if (rotated_q_bytes(params, shape) > 0) attention.q = rotated_q_view(params, q_rotated);
+    if (layout.rotated_q > 0) attention.q = rotated_q_view(params, q_rotated);
   }
-  return visit_instantiation<Pass::kForward>(
+  ForwardWorkspace parts;
+  parts.planned_tiles = base;
+  if (layout.num_splits > 1) {
+    parts.num_splits = layout.num_splits;
+    parts.out_partial = reinterpret_cast<float*>(base + layout.planned_tiles + layout.rotated_q);
+    parts.lse_partial = reinterpret_cast<float*>(base + layout.planned_tiles + layout.rotated_q + layout.out_partial);
+  }
+  const int err = visit_instantiation<Pass::kForward>(
       forward_family(attention, shape), mask_kind(attention), attention.softcap > 0.f,
       [&](auto dtype, auto head_dim, auto head_dim_v, auto mask, auto softcap) {
         return run_forward_hdim<dtype.value, head_dim.value, head_dim_v.value, mask.value, softcap.value>(
-            attention, shape, workspace, stream);
+            attention, shape, parts, stream);
       });
+  if (err != 0 || parts.num_splits == 1) return err;
+  return run_split_kv_combine(params, shape, parts.out_partial, parts.lse_partial, parts.num_splits, stream);
 }
 
 }  // namespace flashhopper::launch

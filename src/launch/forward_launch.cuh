@@ -21,7 +21,7 @@
 namespace flashhopper::launch {
 
 template <fh_dtype kDType, int kHeadDim, int kHeadDimV, hopper::MaskKind kMask, bool kSoftcap>
-cudaError_t run_forward_hdim(const ForwardParams& p, const detail::ProblemShape& s, void* workspace,
+cudaError_t run_forward_hdim(const ForwardParams& p, const detail::ProblemShape& s, const ForwardWorkspace& workspace,
                              cudaStream_t stream) {
   using namespace cute;
   using namespace flashhopper::hopper;
@@ -70,7 +70,9 @@ cudaError_t run_forward_hdim(const ForwardParams& p, const detail::ProblemShape&
       make_stride(o_rows.row_stride, _1{}, o_rows.head_stride, o_rows.batch_stride),
       static_cast<float*>(p.lse.data),
       make_stride(_1{}, lse_head_stride, lse_batch_stride),
-      s.varlen_q};
+      s.varlen_q,
+      workspace.out_partial,
+      workspace.lse_partial};
 
   int num_sms = 0, l2_bytes = 0;
   cudaError_t err = device_sms_and_l2(&num_sms, &l2_bytes);
@@ -81,7 +83,7 @@ cudaError_t run_forward_hdim(const ForwardParams& p, const detail::ProblemShape&
   if (s.varlen_q) {
     // The sequences' tiles, planned on the device (the workspace holds the list).
     const int64_t max_tiles = max_planned_tiles(s.total_q, s.seqlen_q, batch, heads_q, Tile::kBlockM);
-    auto* tiles = static_cast<hopper::PlannedTile*>(workspace);
+    auto* tiles = static_cast<hopper::PlannedTile*>(workspace.planned_tiles);
     auto* counters = reinterpret_cast<int*>(tiles + max_tiles);
     hopper::VarlenTilePlanner::Params plan{seqlen, batch, heads_q, Tile::kBlockM, /*key_blocks=*/false,
                                            /*highest_first=*/kMask == MaskKind::kCausal,
@@ -92,7 +94,7 @@ cudaError_t run_forward_hdim(const ForwardParams& p, const detail::ProblemShape&
   } else {
     const int num_m_blocks = (seqlen.seqlen_q + Tile::kBlockM - 1) / Tile::kBlockM;
     scheduler = Scheduler::make_params(num_m_blocks, heads_q, batch, int64_t(seqlen.seqlen_k) * kv_bytes_per_row,
-                                       l2_bytes, num_sms);
+                                       l2_bytes, num_sms, workspace.num_splits);
   }
   typename Kernel::Params params{Mainloop::to_underlying_arguments(mainloop_args),
                                  Epilogue::to_underlying_arguments(epilogue_args), scheduler};

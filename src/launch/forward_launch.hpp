@@ -10,9 +10,17 @@
 
 namespace flashhopper::launch {
 
+// The parts of a forward call's workspace the attention kernel uses (forward_dispatch.cu lays it out).
+struct ForwardWorkspace {
+  void* planned_tiles = nullptr;  // packed queries: the tile list (launch/varlen_plan.hpp)
+  int num_splits = 1;             // > 1: split-KV, the float32 partials below, then the combine
+  float* out_partial = nullptr;   // [num_splits, B, Hq, sq, dv]
+  float* lse_partial = nullptr;   // [num_splits, B, Hq, sq]
+};
+
 // kHeadDim, kHeadDimV: the compiled sizes; the call's own (shape.head_dim) may be smaller.
 template <fh_dtype kDType, int kHeadDim, int kHeadDimV, hopper::MaskKind kMask, bool kSoftcap>
-cudaError_t run_forward_hdim(const ForwardParams& params, const detail::ProblemShape& shape, void* workspace,
-                             cudaStream_t stream);
+cudaError_t run_forward_hdim(const ForwardParams& params, const detail::ProblemShape& shape,
+                             const ForwardWorkspace& workspace, cudaStream_t stream);
 
 }  // namespace flashhopper::launch

@@ -1,5 +1,6 @@
-// What every kernel launch shares: the device's SM count and L2 size, the shared-memory opt-in
-// and the launch itself, and the mask's run-time parameters from a parameter struct.
+// What every kernel launch shares: the device's SM count and L2 size (device_info.hpp), the
+// shared-memory opt-in and the launch itself, and the mask's run-time parameters from a parameter
+// struct.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -9,16 +10,9 @@
 
 #include "api/problem_shape.hpp"
 #include "hopper/common/mask.hpp"
+#include "launch/device_info.hpp"
 
 namespace flashhopper::launch {
-
-inline cudaError_t device_sms_and_l2(int* num_sms, int* l2_bytes) {
-  int device = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(num_sms, cudaDevAttrMultiProcessorCount, device);
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(l2_bytes, cudaDevAttrL2CacheSize, device);
-  return err;
-}
 
 // Opts the kernel into its shared memory (once per device: the attribute stays set, and setting
 // it costs host time on every call) and launches it on `grid` CTAs.

@@ -69,6 +69,7 @@ struct GridCase {
   // (the padded head dims: the kernels compute kHeadDim columns and must write only d).
   bool guard_columns = false;
   int head_dim_v = 0;  // v's, out's and dout's head dim; 0: head_dim
+  int num_splits = 1;  // the forward's split-KV count (0: the library's choice)
   int value_dim() const { return head_dim_v > 0 ? head_dim_v : head_dim; }
   // A tensor of `dim` columns as the kernel writes it: with the guard columns.
   int output_columns(int dim) const;
@@ -78,7 +79,7 @@ struct GridCase {
     s << (dtype == FH_DTYPE_BF16 ? "bf16" : "fp16") << "_d" << head_dim << (causal ? "_causal" : "_full") << "_b"
       << batch << "_sq" << seqlen_q << "_sk" << seqlen_k << "_h" << heads_q << "_hkv" << heads_kv
       << (heads_major_layout ? "_bhsd" : "") << (head_dim_v > 0 ? "_dv" + std::to_string(head_dim_v) : "")
-      << features.tag();
+      << features.tag() << (num_splits != 1 ? "_splits" + std::to_string(num_splits) : "");
     return s.str();
   }
 };

@@ -52,6 +52,7 @@ TEST_P(ForwardGpuTest, MatchesReference) {
   p.out = narrow(d_out.view(), 3, 0, c.value_dim());
   p.lse = d_lse.view();
   p.causal = c.causal;
+  p.num_splits = c.num_splits;
   c.features.apply(p);
   if (c.features.learnable_sink) p.learnable_sink = d_sink.view();
 
@@ -73,6 +74,7 @@ TEST_P(ForwardGpuTest, MatchesReference) {
 
   // Exact and plain low-precision references on the host.
   ForwardParams host = p;
+  host.num_splits = 1;  // the reference's split writes partials; the kernel's combine gives out and lse
   host.q = bshd_view(q, c.heads_major_layout);
   host.k = bshd_view(k, c.heads_major_layout);
   host.v = bshd_view(v, c.heads_major_layout);
@@ -130,6 +132,38 @@ std::vector<GridCase> forward_cases() {
 INSTANTIATE_TEST_SUITE_P(Grid, ForwardGpuTest, ::testing::ValuesIn(forward_cases()),
                          [](const ::testing::TestParamInfo<GridCase>& info) { return info.param.name(); });
 INSTANTIATE_TEST_SUITE_P(Features, ForwardGpuTest, ::testing::ValuesIn(feature_cases()),
+                         [](const ::testing::TestParamInfo<GridCase>& info) { return info.param.name(); });
+// Split-KV: keys split into parts that the combine kernel merges, under every mask and transform;
+// more splits than key blocks (empty splits), the learnable sink (counted once), and 0 (the
+// library's choice from the shapes).
+std::vector<GridCase> split_kv_cases() {
+  struct Row {
+    bool causal;
+    int batch, seqlen_q, seqlen_k, heads_q, heads_kv, num_splits;
+    Features f;
+  };
+  const std::vector<Row> rows = {
+      {false, 2, 1, 3000, 8, 2, 2},
+      {true, 1, 300, 2000, 4, 1, 3},
+      {false, 1, 64, 1000, 4, 4, 7, {100, 0}},
+      {false, 1, 3, 5000, 8, 1, 32, {-1, -1, 0, 0, 30.f, true}},
+      {true, 2, 5, 4096, 16, 2, 0},
+      {false, 3, 1, 8192, 4, 1, 0, {-1, -1, 0, 0, 0.f, true}},
+      {false, 1, 200, 300, 2, 2, 256, {-1, -1, 0, 0, 0.f, true}},
+      {false, 2, 130, 1500, 4, 2, 5, {128, 0, 4}},
+      {true, 1, 7, 777, 2, 1, 4, {-1, -1, 0, 100}},
+  };
+  std::vector<GridCase> cases;
+  for (const auto& [dtype, head_dim] : compiled_families(/*backward=*/false))
+    for (const Row& r : rows) {
+      GridCase c{dtype, head_dim, r.causal, r.batch, r.seqlen_q, r.seqlen_k, r.heads_q, r.heads_kv, false, r.f};
+      c.num_splits = r.num_splits;
+      cases.push_back(c);
+    }
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(SplitKv, ForwardGpuTest, ::testing::ValuesIn(split_kv_cases()),
                          [](const ::testing::TestParamInfo<GridCase>& info) { return info.param.name(); });
 INSTANTIATE_TEST_SUITE_P(PaddedHeadDims, ForwardGpuTest, ::testing::ValuesIn(padded_head_dim_cases(false)),
                          [](const ::testing::TestParamInfo<GridCase>& info) { return info.param.name(); });
@@ -278,13 +312,15 @@ struct KvCacheCase {
   int seqlen_new = 0;  // keys appended (k_new/v_new) before attending
   int rotary_dim = 0;  // with an append: rotary on the new keys and q
   bool interleaved = true;
+  int num_splits = 1;
   std::string name() const {
     return "b" + std::to_string(batch) + "_sq" + std::to_string(seqlen_q) + "_h" + std::to_string(heads_q) + "_hkv" +
            std::to_string(heads_kv) + "_rows" + std::to_string(cache_rows) + "_S" + std::to_string(cache_len) +
            (causal ? "_causal" : "") + (leftpad ? "_leftpad" : "") + (batch_idx ? "_batchidx" : "") +
            (window_left >= 0 ? "_w" + std::to_string(window_left) : "") +
            (seqlen_new > 0 ? "_new" + std::to_string(seqlen_new) : "") +
-           (rotary_dim > 0 ? "_rotary" + std::to_string(rotary_dim) + (interleaved ? "i" : "h") : "");
+           (rotary_dim > 0 ? "_rotary" + std::to_string(rotary_dim) + (interleaved ? "i" : "h") : "") +
+           (num_splits != 1 ? "_splits" + std::to_string(num_splits) : "");
   }
 };
 
@@ -347,6 +383,7 @@ TEST_P(KvCacheGpuTest, MatchesReference) {
   if (c.leftpad) p.cache_leftpad = d_leftpad.view();
   if (c.batch_idx) p.cache_batch_idx = d_rows.view();
   p.causal = c.causal;
+  p.num_splits = c.num_splits;
   p.window_left = c.window_left;
   if (c.window_left >= 0) p.window_right = 0, p.causal = 0;
   if (c.seqlen_new > 0) {
@@ -375,6 +412,7 @@ TEST_P(KvCacheGpuTest, MatchesReference) {
   const HostTensor k_before = k, v_before = v;
 
   ForwardParams host = p;
+  host.num_splits = 1;  // the same result without partials
   host.q = q.view();
   host.k = k.view();  // the reference appends into these host copies
   host.v = v.view();
@@ -434,6 +472,14 @@ std::vector<KvCacheCase> kv_cache_cases() {
   cases.push_back({4, 3, 8, 2, 6, 1000, true, true, true, -1, 3, 64, true});
   cases.push_back({4, 3, 8, 2, 4, 1000, false, false, false, -1, 2, 128, false});
   cases.push_back({4, 5, 8, 8, 4, 600, true, false, true, -1, 5, 32, false});
+  // Split-KV over the cache (lengths 0, 1 and full among the sequences): forced and chosen.
+  for (int splits : {2, 3, 7, 32, 0}) {
+    KvCacheCase c{6, splits == 7 ? 64 : 1, 32, 8, 7, 4096, splits % 2 == 1, true, true};
+    c.num_splits = splits;
+    if (splits == 3) c.seqlen_new = 3, c.rotary_dim = 64;
+    if (splits == 32) c.window_left = 500;
+    cases.push_back(c);
+  }
   return cases;
 }
 

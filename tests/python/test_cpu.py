@@ -200,7 +200,7 @@ def test_flash_attn_with_kvcache_checks_its_arguments():
         (dict(window_size=(-2, 0)), ValueError, "window_size"),
         (dict(k_descale=torch.ones(2, 2)), NotImplementedError, "k_descale"),
         (dict(cu_seqlens_k_new=lengths), NotImplementedError, "cu_seqlens_k_new"),
-        (dict(num_splits=4), NotImplementedError, "num_splits=4"),
+        (dict(num_splits=2.0), ValueError, "num_splits: expected an int, got float"),
         (dict(scheduler_metadata=lengths), NotImplementedError, "scheduler_metadata"),
         (dict(), ValueError, "q: must be a CUDA tensor"),  # all valid but on the CPU
     ]

@@ -716,21 +716,22 @@ def test_flash_attn_with_kvcache_is_refused_by_name():
         fa3.flash_attn_with_kvcache(q, k_cache, v_cache[:, :64], cache_seqlens=17)
 
 
-@pytest.mark.parametrize("seqlen_q, causal", [(1, False), (4, True)])
+@pytest.mark.parametrize("seqlen_q, causal, num_splits", [(1, False, 1), (4, True, 1), (1, False, 0), (4, True, 3)])
 @requires_gpu
-def test_flash_attn_with_kvcache_dense_cache_against_reference(seqlen_q, causal):
+def test_flash_attn_with_kvcache_dense_cache_against_reference(seqlen_q, causal, num_splits):
     """Decoding against a dense cache: sequence b reads cache row cache_batch_idx[b], keys
     [cache_leftpad[b], cache_seqlens[b]); against attention over exactly those keys in float64,
-    within twice the error of the same attention in plain bf16."""
+    within twice the error of the same attention in plain bf16; unsplit, split-KV chosen by the
+    library (0) and forced."""
     torch.manual_seed(seqlen_q)
     q = torch.randn(3, seqlen_q, 8, 64, device="cuda", dtype=torch.bfloat16)
-    k_cache = torch.randn(4, 256, 2, 64, device="cuda", dtype=torch.bfloat16)
+    k_cache = torch.randn(4, 2048, 2, 64, device="cuda", dtype=torch.bfloat16)
     v_cache = torch.randn_like(k_cache)
-    lengths, firsts, rows = [200, 1, 256], [10, 0, 0], [3, 0, 1]
+    lengths, firsts, rows = [1500, 1, 2048], [10, 0, 0], [3, 0, 1]
     to_int32 = lambda values: torch.tensor(values, dtype=torch.int32, device="cuda")  # noqa: E731
     out, lse = fa3.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=to_int32(lengths),
                                            cache_batch_idx=to_int32(rows), cache_leftpad=to_int32(firsts),
-                                           causal=causal, return_softmax_lse=True)
+                                           causal=causal, num_splits=num_splits, return_softmax_lse=True)
     for b in range(3):
         keys = k_cache[rows[b], firsts[b]:lengths[b]].unsqueeze(0)
         values = v_cache[rows[b], firsts[b]:lengths[b]].unsqueeze(0)

@@ -5,7 +5,8 @@
 // when O does not fit in shared memory: a TMA store would write into the next sequence. Rows
 // are written up to the sequence's capacity (SeqlenInfo), those past seqused_q as O = 0, LSE = -inf.
 // Columns: the tensor's dv, which may be below kHeadDimV (the TMA store clips the rest, the
-// register stores are predicated).
+// register stores are predicated). A split-KV tile writes its split's float32 partials instead
+// (O normalised over the split's keys, and its LSE), from registers, for the combine kernel.
 #pragma once
 
 #include <cmath>
@@ -52,6 +53,10 @@ struct ForwardEpilogue {
     float* ptr_lse;  // may be null
     StrideLse stride_lse;
     bool packed;     // varlen queries
+    // Split-KV (else null): o_partial [splits, batch, heads, rows, dv] and lse_partial
+    // [splits, batch, heads, rows], contiguous, with o's (rows, dv, heads, batch) extents.
+    float* ptr_o_partial = nullptr;
+    float* ptr_lse_partial = nullptr;
   };
 
   struct Params {
@@ -62,13 +67,18 @@ struct ForwardEpilogue {
     StrideLse stride_lse;
     bool packed;
     TmaO tma_o;
+    float* ptr_o_partial;
+    float* ptr_lse_partial;
   };
 
   static Params to_underlying_arguments(Arguments const& args) {
     Tensor mO = make_tensor(make_gmem_ptr(args.ptr_o), args.shape_o, args.stride_o);
     TmaO tma_o = make_tma_copy(SM90_TMA_STORE{}, mO, SmemLayoutO{}, TileShapeO{}, _1{});
-    return {args.ptr_o, args.shape_o, args.stride_o, args.ptr_lse, args.stride_lse, args.packed, tma_o};
+    return {args.ptr_o,  args.shape_o, args.stride_o,      args.ptr_lse,        args.stride_lse,
+            args.packed, tma_o,        args.ptr_o_partial, args.ptr_lse_partial};
   }
+
+  CUTLASS_DEVICE static bool split_kv(Params const& params) { return params.ptr_o_partial != nullptr; }
 
   CUTLASS_DEVICE static void prefetch_tma_descriptors(Params const& params) {
     cute::prefetch_tma_descriptor(params.tma_o.get_tma_descriptor());
@@ -84,6 +94,21 @@ struct ForwardEpilogue {
                               make_shape(get<0>(params.shape_o), get<2>(params.shape_o), get<3>(params.shape_o)),
                               params.stride_lse)(_, work.head, seq.batch_q);
     return domain_offset(make_coord(seq.offset_q), mLse);
+  }
+  // The tile's split's rows of the partials: (seqlen, dv) and (seqlen), float32.
+  CUTLASS_DEVICE static int64_t partial_row0(Params const& params, WorkTile const& work, SeqlenInfo const& seq) {
+    const int64_t rows = get<0>(params.shape_o);
+    return ((int64_t(work.split) * get<3>(params.shape_o) + seq.batch_q) * get<2>(params.shape_o) + work.head) * rows +
+           seq.offset_q;
+  }
+  CUTLASS_DEVICE static auto partial_o(Params const& params, WorkTile const& work, SeqlenInfo const& seq) {
+    const int dv = get<1>(params.shape_o);
+    return make_tensor(make_gmem_ptr(params.ptr_o_partial + partial_row0(params, work, seq) * dv),
+                       make_shape(get<0>(params.shape_o), dv), make_stride(int64_t(dv), _1{}));
+  }
+  CUTLASS_DEVICE static auto partial_lse(Params const& params, WorkTile const& work, SeqlenInfo const& seq) {
+    return make_tensor(make_gmem_ptr(params.ptr_lse_partial + partial_row0(params, work, seq)),
+                       make_shape(get<0>(params.shape_o)));
   }
 
   CUTLASS_DEVICE static bool tma_store_fits(Params const& params, WorkTile const& work, SeqlenInfo const& seq) {
@@ -110,12 +135,16 @@ struct ForwardEpilogue {
   CUTLASS_DEVICE static void write_lse(Params const& params, TensorO const& tOrO, float const (&lse)[kRows],
                                        int thread_idx, WorkTile const& work, SeqlenInfo const& seq) {
     if (params.ptr_lse == nullptr) return;
+    write_lse_rows(sequence_lse(params, work, seq), lse, thread_idx, work, seq);
+  }
+  template <int kRows, class TensorLse>
+  CUTLASS_DEVICE static void write_lse_rows(TensorLse mLse, float const (&lse)[kRows], int thread_idx,
+                                            WorkTile const& work, SeqlenInfo const& seq) {
     auto thr_mma = TiledMmaPV{}.get_thread_slice(thread_idx);
     Tensor tOcO = thr_mma.partition_C(make_identity_tensor(TileShapeO{}));
     Tensor coords = make_tensor(tOcO.data(), accumulator_rowcol(tOcO.layout()));
     static_assert(decltype(size<0>(coords))::value == kRows);
     if (get<1>(coords(0, 0)) != 0) return;  // only the threads holding column 0
-    Tensor mLse = sequence_lse(params, work, seq);
     CUTLASS_PRAGMA_UNROLL
     for (int m = 0; m < kRows; ++m) {
       const int row = work.block * kBlockM + get<0>(coords(m, 0));
@@ -166,6 +195,16 @@ struct ForwardEpilogue {
     store_accumulator_rows(tOrO, tOcO, gO, seq.capacity_q - work.block * kBlockM, get<1>(params.shape_o));
   }
 
+  // Split-KV: the split's normalised O and its LSE as float32 partials, from registers.
+  template <int kRows, class TensorO>
+  CUTLASS_DEVICE static void store_partial(Params const& params, TensorO const& tOrO, float const (&lse)[kRows],
+                                           int thread_idx, WorkTile const& work, SeqlenInfo const& seq) {
+    write_lse_rows(partial_lse(params, work, seq), lse, thread_idx, work, seq);
+    Tensor tOcO = TiledMmaPV{}.get_thread_slice(thread_idx).partition_C(make_identity_tensor(TileShapeO{}));
+    Tensor gO = local_tile(partial_o(params, work, seq), TileShapeO{}, make_coord(work.block, _0{}));  // (M, dv)
+    store_accumulator_rows(tOrO, tOcO, gO, seq.capacity_q - work.block * kBlockM, get<1>(params.shape_o));
+  }
+
   // Called by the thread that issued the stores: returns once they have read shared memory.
   CUTLASS_DEVICE static void wait_for_store() { tma_store_wait<0>(); }
 
@@ -174,23 +213,30 @@ struct ForwardEpilogue {
   // (Rows past seqused_q get -inf whatever lse_value is.)
   CUTLASS_DEVICE static void store_empty(Params const& params, int thread_idx, WorkTile const& work,
                                          SeqlenInfo const& seq, float lse_value) {
-    constexpr int kElemsPerStore = 16 / sizeof(Element);
-    constexpr int kStoresPerRow = kHeadDimV / kElemsPerStore;
-    Tensor mO = sequence_o(params, work, seq);
     const int row0 = work.block * kBlockM;
-    for (int i = thread_idx; i < kBlockM * kStoresPerRow; i += kNumMmaThreads) {
-      const int row = row0 + i / kStoresPerRow;
-      const int col = (i % kStoresPerRow) * kElemsPerStore;
-      if (row < seq.capacity_q && col < get<1>(params.shape_o))
-        *reinterpret_cast<uint4*>(&mO(row, col)) = make_uint4(0, 0, 0, 0);
-    }
-    if (params.ptr_lse != nullptr) {
-      Tensor mLse = sequence_lse(params, work, seq);
+    auto clear_o = [&](auto mO) {
+      constexpr int kElemsPerStore = 16 / sizeof(typename decltype(mO)::value_type);
+      constexpr int kStoresPerRow = kHeadDimV / kElemsPerStore;
+      for (int i = thread_idx; i < kBlockM * kStoresPerRow; i += kNumMmaThreads) {
+        const int row = row0 + i / kStoresPerRow;
+        const int col = (i % kStoresPerRow) * kElemsPerStore;
+        if (row < seq.capacity_q && col < get<1>(params.shape_o))
+          *reinterpret_cast<uint4*>(&mO(row, col)) = make_uint4(0, 0, 0, 0);
+      }
+    };
+    auto set_lse = [&](auto mLse) {
       for (int i = thread_idx; i < kBlockM; i += kNumMmaThreads) {
         const int row = row0 + i;
         if (row < seq.capacity_q) mLse(row) = row < seq.seqlen_q ? lse_value : -INFINITY;
       }
+    };
+    if (split_kv(params)) {
+      clear_o(partial_o(params, work, seq));
+      set_lse(partial_lse(params, work, seq));
+      return;
     }
+    clear_o(sequence_o(params, work, seq));
+    if (params.ptr_lse != nullptr) set_lse(sequence_lse(params, work, seq));
   }
 };
 

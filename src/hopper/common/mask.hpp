@@ -83,6 +83,29 @@ struct AttentionMask {
       const int window = max(n_max - n_min, 0);
       return i < window ? n_max - 1 - i : num_sink_blocks - 1 - (i - window);
     }
+    // Split-KV: split `split` of `num_splits` walks consecutive parts of ceil(count / num_splits)
+    // blocks (the last ones may be short or empty), as a walk of the same form, so that the
+    // mainloops keep three registers for it: a part that would end among the sink blocks takes
+    // them all (a block or two: sink tokens are few).
+    CUTLASS_DEVICE KeyBlocks split(int split, int num_splits) const {
+      const int window = max(n_max - n_min, 0), total = count();
+      const int per_split = (total + num_splits - 1) / num_splits;
+      auto snap = [&](int i) { return i <= window ? i : total; };
+      const int begin = snap(min(split * per_split, total)), end = snap(min((split + 1) * per_split, total));
+      KeyBlocks part;
+      part.n_max = n_max - begin;
+      if (begin >= end) {  // empty
+        part.n_min = part.n_max;
+        part.num_sink_blocks = 0;
+      } else if (end <= window) {  // within the window
+        part.n_min = n_max - end;
+        part.num_sink_blocks = 0;
+      } else {  // the window's rest and every sink block
+        part.n_min = n_min;
+        part.num_sink_blocks = num_sink_blocks;
+      }
+      return part;
+    }
   };
   CUTLASS_DEVICE KeyBlocks key_blocks(int m_block) const {
     const int row_first = m_block * kBlockM;

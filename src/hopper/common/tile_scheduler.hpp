@@ -1,5 +1,6 @@
 // Persistent tile scheduler: CTAs stride over the tiles (block, head, batch), where block is the
-// query block of a forward tile and the key block of a backward one. Packed (varlen) batches
+// query block of a forward tile and the key block of a backward one; a split-KV forward has
+// num_splits tiles per query block, one per part of its keys (adjacent in the order). Packed (varlen) batches
 // come as a list of tiles, longest first, that VarlenTilePlanner writes on the device before the
 // kernel; a CTA takes its next entry from a counter when it is free (one of its threads takes it
 // and hands it to the CTA's other roles through a TileRing), as tiles of several lengths do not
@@ -31,6 +32,7 @@ struct WorkTile {
   int head;
   int batch;
   bool valid;
+  int split = 0;  // split-KV: which part of the block's keys
 };
 
 // A planned tile: block, head, batch (w unused; 16 bytes, one load).
@@ -57,7 +59,7 @@ struct TileRing {
 template <bool kLongestFirst>
 struct PersistentTileScheduler {
   struct Params {
-    int num_blocks;
+    int num_blocks;  // row blocks times splits
     int num_tiles;
     int num_head_batch;     // heads * batch
     int heads_per_section;  // (batch, head) pairs whose K/V share the L2 (longest-first only)
@@ -66,20 +68,26 @@ struct PersistentTileScheduler {
     PlannedTile const* planned = nullptr;  // packed batches: the planner's tile list, else null
     int const* num_planned = nullptr;      // its length, written by the planner
     int* next_planned = nullptr;           // the counter CTAs take entries from (the planner zeroes it)
+    int num_splits = 1;                    // dense only
+    cutlass::FastDivmod split_divmod{1};
   };
 
   // streamed_bytes_per_head: what the tiles of one (batch, head) stream and share: K and V in
   // the forward, the group's Q and dO in the backward (0: no sections, one order over all heads).
   // l2_bytes: the device's L2 size.
-  static Params make_params(int num_blocks, int num_heads, int num_batch, int64_t streamed_bytes_per_head,
-                            int64_t l2_bytes, int num_sms) {
+  static Params make_params(int num_row_blocks, int num_heads, int num_batch, int64_t streamed_bytes_per_head,
+                            int64_t l2_bytes, int num_sms, int num_splits = 1) {
+    const int num_blocks = num_row_blocks * num_splits;
     const int num_tiles = num_blocks * num_heads * num_batch;
     const int64_t fitting_l2 = (l2_bytes / 2) / (streamed_bytes_per_head > 0 ? streamed_bytes_per_head : 1);
     const int64_t four_waves = (4 * int64_t(num_sms) + num_blocks - 1) / num_blocks;
     const int64_t pairs = std::min<int64_t>(std::max<int64_t>({fitting_l2, four_waves, 1}), num_heads * num_batch);
     const int heads_per_section = int(pairs);
-    return {num_blocks, num_tiles, num_heads * num_batch, heads_per_section,
-            cutlass::FastDivmod(num_blocks), cutlass::FastDivmod(num_heads)};
+    Params params{num_blocks, num_tiles, num_heads * num_batch, heads_per_section,
+                  cutlass::FastDivmod(num_blocks), cutlass::FastDivmod(num_heads)};
+    params.num_splits = num_splits;
+    params.split_divmod = cutlass::FastDivmod(num_splits);
+    return params;
   }
 
   // Packed batches: the planner's list of at most max_tiles tiles; counters[0] its length,
@@ -126,6 +134,7 @@ struct PersistentTileScheduler {
     }
     params.head_divmod(work.batch, work.head, rest);
     work.block = block;
+    if (params.num_splits > 1) params.split_divmod(work.block, work.split, block);
     return work;
   }
 

@@ -87,7 +87,7 @@ CUTLASS_HOST_DEVICE Shape4 with_columns(Shape4 const& shape, int columns) {
 }
 
 // A float32 accumulator tile straight to global memory in dst's element type: each thread writes
-// its column pairs as 4-byte stores; rows at or past `rows` and columns at or past `cols` (even:
+// its column pairs as one store (4 bytes, 8 for float32); rows at or past `rows` and columns at or past `cols` (even:
 // head dims are multiples of 8) are skipped. gdst is the tile's (rows, cols) window, coords the
 // accumulator's identity partition (tile coordinates).
 template <class TensorAcc, class TensorCoord, class TensorDst>
@@ -106,8 +106,9 @@ CUTLASS_DEVICE void store_accumulator_rows(TensorAcc const& acc, TensorCoord con
     for (int n = 0; n < size<1>(out); n += 2) {  // columns n, n + 1 are adjacent
       const int col = get<1>(coord_rc(m, n));
       if (col >= cols) continue;
-      Element pair[2] = {out(m, n), out(m, n + 1)};
-      *reinterpret_cast<uint32_t*>(&gdst(row, col)) = *reinterpret_cast<uint32_t*>(pair);
+      using Pair = cute::conditional_t<sizeof(Element) == 4, uint2, uint32_t>;
+      alignas(Pair) Element pair[2] = {out(m, n), out(m, n + 1)};
+      *reinterpret_cast<Pair*>(&gdst(row, col)) = *reinterpret_cast<Pair*>(pair);
     }
   }
 }

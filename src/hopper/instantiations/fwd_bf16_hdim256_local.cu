@@ -3,5 +3,5 @@
 
 namespace flashhopper::launch {
 template cudaError_t run_forward_hdim<FH_DTYPE_BF16, 256, 256, hopper::MaskKind::kLocal, false>(
-    const ForwardParams&, const detail::ProblemShape&, void*, cudaStream_t);
+    const ForwardParams&, const detail::ProblemShape&, const ForwardWorkspace&, cudaStream_t);
 }  // namespace flashhopper::launch

@@ -3,5 +3,5 @@
 
 namespace flashhopper::launch {
 template cudaError_t run_forward_hdim<FH_DTYPE_BF16, 96, 96, hopper::MaskKind::kLocal, true>(
-    const ForwardParams&, const detail::ProblemShape&, void*, cudaStream_t);
+    const ForwardParams&, const detail::ProblemShape&, const ForwardWorkspace&, cudaStream_t);
 }  // namespace flashhopper::launch

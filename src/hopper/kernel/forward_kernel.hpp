@@ -73,6 +73,12 @@ struct ForwardKernel {
     typename Scheduler::Params scheduler;
   };
 
+  // The key blocks a tile walks: its query block's, or its split's part of them.
+  CUTLASS_DEVICE static auto key_blocks(Params const& params, SeqlenInfo const& seq, WorkTile const& work) {
+    const auto blocks = Mainloop::make_mask(params.mainloop, seq).key_blocks(work.block);
+    return params.scheduler.num_splits > 1 ? blocks.split(work.split, params.scheduler.num_splits) : blocks;
+  }
+
   CUTLASS_DEVICE void operator()(Params const& params, char* smem_buf) {
     SharedStorage& storage = *reinterpret_cast<SharedStorage*>(smem_buf);
     const int warp_group = cutlass::canonical_warp_group_idx();
@@ -105,7 +111,7 @@ struct ForwardKernel {
         const WorkTile work = Scheduler::decode(params.scheduler, tile);
         if (!work.valid) break;
         const SeqlenInfo seq = Mainloop::seqlen_info(params.mainloop, work);
-        const auto blocks = Mainloop::make_mask(params.mainloop, seq).key_blocks(work.block);
+        const auto blocks = key_blocks(params, seq, work);
         if (blocks.count() == 0) continue;  // consumers write zeros; nothing to load
         Mainloop::load(params.mainloop, pipeline_k, pipeline_v, pipe_k_write, pipe_v_write, storage.barriers.q_full,
                        storage.barriers.q_empty, q_empty_phase, storage.smem_q.data(), storage.kv, work, seq, blocks);
@@ -126,8 +132,9 @@ struct ForwardKernel {
         const WorkTile work = Scheduler::decode(params.scheduler, tile);
         if (!work.valid) break;
         const SeqlenInfo seq = Mainloop::seqlen_info(params.mainloop, work);
-        const auto blocks = Mainloop::make_mask(params.mainloop, seq).key_blocks(work.block);
-        const float sink_log2 = Mainloop::sink_log2(params.mainloop, work);
+        const auto blocks = key_blocks(params, seq, work);
+        // The learnable sink joins split 0's sum only, so that the combine counts it once.
+        const float sink_log2 = work.split == 0 ? Mainloop::sink_log2(params.mainloop, work) : -INFINITY;
         if (blocks.count() == 0) {
           // O = 0; the LSE is -inf, or the sink's logit when there is one.
           Epilogue::store_empty(params.epilogue, thread_idx, work, seq, sink_log2 * float(M_LN2));
@@ -146,9 +153,11 @@ struct ForwardKernel {
         scale_rows(o_rowcol, o_scale);
         // Rows past seqused_q: O = 0, LSE = -inf.
         if (seq.seqlen_q < seq.capacity_q) Epilogue::clear_unused_rows(o_rowcol, lse, thread_idx, work, seq);
-        // The TMA store writes whole tiles: in a packed batch only those that end within their
-        // sequence (the others would spill into the next one).
-        if constexpr (kOStagedInSmem) {
+        if (Epilogue::split_kv(params.epilogue)) {
+          Epilogue::store_partial(params.epilogue, tOrO, lse, thread_idx, work, seq);
+        } else if constexpr (kOStagedInSmem) {
+          // The TMA store writes whole tiles: in a packed batch only those that end within their
+          // sequence (the others would spill into the next one).
           if (Epilogue::tma_store_fits(params.epilogue, work, seq)) {
             Epilogue::store(params.epilogue, tOrO, lse, storage.smem_o.data(), thread_idx, work, seq);
           } else {
