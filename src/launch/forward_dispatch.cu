@@ -69,10 +69,9 @@ struct WorkspaceLayout {
 };
 WorkspaceLayout workspace_layout(const ForwardParams& p, const detail::ProblemShape& s) {
   WorkspaceLayout w;
-  if (s.varlen_q) {
-    w.planned_tiles =
-        planned_tiles_bytes(max_planned_tiles(s.total_q, s.seqlen_q, s.batch, s.heads_q, forward_tile(p, s).block_m));
-  }
+  const int block_m = forward_tile(p, s).block_m;  // 0: a family this build lacks (refused later)
+  if (s.varlen_q && block_m > 0)
+    w.planned_tiles = planned_tiles_bytes(max_planned_tiles(s.total_q, s.seqlen_q, s.batch, s.heads_q, block_m));
   w.rotated_q = rotated_q_bytes(p, s);
   w.num_splits = forward_num_splits(p, s);
   if (w.num_splits > 1) {

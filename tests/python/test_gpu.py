@@ -741,3 +741,37 @@ def test_flash_attn_with_kvcache_dense_cache_against_reference(seqlen_q, causal,
         plain_err = (plain.double() - ref64).abs().max().item()
         assert ours_err <= 2 * plain_err + 1e-5, (b, ours_err, plain_err)
         torch.testing.assert_close(lse[b:b + 1].double(), lse64, rtol=1e-3, atol=1e-3)
+
+@requires_gpu
+def test_decode_step_cuda_graph_replays_with_other_lengths():
+    """A decode step (append one token with rotary, attend, split-KV chosen by the library) captured
+    in a CUDA graph and replayed after cache_seqlens, q and the new token changed in place: the
+    same out, lse and cache as eager calls on the same inputs."""
+    torch.manual_seed(3)
+    batch, cache_len, heads_q, heads_kv, d = 4, 4096, 16, 4, 128
+    q = torch.randn(batch, 1, heads_q, d, device="cuda", dtype=torch.bfloat16)
+    k_new, v_new = (torch.randn(batch, 1, heads_kv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    k_cache, v_cache = (torch.randn(batch, cache_len, heads_kv, d, device="cuda", dtype=torch.bfloat16)
+                        for _ in range(2))
+    angle = torch.rand(cache_len, 32, device="cuda", dtype=torch.float64) * 6
+    cos, sin = angle.cos().bfloat16(), angle.sin().bfloat16()
+    lengths = torch.tensor([100, 4000, 0, 2047], dtype=torch.int32, device="cuda")
+    caches = (k_cache.clone(), v_cache.clone())
+
+    def step():
+        return fa3.flash_attn_with_kvcache(q, k_cache, v_cache, k=k_new, v=v_new, rotary_cos=cos, rotary_sin=sin,
+                                           cache_seqlens=lengths, causal=True, num_splits=0,
+                                           return_softmax_lse=True)
+    run_or_skip(step)
+    graph, captured = capture_graph(step)
+    with torch.no_grad():
+        lengths.copy_(torch.tensor([3000, 7, 4095, 1], dtype=torch.int32))
+        q.normal_(), k_new.normal_(), v_new.normal_()
+        k_cache.copy_(caches[0]), v_cache.copy_(caches[1])
+    graph.replay()
+    torch.cuda.synchronize()
+    replayed = [t.clone() for t in (*captured, k_cache, v_cache)]
+    k_cache.copy_(caches[0]), v_cache.copy_(caches[1])
+    eager = (*step(), k_cache, v_cache)
+    for name, a, b in zip(("out", "lse", "k_cache", "v_cache"), replayed, eager):
+        assert torch.equal(a, b), f"{name}: replay differs from eager"

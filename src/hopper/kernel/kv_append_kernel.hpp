@@ -44,8 +44,9 @@ struct KvAppendKernel {
   };
 
   // Rows: the keys (k and v) of every (b, t, hk), then with rotary q's (b, i, h).
-  CUTLASS_DEVICE static int64_t key_rows(Params const& p) { return int64_t(p.batch) * p.seqlen_new * p.heads_kv; }
-  CUTLASS_DEVICE static int64_t query_rows(Params const& p) {
+  // (The launch sizes its grid with them, on the host.)
+  CUTLASS_HOST_DEVICE static int64_t key_rows(Params const& p) { return int64_t(p.batch) * p.seqlen_new * p.heads_kv; }
+  CUTLASS_HOST_DEVICE static int64_t query_rows(Params const& p) {
     return p.rotary_cos == nullptr ? 0 : int64_t(p.batch) * p.seqlen_q * p.heads_q;
   }
 
