@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Host work per call: a timed loop of many back-to-back calls on a tiny problem (1 x 1 x 1 x 64
+"""Host work per call: a timed loop of many back-to-back calls on a tiny problem (1 x 8 x 1 x 128
 bf16, so the GPU finishes each call long before the host issues the next), FlashHopper's
 flash_attn_func beside PyTorch SDPA's cuDNN and FLASH backends; microseconds per call from the
 Python side, the median of several loops. With --components (no GPU needed) it times the Python
@@ -32,13 +32,13 @@ def per_call_us(fn, calls, loops):
 
 def components(calls, loops):
     from flashhopper import _ffi, interface
-    q = torch.randn(1, 1, 1, 64, dtype=torch.bfloat16)
+    q = torch.randn(1, 1, 1, 128, dtype=torch.bfloat16)
     steps = {
         "check_mask_args": lambda: interface.check_mask_args(False, (-1, -1), 0.0, 0),
         "check_forward_args": lambda: interface.check_forward_args(q, q, q),
         "tensor view (_view) x 5": lambda: [interface._view(q) for _ in range(5)],
         "ForwardParams()": lambda: _ffi.ForwardParams(),
-        "torch.empty (out)": lambda: torch.empty((1, 1, 1, 64), dtype=torch.bfloat16),
+        "torch.empty (out)": lambda: torch.empty((1, 1, 1, 128), dtype=torch.bfloat16),
     }
     print("| Python step (CPU tensors) | us per call |\n|---|---|")
     for name, fn in steps.items():
@@ -50,16 +50,19 @@ def end_to_end(calls, loops):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     import flashhopper
-    q = torch.randn(1, 1, 1, 64, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(1, 8, 1, 128, device="cuda", dtype=torch.bfloat16)  # cuDNN refuses a single key
     qt = q.transpose(1, 2)
+    q_decode, lengths = q[:, :1], torch.full((1,), 8, dtype=torch.int32, device="cuda")
     rows = {"flashhopper.flash_attn_func": lambda: flashhopper.flash_attn_func(q, q, q),
-            "flashhopper.forward (no op)": lambda: flashhopper.forward(q, q, q)}
+            "flashhopper.forward (no op)": lambda: flashhopper.forward(q, q, q),
+            "flashhopper.flash_attn_with_kvcache (1 token)":
+                lambda: flashhopper.flash_attn_with_kvcache(q_decode, q, q, cache_seqlens=lengths)}
     for name, backend in (("SDPA cuDNN", SDPBackend.CUDNN_ATTENTION), ("SDPA FLASH", SDPBackend.FLASH_ATTENTION)):
         def call(backend=backend):
             with sdpa_kernel(backend):
                 return F.scaled_dot_product_attention(qt, qt, qt)
         rows[name] = call
-    print(f"{torch.cuda.get_device_name()}; 1 x 1 x 1 x 64 bf16 forward\n")
+    print(f"{torch.cuda.get_device_name()}; 1 x 8 x 1 x 128 bf16 forward\n")
     print("| call | us per call |\n|---|---|")
     for name, fn in rows.items():
         try:
