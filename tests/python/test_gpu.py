@@ -722,8 +722,8 @@ def test_flash_attn_with_kvcache_dense_cache_against_reference(seqlen_q, causal,
     within twice the error of the same attention in plain bf16; unsplit, split-KV chosen by the
     library (0) and forced."""
     torch.manual_seed(seqlen_q)
-    q = torch.randn(3, seqlen_q, 8, 64, device="cuda", dtype=torch.bfloat16)
-    k_cache = torch.randn(4, 2048, 2, 64, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(3, seqlen_q, 8, 128, device="cuda", dtype=torch.bfloat16)  # every build has hdim 128
+    k_cache = torch.randn(4, 2048, 2, 128, device="cuda", dtype=torch.bfloat16)
     v_cache = torch.randn_like(k_cache)
     lengths, firsts, rows = [1500, 1, 2048], [10, 0, 0], [3, 0, 1]
     to_int32 = lambda values: torch.tensor(values, dtype=torch.int32, device="cuda")  # noqa: E731
