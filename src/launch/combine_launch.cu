@@ -12,15 +12,6 @@
 namespace flashhopper::launch {
 namespace {
 
-template <class Kernel>
-int launch_combine(typename Kernel::Params const& k, cudaStream_t stream) {
-  const int64_t items = int64_t(k.batch) * k.heads * k.rows;
-  const int64_t blocks = (items + Kernel::kWarps - 1) / Kernel::kWarps;
-  hopper::plain_kernel_entry<Kernel><<<unsigned(blocks), Kernel::kThreads, 0, stream>>>(k);
-  return int(cudaGetLastError());
-}
-
-// out/lse as fh_combine takes them, the partials as given.
 template <class OutElement>
 int run_combine_as(const CombineParams& p, cudaStream_t stream) {
   using Kernel = hopper::SplitCombineKernel<OutElement>;
@@ -61,48 +52,25 @@ int run_combine_as(const CombineParams& p, cudaStream_t stream) {
     std::copy(out_stride, out_stride + 4, k.out_stride);
     if (k.lse != nullptr) std::copy(p.lse.stride, p.lse.stride + 3, k.lse_stride);
   }
-  return launch_combine<Kernel>(k, stream);
-}
-
-// A dense split-KV forward's partials (contiguous, ForwardWorkspace's layout) into its out
-// [B, sq, Hq, dv] and lse [B, Hq, sq].
-template <class OutElement>
-int run_split_kv_combine_as(const ForwardParams& p, const detail::ProblemShape& s, const float* out_partial,
-                            const float* lse_partial, int splits, cudaStream_t stream) {
-  using Kernel = hopper::SplitCombineKernel<OutElement>;
-  typename Kernel::Params k{};
-  k.splits = splits;
-  k.batch = int(s.batch);
-  k.heads = int(s.heads_q);
-  k.rows = int(s.seqlen_q);
-  k.columns = int(s.head_dim_v);
-  const int64_t row = k.columns, head = row * k.rows, batch = head * k.heads;
-  const int64_t out_partial_stride[5] = {batch * k.batch, batch, head, row, 1};
-  const int64_t lse_partial_stride[4] = {int64_t(k.batch) * k.heads * k.rows, int64_t(k.heads) * k.rows, k.rows, 1};
-  const int64_t out_stride[4] = {p.out.stride[0], p.out.stride[2], p.out.stride[1], p.out.stride[3]};
-  std::copy(out_partial_stride, out_partial_stride + 5, k.out_partial_stride);
-  std::copy(lse_partial_stride, lse_partial_stride + 4, k.lse_partial_stride);
-  std::copy(out_stride, out_stride + 4, k.out_stride);
-  k.out_partial = out_partial;
-  k.lse_partial = lse_partial;
-  k.out = static_cast<OutElement*>(p.out.data);
-  k.lse = static_cast<float*>(p.lse.data);
-  if (k.lse != nullptr) std::copy(p.lse.stride, p.lse.stride + 3, k.lse_stride);
-  return launch_combine<Kernel>(k, stream);
+  const int64_t items = int64_t(k.batch) * k.heads * k.rows;
+  const int64_t blocks = (items + Kernel::kWarps - 1) / Kernel::kWarps;
+  hopper::plain_kernel_entry<Kernel><<<unsigned(blocks), Kernel::kThreads, 0, stream>>>(k);
+  return int(cudaGetLastError());
 }
 
 }  // namespace
 
-int run_split_kv_combine(const ForwardParams& params, const detail::ProblemShape& shape, const float* out_partial,
-                         const float* lse_partial, int num_splits, fh_stream_t stream) {
-  const auto s = static_cast<cudaStream_t>(stream);
-  switch (params.out.dtype) {
-    case FH_DTYPE_BF16: return run_split_kv_combine_as<cutlass::bfloat16_t>(params, shape, out_partial, lse_partial,
-                                                                           num_splits, s);
-    case FH_DTYPE_FP16:
-      return run_split_kv_combine_as<cutlass::half_t>(params, shape, out_partial, lse_partial, num_splits, s);
-    default: return int(cudaErrorInvalidValue);  // refused by the checks before
-  }
+// The partials are contiguous (ForwardWorkspace's layout): fh_combine's dense case.
+int run_split_kv_combine(const ForwardParams& params, const detail::ProblemShape& shape, float* out_partial,
+                         float* lse_partial, int num_splits, fh_stream_t stream) {
+  CombineParams combine{};
+  combine.out_partial = make_tensor(out_partial, FH_DTYPE_FP32,
+                                    {num_splits, shape.batch, shape.heads_q, shape.seqlen_q, shape.head_dim_v});
+  combine.lse_partial =
+      make_tensor(lse_partial, FH_DTYPE_FP32, {num_splits, shape.batch, shape.heads_q, shape.seqlen_q});
+  combine.out = params.out;
+  combine.lse = params.lse;
+  return run_combine(combine, stream);
 }
 
 int run_combine(const CombineParams& params, fh_stream_t stream) {

@@ -39,7 +39,7 @@ Tensor rotated_q_view(const ForwardParams& params, void* data);  // q's shape, c
 int run_combine(const CombineParams& params, fh_stream_t stream);
 // The combine after a dense split-KV forward: its num_splits partials (ForwardWorkspace's layout)
 // into params.out and params.lse.
-int run_split_kv_combine(const ForwardParams& params, const detail::ProblemShape& shape, const float* out_partial,
-                         const float* lse_partial, int num_splits, fh_stream_t stream);
+int run_split_kv_combine(const ForwardParams& params, const detail::ProblemShape& shape, float* out_partial,
+                         float* lse_partial, int num_splits, fh_stream_t stream);
 
 }  // namespace flashhopper::launch
