@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "hopper/common/tile_size.hpp"
+#include "api/packed_decode.hpp"
 #include "launch/device_info.hpp"
 #include "launch/dispatch.hpp"
 #include "launch/forward_launch.hpp"
@@ -23,7 +24,8 @@ struct TileExtent {
 };
 TileExtent forward_tile(const ForwardParams& p, const detail::ProblemShape& s) {
   const bool masked = mask_kind(p) != hopper::MaskKind::kNone;
-  return visit_built_family<Pass::kForward>(forward_family(p, s), TileExtent{}, [&](auto, auto head_dim, auto head_dim_v) {
+  const KernelFamily* family = forward_family(p, s);
+  return visit_built_family<Pass::kForward>(family, TileExtent{}, [&](auto, auto head_dim, auto head_dim_v) {
     using Unmasked = hopper::ForwardTileSize<decltype(head_dim)::value, decltype(head_dim_v)::value, false>;
     using Masked = hopper::ForwardTileSize<decltype(head_dim)::value, decltype(head_dim_v)::value, true>;
     static_assert(Unmasked::kBlockM == Masked::kBlockM);
@@ -60,6 +62,7 @@ int forward_num_splits(const ForwardParams& p, const detail::ProblemShape& s) {
 
 size_t round_up_256(size_t bytes) { return (bytes + 255) / 256 * 256; }
 
+
 // The workspace: the planned tiles (packed queries), the rotated copy of q (an append with
 // rotary), the split partials (split-KV).
 struct WorkspaceLayout {
@@ -73,8 +76,9 @@ WorkspaceLayout workspace_layout(const ForwardParams& p, const detail::ProblemSh
   if (s.varlen_q && block_m > 0)
     w.planned_tiles = planned_tiles_bytes(max_planned_tiles(s.total_q, s.seqlen_q, s.batch, s.heads_q, block_m));
   w.rotated_q = rotated_q_bytes(p, s);
-  w.num_splits = forward_num_splits(p, s);
-  if (w.num_splits > 1) {
+  const detail::KernelCall call = detail::kernel_call(p, s);
+  w.num_splits = forward_num_splits(call.params, call.shape);
+  if (w.num_splits > 1) {  // as many rows as out has: the same for a packed call
     const size_t rows = size_t(w.num_splits) * s.batch * s.heads_q * s.seqlen_q;
     w.out_partial = round_up_256(rows * s.head_dim_v * sizeof(float));
     w.lse_partial = round_up_256(rows * sizeof(float));
@@ -118,14 +122,16 @@ int run_forward(const ForwardParams& params, const detail::ProblemShape& shape, 
     parts.out_partial = reinterpret_cast<float*>(base + layout.planned_tiles + layout.rotated_q);
     parts.lse_partial = reinterpret_cast<float*>(base + layout.planned_tiles + layout.rotated_q + layout.out_partial);
   }
+  const detail::KernelCall call = detail::kernel_call(attention, shape);
   const int err = visit_instantiation<Pass::kForward>(
-      forward_family(attention, shape), mask_kind(attention), attention.softcap > 0.f,
+      forward_family(call.params, call.shape), mask_kind(call.params), call.params.softcap > 0.f,
       [&](auto dtype, auto head_dim, auto head_dim_v, auto mask, auto softcap) {
         return run_forward_hdim<dtype.value, head_dim.value, head_dim_v.value, mask.value, softcap.value>(
-            attention, shape, parts, stream);
+            call.params, call.shape, parts, stream);
       });
   if (err != 0 || parts.num_splits == 1) return err;
-  return run_split_kv_combine(params, shape, parts.out_partial, parts.lse_partial, parts.num_splits, stream);
+  return run_split_kv_combine(call.params, call.shape, parts.out_partial, parts.lse_partial, parts.num_splits,
+                              stream);
 }
 
 }  // namespace flashhopper::launch

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "flashhopper/flashhopper.hpp"
+#include "api/packed_decode.hpp"
 #include "reference/reference.hpp"
 #include "test_util.hpp"
 
@@ -1869,6 +1870,74 @@ TEST(ReferenceSpeed, Forward2kBy2k16HeadsHeadDim128) {
                 emulate ? "emulated bf16" : "exact", std::thread::hardware_concurrency(), seconds);
   }
   (void)dims;
+}
+
+// ---- Decoding with GQA as the kernels run it (api/packed_decode.hpp) ---------------------------
+
+// One query token per sequence: the query heads of a KV head read as the rows of one head (strided
+// views of q, out and lse) give the same attention, over a KV cache with its extras, causal or
+// not, a right bound, softcap; the calls the rewrite does not hold for are left as they are.
+TEST(PackedDecode, QueryHeadsAsRowsIsTheSameAttention) {
+  const int64_t batch = 3, heads_q = 8, heads_kv = 2, d = 16, dv = 8, cache_rows = 4, cache_len = 40;
+  const HostTensor q = random_tensor(FH_DTYPE_FP64, {batch, 1, heads_q, d}, 2101);
+  const HostTensor k = random_tensor(FH_DTYPE_FP64, {cache_rows, cache_len, heads_kv, d}, 2102);
+  const HostTensor v = random_tensor(FH_DTYPE_FP64, {cache_rows, cache_len, heads_kv, dv}, 2103);
+  const HostTensor lengths = int32_tensor({40, 0, 17}), firsts = int32_tensor({3, 0, 17});
+  const HostTensor rows = int32_tensor({2, 0, 3});
+  struct Variant {
+    const char* name;
+    int causal, window_right;
+    float softcap;
+  };
+  for (const Variant& m : {Variant{"none", 0, -1, 0.f}, Variant{"causal", 1, -1, 0.f},
+                           Variant{"right bound", 0, 5, 0.f}, Variant{"softcap", 1, -1, 7.f}}) {
+    SCOPED_TRACE(m.name);
+    HostTensor out(FH_DTYPE_FP64, {batch, 1, heads_q, dv}), lse(FH_DTYPE_FP64, {batch, heads_q, 1});
+    fh::ForwardParams p = fh::default_forward_params();
+    p.q = q.view();
+    p.k = k.view();
+    p.v = v.view();
+    p.out = out.view();
+    p.lse = lse.view();
+    p.cache_seqlens = lengths.view();
+    p.cache_leftpad = firsts.view();
+    p.cache_batch_idx = rows.view();
+    p.causal = m.causal;
+    p.window_right = m.window_right;
+    p.softcap = m.softcap;
+    ASSERT_OK(ref::forward(p));
+    const fh::detail::KernelCall call = fh::detail::kernel_call(p, fh::detail::forward_shape(p));
+    EXPECT_EQ(call.shape.seqlen_q, heads_q / heads_kv);
+    EXPECT_EQ(call.shape.heads_q, heads_kv);
+    EXPECT_FALSE(fh::detail::mask_spec(call.params).is_masked());
+    HostTensor packed_out(FH_DTYPE_FP64, out.shape()), packed_lse(FH_DTYPE_FP64, lse.shape());
+    fh::ForwardParams packed = call.params;  // the same views, into fresh outputs
+    packed.out.data = packed_out.view().data;
+    packed.lse.data = packed_lse.view().data;
+    ASSERT_OK(ref::forward(packed));
+    EXPECT_LE(max_abs_diff(packed_out.view(), out.view()), kSameMaths);
+    EXPECT_LE(max_abs_diff(packed_lse.view(), lse.view()), kSameMaths);
+  }
+  // Left as they are: several query rows, no GQA, a left window, a learnable sink.
+  fh::ForwardParams p = fh::default_forward_params();
+  HostTensor out(FH_DTYPE_FP64, {batch, 1, heads_q, dv});
+  p.q = q.view();
+  p.k = k.view();
+  p.v = v.view();
+  p.out = out.view();
+  const HostTensor sink = random_tensor(FH_DTYPE_FP32, {heads_q}, 2104);
+  HostTensor q2 = random_tensor(FH_DTYPE_FP64, {batch, 2, heads_q, d}, 2105);
+  HostTensor out2(FH_DTYPE_FP64, {batch, 2, heads_q, dv});
+  fh::ForwardParams two_rows = p, left_window = p, with_sink = p;
+  two_rows.q = q2.view();
+  two_rows.out = out2.view();
+  left_window.window_left = 10;
+  with_sink.learnable_sink = sink.view();
+  for (const fh::ForwardParams& kept : {two_rows, left_window, with_sink}) {
+    const fh::detail::KernelCall call = fh::detail::kernel_call(kept, fh::detail::forward_shape(kept));
+    EXPECT_EQ(call.shape.heads_q, heads_q);
+    EXPECT_EQ(call.params.q.stride[2], kept.q.stride[2]);
+  }
 }
 
 }  // namespace
