@@ -4,7 +4,8 @@
 # and carry the build folder, or build there (step `build`: the full kernel set, or KERNELS=dev, with the
 # GoogleTest headers and archives carried in .gtest/). Usage:
 #   scripts/device_check.sh [build|tests|features|varlen|sanitize|demo|bench|features_bench|varlen_bench|
-#                            kernel_times|head_dims_bench|kv_cache|python|host_overhead]...
+#                            kernel_times|head_dims_bench|decode_bench|kv_cache|python|
+#                            host_overhead]...
 set -uo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 build="${BUILD:-$root/build}"
@@ -99,6 +100,7 @@ for step in "${steps[@]}"; do
       ;;
     features_bench) run_bench features ;;
     head_dims_bench) run_bench head_dims ;;
+    decode_bench) run_bench decode ;;
     tests)
       # FWD_FILTER / BWD_FILTER (gtest filters, default all) split the grid over several calls.
       run_gtests "gpu tests" test_forward_gpu "${FWD_FILTER:-*}" "${FWD_TIMEOUT:-420}" gpu_tests.log
