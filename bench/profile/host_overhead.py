@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Host work per call: a timed loop of many back-to-back calls on a tiny problem (1 x 8 x 1 x 128
 bf16, so the GPU finishes each call long before the host issues the next), FlashHopper's
-flash_attn_func beside PyTorch SDPA's cuDNN and FLASH backends; microseconds per call from the
+flash_attn_func (without and with autograd), forward and flash_attn_with_kvcache beside PyTorch SDPA's cuDNN and FLASH backends; microseconds per call from the
 Python side, the median of several loops. With --components (no GPU needed) it times the Python
 layer's own steps on CPU tensors instead: the checks, the tensor views and the parameter struct.
 
@@ -53,7 +53,11 @@ def end_to_end(calls, loops):
     q = torch.randn(1, 8, 1, 128, device="cuda", dtype=torch.bfloat16)  # cuDNN refuses a single key
     qt = q.transpose(1, 2)
     q_decode, lengths = q[:, :1], torch.full((1,), 8, dtype=torch.int32, device="cuda")
-    rows = {"flashhopper.flash_attn_func": lambda: flashhopper.flash_attn_func(q, q, q),
+    q_grad = q.clone().requires_grad_()
+    rows = {"flashhopper.flash_attn_func (no autograd: the library call)":
+                lambda: flashhopper.flash_attn_func(q, q, q),
+            "flashhopper.flash_attn_func (inputs require grad: the custom op)":
+                lambda: flashhopper.flash_attn_func(q_grad, q_grad, q_grad),
             "flashhopper.forward (no op)": lambda: flashhopper.forward(q, q, q),
             "flashhopper.flash_attn_with_kvcache (1 token)":
                 lambda: flashhopper.flash_attn_with_kvcache(q_decode, q, q, cache_seqlens=lengths)}

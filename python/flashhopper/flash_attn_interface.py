@@ -92,18 +92,34 @@ def _pad_head_dims(q, k, v, softmax_scale):
     return pad(q, d), pad(k, d), pad(v, dv), scale, (dv if dv % granule else None)
 
 
+def _needs_the_op(*tensors) -> bool:
+    """The fwd custom op is for autograd and tracing (torch.compile, fake tensors); a call that
+    needs neither runs the same library call without it, at half the host work."""
+    if torch.compiler.is_compiling():
+        return True
+    grad = torch.is_grad_enabled()
+    return any(t is not None and (type(t) is not torch.Tensor or (grad and t.requires_grad)) for t in tensors)
+
+
 def _attention(q, k, v, varlen, softmax_scale, causal, qv, q_descale, k_descale, v_descale, window_size,
                attention_chunk, softcap, num_splits, deterministic, sm_margin, return_attn_probs, learnable_sink):
     """flash_attn_func and flash_attn_varlen_func: the checks in the module docstring's order, then
-    the fwd op (whose autograd runs bwd); varlen None is the dense layout."""
+    the fwd op (whose autograd runs bwd), or the library call alone when no gradient can flow;
+    varlen None is the dense layout."""
     causal, window_left, window_right, softcap, attention_chunk = _resolve_options(
         causal, qv, q_descale, k_descale, v_descale, window_size, attention_chunk, softcap, num_splits, sm_margin)
     q, k, v, softmax_scale, unpadded_dim = _pad_head_dims(q, k, v, softmax_scale)
-    interface.check_forward_args(q, k, v, softmax_scale, learnable_sink, varlen)
-    interface.check_devices([("q", q), ("k", k), ("v", v), ("learnable_sink", learnable_sink)]
-                            + interface.varlen_tensors(varlen))
-    out, softmax_lse = ops.fwd(q, k, v, softmax_scale, causal, bool(deterministic), window_left, window_right,
-                               softcap, attention_chunk, learnable_sink, *(() if varlen is None else varlen))
+    if _needs_the_op(q, k, v, learnable_sink):
+        interface.check_forward_args(q, k, v, softmax_scale, learnable_sink, varlen)
+        interface.check_devices([("q", q), ("k", k), ("v", v), ("learnable_sink", learnable_sink)]
+                                + interface.varlen_tensors(varlen))
+        out, softmax_lse = ops.fwd(q, k, v, softmax_scale, causal, bool(deterministic), window_left, window_right,
+                                   softcap, attention_chunk, learnable_sink, *(() if varlen is None else varlen))
+    else:
+        out, softmax_lse = interface.forward(q, k, v, causal, softmax_scale, return_lse=True,
+                                             window_size=(window_left, window_right), softcap=softcap,
+                                             attention_chunk=attention_chunk, learnable_sink=learnable_sink,
+                                             varlen=None if varlen is None else interface.as_varlen(*varlen))
     if unpadded_dim is not None:
         out = out[..., :unpadded_dim].contiguous()
     return (out, softmax_lse) if return_attn_probs else out

@@ -454,19 +454,90 @@ def _scale(softmax_scale) -> float:
     return 0.0 if softmax_scale is None else float(softmax_scale)
 
 
-def _run(workspace_size_fn, run_fn, params, device) -> None:
-    """Asks the library for the workspace, takes it from PyTorch's caching allocator (512-byte
-    aligned) and enqueues the pass on PyTorch's current stream."""
+# ---------------------------------------------------------------------------------------------
+# Launch plans. A call's checks, parameter struct and workspace size depend on its tensors'
+# metadata (dtype, device, shape, strides) and its options, never on the data: the first call of a
+# kind runs every check here, fills the struct and asks the library for the workspace; a later call
+# of the same kind only sets the data pointers and checks their alignment (host work per call).
+# The library still validates every call in full.
+
+class _Plan(NamedTuple):
+    params: ctypes.Structure  # every field, with the data pointers of the call that built it
+    fields: tuple             # the tensor fields a call sets, in the order of its present tensors
+    workspace_bytes: int
+
+
+_PLANS: dict = {}
+_MAX_PLANS = 4096
+_SCALARS = (int, float, bool, type(None))
+
+
+def _plan_key(kind: str, tensors, options):
+    """kind, each tensor's metadata (or None) and each option with its type; None (the call is not
+    memoised) when an argument is neither a tensor nor None, or an option not a plain scalar or a
+    tuple of them."""
+    keyed = []
+    for option in options:
+        if type(option) is tuple and all(type(x) in _SCALARS for x in option):
+            keyed.append(tuple((type(x), x) for x in option))
+        elif type(option) in _SCALARS:
+            keyed.append((type(option), option))
+        else:
+            return None
+    metas = []
+    for t in tensors:
+        if t is None:
+            metas.append(None)
+        elif isinstance(t, torch.Tensor):
+            metas.append((t.dtype, t.device, t.shape, t.stride()))
+        else:
+            return None
+    return kind, tuple(metas), tuple(keyed)
+
+
+def _make_plan(key, params, named, workspace_size_fn) -> _Plan:
+    """The plan of a call whose checks passed: its struct as filled and the library's workspace
+    size (which validates it); memoised under key (None: not memoised)."""
     workspace_bytes = ctypes.c_size_t(0)
     _check(workspace_size_fn(ctypes.byref(params), ctypes.byref(workspace_bytes)))
-    workspace = torch.empty(workspace_bytes.value, dtype=torch.uint8, device=device) if workspace_bytes.value else None
+    plan = _Plan(params, tuple(name for name, t in named if t is not None), workspace_bytes.value)
+    if key is not None:
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        _PLANS[key] = plan
+    return plan
+
+
+def _bound_params(plan: _Plan, named) -> ctypes.Structure:
+    """A copy of the plan's struct with the data pointers of this call's (field, tensor) pairs."""
+    params = type(plan.params).from_buffer_copy(plan.params)
+    for field, t in zip(plan.fields, [t for _, t in named if t is not None]):
+        getattr(params, field).data = t.data_ptr()
+    return params
+
+
+def _launch(plan: _Plan, named, run_fn, device) -> None:
+    """The plan's struct with this call's data pointers; the workspace from PyTorch's caching
+    allocator (512-byte aligned); the pass enqueued on PyTorch's current stream of `device`."""
+    params = _bound_params(plan, named)
+    size = plan.workspace_bytes
+    workspace = torch.empty(size, dtype=torch.uint8, device=device) if size else None
+    pointer = workspace.data_ptr() if size else None
+    if device.index == torch.cuda.current_device():  # the library launches on the current device
+        _check(run_fn(ctypes.byref(params), pointer, size, torch.cuda.current_stream(device).cuda_stream))
+        return
     with torch.cuda.device(device):
-        stream = torch.cuda.current_stream(device).cuda_stream
-        _check(run_fn(ctypes.byref(params), workspace.data_ptr() if workspace is not None else None,
-                      workspace_bytes.value, stream))
+        _check(run_fn(ctypes.byref(params), pointer, size, torch.cuda.current_stream(device).cuda_stream))
 
 
-def _set_mask(params, q, k, varlen, mask, learnable_sink) -> None:
+def _set_views(params, named) -> None:
+    """The struct's tensor fields of the (field, tensor) pairs; None leaves a field absent."""
+    for field, t in named:
+        if t is not None:
+            setattr(params, field, _view(t))
+
+
+def _set_mask(params, q, k, varlen, mask) -> None:
     """The mask and score fields both parameter structs share; `mask` from check_mask_args. The
     sequence lengths that judge the window are max_seqlen_q/k in the packed layout (FA3's)."""
     causal, left, right, softcap, chunk = mask
@@ -474,20 +545,20 @@ def _set_mask(params, q, k, varlen, mask, learnable_sink) -> None:
     params.causal, params.window_left, params.window_right = library_mask(causal, left, right, seqlen_q, seqlen_k)
     params.softcap = softcap
     params.attention_chunk = chunk
-    if learnable_sink is not None:
-        params.learnable_sink = _view(learnable_sink)
 
 
-def _set_varlen(params, varlen) -> None:
-    """The packed layout's fields both parameter structs share; absent (dense) when varlen is None."""
-    if varlen is None:
-        return
-    params.cu_seqlens_q, params.cu_seqlens_k = _view(varlen.cu_seqlens_q), _view(varlen.cu_seqlens_k)
-    params.max_seqlen_q, params.max_seqlen_k = int(varlen.max_seqlen_q), int(varlen.max_seqlen_k)
-    if varlen.seqused_q is not None:
-        params.seqused_q = _view(varlen.seqused_q)
-    if varlen.seqused_k is not None:
-        params.seqused_k = _view(varlen.seqused_k)
+# The packed layout's fields both parameter structs share, all absent (dense) when varlen is None.
+def _varlen_fields(varlen) -> tuple:
+    return () if varlen is None else (varlen.cu_seqlens_q, varlen.cu_seqlens_k, varlen.seqused_q, varlen.seqused_k)
+
+
+def _varlen_sizes(varlen) -> tuple:
+    return () if varlen is None else (varlen.max_seqlen_q, varlen.max_seqlen_k)
+
+
+def _set_varlen_sizes(params, varlen) -> None:
+    if varlen is not None:
+        params.max_seqlen_q, params.max_seqlen_k = int(varlen.max_seqlen_q), int(varlen.max_seqlen_k)
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
@@ -507,29 +578,35 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = Fa
     see key j only within its chunk (floor(p / c) * c <= j < floor(p / c) * c + c, p = i + sk - sq),
     on top of the window; learnable_sink float32 [Hq] adds exp(sink[h]) to every row's softmax
     denominator (lse includes it)."""
-    mask = check_mask_args(causal, window_size, softcap, attention_chunk)
-    check_forward_args(q, k, v, softmax_scale, learnable_sink, varlen)
-    named = [("q", q), ("k", k), ("v", v), ("out", out), ("learnable_sink", learnable_sink)]
-    check_devices(named + varlen_tensors(varlen))
-    out_shape = (*q.shape[:-1], v.shape[-1])
+    key = _plan_key("forward", (q, k, v, out, learnable_sink, *_varlen_fields(varlen)),
+                    (causal, softmax_scale, return_lse, window_size, softcap, attention_chunk, *_varlen_sizes(varlen)))
+    plan = _PLANS.get(key) if key is not None else None
+    if plan is None:
+        mask = check_mask_args(causal, window_size, softcap, attention_chunk)
+        check_forward_args(q, k, v, softmax_scale, learnable_sink, varlen)
+        check_devices([("q", q), ("k", k), ("v", v), ("out", out), ("learnable_sink", learnable_sink)]
+                      + varlen_tensors(varlen))
+        if out is not None and (out.dtype != q.dtype or tuple(out.shape) != (*q.shape[:-1], v.shape[-1])):
+            raise invalid_argument(f"out: dtype {out.dtype} shape {tuple(out.shape)}, expected {q.dtype} "
+                                   f"{(*q.shape[:-1], v.shape[-1])}")
+        if out is not None:
+            check_layout("out", out)
     if out is None:
-        out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
-    elif out.dtype != q.dtype or tuple(out.shape) != out_shape:
-        raise invalid_argument(f"out: dtype {out.dtype} shape {tuple(out.shape)}, expected {q.dtype} {out_shape}")
-    else:
-        check_layout("out", out)
-    check_alignment(named[:3] + [("out", out)])
+        out = torch.empty((*q.shape[:-1], v.shape[-1]), dtype=q.dtype, device=q.device)
     lse = torch.empty(lse_shape(q, varlen), dtype=torch.float32, device=q.device) if return_lse else None
-    params = _ffi.ForwardParams()
+    check_alignment((("q", q), ("k", k), ("v", v), ("out", out)))
+    named = (("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse), ("learnable_sink", learnable_sink),
+             *varlen_tensors(varlen))
     lib = _ffi.lib()
-    lib.fh_forward_params_init(ctypes.byref(params))
-    params.q, params.k, params.v, params.out = _view(q), _view(k), _view(v), _view(out)
-    if lse is not None:
-        params.lse = _view(lse)
-    params.softmax_scale = _scale(softmax_scale)
-    _set_mask(params, q, k, varlen, mask, learnable_sink)
-    _set_varlen(params, varlen)
-    _run(lib.fh_forward_workspace_size, lib.fh_forward, params, q.device)
+    if plan is None:
+        params = _ffi.ForwardParams()
+        lib.fh_forward_params_init(ctypes.byref(params))
+        _set_views(params, named)
+        params.softmax_scale = _scale(softmax_scale)
+        _set_mask(params, q, k, varlen, mask)
+        _set_varlen_sizes(params, varlen)
+        plan = _make_plan(key, params, named, lib.fh_forward_workspace_size)
+    _launch(plan, named, lib.fh_forward, q.device)
     return (out, lse) if return_lse else out
 
 
@@ -546,37 +623,40 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     learnable_sink (dq, dk, dv, dsink): dsink float32 [Hq], d loss / d learnable_sink summed over
     the batch and the rows. deterministic=True gives bit-identical results run to run (slightly
     slower)."""
-    mask = check_mask_args(causal, window_size, softcap, attention_chunk)
-    check_backward_args(dout, q, k, v, out, lse, softmax_scale, learnable_sink=learnable_sink, varlen=varlen)
-    named = [("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse),
-             ("dq", dq), ("dk", dk), ("dv", dv), ("learnable_sink", learnable_sink)]
-    check_devices(named + varlen_tensors(varlen))
-    for name, grad, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
-        if grad is not None:
-            if grad.dtype != like.dtype or grad.shape != like.shape:
-                raise invalid_argument(f"{name}: dtype {grad.dtype} shape {tuple(grad.shape)}, expected {like.dtype} "
-                                 f"{tuple(like.shape)}")
-            check_layout(name, grad)
+    key = _plan_key("backward", (dout, q, k, v, out, lse, dq, dk, dv, learnable_sink, *_varlen_fields(varlen)),
+                    (causal, softmax_scale, deterministic, window_size, softcap, attention_chunk,
+                     *_varlen_sizes(varlen)))
+    plan = _PLANS.get(key) if key is not None else None
+    if plan is None:
+        mask = check_mask_args(causal, window_size, softcap, attention_chunk)
+        check_backward_args(dout, q, k, v, out, lse, softmax_scale, learnable_sink=learnable_sink, varlen=varlen)
+        check_devices([("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse), ("dq", dq),
+                       ("dk", dk), ("dv", dv), ("learnable_sink", learnable_sink)] + varlen_tensors(varlen))
+        for name, grad, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
+            if grad is not None:
+                if grad.dtype != like.dtype or grad.shape != like.shape:
+                    raise invalid_argument(f"{name}: dtype {grad.dtype} shape {tuple(grad.shape)}, expected "
+                                           f"{like.dtype} {tuple(like.shape)}")
+                check_layout(name, grad)
     dq = torch.empty_like(q) if dq is None else dq
     dk = torch.empty_like(k) if dk is None else dk
     dv = torch.empty_like(v) if dv is None else dv
     # the library writes every element of dsink (a fixed-order sum of per-CTA shares): no zero fill
     dsink = None if learnable_sink is None else torch.empty(q.shape[-2], dtype=torch.float32, device=q.device)
-    check_alignment([("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("dq", dq), ("dk", dk),
-                     ("dv", dv)])
-    params = _ffi.BackwardParams()
+    named = (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse), ("dq", dq), ("dk", dk),
+             ("dv", dv), ("learnable_sink", learnable_sink), ("dsink", dsink), *varlen_tensors(varlen))
+    check_alignment(named[:5] + named[6:9])
     lib = _ffi.lib()
-    lib.fh_backward_params_init(ctypes.byref(params))
-    params.q, params.k, params.v, params.out = _view(q), _view(k), _view(v), _view(out)
-    params.dout, params.lse = _view(dout), _view(lse)
-    params.dq, params.dk, params.dv = _view(dq), _view(dk), _view(dv)
-    params.softmax_scale = _scale(softmax_scale)
-    params.deterministic = int(bool(deterministic))
-    _set_mask(params, q, k, varlen, mask, learnable_sink)
-    _set_varlen(params, varlen)
-    if dsink is not None:
-        params.dsink = _view(dsink)
-    _run(lib.fh_backward_workspace_size, lib.fh_backward, params, q.device)
+    if plan is None:
+        params = _ffi.BackwardParams()
+        lib.fh_backward_params_init(ctypes.byref(params))
+        _set_views(params, named)
+        params.softmax_scale = _scale(softmax_scale)
+        params.deterministic = int(bool(deterministic))
+        _set_mask(params, q, k, varlen, mask)
+        _set_varlen_sizes(params, varlen)
+        plan = _make_plan(key, params, named, lib.fh_backward_workspace_size)
+    _launch(plan, named, lib.fh_backward, q.device)
     return (dq, dk, dv) if dsink is None else (dq, dk, dv, dsink)
 
 
@@ -623,6 +703,51 @@ def forward_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     check_mask_args's tuple; num_splits 0 lets the library choose the split-KV count from the shapes.
     Returns out, or (out, lse) with return_lse. The library checks what is
     not checked here and names the argument as the caller does."""
+    inputs = (("q", q), ("k", k_cache), ("v", v_cache), ("k_new", k_new), ("v_new", v_new), ("qv", qv),
+              ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin), ("rotary_seqlens", rotary_seqlens),
+              ("cache_seqlens", cache_seqlens), ("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad),
+              ("page_table", page_table), ("cu_seqlens_q", cu_seqlens_q))
+    key = _plan_key("forward_with_kvcache", [t for _, t in inputs],
+                    (max_seqlen_q, rotary_interleaved, softmax_scale, mask, num_splits, return_lse))
+    plan = _PLANS.get(key) if key is not None else None
+    if plan is None:
+        _check_kvcache_args(q, k_cache, v_cache, k_new, v_new, qv, rotary_cos, rotary_sin, rotary_seqlens,
+                            cache_seqlens, cache_batch_idx, cache_leftpad, page_table, cu_seqlens_q, max_seqlen_q,
+                            num_splits)
+    varlen_q = cu_seqlens_q is not None
+    out = torch.empty((*q.shape[:-1], v_cache.shape[-1]), dtype=q.dtype, device=q.device)
+    lse_dims = (q.shape[-2], q.shape[0]) if varlen_q else (q.shape[0], q.shape[-2], q.shape[1])
+    lse = torch.empty(lse_dims, dtype=torch.float32, device=q.device) if return_lse else None
+    named = (*inputs, ("out", out), ("lse", lse))
+    lib = _ffi.lib()
+    try:
+        if plan is None:
+            params = _ffi.ForwardParams()
+            lib.fh_forward_params_init(ctypes.byref(params))
+            _set_views(params, named)
+            if varlen_q:
+                params.max_seqlen_q = int(max_seqlen_q)
+            params.rotary_interleaved = int(bool(rotary_interleaved))
+            params.softmax_scale = _scale(softmax_scale)
+            params.num_splits = num_splits
+            causal, left, right, softcap, chunk = mask
+            # FA3's rule "a bound covering the whole sequence is no bound", against the cache's capacity.
+            seqlen_k = page_table.shape[1] * k_cache.shape[1] if page_table is not None else k_cache.shape[1]
+            seqlen_q = int(max_seqlen_q) if varlen_q else q.shape[1]
+            params.causal, params.window_left, params.window_right = library_mask(causal, left, right, seqlen_q,
+                                                                                  seqlen_k)
+            params.softcap, params.attention_chunk = softcap, chunk
+            plan = _make_plan(key, params, named, lib.fh_forward_workspace_size)
+        _launch(plan, named, lib.fh_forward, q.device)
+    except FlashHopperError as error:
+        raise _renamed(error, _KVCACHE_NAMES) from None
+    return (out, lse) if return_lse else out
+
+
+def _check_kvcache_args(q, k_cache, v_cache, k_new, v_new, qv, rotary_cos, rotary_sin, rotary_seqlens, cache_seqlens,
+                        cache_batch_idx, cache_leftpad, page_table, cu_seqlens_q, max_seqlen_q, num_splits) -> None:
+    """forward_with_kvcache's checks here (the library checks the rest): types, ranks, dtypes, the
+    int32 vectors' lengths, devices."""
     if not isinstance(num_splits, int) or isinstance(num_splits, bool):
         raise invalid_argument(f"num_splits: expected an int, got {type(num_splits).__name__}")
     varlen_q = cu_seqlens_q is not None
@@ -646,37 +771,7 @@ def forward_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         _check_int32_vector("cu_seqlens_q", cu_seqlens_q, None, "[B + 1]")
         if max_seqlen_q is None:
             raise invalid_argument("max_seqlen_q: is required with cu_seqlens_q")
-    named = [("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k_new), ("v", v_new), ("qv", qv),
-             ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin), ("cache_seqlens", cache_seqlens),
-             ("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad), ("page_table", page_table),
-             ("cu_seqlens_q", cu_seqlens_q), ("rotary_seqlens", rotary_seqlens)]
-    check_devices(named)
-    out = torch.empty((*q.shape[:-1], v_cache.shape[-1]), dtype=q.dtype, device=q.device)
-    lse_dims = (q.shape[-2], q.shape[0]) if varlen_q else (q.shape[0], q.shape[-2], q.shape[1])
-    lse = torch.empty(lse_dims, dtype=torch.float32, device=q.device) if return_lse else None
-    params = _ffi.ForwardParams()
-    lib = _ffi.lib()
-    lib.fh_forward_params_init(ctypes.byref(params))
-    params.q, params.k, params.v, params.out = _view(q), _view(k_cache), _view(v_cache), _view(out)
-    for field, t in (("lse", lse), ("k_new", k_new), ("v_new", v_new), ("qv", qv), ("rotary_cos", rotary_cos),
-                     ("rotary_sin", rotary_sin), ("rotary_seqlens", rotary_seqlens), ("cache_seqlens", cache_seqlens),
-                     ("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad),
-                     ("page_table", page_table), ("cu_seqlens_q", cu_seqlens_q)):
-        if t is not None:
-            setattr(params, field, _view(t))
-    if varlen_q:
-        params.max_seqlen_q = int(max_seqlen_q)
-    params.rotary_interleaved = int(bool(rotary_interleaved))
-    params.softmax_scale = _scale(softmax_scale)
-    params.num_splits = num_splits
-    causal, left, right, softcap, chunk = mask
-    # FA3's rule "a bound covering the whole sequence is no bound", against the cache's capacity.
-    seqlen_k = page_table.shape[1] * k_cache.shape[1] if page_table is not None else k_cache.shape[1]
-    seqlen_q = int(max_seqlen_q) if varlen_q else q.shape[1]
-    params.causal, params.window_left, params.window_right = library_mask(causal, left, right, seqlen_q, seqlen_k)
-    params.softcap, params.attention_chunk = softcap, chunk
-    try:
-        _run(lib.fh_forward_workspace_size, lib.fh_forward, params, q.device)
-    except FlashHopperError as error:
-        raise _renamed(error, _KVCACHE_NAMES) from None
-    return (out, lse) if return_lse else out
+    check_devices([("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k_new), ("v", v_new), ("qv", qv),
+                   ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin), ("cache_seqlens", cache_seqlens),
+                   ("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad), ("page_table", page_table),
+                   ("cu_seqlens_q", cu_seqlens_q), ("rotary_seqlens", rotary_seqlens)])

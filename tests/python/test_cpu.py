@@ -601,11 +601,14 @@ def _captured_params(monkeypatch):
 
     class FakeLib:
         fh_forward_params_init = fh_backward_params_init = staticmethod(lambda params: None)
-        fh_forward_workspace_size = fh_forward = fh_backward_workspace_size = fh_backward = None
+        fh_forward_workspace_size = fh_backward_workspace_size = staticmethod(lambda params, size: 0)
+        fh_forward = fh_backward = None
 
     monkeypatch.setattr(_ffi, "lib", lambda: FakeLib)
     monkeypatch.setattr(interface, "check_devices", lambda named: None)
-    monkeypatch.setattr(interface, "_run", lambda size_fn, run_fn, params, device: captured.append(params))
+    monkeypatch.setattr(interface, "_PLANS", {})  # plans made here stay here
+    monkeypatch.setattr(interface, "_launch",
+                        lambda plan, named, run_fn, device: captured.append(interface._bound_params(plan, named)))
     return captured
 
 
@@ -644,6 +647,32 @@ def test_plain_calls_fill_the_structs(monkeypatch, causal, window, expected):
     assert all(not params.learnable_sink.data and not params.softcap and not params.attention_chunk
                for params in captured)
     assert not captured[1].dsink.data
+
+
+def test_plans_memoise_the_checks_not_the_pointers(monkeypatch):
+    """A second call of the same kind (metadata and options) reuses the first one's checks and
+    struct but gets its own data pointers; whatever the plan does not cover (alignment, another
+    dtype, shape or option) is checked again."""
+    from flashhopper import interface
+    captured = _captured_params(monkeypatch)
+    first, second = qkv(), qkv()
+    flashhopper.forward(*first, causal=True)
+    flashhopper.forward(*second, causal=True)
+    assert len(interface._PLANS) == 1 and len(captured) == 2
+    for params, (q, k, v) in zip(captured, (first, second)):
+        assert (params.q.data, params.k.data, params.v.data) == (q.data_ptr(), k.data_ptr(), v.data_ptr())
+        assert params.causal == 1 and params.out.data not in (0, None)
+    assert captured[0].out.data != captured[1].out.data
+    q, k, v = second
+    unaligned = torch.empty(q.numel() + 1, dtype=q.dtype)[1:].view(q.shape)  # same shape and strides
+    with pytest.raises(ValueError, match="q: data pointer 0x[0-9a-f]+ is not 16-byte aligned"):
+        flashhopper.forward(unaligned, k, v, causal=True)
+    with pytest.raises(ValueError, match="k: dtype torch.float16 differs from q's"):
+        flashhopper.forward(q, k.half(), v, causal=True)
+    with pytest.raises(ValueError, match="softcap"):
+        flashhopper.forward(q, k, v, causal=True, softcap=-1.0)
+    flashhopper.forward(q, k, v, causal=1)  # another option type: its own plan (and checks)
+    assert len(interface._PLANS) == 2
 
 
 @pytest.mark.parametrize("causal, window, expected", [

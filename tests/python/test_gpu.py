@@ -773,3 +773,29 @@ def test_decode_step_cuda_graph_replays_with_other_lengths():
     eager = (*step(), k_cache, v_cache)
     for name, a, b in zip(("out", "lse", "k_cache", "v_cache"), replayed, eager):
         assert torch.equal(a, b), f"{name}: replay differs from eager"
+
+
+@requires_gpu
+def test_calls_without_autograd_skip_the_op_and_reuse_their_plan(monkeypatch):
+    """With no gradient to track flash_attn_func runs the library call without the custom op (host
+    work), to the same bits as through the op; a repeated call of the same kind (its memoised plan)
+    on new data gives that data's result, and a tensor on another dtype is still refused."""
+    q, k, v = make_inputs(2, 300, 300, 8, 2, 128, torch.bfloat16, seed=3)
+    through_op = flash_attn_func(q, k, v, causal=True)
+    assert through_op.requires_grad
+
+    def no_op(*args, **kwargs):
+        raise AssertionError("the custom op ran for a call without autograd")
+
+    monkeypatch.setattr(flashhopper.ops, "fwd", no_op)
+    with torch.no_grad():
+        direct = flash_attn_func(q, k, v, causal=True)
+        assert torch.equal(direct, through_op.detach())
+        q2, k2, v2 = make_inputs(2, 300, 300, 8, 2, 128, torch.bfloat16, seed=4, requires_grad=False)
+        again, lse = flash_attn_func(q2, k2, v2, causal=True, return_attn_probs=True)
+        out64, lse64 = attention_reference(q2, k2, v2, causal=True, dtype=torch.float64)
+        plain = attention_reference(q2, k2, v2, causal=True)[0]
+        assert max_error(again, out64) <= 2 * max_error(plain, out64) + 1e-5
+        assert max_error(lse, lse64) <= 1e-3
+        with pytest.raises(ValueError, match="k: dtype torch.float16 differs"):
+            flash_attn_func(q2, k2.half(), v2, causal=True)
