@@ -13,8 +13,9 @@
 #include <cstdint>
 #include <initializer_list>
 #include <limits>
-#include <sstream>
+#include <cstdio>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -47,13 +48,26 @@ using NamedTensors = std::initializer_list<NamedTensor>;
 
 // ---- Messages ---------------------------------------------------------------------------------
 
+// A message part as text. No iostreams in the library: their locale machinery is shared with the
+// host process (PyTorch's), whose C++ runtime may not be the one these headers describe.
+void append_part(std::string& text, const char* part) { text += part; }
+void append_part(std::string& text, const std::string& part) { text += part; }
+void append_part(std::string& text, double part) {
+  char digits[32];
+  std::snprintf(digits, sizeof(digits), "%g", part);
+  text += digits;
+}
+template <typename Integer, std::enable_if_t<std::is_integral_v<Integer>, int> = 0>
+void append_part(std::string& text, Integer part) {
+  text += std::to_string(part);
+}
+
 // "name: <parts...>", the one format of every refusal.
 template <typename... Parts>
 Status invalid(const char* name, const Parts&... parts) {
-  std::ostringstream message;
-  message << name << ": ";
-  (message << ... << parts);
-  return Status{FH_ERROR_INVALID_ARGUMENT, message.str()};
+  std::string message = std::string(name) + ": ";
+  (append_part(message, parts), ...);
+  return Status{FH_ERROR_INVALID_ARGUMENT, message};
 }
 
 std::string dtype_name(int32_t dtype) {
@@ -217,9 +231,9 @@ Status check_strides_and_alignment(const Arg& arg, Target target) {
   const int64_t alignment = arg.access == Access::kTma ? kTmaAlignment : bytes;
   const auto address = reinterpret_cast<uintptr_t>(t.data);
   if (address % static_cast<uintptr_t>(alignment) != 0) {
-    std::ostringstream hex;
-    hex << std::hex << "0x" << address;
-    return invalid(arg.name, "data pointer ", hex.str(), " is not ", alignment, "-byte aligned",
+    char hex[24];
+    std::snprintf(hex, sizeof(hex), "0x%llx", static_cast<unsigned long long>(address));
+    return invalid(arg.name, "data pointer ", hex, " is not ", alignment, "-byte aligned",
                    arg.access == Access::kTma ? "; TMA needs 16-byte aligned base addresses" : "");
   }
   return {};
