@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Decoding side by side: one query token per sequence against a dense KV cache (every sequence
 cache_len keys), GQA, bf16, hdim 128. FlashHopper's flash_attn_with_kvcache (num_splits=0, the
-library's choice; eager and replayed from a CUDA graph) against FlashAttention-3's
+library's choice; eager, replayed from a CUDA graph, and on the same keys in a paged cache of
+--page-size pages in shuffled order) against FlashAttention-3's
 flash_mha_with_kvcache (flash-attn3-jax, when it imports; the best of num_splits 1, 4, 16, 32, as
 it has no heuristic of its own), and PyTorch SDPA's cuDNN and FLASH (FlashAttention-2) backends
 with enable_gqa.
@@ -10,7 +11,9 @@ Bandwidth: the K and V bytes a call must read (batch * cache_len * heads_kv * (d
 its time, beside the GPU's device-to-device copy bandwidth measured in the same run (a 4 GiB
 copy: read + write bytes over its time). Times are medians of interleaved rounds (CUDA events
 around back-to-back calls; FA3 through JAX: wall clock around back-to-back jitted calls, as
-bench_varlen.py). max_diff_vs_fa3: our out's largest absolute difference from FA3's.
+bench_varlen.py). max_diff_vs_fa3: our out's largest absolute difference from FA3's;
+paged_vs_dense: the dense call's time over the paged one's; max_diff_paged: their outputs'
+largest difference (0: the same kernel reading the same keys).
 
 Writes bench_decode_<date>.csv (after every row) and .png into --out; prints a table last.
 
@@ -30,10 +33,10 @@ os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"  # JAX (FA3) allocates as 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "python"))
 
-BACKENDS = ("flashhopper", "flashhopper_graph", "fa3", "cudnn", "flash2")
+BACKENDS = ("flashhopper", "flashhopper_graph", "flashhopper_paged", "fa3", "cudnn", "flash2")
 FIELDS = ["date", "gpu", "batch", "cache_len", "heads_q", "heads_kv", "hdim", "kv_gib",
           *(f"{b}_{unit}" for b in BACKENDS for unit in ("us", "tbps")), "fa3_splits", "copy_tbps",
-          "ours_vs_copy", "ours_vs_fa3", "max_diff_vs_fa3"]
+          "ours_vs_copy", "ours_vs_fa3", "max_diff_vs_fa3", "page_size", "paged_vs_dense", "max_diff_paged"]
 NAN = float("nan")
 MAX_KV_GIB = 36  # rows whose cache would not leave room for the peers' copies are skipped
 
@@ -88,6 +91,17 @@ def measure_row(batch, cache_len, heads_q, heads_kv, d, fa3, copy, args):
     outs["flashhopper"] = ours()
     torch_fns["flashhopper"] = ours
     torch_fns["flashhopper_graph"] = graphed(ours)
+    # The same keys in a paged cache: pages of page_size keys in shuffled order.
+    page = args.page_size
+    order = torch.randperm(batch * cache_len // page, device="cuda")
+    paged_k, paged_v = torch.empty_like(k).view(-1, page, heads_kv, d), torch.empty_like(v).view(-1, page, heads_kv, d)
+    paged_k[order], paged_v[order] = k.view(-1, page, heads_kv, d), v.view(-1, page, heads_kv, d)
+    table = order.view(batch, -1).to(torch.int32)
+
+    def ours_paged():
+        return fh.flash_attn_with_kvcache(q, paged_k, paged_v, cache_seqlens=lengths, page_table=table, num_splits=0)
+    outs["flashhopper_paged"] = ours_paged()
+    torch_fns["flashhopper_paged"] = ours_paged
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))  # SDPA's [B, H, S, d]
     for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash2", SDPBackend.FLASH_ATTENTION)):
         def sdpa(backend=backend):
@@ -124,6 +138,9 @@ def measure_row(batch, cache_len, heads_q, heads_kv, d, fa3, copy, args):
     row["ours_vs_fa3"] = row["fa3_us"] / row["flashhopper_us"]
     row["max_diff_vs_fa3"] = ((outs["flashhopper"].float() - outs["fa3"].float()).abs().max().item()
                               if "fa3" in outs else NAN)
+    row["page_size"] = page
+    row["paged_vs_dense"] = row["flashhopper_us"] / row["flashhopper_paged_us"]
+    row["max_diff_paged"] = (outs["flashhopper"].float() - outs["flashhopper_paged"].float()).abs().max().item()
     return row
 
 
@@ -136,6 +153,7 @@ def main(argv=None):
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64, 128])
     parser.add_argument("--cache-lens", type=int, nargs="+", default=[4096, 16384, 131072])
     parser.add_argument("--heads", type=int, nargs=2, default=[32, 8], metavar=("HQ", "HKV"))
+    parser.add_argument("--page-size", type=int, default=64, help="the paged column's page size (a multiple of 16)")
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--out", default="bench")
@@ -150,7 +168,7 @@ def main(argv=None):
     rows = []
     for cache_len in args.cache_lens:
         for batch in args.batches:
-            kv_gib = 2 * batch * cache_len * heads_kv * 128 * 2 / 2 ** 30
+            kv_gib = 2 * batch * cache_len * heads_kv * 128 * 2 / 2 ** 30  # dense; the paged copy as much again
             if kv_gib > MAX_KV_GIB:
                 print(f"skip batch {batch} x {cache_len}: {kv_gib:.0f} GiB of cache", flush=True)
                 continue
@@ -165,7 +183,7 @@ def main(argv=None):
             torch.cuda.empty_cache()
     _plot(rows, os.path.join(args.out, f"bench_decode_{date}.png"), gpu, date, copy)
     print(f"\ndecode, GQA {heads_q}/{heads_kv}, hdim 128, bf16, {gpu}; K+V TB/s (copy {copy:.2f})")
-    print(f"{'batch':>5} {'cache':>7} {'ours':>6} {'graph':>6} {'FA3':>6} {'cuDNN':>6} {'FA2':>6} "
+    print(f"{'batch':>5} {'cache':>7} {'ours':>6} {'graph':>6} {'paged':>6} {'FA3':>6} {'cuDNN':>6} {'FA2':>6} "
           f"{'ours us':>8} {'FA3 us':>8} {'vs FA3':>6} {'vs copy':>7}")
     for r in rows:
         print(f"{r['batch']:5d} {r['cache_len']:7d} " + " ".join(_fmt(r[f'{b}_tbps'], '6.2f') for b in BACKENDS)

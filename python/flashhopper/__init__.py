@@ -4,8 +4,8 @@ A thin layer over the library's C ABI (ctypes; nothing compiled against PyTorch)
 
 - FlashAttention-3's API: flash_attn_func and flash_attn_varlen_func (packed variable-length
   sequences; both with autograd, torch.compile, CUDA graphs), flash_attn_qkvpacked_func;
-  flash_attn_combine (split-KV partials); flash_attn_with_kvcache (a dense cache, with the append
-  and rotary; a paged cache raises NotImplementedError for now).
+  flash_attn_combine (split-KV partials); flash_attn_with_kvcache (a dense or paged cache, with
+  the append, rotary and split-KV; pages of 16 keys or a multiple).
   `import flashhopper.flash_attn_interface as fa3` stands in for `import flash_attn_interface`.
 - Custom ops torch.ops.flashhopper.fwd / torch.ops.flashhopper.bwd (flashhopper.ops).
 - forward / backward: plain calls without autograd (used by the benchmark); varlen=Varlen(...)

@@ -18,7 +18,7 @@ flash_attn_varlen_func (q [total_q, Hq, d], cu_seqlens_q/k, max_seqlen_q/k, sequ
 sequences). What a build of the library cannot run raises FlashHopperNotSupported with the
 library's message. Every argument FlashHopper cannot honour yet raises NotImplementedError naming it
 (num_splits > 1, qv, fp8 descales, sm_margin). flash_attn_with_kvcache runs a dense KV cache (with
-the append, rotary and split-KV) and raises NotImplementedError for a paged one. flash_attn_combine merges
+the append, rotary and split-KV) and a paged one (page sizes multiples of 16). flash_attn_combine merges
 split-KV partials (FA3's signature and layouts). Bad tensors (dtype, rank, shape, strides, device, alignment) and bad
 options (window_size, softcap, attention_chunk, learnable_sink, cu_seqlens, seqused, max_seqlen)
 raise ValueError naming the argument before anything is launched.
@@ -305,10 +305,10 @@ def flash_attn_with_kvcache(
     return_softmax_lse.
 
     The arguments are checked (ValueError naming the argument). The kernels run a dense cache
-    (cache_seqlens, cache_batch_idx, cache_leftpad) with the append and rotary, split over the keys
-    (num_splits; 0 chooses from the shapes); a paged cache raises FlashHopperNotSupported (a
-    NotImplementedError), and so do fp8 descales, cu_seqlens_k_new, scheduler_metadata, num_splits
-    > 1 with cu_seqlens_q, and sm_margin."""
+    (cache_seqlens, cache_batch_idx, cache_leftpad) or a paged one (page_size a multiple of 16)
+    with the append and rotary, split over the keys (num_splits; 0 chooses from the shapes); other
+    page sizes raise FlashHopperNotSupported (a NotImplementedError), and so do fp8 descales,
+    cu_seqlens_k_new, scheduler_metadata, num_splits > 1 with cu_seqlens_q, and sm_margin."""
     for name, descale in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
         if descale is not None:
             _not_yet(name, "<tensor>", "fp8 attention (descale factors)")

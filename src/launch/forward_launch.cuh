@@ -40,10 +40,12 @@ cudaError_t run_forward_hdim(const ForwardParams& p, const detail::ProblemShape&
   const hopper::SeqlenParams seqlen = seqlen_params(p, s);
   // (rows, d, heads, batch) views: dense [B, S, H, d]; packed [total, H, d] as one batch.
   const TensorRows q_rows = tensor_rows(p.q, s.varlen_q, seqlen.total_q, batch);
-  // A dense K/V's own batch extent: a KV cache indexed by cache_batch_idx has any number of rows.
+  // A dense K/V's own batch extent: a KV cache indexed by cache_batch_idx has any number of rows;
+  // a paged one is (page_size, d, heads, pages), a page per batch index.
   const int kv_batch = s.varlen_k ? 1 : int(p.k.shape[0]);
-  const TensorRows k_rows = tensor_rows(p.k, s.varlen_k, seqlen.total_k, kv_batch);
-  const TensorRows v_rows = tensor_rows(p.v, s.varlen_k, seqlen.total_k, kv_batch);
+  const int kv_rows = s.paged ? int(s.page_size) : seqlen.total_k;
+  const TensorRows k_rows = tensor_rows(p.k, s.varlen_k, kv_rows, kv_batch);
+  const TensorRows v_rows = tensor_rows(p.v, s.varlen_k, kv_rows, kv_batch);
   const TensorRows o_rows = tensor_rows(p.out, s.varlen_q, seqlen.total_q, batch);
   typename Mainloop::Arguments mainloop_args{
       static_cast<Element const*>(p.q.data),
@@ -59,7 +61,10 @@ cudaError_t run_forward_hdim(const ForwardParams& p, const detail::ProblemShape&
       p.softcap,
       local_mask_params(p),
       static_cast<float const*>(p.learnable_sink.data),
-      seqlen};
+      seqlen,
+      static_cast<int const*>(p.page_table.data),
+      s.paged ? p.page_table.stride[0] : 0,
+      int(s.page_size)};
   // lse: dense [B, Hq, sq], packed [Hq, total_q].
   const bool has_lse = p.lse.data != nullptr;
   const int64_t lse_head_stride = !has_lse ? 0 : (s.varlen_q ? p.lse.stride[0] : p.lse.stride[1]);

@@ -34,8 +34,13 @@ int run_as(const ForwardParams& p, const detail::ProblemShape& s, void* q_rotate
   k.seqlen_q = int(s.seqlen_q);
   k.head_dim = int(s.head_dim);
   k.head_dim_v = int(s.head_dim_v);
-  k.cache_rows = int(p.k.shape[0]);
+  k.cache_rows = int(p.k.shape[0]);  // paged: pages and page size
   k.cache_len = int(p.k.shape[1]);
+  if (s.paged) {
+    k.page_table = static_cast<int const*>(p.page_table.data);
+    k.page_table_stride = p.page_table.stride[0];
+    k.max_pages = int(s.max_pages);
+  }
   if (detail::present(p.rotary_cos)) {
     k.rotary_cos = static_cast<Element const*>(p.rotary_cos.data);
     k.rotary_sin = static_cast<Element const*>(p.rotary_sin.data);

@@ -278,10 +278,10 @@ TEST(ForwardGpuErrors, HostPointerRefused) {
 }
 
 // What the kernels do not run yet is refused by name, never run with the argument ignored: a paged
-// KV cache and qv.
-TEST(ForwardGpuErrors, PagedCacheAndQvAreRefusedNotIgnored) {
-  HostTensor q = random_tensor(FH_DTYPE_BF16, {2, 64, 2, 128}, 1), out(FH_DTYPE_BF16, {2, 64, 2, 128});
-  const HostTensor lengths = int32_tensor({10, 20}), pages = int32_tensor({0, 1}, {2, 1});
+// KV cache whose page size is not a multiple of 16 keys, and qv.
+TEST(ForwardGpuErrors, SmallPagesAndQvAreRefusedNotIgnored) {
+  HostTensor q = random_tensor(FH_DTYPE_BF16, {2, 8, 2, 128}, 1), out(FH_DTYPE_BF16, {2, 8, 2, 128});
+  const HostTensor lengths = int32_tensor({5, 7}), pages = int32_tensor({0, 1}, {2, 1});
   DeviceTensor d_q(q), d_out(out), d_lengths(lengths), d_pages(pages);
   ASSERT_TRUE(d_q.ok() && d_out.ok() && d_lengths.ok() && d_pages.ok());
   CUDA_CHECK(d_q.upload(q));
@@ -291,7 +291,7 @@ TEST(ForwardGpuErrors, PagedCacheAndQvAreRefusedNotIgnored) {
     ForwardParams p = default_forward_params();
     p.q = p.k = p.v = d_q.view();
     p.out = d_out.view();
-    if (what == 0) {  // k, v as 2 pages of 64 tokens
+    if (what == 0) {  // k, v as 2 pages of 8 tokens
       p.cache_seqlens = d_lengths.view();
       p.page_table = d_pages.view();
     } else {
@@ -299,7 +299,7 @@ TEST(ForwardGpuErrors, PagedCacheAndQvAreRefusedNotIgnored) {
     }
     const Status status = forward(p, nullptr, 0, nullptr);
     EXPECT_EQ(status.code, FH_ERROR_NOT_SUPPORTED) << what << ": " << status.message;
-    EXPECT_NE(status.message.find(what == 1 ? "qv" : "page_table"), std::string::npos) << status.message;
+    EXPECT_NE(status.message.find(what == 1 ? "qv" : "page_size 8"), std::string::npos) << status.message;
   }
 }
 
@@ -313,6 +313,7 @@ struct KvCacheCase {
   int rotary_dim = 0;  // with an append: rotary on the new keys and q
   bool interleaved = true;
   int num_splits = 1;
+  int page_size = 0;  // > 0: a paged cache, cache_len keys a sequence in shuffled pages
   std::string name() const {
     return "b" + std::to_string(batch) + "_sq" + std::to_string(seqlen_q) + "_h" + std::to_string(heads_q) + "_hkv" +
            std::to_string(heads_kv) + "_rows" + std::to_string(cache_rows) + "_S" + std::to_string(cache_len) +
@@ -320,13 +321,16 @@ struct KvCacheCase {
            (window_left >= 0 ? "_w" + std::to_string(window_left) : "") +
            (seqlen_new > 0 ? "_new" + std::to_string(seqlen_new) : "") +
            (rotary_dim > 0 ? "_rotary" + std::to_string(rotary_dim) + (interleaved ? "i" : "h") : "") +
-           (num_splits != 1 ? "_splits" + std::to_string(num_splits) : "");
+           (num_splits != 1 ? "_splits" + std::to_string(num_splits) : "") +
+           (page_size > 0 ? "_page" + std::to_string(page_size) : "");
   }
 };
 
 // Decoding against a dense cache k/v [cache_rows, S, Hkv, 128] bf16: each sequence's keys are the
 // positions [cache_leftpad, cache_seqlens + s_new) of its row (cache_batch_idx), lengths of 0, 1
-// and the whole cache among them, after appending s_new keys (rotated, with rotary, as q is).
+// and the whole cache among them, after appending s_new keys (rotated, with rotary, as q is). Or
+// a paged cache [pages, page_size, Hkv, 128]: S / page_size pages a sequence, in shuffled order,
+// and a few pages no sequence uses.
 // Against the CPU reference with the pass rule, out and lse poisoned; the cache afterwards: the
 // appended keys as the reference's (rotated ones within a bf16 rounding), the rest bit-unchanged.
 class KvCacheGpuTest : public ::testing::TestWithParam<KvCacheCase> {};
@@ -335,8 +339,16 @@ TEST_P(KvCacheGpuTest, MatchesReference) {
   const KvCacheCase c = GetParam();
   const int d = 128;
   HostTensor q = random_tensor(FH_DTYPE_BF16, {c.batch, c.seqlen_q, c.heads_q, d}, 5101);
-  HostTensor k = random_tensor(FH_DTYPE_BF16, {c.cache_rows, c.cache_len, c.heads_kv, d}, 5102);
-  HostTensor v = random_tensor(FH_DTYPE_BF16, {c.cache_rows, c.cache_len, c.heads_kv, d}, 5103);
+  const bool paged = c.page_size > 0;
+  const int max_pages = paged ? c.cache_len / c.page_size : 0, num_pages = c.batch * max_pages + 3;
+  const std::vector<int64_t> cache_shape = paged ? std::vector<int64_t>{num_pages, c.page_size, c.heads_kv, d}
+                                                 : std::vector<int64_t>{c.cache_rows, c.cache_len, c.heads_kv, d};
+  HostTensor k = random_tensor(FH_DTYPE_BF16, cache_shape, 5102);
+  HostTensor v = random_tensor(FH_DTYPE_BF16, cache_shape, 5103);
+  std::vector<int32_t> page_ids(size_t(std::max(num_pages, 1)));
+  for (int i = 0; i < num_pages; ++i) page_ids[i] = (i * 7919 + 11) % num_pages;  // a shuffle (7919 is prime)
+  page_ids.resize(size_t(std::max(c.batch * max_pages, 1)));
+  const HostTensor page_table = int32_tensor(page_ids, {paged ? c.batch : 1, std::max(max_pages, 1)});
   std::vector<int32_t> lengths(c.batch), firsts(c.batch, 0), rows(c.batch);
   for (int b = 0; b < c.batch; ++b) {
     lengths[b] = b == 0 ? c.cache_len : b == 1 ? 0 : b == 2 ? 1 : (b * 977) % c.cache_len;
@@ -349,9 +361,10 @@ TEST_P(KvCacheGpuTest, MatchesReference) {
   HostTensor out(FH_DTYPE_BF16, {c.batch, c.seqlen_q, c.heads_q, d});
   HostTensor lse(FH_DTYPE_FP32, {c.batch, c.heads_q, c.seqlen_q});
   DeviceTensor d_q(q), d_k(k), d_v(v), d_out(out), d_lse(lse), d_lengths(cache_seqlens), d_leftpad(leftpad),
-      d_rows(batch_idx);
+      d_rows(batch_idx), d_table(page_table);
   for (auto [device, host] : {std::pair<DeviceTensor*, const HostTensor*>{&d_q, &q}, {&d_k, &k}, {&d_v, &v},
-                              {&d_lengths, &cache_seqlens}, {&d_leftpad, &leftpad}, {&d_rows, &batch_idx}}) {
+                              {&d_lengths, &cache_seqlens}, {&d_leftpad, &leftpad}, {&d_rows, &batch_idx},
+                              {&d_table, &page_table}}) {
     ASSERT_TRUE(device->ok());
     CUDA_CHECK(device->upload(*host));
   }
@@ -382,6 +395,7 @@ TEST_P(KvCacheGpuTest, MatchesReference) {
   p.cache_seqlens = d_lengths.view();
   if (c.leftpad) p.cache_leftpad = d_leftpad.view();
   if (c.batch_idx) p.cache_batch_idx = d_rows.view();
+  if (paged) p.page_table = d_table.view();
   p.causal = c.causal;
   p.num_splits = c.num_splits;
   p.window_left = c.window_left;
@@ -423,6 +437,7 @@ TEST_P(KvCacheGpuTest, MatchesReference) {
   host.cache_seqlens = cache_seqlens.view();
   host.cache_leftpad = c.leftpad ? leftpad.view() : Tensor{};
   host.cache_batch_idx = c.batch_idx ? batch_idx.view() : Tensor{};
+  host.page_table = paged ? page_table.view() : Tensor{};
   HostTensor out_exact(FH_DTYPE_FP64, {c.batch, c.seqlen_q, c.heads_q, d}), lse_exact(FH_DTYPE_FP64, lse.shape());
   HostTensor out_plain(FH_DTYPE_BF16, out.shape()), lse_plain(FH_DTYPE_FP32, lse.shape());
   host.out = out_exact.view();
@@ -486,6 +501,23 @@ std::vector<KvCacheCase> kv_cache_cases() {
     c.num_splits = splits;
     if (splits == 3) c.seqlen_new = 3, c.rotary_dim = 64;
     if (splits == 32) c.window_left = 500;
+    cases.push_back(c);
+  }
+  // Paged: pages of 16 keys (a block reads 10 pages at hdim 128), 48 (no block boundary on a page
+  // boundary), 128 and 256; decoding (packed GQA, split-KV chosen and forced), an append with
+  // rotary, a prefill-like 64 rows, a window.
+  for (int page_size : {16, 48, 128, 256}) {
+    KvCacheCase c{6, 1, 32, 8, 0, page_size * (2048 / page_size), page_size % 32 == 16, false, false};
+    c.num_splits = page_size == 128 ? 3 : 0;
+    c.page_size = page_size;
+    cases.push_back(c);
+  }
+  for (int page_size : {16, 64}) {
+    KvCacheCase c{4, 3, 8, 2, 0, 1024, true, false, false, -1, 3, 64, true};
+    c.page_size = page_size;
+    cases.push_back(c);
+    c = KvCacheCase{3, 64, 8, 2, 0, 1536, false, false, false, page_size == 16 ? 300 : -1};
+    c.page_size = page_size;
     cases.push_back(c);
   }
   return cases;

@@ -701,15 +701,15 @@ def test_flash_attn_combine_against_reference(splits, out_dtype):
 
 @requires_gpu
 def test_flash_attn_with_kvcache_is_refused_by_name():
-    """What the kernels cannot do yet (a paged cache) raises FlashHopperNotSupported, never runs
-    with the argument ignored; the library's own refusals use FA3's names (k_cache, not the C
-    ABI's k)."""
+    """What the kernels cannot do yet (pages of fewer than 16 keys) raises FlashHopperNotSupported,
+    never runs with the argument ignored; the library's own refusals use FA3's names (k_cache, not
+    the C ABI's k)."""
     q = torch.randn(2, 1, 8, 64, device="cuda", dtype=torch.bfloat16)
     k_cache = torch.randn(2, 128, 2, 64, device="cuda", dtype=torch.bfloat16)
     v_cache = torch.randn_like(k_cache)
     pages = torch.tensor([[0], [1]], dtype=torch.int32, device="cuda")
-    with pytest.raises(FlashHopperNotSupported, match="page_table"):
-        fa3.flash_attn_with_kvcache(q, k_cache, v_cache, page_table=pages, cache_seqlens=17)
+    with pytest.raises(FlashHopperNotSupported, match="page_size 8"):
+        fa3.flash_attn_with_kvcache(q, k_cache[:, :8], v_cache[:, :8], page_table=pages, cache_seqlens=7)
     with pytest.raises(ValueError, match=r"^flashhopper \(invalid argument\): v_cache: "):
         fa3.flash_attn_with_kvcache(q, k_cache, v_cache[:, :64], cache_seqlens=17)
 
@@ -739,6 +739,37 @@ def test_flash_attn_with_kvcache_dense_cache_against_reference(seqlen_q, causal,
         plain_err = (plain.double() - ref64).abs().max().item()
         assert ours_err <= 2 * plain_err + 1e-5, (b, ours_err, plain_err)
         torch.testing.assert_close(lse[b:b + 1].double(), lse64, rtol=1e-3, atol=1e-3)
+
+@pytest.mark.parametrize("page_size", [16, 48, 256])
+@requires_gpu
+def test_flash_attn_with_kvcache_paged_is_the_dense_cache_paged(page_size):
+    """A paged cache holding the dense cache's keys in shuffled pages: the same out and lse bit for
+    bit (the same kernel, only the loads differ), and the appended keys land in the pages the
+    table names."""
+    torch.manual_seed(page_size)
+    batch, capacity, heads_kv = 3, 768, 2
+    q = torch.randn(batch, 1, 8, 128, device="cuda", dtype=torch.bfloat16)
+    dense_k = torch.randn(batch, capacity, heads_kv, 128, device="cuda", dtype=torch.bfloat16)
+    dense_v = torch.randn_like(dense_k)
+    k_new, v_new = torch.randn_like(dense_k[:, :1]), torch.randn_like(dense_v[:, :1])
+    pages_per_sequence = capacity // page_size
+    order = torch.randperm(batch * pages_per_sequence + 2, device="cuda")  # two pages no one uses
+    table = order[:batch * pages_per_sequence].view(batch, pages_per_sequence).to(torch.int32)
+    paged_k = torch.randn(order.numel(), page_size, heads_kv, 128, device="cuda", dtype=torch.bfloat16)
+    paged_v = torch.randn_like(paged_k)
+    paged_k[table.long()] = dense_k.view(batch, pages_per_sequence, page_size, heads_kv, 128)
+    paged_v[table.long()] = dense_v.view(batch, pages_per_sequence, page_size, heads_kv, 128)
+    lengths = torch.tensor([capacity - 1, 0, 300], dtype=torch.int32, device="cuda")
+    dense = fa3.flash_attn_with_kvcache(q, dense_k, dense_v, k=k_new, v=v_new, cache_seqlens=lengths, causal=True,
+                                        return_softmax_lse=True)
+    paged = fa3.flash_attn_with_kvcache(q, paged_k, paged_v, k=k_new, v=v_new, cache_seqlens=lengths,
+                                        page_table=table, causal=True, return_softmax_lse=True)
+    assert not torch.isnan(paged[0]).any()
+    assert torch.equal(paged[0], dense[0]) and torch.equal(paged[1], dense[1])
+    shape = (batch, capacity, heads_kv, 128)
+    assert torch.equal(paged_k[table.long()].view(shape), dense_k)
+    assert torch.equal(paged_v[table.long()].view(shape), dense_v)
+
 
 @requires_gpu
 def test_decode_step_cuda_graph_replays_with_other_lengths():

@@ -20,6 +20,7 @@
 #include "hopper/common/score_transform.hpp"
 #include "hopper/common/softmax.hpp"
 #include "hopper/common/tile_scheduler.hpp"
+#include "hopper/common/tile_size.hpp"
 #include "hopper/common/tma_pipeline.hpp"
 #include "hopper/common/utils.hpp"
 
@@ -83,6 +84,22 @@ struct ForwardMainloop {
       SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), ShapeQKV{}, StrideVt{}),
       take<0, 2>(SmemLayoutVt{}), Shape<Int<kHeadDimV>, Int<kBlockN>>{}, _1{}));
 
+  // A paged KV cache: K and Vt viewed per page, (page_size, d, heads, pages) and (dv, page_size,
+  // heads, pages), and a stage loaded as kBlockN / kPageRows chunks of kPageRows keys, each from
+  // its own page (so any page size that is a multiple of kPageRows works, whatever kBlockN is).
+  static constexpr int kPageRows = kPagedKeyChunk;
+  static_assert(kBlockN % kPageRows == 0, "a key block is a whole number of page chunks");
+  using PageChunkK = Shape<Int<kPageRows>, Int<kHeadDim>>;
+  using PageChunkVt = Shape<Int<kHeadDimV>, Int<kPageRows>>;
+  using SmemLayoutKChunk = decltype(layout<0>(zipped_divide(take<0, 2>(SmemLayoutK{}), PageChunkK{})));
+  using SmemLayoutVtChunk = decltype(layout<0>(zipped_divide(take<0, 2>(SmemLayoutVt{}), PageChunkVt{})));
+  using TmaKPage = decltype(make_tma_copy(
+      SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), ShapeQKV{}, StrideQK{}),
+      SmemLayoutKChunk{}, PageChunkK{}, _1{}));
+  using TmaVtPage = decltype(make_tma_copy(
+      SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), ShapeQKV{}, StrideVt{}),
+      SmemLayoutVtChunk{}, PageChunkVt{}, _1{}));
+
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
   using PipelineState = cutlass::PipelineState<kStages>;
 
@@ -110,6 +127,11 @@ struct ForwardMainloop {
     LocalMaskParams local;         // kLocal only
     float const* learnable_sink;   // [heads_q] or null
     SeqlenParams seqlen;
+    // Paged: shape_k/shape_vt are the per-page views above, and sequence b's key i lies in page
+    // page_table[b * page_table_stride + i / page_size]. Null: K and V as shape_k/shape_vt say.
+    int const* page_table = nullptr;
+    int64_t page_table_stride = 0;
+    int page_size = 0;
   };
 
   struct Params {
@@ -126,6 +148,11 @@ struct ForwardMainloop {
     float const* learnable_sink;
     cutlass::FastDivmod heads_per_kv_head;
     SeqlenParams seqlen;
+    TmaKPage tma_k_page;  // paged only
+    TmaVtPage tma_vt_page;
+    int const* page_table;
+    int64_t page_table_stride;
+    int page_size;
   };
 
   static Params to_underlying_arguments(Arguments const& args) {
@@ -139,6 +166,12 @@ struct ForwardMainloop {
                                  Shape<Int<kHeadDimV>, Int<kBlockN>>{}, _1{});
     const int heads_per_kv_head = get<2>(args.shape_q) / get<2>(args.shape_k);
     const float scale = Transform::softmax_scale(args.softmax_scale, args.softcap);
+    TmaKPage tma_k_page{};  // encoded only when paged: each descriptor costs host time per call
+    TmaVtPage tma_vt_page{};
+    if (args.page_table != nullptr) {
+      tma_k_page = make_tma_copy(SM90_TMA_LOAD{}, mK, SmemLayoutKChunk{}, PageChunkK{}, _1{});
+      tma_vt_page = make_tma_copy(SM90_TMA_LOAD{}, mVt, SmemLayoutVtChunk{}, PageChunkVt{}, _1{});
+    }
     return {args.shape_q,
             args.shape_k,
             args.shape_vt,
@@ -151,13 +184,55 @@ struct ForwardMainloop {
             args.local,
             args.learnable_sink,
             cutlass::FastDivmod(heads_per_kv_head),
-            args.seqlen};
+            args.seqlen,
+            tma_k_page,
+            tma_vt_page,
+            args.page_table,
+            args.page_table_stride,
+            args.page_size};
   }
 
   CUTLASS_DEVICE static void prefetch_tma_descriptors(Params const& params) {
     cute::prefetch_tma_descriptor(params.tma_q.get_tma_descriptor());
     cute::prefetch_tma_descriptor(params.tma_k.get_tma_descriptor());
     cute::prefetch_tma_descriptor(params.tma_vt.get_tma_descriptor());
+    if (params.page_table != nullptr) {
+      cute::prefetch_tma_descriptor(params.tma_k_page.get_tma_descriptor());
+      cute::prefetch_tma_descriptor(params.tma_vt_page.get_tma_descriptor());
+    }
+  }
+
+  // Paged: one stage of key block n_block as kBlockN / kPageRows chunk loads on the stage's
+  // barrier (their bytes add up to the stage's). A chunk past the sequence's keys reads rows
+  // beyond the page's extent, which the TMA fills with zeros, so the page table is read only
+  // within the sequence and no stale value reaches P V.
+  template <bool kIsV, class Tma, class TensorStages>
+  CUTLASS_DEVICE static void load_paged_stage(Params const& params, Pipeline& pipeline, PipelineState& state,
+                                              Tma const& tma, TensorStages const& stages, SeqlenInfo const& seq,
+                                              int head_kv, int n_block) {
+    pipeline.producer_acquire(state);
+    auto& barrier = *pipeline.producer_get_barrier(state);
+    int const* table = params.page_table + seq.batch * params.page_table_stride;
+    Tensor pages = tma.get_tma_tensor(kIsV ? params.shape_vt : params.shape_k);
+    CUTLASS_PRAGMA_UNROLL
+    for (int j = 0; j < kBlockN / kPageRows; ++j) {
+      const int key = n_block * kBlockN + j * kPageRows;
+      const bool inside = key < seq.seqlen_k;
+      const int page = inside ? __ldg(table + key / params.page_size) : 0;
+      const int chunk = (inside ? key % params.page_size : params.page_size) / kPageRows;
+      if constexpr (kIsV) {
+        Tensor g = local_tile(pages(_, _, head_kv, page), PageChunkVt{}, make_coord(_0{}, chunk));
+        Tensor s = local_tile(stages(_, _, state.index()), PageChunkVt{}, make_coord(_0{}, j));
+        auto [src, dst] = tma_partition(tma, _0{}, Layout<_1>{}, group_modes<0, 2>(s), group_modes<0, 2>(g));
+        copy(tma.with(barrier), src, dst);
+      } else {
+        Tensor g = local_tile(pages(_, _, head_kv, page), PageChunkK{}, make_coord(chunk, _0{}));
+        Tensor s = local_tile(stages(_, _, state.index()), PageChunkK{}, make_coord(j, _0{}));
+        auto [src, dst] = tma_partition(tma, _0{}, Layout<_1>{}, group_modes<0, 2>(s), group_modes<0, 2>(g));
+        copy(tma.with(barrier), src, dst);
+      }
+    }
+    ++state;
   }
 
   CUTLASS_DEVICE static SeqlenInfo seqlen_info(Params const& params, WorkTile const& work) {
@@ -207,9 +282,20 @@ struct ForwardMainloop {
     Tensor tVgVt = get<0>(tma_v_parts);
     Tensor tVsVt = get<1>(tma_v_parts);
 
-    auto load_k = [&](int n_block) { tma_load_stage(pipeline_k, pipe_k_write, params.tma_k, tKgK(_, n_block), tKsK); };
+    const bool paged = params.page_table != nullptr;
+    auto load_k = [&](int n_block) {
+      if (paged) {
+        load_paged_stage<false>(params, pipeline_k, pipe_k_write, params.tma_k_page, sK, seq, head_kv, n_block);
+      } else {
+        tma_load_stage(pipeline_k, pipe_k_write, params.tma_k, tKgK(_, n_block), tKsK);
+      }
+    };
     auto load_v = [&](int n_block) {
-      tma_load_stage(pipeline_v, pipe_v_write, params.tma_vt, tVgVt(_, n_block), tVsVt);
+      if (paged) {
+        load_paged_stage<true>(params, pipeline_v, pipe_v_write, params.tma_vt_page, sVt, seq, head_kv, n_block);
+      } else {
+        tma_load_stage(pipeline_v, pipe_v_write, params.tma_vt, tVgVt(_, n_block), tVsVt);
+      }
     };
     // The first K block goes out while the previous tile's last GEMMs may still read Q.
     const int num_blocks = blocks.count();

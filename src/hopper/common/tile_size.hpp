@@ -8,6 +8,10 @@
 
 namespace flashhopper::hopper {
 
+// A paged KV cache is loaded in chunks of this many keys, each from its own page: page sizes must
+// be multiples of it. (Every forward kBlockN is one too.)
+constexpr int kPagedKeyChunk = 16;
+
 // Per (head dim, value head dim), the families of scripts/kernel_manifest.py. kMasked: causal or
 // local (blocks cross a mask boundary; narrower key blocks waste less there).
 template <int kHeadDim, int kHeadDimV, bool kMasked>
