@@ -4,8 +4,8 @@
 #include <cmath>
 #include <string>
 
-#include "hopper/common/tile_size.hpp"
 #include "api/packed_decode.hpp"
+#include "hopper/common/tile_size.hpp"
 #include "launch/device_info.hpp"
 #include "launch/dispatch.hpp"
 #include "launch/forward_launch.hpp"
@@ -62,7 +62,6 @@ int forward_num_splits(const ForwardParams& p, const detail::ProblemShape& s) {
 }
 
 size_t round_up_256(size_t bytes) { return (bytes + 255) / 256 * 256; }
-
 
 // The workspace: the planned tiles (packed queries), the rotated copy of q (an append with
 // rotary), the split partials (split-KV).
