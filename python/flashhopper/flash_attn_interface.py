@@ -308,14 +308,15 @@ def flash_attn_with_kvcache(
     (cache_seqlens, cache_batch_idx, cache_leftpad) or a paged one (page_size a multiple of 16)
     with the append and rotary, split over the keys (num_splits; 0 chooses from the shapes); other
     page sizes raise FlashHopperNotSupported (a NotImplementedError), and so do fp8 descales,
-    cu_seqlens_k_new, scheduler_metadata, num_splits > 1 with cu_seqlens_q, and sm_margin."""
+    cu_seqlens_k_new, num_splits > 1 with cu_seqlens_q, and sm_margin. scheduler_metadata (from
+    get_scheduler_metadata) gives the split-KV count."""
     for name, descale in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
         if descale is not None:
             _not_yet(name, "<tensor>", "fp8 attention (descale factors)")
     if cu_seqlens_k_new is not None:
         _not_yet("cu_seqlens_k_new", "<tensor>", "packed new keys (k and v are [B, s_new, Hkv, d])")
     if scheduler_metadata is not None:
-        _not_yet("scheduler_metadata", "<tensor>", "a precomputed split-KV plan")
+        num_splits = _planned_splits(scheduler_metadata, num_splits)
     if sm_margin != 0:
         _not_yet("sm_margin", sm_margin, "leaving SMs free")
     mask = interface.check_mask_args(causal, window_size, softcap, attention_chunk)
@@ -370,6 +371,64 @@ def flash_attn_combine(out_partial, lse_partial, out=None, out_dtype=None):
     return out, softmax_lse.transpose(1, 2)
 
 
-def get_scheduler_metadata(*args, **kwargs):
-    """FlashAttention-3's scheduler metadata for flash_attn_with_kvcache. Not supported yet."""
-    raise interface.not_supported("get_scheduler_metadata: KV-cache scheduling is not supported by FlashHopper yet")
+def get_scheduler_metadata(batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, num_heads_kv, headdim, cache_seqlens,
+                           qkv_dtype=torch.bfloat16, headdim_v=None, cu_seqlens_q=None, cu_seqlens_k_new=None,
+                           cache_leftpad=None, page_size=None, max_seqlen_k_new=0, causal=False, window_size=(-1, -1),
+                           attention_chunk=0, has_softcap=False, num_splits=0, pack_gqa=None, sm_margin=0):
+    """FlashAttention-3's scheduling plan for flash_attn_with_kvcache calls of these shapes, to pass
+    as its scheduler_metadata. FlashHopper plans a call on the host from its shapes alone (it never
+    reads cache_seqlens or other device memory to do so, so a CUDA graph stays valid), and there is
+    nothing to precompute on the GPU: the plan is the split-KV count, num_splits (0: the library's
+    choice, which is the same for every call of these shapes), as an int32 CPU tensor of shape [1].
+    The arguments are checked as flash_attn_with_kvcache checks them (ValueError naming the
+    argument; NotImplementedError for what FlashHopper cannot run: fp8, cu_seqlens_k_new, pages
+    whose size is not a multiple of 16, sm_margin). pack_gqa is a hint and is ignored."""
+    sizes = {"batch_size": batch_size, "max_seqlen_q": max_seqlen_q, "num_heads_q": num_heads_q,
+             "num_heads_kv": num_heads_kv, "headdim": headdim}
+    for name, value in sizes.items():
+        if interface._int_option(name, value, "it") < 1:
+            raise interface.invalid_argument(f"{name}: is {value}; must be at least 1")
+    for name, value in (("max_seqlen_k", max_seqlen_k), ("max_seqlen_k_new", max_seqlen_k_new)):
+        if interface._int_option(name, value, "it") < 0:
+            raise interface.invalid_argument(f"{name}: is {value}; must be at least 0")
+    if num_heads_q % num_heads_kv != 0:
+        raise interface.invalid_argument(f"num_heads_kv: {num_heads_kv} does not divide num_heads_q {num_heads_q}")
+    for name, value in (("headdim", headdim), ("headdim_v", headdim_v)):
+        if value is not None and interface._int_option(name, value, "it") > interface.MAX_HEAD_DIM:
+            raise interface.invalid_argument(f"{name}: is {value}; at most {interface.MAX_HEAD_DIM}")
+    if qkv_dtype in interface._FP8_DTYPES:
+        _not_yet("qkv_dtype", qkv_dtype, "fp8 attention")
+    if qkv_dtype not in interface.INPUT_DTYPES:
+        raise interface.invalid_argument(f"qkv_dtype: {qkv_dtype} is not supported (torch.bfloat16 or torch.float16)")
+    if cu_seqlens_k_new is not None:
+        _not_yet("cu_seqlens_k_new", "<tensor>", "packed new keys (k and v are [B, s_new, Hkv, d])")
+    if page_size is not None and interface._int_option("page_size", page_size, "it") % 16 != 0:
+        _not_yet("page_size", page_size, "a paged KV cache whose page size is not a multiple of 16")
+    if sm_margin != 0:
+        _not_yet("sm_margin", sm_margin, "leaving SMs free")
+    if not isinstance(cache_seqlens, torch.Tensor) or cache_seqlens.dtype != torch.int32 or \
+            tuple(cache_seqlens.shape) != (batch_size,):
+        raise interface.invalid_argument(f"cache_seqlens: expected an int32 tensor of shape [{batch_size}] "
+                                         "(batch_size)")
+    interface.check_mask_args(causal, window_size, 0.0, attention_chunk)
+    splits = interface._int_option("num_splits", num_splits, "it")
+    if not 0 <= splits <= _MAX_SPLITS:
+        raise interface.invalid_argument(f"num_splits: is {num_splits}; must be in [0, {_MAX_SPLITS}] (0: chosen "
+                                         "from the shapes)")
+    return torch.tensor([splits], dtype=torch.int32)
+
+
+_MAX_SPLITS = 256  # the C ABI's bound (include/flashhopper/flashhopper.h)
+
+
+def _planned_splits(scheduler_metadata, num_splits: int) -> int:
+    """The split-KV count of get_scheduler_metadata's plan; num_splits, if given (not 0), must agree."""
+    if not (isinstance(scheduler_metadata, torch.Tensor) and scheduler_metadata.dtype == torch.int32
+            and tuple(scheduler_metadata.shape) == (1,) and scheduler_metadata.device.type == "cpu"):
+        raise interface.invalid_argument("scheduler_metadata: expected the plan get_scheduler_metadata returns (an "
+                                         "int32 CPU tensor of shape [1])")
+    planned = int(scheduler_metadata[0])
+    if isinstance(num_splits, int) and num_splits not in (0, planned):
+        raise interface.invalid_argument(f"num_splits: {num_splits} differs from scheduler_metadata's {planned}; "
+                                         "give one of them")
+    return planned

@@ -113,6 +113,13 @@ FA3_SIGNATURES = {
                                 ("rotary_interleaved", True), ("scheduler_metadata", None), ("num_splits", 0),
                                 ("pack_gqa", None), ("sm_margin", 0), ("return_softmax_lse", False)],
     "flash_attn_combine": [("out_partial", None), ("lse_partial", None), ("out", None), ("out_dtype", None)],
+    "get_scheduler_metadata": [("batch_size", None), ("max_seqlen_q", None), ("max_seqlen_k", None),
+                               ("num_heads_q", None), ("num_heads_kv", None), ("headdim", None),
+                               ("cache_seqlens", None), ("qkv_dtype", torch.bfloat16), ("headdim_v", None),
+                               ("cu_seqlens_q", None), ("cu_seqlens_k_new", None), ("cache_leftpad", None),
+                               ("page_size", None), ("max_seqlen_k_new", 0), ("causal", False),
+                               ("window_size", (-1, -1)), ("attention_chunk", 0), ("has_softcap", False),
+                               ("num_splits", 0), ("pack_gqa", None), ("sm_margin", 0)],
     "flash_attn_qkvpacked_func": [("qkv", None), ("softmax_scale", None), ("causal", False), ("q_descale", None),
                                   ("k_descale", None), ("v_descale", None), ("window_size", (-1, -1)),
                                   ("attention_chunk", 0), ("softcap", 0.0), ("deterministic", False),
@@ -201,7 +208,9 @@ def test_flash_attn_with_kvcache_checks_its_arguments():
         (dict(k_descale=torch.ones(2, 2)), NotImplementedError, "k_descale"),
         (dict(cu_seqlens_k_new=lengths), NotImplementedError, "cu_seqlens_k_new"),
         (dict(num_splits=2.0), ValueError, "num_splits: expected an int, got float"),
-        (dict(scheduler_metadata=lengths), NotImplementedError, "scheduler_metadata"),
+        (dict(scheduler_metadata=lengths), ValueError, "scheduler_metadata: expected the plan"),
+        (dict(scheduler_metadata=fa3.get_scheduler_metadata(2, 1, 128, 8, 2, 64, lengths, num_splits=3),
+              num_splits=2), ValueError, "num_splits: 2 differs from scheduler_metadata's 3"),
         (dict(), ValueError, "q: must be a CUDA tensor"),  # all valid but on the CPU
     ]
     for kwargs, error, message in refusals:
@@ -209,6 +218,40 @@ def test_flash_attn_with_kvcache_checks_its_arguments():
         args.update(kwargs)
         with pytest.raises(error, match=re.escape(message)):
             fa3.flash_attn_with_kvcache(**args)
+
+
+def test_get_scheduler_metadata_is_the_split_count(monkeypatch):
+    """get_scheduler_metadata checks the shapes as flash_attn_with_kvcache would and returns the
+    plan, the split-KV count (0: chosen from the shapes at the call), which the call then uses."""
+    lengths = torch.tensor([5, 9], dtype=torch.int32)
+    plan = fa3.get_scheduler_metadata(2, 1, 128, 8, 2, 64, lengths)
+    assert plan.dtype == torch.int32 and plan.device.type == "cpu" and plan.tolist() == [0]
+    assert fa3.get_scheduler_metadata(2, 1, 128, 8, 2, 64, lengths, page_size=64, num_splits=7).tolist() == [7]
+    refusals = [
+        (dict(num_heads_kv=3), ValueError, "num_heads_kv: 3 does not divide num_heads_q 8"),
+        (dict(batch_size=0), ValueError, "batch_size: is 0; must be at least 1"),
+        (dict(headdim=512), ValueError, "headdim: is 512; at most 256"),
+        (dict(cache_seqlens=lengths[:1]), ValueError, "cache_seqlens: expected an int32 tensor of shape [2]"),
+        (dict(num_splits=300), ValueError, "num_splits: is 300; must be in [0, 256]"),
+        (dict(window_size=(-2, 0)), ValueError, "window_size"),
+        (dict(qkv_dtype=torch.float32), ValueError, "qkv_dtype: torch.float32 is not supported"),
+        (dict(page_size=8), NotImplementedError, "page_size=8"),
+        (dict(cu_seqlens_k_new=lengths), NotImplementedError, "cu_seqlens_k_new"),
+        (dict(sm_margin=4), NotImplementedError, "sm_margin"),
+    ]
+    for kwargs, error, message in refusals:
+        args = dict(batch_size=2, max_seqlen_q=1, max_seqlen_k=128, num_heads_q=8, num_heads_kv=2, headdim=64,
+                    cache_seqlens=lengths)
+        args.update(kwargs)
+        with pytest.raises(error, match=re.escape(message)):
+            fa3.get_scheduler_metadata(**args)
+    captured = _captured_params(monkeypatch)
+    q = torch.randn(2, 1, 8, 64, dtype=torch.bfloat16)
+    k_cache = v_cache = torch.randn(2, 128, 2, 64, dtype=torch.bfloat16)
+    fa3.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths,
+                                scheduler_metadata=fa3.get_scheduler_metadata(2, 1, 128, 8, 2, 64, lengths,
+                                                                              num_splits=5))
+    assert captured[0].num_splits == 5
 
 
 def test_host_overhead_components_run_without_a_gpu():

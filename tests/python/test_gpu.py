@@ -772,6 +772,21 @@ def test_flash_attn_with_kvcache_paged_is_the_dense_cache_paged(page_size):
 
 
 @requires_gpu
+def test_scheduler_metadata_plans_the_same_call():
+    """flash_attn_with_kvcache with get_scheduler_metadata's plan: the same bits as the call given
+    the plan's num_splits itself, chosen (0) and forced."""
+    q = torch.randn(4, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
+    k_cache = torch.randn(4, 4096, 8, 128, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    lengths = torch.tensor([4096, 1, 0, 3000], dtype=torch.int32, device="cuda")
+    for splits in (0, 3):
+        plan = fa3.get_scheduler_metadata(4, 1, 4096, 32, 8, 128, lengths, num_splits=splits)
+        planned = fa3.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, scheduler_metadata=plan)
+        direct = fa3.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lengths, num_splits=splits)
+        assert not torch.isnan(planned).any() and torch.equal(planned, direct)
+
+
+@requires_gpu
 def test_decode_step_cuda_graph_replays_with_other_lengths():
     """A decode step (append one token with rotary, attend, split-KV chosen by the library) captured
     in a CUDA graph and replayed after cache_seqlens, q and the new token changed in place: the
