@@ -33,12 +33,20 @@ def per_call_us(fn, calls, loops):
 def components(calls, loops):
     from flashhopper import _ffi, interface
     q = torch.randn(1, 1, 1, 128, dtype=torch.bfloat16)
+    named = (("q", q), ("k", q), ("v", q), ("out", q), ("lse", None), ("learnable_sink", None))
+    params = _ffi.ForwardParams()
+    for field, t in named[:4]:
+        setattr(params, field, interface._view(t))
+    plan = interface._Plan(params, ("q", "k", "v", "out"), 0)
     steps = {
         "check_mask_args": lambda: interface.check_mask_args(False, (-1, -1), 0.0, 0),
         "check_forward_args": lambda: interface.check_forward_args(q, q, q),
         "tensor view (_view) x 5": lambda: [interface._view(q) for _ in range(5)],
         "ForwardParams()": lambda: _ffi.ForwardParams(),
         "torch.empty (out)": lambda: torch.empty((1, 1, 1, 128), dtype=torch.bfloat16),
+        "plan key (a repeated call's lookup)":
+            lambda: interface._plan_key("forward", (q, q, q, None, None), (False, None, False, (-1, -1), 0.0, 0)),
+        "plan's struct with this call's pointers": lambda: interface._bound_params(plan, named),
     }
     print("| Python step (CPU tensors) | us per call |\n|---|---|")
     for name, fn in steps.items():
