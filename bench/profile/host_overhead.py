@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """Host work per call: a timed loop of many back-to-back calls on a tiny problem (1 x 8 x 1 x 128
 bf16, so the GPU finishes each call long before the host issues the next), FlashHopper's
-flash_attn_func (without and with autograd), forward and flash_attn_with_kvcache beside PyTorch SDPA's cuDNN and FLASH backends; microseconds per call from the
-Python side, the median of several loops. With --components (no GPU needed) it times the Python
-layer's own steps on CPU tensors instead: the checks, the tensor views and the parameter struct.
+flash_attn_func (without and with autograd), forward and flash_attn_with_kvcache beside PyTorch
+SDPA's cuDNN and FLASH backends; microseconds per call from the Python side, the median of several
+loops. With --components (no GPU needed) it times the Python layer's own steps on CPU tensors
+instead: the checks, the tensor views, the parameter struct and a repeated call's plan lookup.
 
     PYTHONPATH=python FLASHHOPPER_LIBRARY=build/libflashhopper.so python3 bench/profile/host_overhead.py
     PYTHONPATH=python python3 bench/profile/host_overhead.py --components

@@ -116,10 +116,11 @@ def _attention(q, k, v, varlen, softmax_scale, causal, qv, q_descale, k_descale,
         out, softmax_lse = ops.fwd(q, k, v, softmax_scale, causal, bool(deterministic), window_left, window_right,
                                    softcap, attention_chunk, learnable_sink, *(() if varlen is None else varlen))
     else:
-        out, softmax_lse = interface.forward(q, k, v, causal, softmax_scale, return_lse=True,
-                                             window_size=(window_left, window_right), softcap=softcap,
-                                             attention_chunk=attention_chunk, learnable_sink=learnable_sink,
-                                             varlen=None if varlen is None else interface.as_varlen(*varlen))
+        result = interface.forward(q, k, v, causal, softmax_scale, return_lse=bool(return_attn_probs),
+                                   window_size=(window_left, window_right), softcap=softcap,
+                                   attention_chunk=attention_chunk, learnable_sink=learnable_sink,
+                                   varlen=None if varlen is None else interface.as_varlen(*varlen))
+        out, softmax_lse = result if return_attn_probs else (result, None)
     if unpadded_dim is not None:
         out = out[..., :unpadded_dim].contiguous()
     return (out, softmax_lse) if return_attn_probs else out

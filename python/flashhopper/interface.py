@@ -11,6 +11,8 @@ dtypes, ranks, shapes and strides, learnable_sink's dtype and shape, varlen's dt
 max_seqlen (ValueError), then devices and 16-byte alignment (ValueError); only then the library,
 which checks everything again and refuses with FlashHopperError (FlashHopperInvalidArgument is also
 a ValueError, FlashHopperNotSupported also a NotImplementedError). Nothing is launched on any error.
+The checks here depend only on the tensors' metadata and the options, so they run once per kind of
+call (see "Launch plans"); the alignment checks and the library's run on every call.
 No call here synchronises with the host (cu_seqlens and seqused are never read here): outputs and
 workspace come from PyTorch's caching allocator, the kernels go on PyTorch's current stream, so the
 calls can be captured in a CUDA graph."""
