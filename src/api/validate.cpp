@@ -11,9 +11,9 @@
 #include <array>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <initializer_list>
 #include <limits>
-#include <cstdio>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -48,8 +48,9 @@ using NamedTensors = std::initializer_list<NamedTensor>;
 
 // ---- Messages ---------------------------------------------------------------------------------
 
-// A message part as text. No iostreams in the library: their locale machinery is shared with the
-// host process (PyTorch's), whose C++ runtime may not be the one these headers describe.
+// A message part as text. No iostreams in the library: inside PyTorch processes on the GPU machine
+// ostream's number formatting crashed in our library (every refusal with a number in it), which
+// std::to_string and snprintf do not.
 void append_part(std::string& text, const char* part) { text += part; }
 void append_part(std::string& text, const std::string& part) { text += part; }
 void append_part(std::string& text, double part) {
