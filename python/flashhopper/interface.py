@@ -706,16 +706,16 @@ def forward_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     Returns out, or (out, lse) with return_lse. The library checks what is
     not checked here and names the argument as the caller does."""
     inputs = (("q", q), ("k", k_cache), ("v", v_cache), ("k_new", k_new), ("v_new", v_new), ("qv", qv),
-              ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin), ("rotary_seqlens", rotary_seqlens),
-              ("cache_seqlens", cache_seqlens), ("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad),
-              ("page_table", page_table), ("cu_seqlens_q", cu_seqlens_q))
+              ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin), ("cache_seqlens", cache_seqlens),
+              ("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad), ("page_table", page_table),
+              ("cu_seqlens_q", cu_seqlens_q), ("rotary_seqlens", rotary_seqlens))  # the C ABI's names
     key = _plan_key("forward_with_kvcache", [t for _, t in inputs],
                     (max_seqlen_q, rotary_interleaved, softmax_scale, mask, num_splits, return_lse))
     plan = _PLANS.get(key) if key is not None else None
     if plan is None:
-        _check_kvcache_args(q, k_cache, v_cache, k_new, v_new, qv, rotary_cos, rotary_sin, rotary_seqlens,
-                            cache_seqlens, cache_batch_idx, cache_leftpad, page_table, cu_seqlens_q, max_seqlen_q,
-                            num_splits)
+        _check_kvcache_args(q, k_cache, v_cache, k_new, v_new, qv, rotary_seqlens, cache_seqlens, cache_batch_idx,
+                            cache_leftpad, cu_seqlens_q, max_seqlen_q, num_splits)
+        check_devices([(_KVCACHE_NAMES.get(name, name), t) for name, t in inputs])
     varlen_q = cu_seqlens_q is not None
     out = torch.empty((*q.shape[:-1], v_cache.shape[-1]), dtype=q.dtype, device=q.device)
     lse_dims = (q.shape[-2], q.shape[0]) if varlen_q else (q.shape[0], q.shape[-2], q.shape[1])
@@ -746,10 +746,10 @@ def forward_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     return (out, lse) if return_lse else out
 
 
-def _check_kvcache_args(q, k_cache, v_cache, k_new, v_new, qv, rotary_cos, rotary_sin, rotary_seqlens, cache_seqlens,
-                        cache_batch_idx, cache_leftpad, page_table, cu_seqlens_q, max_seqlen_q, num_splits) -> None:
-    """forward_with_kvcache's checks here (the library checks the rest): types, ranks, dtypes, the
-    int32 vectors' lengths, devices."""
+def _check_kvcache_args(q, k_cache, v_cache, k_new, v_new, qv, rotary_seqlens, cache_seqlens, cache_batch_idx,
+                        cache_leftpad, cu_seqlens_q, max_seqlen_q, num_splits) -> None:
+    """forward_with_kvcache's metadata checks here (the library checks the rest): types, ranks,
+    dtypes, the int32 vectors' lengths."""
     if not isinstance(num_splits, int) or isinstance(num_splits, bool):
         raise invalid_argument(f"num_splits: expected an int, got {type(num_splits).__name__}")
     varlen_q = cu_seqlens_q is not None
@@ -773,7 +773,3 @@ def _check_kvcache_args(q, k_cache, v_cache, k_new, v_new, qv, rotary_cos, rotar
         _check_int32_vector("cu_seqlens_q", cu_seqlens_q, None, "[B + 1]")
         if max_seqlen_q is None:
             raise invalid_argument("max_seqlen_q: is required with cu_seqlens_q")
-    check_devices([("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k_new), ("v", v_new), ("qv", qv),
-                   ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin), ("cache_seqlens", cache_seqlens),
-                   ("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad), ("page_table", page_table),
-                   ("cu_seqlens_q", cu_seqlens_q), ("rotary_seqlens", rotary_seqlens)])
