@@ -153,7 +153,7 @@ def main(argv=None):
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64, 128])
     parser.add_argument("--cache-lens", type=int, nargs="+", default=[4096, 16384, 131072])
     parser.add_argument("--heads", type=int, nargs=2, default=[32, 8], metavar=("HQ", "HKV"))
-    parser.add_argument("--page-size", type=int, default=64, help="the paged column's page size (a multiple of 16)")
+    parser.add_argument("--page-size", type=int, default=64, help="the paged column's page size")
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--out", default="bench")

@@ -306,10 +306,10 @@ def flash_attn_with_kvcache(
     return_softmax_lse.
 
     The arguments are checked (ValueError naming the argument). The kernels run a dense cache
-    (cache_seqlens, cache_batch_idx, cache_leftpad) or a paged one (page_size a multiple of 16)
-    with the append and rotary, split over the keys (num_splits; 0 chooses from the shapes); other
-    page sizes raise FlashHopperNotSupported (a NotImplementedError), and so do fp8 descales,
-    cu_seqlens_k_new, num_splits > 1 with cu_seqlens_q, and sm_margin. scheduler_metadata (from
+    (cache_seqlens, cache_batch_idx, cache_leftpad) or a paged one (any page_size) with the append
+    and rotary, split over the keys (num_splits; 0 chooses from the shapes); fp8 descales,
+    cu_seqlens_k_new, num_splits > 1 with cu_seqlens_q, and sm_margin raise FlashHopperNotSupported
+    (a NotImplementedError). scheduler_metadata (from
     get_scheduler_metadata) gives the split-KV count."""
     for name, descale in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
         if descale is not None:
@@ -382,8 +382,8 @@ def get_scheduler_metadata(batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, 
     nothing to precompute on the GPU: the plan is the split-KV count, num_splits (0: the library's
     choice, which is the same for every call of these shapes), as an int32 CPU tensor of shape [1].
     The arguments are checked as flash_attn_with_kvcache checks them (ValueError naming the
-    argument; NotImplementedError for what FlashHopper cannot run: fp8, cu_seqlens_k_new, pages
-    whose size is not a multiple of 16, sm_margin). pack_gqa is a hint and is ignored."""
+    argument; NotImplementedError for what FlashHopper cannot run: fp8, cu_seqlens_k_new,
+    sm_margin). pack_gqa is a hint and is ignored."""
     sizes = {"batch_size": batch_size, "max_seqlen_q": max_seqlen_q, "num_heads_q": num_heads_q,
              "num_heads_kv": num_heads_kv, "headdim": headdim}
     for name, value in sizes.items():
@@ -403,8 +403,8 @@ def get_scheduler_metadata(batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, 
         raise interface.invalid_argument(f"qkv_dtype: {qkv_dtype} is not supported (torch.bfloat16 or torch.float16)")
     if cu_seqlens_k_new is not None:
         _not_yet("cu_seqlens_k_new", "<tensor>", "packed new keys (k and v are [B, s_new, Hkv, d])")
-    if page_size is not None and interface._int_option("page_size", page_size, "it") % 16 != 0:
-        _not_yet("page_size", page_size, "a paged KV cache whose page size is not a multiple of 16")
+    if page_size is not None and interface._int_option("page_size", page_size, "it") < 1:
+        raise interface.invalid_argument(f"page_size: is {page_size}; must be at least 1")
     if sm_margin != 0:
         _not_yet("sm_margin", sm_margin, "leaving SMs free")
     if not isinstance(cache_seqlens, torch.Tensor) or cache_seqlens.dtype != torch.int32 or \

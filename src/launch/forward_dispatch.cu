@@ -2,6 +2,7 @@
 // switch to the compiled instantiation.
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <string>
 
 #include "api/packed_decode.hpp"
@@ -90,12 +91,12 @@ WorkspaceLayout workspace_layout(const ForwardParams& p, const detail::ProblemSh
 std::string forward_unsupported_reason(const ForwardParams& p, const detail::ProblemShape& s) {
   const detail::MaskSpec mask = detail::mask_spec(p);
   if (const char* reason = varlen_batch_reason(s)) return reason;
-  // A KV cache runs dense (cache_seqlens, cache_leftpad, cache_batch_idx) or paged, with the
-  // append and rotary (a kernel before the attention).
-  if (s.paged && s.page_size % hopper::kPagedKeyChunk != 0)
-    return "a paged KV cache (page_table) with page_size " + std::to_string(s.page_size) +
-           ": the kernels load pages in chunks of " + std::to_string(hopper::kPagedKeyChunk) +
-           " keys, so page_size must be a multiple of " + std::to_string(hopper::kPagedKeyChunk);
+  // A KV cache runs dense (cache_seqlens, cache_leftpad, cache_batch_idx) or paged with any page
+  // size, with the append and rotary (a kernel before the attention). The producer numbers a
+  // paged cache's rows (page * page_size + row) in int32.
+  if (s.paged && s.num_pages * s.page_size > INT32_MAX)
+    return "a paged KV cache of " + std::to_string(s.num_pages) + " pages of " + std::to_string(s.page_size) +
+           " tokens: the kernels take at most 2^31 - 1 cached tokens";
   if (detail::present(p.cache_seqlens) && s.varlen_k) return "cache_seqlens with cu_seqlens_k is not supported";
   if (p.q.dtype == FH_DTYPE_FP8_E4M3) return "fp8 e4m3 inputs are not supported yet";
   if (mask.num_sink_tokens > 0 && mask.attention_chunk > 0)

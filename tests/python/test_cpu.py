@@ -235,7 +235,7 @@ def test_get_scheduler_metadata_is_the_split_count(monkeypatch):
         (dict(num_splits=300), ValueError, "num_splits: is 300; must be in [0, 256]"),
         (dict(window_size=(-2, 0)), ValueError, "window_size"),
         (dict(qkv_dtype=torch.float32), ValueError, "qkv_dtype: torch.float32 is not supported"),
-        (dict(page_size=8), NotImplementedError, "page_size=8"),
+        (dict(page_size=0), ValueError, "page_size: is 0; must be at least 1"),
         (dict(cu_seqlens_k_new=lengths), NotImplementedError, "cu_seqlens_k_new"),
         (dict(sm_margin=4), NotImplementedError, "sm_margin"),
     ]

@@ -700,16 +700,11 @@ def test_flash_attn_combine_against_reference(splits, out_dtype):
 
 
 @requires_gpu
-def test_flash_attn_with_kvcache_is_refused_by_name():
-    """What the kernels cannot do yet (pages of fewer than 16 keys) raises FlashHopperNotSupported,
-    never runs with the argument ignored; the library's own refusals use FA3's names (k_cache, not
-    the C ABI's k)."""
+def test_flash_attn_with_kvcache_refusals_use_fa3_names():
+    """The library's own refusals use FA3's names (v_cache, not the C ABI's v)."""
     q = torch.randn(2, 1, 8, 64, device="cuda", dtype=torch.bfloat16)
     k_cache = torch.randn(2, 128, 2, 64, device="cuda", dtype=torch.bfloat16)
     v_cache = torch.randn_like(k_cache)
-    pages = torch.tensor([[0], [1]], dtype=torch.int32, device="cuda")
-    with pytest.raises(FlashHopperNotSupported, match="page_size 8"):
-        fa3.flash_attn_with_kvcache(q, k_cache[:, :8], v_cache[:, :8], page_table=pages, cache_seqlens=7)
     with pytest.raises(ValueError, match=r"^flashhopper \(invalid argument\): v_cache: "):
         fa3.flash_attn_with_kvcache(q, k_cache, v_cache[:, :64], cache_seqlens=17)
 
@@ -740,7 +735,7 @@ def test_flash_attn_with_kvcache_dense_cache_against_reference(seqlen_q, causal,
         assert ours_err <= 2 * plain_err + 1e-5, (b, ours_err, plain_err)
         torch.testing.assert_close(lse[b:b + 1].double(), lse64, rtol=1e-3, atol=1e-3)
 
-@pytest.mark.parametrize("page_size", [16, 48, 256])
+@pytest.mark.parametrize("page_size", [1, 4, 16, 48, 256])
 @requires_gpu
 def test_flash_attn_with_kvcache_paged_is_the_dense_cache_paged(page_size):
     """A paged cache holding the dense cache's keys in shuffled pages: the same out and lse bit for

@@ -85,20 +85,38 @@ struct ForwardMainloop {
       take<0, 2>(SmemLayoutVt{}), Shape<Int<kHeadDimV>, Int<kBlockN>>{}, _1{}));
 
   // A paged KV cache: K and Vt viewed per page, (page_size, d, heads, pages) and (dv, page_size,
-  // heads, pages), and a stage loaded as kBlockN / kPageRows chunks of kPageRows keys, each from
-  // its own page (so any page size that is a multiple of kPageRows works, whatever kBlockN is).
+  // heads, pages), and a stage loaded as chunks of keys, each from its own page: kPageRows keys
+  // when page_size is a multiple of it, else one key (any page size works, whatever kBlockN is).
   static constexpr int kPageRows = kPagedKeyChunk;
   static_assert(kBlockN % kPageRows == 0, "a key block is a whole number of page chunks");
-  using PageChunkK = Shape<Int<kPageRows>, Int<kHeadDim>>;
-  using PageChunkVt = Shape<Int<kHeadDimV>, Int<kPageRows>>;
-  using SmemLayoutKChunk = decltype(layout<0>(zipped_divide(take<0, 2>(SmemLayoutK{}), PageChunkK{})));
-  using SmemLayoutVtChunk = decltype(layout<0>(zipped_divide(take<0, 2>(SmemLayoutVt{}), PageChunkVt{})));
-  using TmaKPage = decltype(make_tma_copy(
-      SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), ShapeQKV{}, StrideQK{}),
-      SmemLayoutKChunk{}, PageChunkK{}, _1{}));
-  using TmaVtPage = decltype(make_tma_copy(
-      SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), ShapeQKV{}, StrideVt{}),
-      SmemLayoutVtChunk{}, PageChunkVt{}, _1{}));
+  template <int kRows>
+  using PageChunkK = Shape<Int<kRows>, Int<kHeadDim>>;
+  template <int kRows>
+  using PageChunkVt = Shape<Int<kHeadDimV>, Int<kRows>>;
+  // The TMA loads of one chunk of kRows keys, K's and Vt's.
+  template <int kRows>
+  struct PageChunkTmas {
+    using SmemLayoutK1 = decltype(layout<0>(zipped_divide(take<0, 2>(SmemLayoutK{}), PageChunkK<kRows>{})));
+    using SmemLayoutVt1 = decltype(layout<0>(zipped_divide(take<0, 2>(SmemLayoutVt{}), PageChunkVt<kRows>{})));
+    using TmaK1 = decltype(make_tma_copy(
+        SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), ShapeQKV{}, StrideQK{}),
+        SmemLayoutK1{}, PageChunkK<kRows>{}, _1{}));
+    using TmaVt1 = decltype(make_tma_copy(
+        SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), ShapeQKV{}, StrideVt{}),
+        SmemLayoutVt1{}, PageChunkVt<kRows>{}, _1{}));
+    TmaK1 k;
+    TmaVt1 vt;
+
+    template <class TensorK, class TensorVt>
+    static PageChunkTmas make(TensorK const& mK, TensorVt const& mVt) {
+      return {make_tma_copy(SM90_TMA_LOAD{}, mK, SmemLayoutK1{}, PageChunkK<kRows>{}, _1{}),
+              make_tma_copy(SM90_TMA_LOAD{}, mVt, SmemLayoutVt1{}, PageChunkVt<kRows>{}, _1{})};
+    }
+    CUTLASS_DEVICE void prefetch() const {
+      cute::prefetch_tma_descriptor(k.get_tma_descriptor());
+      cute::prefetch_tma_descriptor(vt.get_tma_descriptor());
+    }
+  };
 
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
   using PipelineState = cutlass::PipelineState<kStages>;
@@ -148,12 +166,19 @@ struct ForwardMainloop {
     float const* learnable_sink;
     cutlass::FastDivmod heads_per_kv_head;
     SeqlenParams seqlen;
-    TmaKPage tma_k_page;  // paged only
-    TmaVtPage tma_vt_page;
+    // Paged only, and of the two chunk sizes only the one page_size takes is encoded (each
+    // descriptor costs host time per call).
+    PageChunkTmas<kPageRows> page_chunks;
+    PageChunkTmas<1> page_rows;
     int const* page_table;
     int64_t page_table_stride;
     int page_size;
+    cutlass::FastDivmod page_size_divmod;
   };
+
+  // Whether the producer is a whole warp (a paged cache: each lane gathers its own chunks) or one
+  // thread.
+  CUTLASS_HOST_DEVICE static bool producer_is_warp(Params const& params) { return params.page_table != nullptr; }
 
   static Params to_underlying_arguments(Arguments const& args) {
     Tensor mQ = make_tensor(make_gmem_ptr(args.ptr_q), args.shape_q, args.stride_q);
@@ -166,11 +191,12 @@ struct ForwardMainloop {
                                  Shape<Int<kHeadDimV>, Int<kBlockN>>{}, _1{});
     const int heads_per_kv_head = get<2>(args.shape_q) / get<2>(args.shape_k);
     const float scale = Transform::softmax_scale(args.softmax_scale, args.softcap);
-    TmaKPage tma_k_page{};  // encoded only when paged: each descriptor costs host time per call
-    TmaVtPage tma_vt_page{};
-    if (args.page_table != nullptr) {
-      tma_k_page = make_tma_copy(SM90_TMA_LOAD{}, mK, SmemLayoutKChunk{}, PageChunkK{}, _1{});
-      tma_vt_page = make_tma_copy(SM90_TMA_LOAD{}, mVt, SmemLayoutVtChunk{}, PageChunkVt{}, _1{});
+    PageChunkTmas<kPageRows> page_chunks{};
+    PageChunkTmas<1> page_rows{};
+    if (args.page_table != nullptr && args.page_size % kPageRows == 0) {
+      page_chunks = PageChunkTmas<kPageRows>::make(mK, mVt);
+    } else if (args.page_table != nullptr) {
+      page_rows = PageChunkTmas<1>::make(mK, mVt);
     }
     return {args.shape_q,
             args.shape_k,
@@ -185,54 +211,73 @@ struct ForwardMainloop {
             args.learnable_sink,
             cutlass::FastDivmod(heads_per_kv_head),
             args.seqlen,
-            tma_k_page,
-            tma_vt_page,
+            page_chunks,
+            page_rows,
             args.page_table,
             args.page_table_stride,
-            args.page_size};
+            args.page_size,
+            cutlass::FastDivmod(args.page_table != nullptr ? args.page_size : 1)};
   }
 
   CUTLASS_DEVICE static void prefetch_tma_descriptors(Params const& params) {
     cute::prefetch_tma_descriptor(params.tma_q.get_tma_descriptor());
     cute::prefetch_tma_descriptor(params.tma_k.get_tma_descriptor());
     cute::prefetch_tma_descriptor(params.tma_vt.get_tma_descriptor());
-    if (params.page_table != nullptr) {
-      cute::prefetch_tma_descriptor(params.tma_k_page.get_tma_descriptor());
-      cute::prefetch_tma_descriptor(params.tma_vt_page.get_tma_descriptor());
-    }
+    if (params.page_table != nullptr && params.page_size % kPageRows == 0) params.page_chunks.prefetch();
+    if (params.page_table != nullptr && params.page_size % kPageRows != 0) params.page_rows.prefetch();
   }
 
-  // Paged: one stage of key block n_block as kBlockN / kPageRows chunk loads on the stage's
-  // barrier (their bytes add up to the stage's). A chunk past the sequence's keys reads rows
-  // beyond the page's extent, which the TMA fills with zeros, so the page table is read only
-  // within the sequence and no stale value reaches P V.
-  template <bool kIsV, class Tma, class TensorStages>
+  // Paged: one stage of key block n_block as kBlockN / kRows chunk loads on the stage's barrier
+  // (their bytes add up to the stage's), issued by the producer warp, lane l taking chunks l,
+  // l + 32, ... Each lane reads its chunks' page numbers before the stage is free, so the page
+  // table's latency hides behind that wait. A chunk past the sequence's keys reads rows beyond
+  // its page's extent, which the TMA fills with zeros: the page table is read only within the
+  // sequence and no stale value reaches P V.
+  template <bool kIsV, int kRows, class Tma, class TensorStages>
   CUTLASS_DEVICE static void load_paged_stage(Params const& params, Pipeline& pipeline, PipelineState& state,
                                               Tma const& tma, TensorStages const& stages, SeqlenInfo const& seq,
                                               int head_kv, int n_block) {
-    pipeline.producer_acquire(state);
-    auto& barrier = *pipeline.producer_get_barrier(state);
+    constexpr int kChunks = kBlockN / kRows;
+    constexpr int kChunksPerLane = (kChunks + 31) / 32;
+    const int lane = cutlass::canonical_lane_idx();
     int const* table = params.page_table + seq.batch * params.page_table_stride;
+    // Each chunk's first key as its row in the cache seen as one column of pages (page *
+    // page_size + row in the page), or -1 past the sequence: one register a chunk, which the
+    // producer's few need.
+    int cache_row[kChunksPerLane];
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < kChunksPerLane; ++i) {
+      const int key = n_block * kBlockN + (lane + 32 * i) * kRows;
+      int page_index, row_in_page;
+      params.page_size_divmod(page_index, row_in_page, key);
+      cache_row[i] = key < seq.seqlen_k ? __ldg(table + page_index) * params.page_size + row_in_page : -1;
+    }
+    pipeline.producer_acquire(state);  // every lane waits; lane 0 arms the barrier
+    __syncwarp();
+    auto& barrier = *pipeline.producer_get_barrier(state);
     Tensor pages = tma.get_tma_tensor(kIsV ? params.shape_vt : params.shape_k);
     CUTLASS_PRAGMA_UNROLL
-    for (int j = 0; j < kBlockN / kPageRows; ++j) {
-      const int key = n_block * kBlockN + j * kPageRows;
-      const bool inside = key < seq.seqlen_k;
-      const int page = inside ? __ldg(table + key / params.page_size) : 0;
-      const int chunk = (inside ? key % params.page_size : params.page_size) / kPageRows;
-      if constexpr (kIsV) {
-        Tensor g = local_tile(pages(_, _, head_kv, page), PageChunkVt{}, make_coord(_0{}, chunk));
-        Tensor s = local_tile(stages(_, _, state.index()), PageChunkVt{}, make_coord(_0{}, j));
-        auto [src, dst] = tma_partition(tma, _0{}, Layout<_1>{}, group_modes<0, 2>(s), group_modes<0, 2>(g));
-        copy(tma.with(barrier), src, dst);
-      } else {
-        Tensor g = local_tile(pages(_, _, head_kv, page), PageChunkK{}, make_coord(chunk, _0{}));
-        Tensor s = local_tile(stages(_, _, state.index()), PageChunkK{}, make_coord(j, _0{}));
+    for (int i = 0; i < kChunksPerLane; ++i) {
+      const int chunk = lane + 32 * i;
+      if (kChunks % 32 == 0 || chunk < kChunks) {
+        int page = 0, row = params.page_size;  // past the page: zeros
+        if (cache_row[i] >= 0) params.page_size_divmod(page, row, cache_row[i]);
+        Tensor g = key_chunk<kIsV, kRows>(pages(_, _, head_kv, page), row / kRows);
+        Tensor s = key_chunk<kIsV, kRows>(stages(_, _, state.index()), chunk);
         auto [src, dst] = tma_partition(tma, _0{}, Layout<_1>{}, group_modes<0, 2>(s), group_modes<0, 2>(g));
         copy(tma.with(barrier), src, dst);
       }
     }
     ++state;
+  }
+  // Chunk c of kRows keys of a K tile (keys, d) or a Vt tile (dv, keys).
+  template <bool kIsV, int kRows, class Tensor2>
+  CUTLASS_DEVICE static auto key_chunk(Tensor2 const& tile, int c) {
+    if constexpr (kIsV) {
+      return local_tile(tile, PageChunkVt<kRows>{}, make_coord(_0{}, c));
+    } else {
+      return local_tile(tile, PageChunkK<kRows>{}, make_coord(c, _0{}));
+    }
   }
 
   CUTLASS_DEVICE static SeqlenInfo seqlen_info(Params const& params, WorkTile const& work) {
@@ -246,7 +291,7 @@ struct ForwardMainloop {
     return params.learnable_sink ? params.learnable_sink[work.head] * float(M_LOG2E) : -INFINITY;
   }
 
-  // Producer: called by one thread. Loads K/V blocks in the walk's order (the last block, which
+  // Producer: called by one thread, or by the producer warp when producer_is_warp. Loads K/V blocks in the walk's order (the last block, which
   // may need masking, first), interleaved as K of one block and V of the one before, as the
   // consumers use them, and Q once its buffer is free (every consumer is done with the previous
   // tile's Q K^T).
@@ -282,19 +327,29 @@ struct ForwardMainloop {
     Tensor tVgVt = get<0>(tma_v_parts);
     Tensor tVsVt = get<1>(tma_v_parts);
 
+    // Paged, the whole producer warp runs this (see load_paged_stage), and lane 0 alone arms
+    // barriers and issues the other loads; dense, only lane 0 runs it.
     const bool paged = params.page_table != nullptr;
+    const bool chunks = params.page_size % kPageRows == 0;
+    const bool leader = cutlass::canonical_lane_idx() == 0;
     auto load_k = [&](int n_block) {
-      if (paged) {
-        load_paged_stage<false>(params, pipeline_k, pipe_k_write, params.tma_k_page, sK, seq, head_kv, n_block);
-      } else {
+      if (!paged) {
         tma_load_stage(pipeline_k, pipe_k_write, params.tma_k, tKgK(_, n_block), tKsK);
+      } else if (chunks) {
+        load_paged_stage<false, kPageRows>(params, pipeline_k, pipe_k_write, params.page_chunks.k, sK, seq, head_kv,
+                                           n_block);
+      } else {
+        load_paged_stage<false, 1>(params, pipeline_k, pipe_k_write, params.page_rows.k, sK, seq, head_kv, n_block);
       }
     };
     auto load_v = [&](int n_block) {
-      if (paged) {
-        load_paged_stage<true>(params, pipeline_v, pipe_v_write, params.tma_vt_page, sVt, seq, head_kv, n_block);
-      } else {
+      if (!paged) {
         tma_load_stage(pipeline_v, pipe_v_write, params.tma_vt, tVgVt(_, n_block), tVsVt);
+      } else if (chunks) {
+        load_paged_stage<true, kPageRows>(params, pipeline_v, pipe_v_write, params.page_chunks.vt, sVt, seq, head_kv,
+                                          n_block);
+      } else {
+        load_paged_stage<true, 1>(params, pipeline_v, pipe_v_write, params.page_rows.vt, sVt, seq, head_kv, n_block);
       }
     };
     // The first K block goes out while the previous tile's last GEMMs may still read Q.
@@ -302,8 +357,10 @@ struct ForwardMainloop {
     load_k(blocks.at(0));
     barrier_q_empty.wait(q_empty_phase);
     q_empty_phase ^= 1;
-    barrier_q_full.arrive_and_expect_tx(kTmaBytesQ);
-    copy(params.tma_q.with(reinterpret_cast<uint64_t&>(barrier_q_full)), tQgQ, tQsQ);
+    if (leader) {
+      barrier_q_full.arrive_and_expect_tx(kTmaBytesQ);
+      copy(params.tma_q.with(reinterpret_cast<uint64_t&>(barrier_q_full)), tQgQ, tQsQ);
+    }
     for (int i = 1; i < num_blocks; ++i) {
       load_k(blocks.at(i));
       load_v(blocks.at(i - 1));

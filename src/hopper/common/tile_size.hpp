@@ -8,8 +8,8 @@
 
 namespace flashhopper::hopper {
 
-// A paged KV cache is loaded in chunks of this many keys, each from its own page: page sizes must
-// be multiples of it. (Every forward kBlockN is one too.)
+// A paged KV cache whose page size is a multiple of this many keys loads in chunks of it, each
+// from its own page (other page sizes load key by key). Every forward kBlockN is a multiple too.
 constexpr int kPagedKeyChunk = 16;
 
 // Per (head dim, value head dim), the families of scripts/kernel_manifest.py. kMasked: causal or

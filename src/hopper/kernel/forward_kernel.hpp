@@ -1,6 +1,6 @@
 // The forward kernel: warp roles, register split, shared storage and the persistent tile loop.
-// Warpgroup 0 is the producer (one thread issues every TMA load); warpgroups 1.. are consumers
-// that run the mainloop and the epilogue on the same tile, 64 rows each.
+// Warpgroup 0 is the producer (one thread issues every TMA load, one warp for a paged cache);
+// warpgroups 1.. are consumers that run the mainloop and the epilogue on the same tile, 64 rows each.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -102,12 +102,16 @@ struct ForwardKernel {
 
     if (warp_group == 0) {  // producer
       cutlass::arch::warpgroup_reg_dealloc<kProducerRegisters>();
-      if (threadIdx.x != 0) return;
+      // One thread issues the loads, or one warp when the mainloop gathers (a paged cache); lane 0
+      // takes the tiles and hands them to the others.
+      const bool warp = Mainloop::producer_is_warp(params.mainloop);
+      if (threadIdx.x >= (warp ? cutlass::NumThreadsPerWarp : 1)) return;
       auto pipe_k_write = cutlass::make_producer_start_state<Pipeline>();
       auto pipe_v_write = cutlass::make_producer_start_state<Pipeline>();
       int q_empty_phase = 1;  // the buffer starts empty: the first wait passes
       for (int k = 0;; ++k) {
-        const int tile = Scheduler::tile_at(params.scheduler, storage.barriers.tiles, k, false);
+        int tile = threadIdx.x == 0 ? Scheduler::tile_at(params.scheduler, storage.barriers.tiles, k, false) : 0;
+        if (warp) tile = __shfl_sync(0xffffffff, tile, 0);
         const WorkTile work = Scheduler::decode(params.scheduler, tile);
         if (!work.valid) break;
         const SeqlenInfo seq = Mainloop::seqlen_info(params.mainloop, work);
