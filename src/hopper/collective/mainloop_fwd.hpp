@@ -85,17 +85,22 @@ struct ForwardMainloop {
       take<0, 2>(SmemLayoutVt{}), Shape<Int<kHeadDimV>, Int<kBlockN>>{}, _1{}));
 
   // A paged KV cache: K and Vt viewed per page, (page_size, d, heads, pages) and (dv, page_size,
-  // heads, pages), and a stage loaded as chunks of keys, each from its own page: kPageRows keys
-  // when page_size is a multiple of it, else one key (any page size works, whatever kBlockN is).
+  // heads, pages), and a stage loaded as chunks of keys, each from its own page: of
+  // kPageRowsLarge keys (the largest power of two dividing kBlockN) where page_size is a multiple
+  // of that, else of kPageRows keys where it is a multiple of those, else of one key. So any page
+  // size works, whatever kBlockN is, in as few TMA boxes as the pages allow (small boxes load
+  // slower; bench/RESULTS.md).
   static constexpr int kPageRows = kPagedKeyChunk;
+  static constexpr int kPageRowsLarge = kBlockN & -kBlockN;
   static_assert(kBlockN % kPageRows == 0, "a key block is a whole number of page chunks");
   template <int kRows>
   using PageChunkK = Shape<Int<kRows>, Int<kHeadDim>>;
   template <int kRows>
   using PageChunkVt = Shape<Int<kHeadDimV>, Int<kRows>>;
   // The TMA loads of one chunk of kRows keys, K's and Vt's.
-  template <int kRows>
+  template <int kRows_>
   struct PageChunkTmas {
+    static constexpr int kRows = kRows_;
     using SmemLayoutK1 = decltype(layout<0>(zipped_divide(take<0, 2>(SmemLayoutK{}), PageChunkK<kRows>{})));
     using SmemLayoutVt1 = decltype(layout<0>(zipped_divide(take<0, 2>(SmemLayoutVt{}), PageChunkVt<kRows>{})));
     using TmaK1 = decltype(make_tma_copy(
@@ -115,6 +120,39 @@ struct ForwardMainloop {
     CUTLASS_DEVICE void prefetch() const {
       cute::prefetch_tma_descriptor(k.get_tma_descriptor());
       cute::prefetch_tma_descriptor(vt.get_tma_descriptor());
+    }
+  };
+  // A paged call's chunk loads: of the three chunk sizes only the one page_size takes is encoded
+  // (each descriptor costs host time per call).
+  struct PagedLoads {
+    PageChunkTmas<kPageRowsLarge> large;
+    PageChunkTmas<kPageRows> chunk;
+    PageChunkTmas<1> key;
+    int rows = 0;  // the chunk size: kPageRowsLarge, kPageRows or 1; 0: not paged
+
+    template <class TensorK, class TensorVt>
+    static PagedLoads make(TensorK const& mK, TensorVt const& mVt, int page_size) {
+      PagedLoads loads;
+      loads.rows = page_size % kPageRowsLarge == 0 ? kPageRowsLarge : page_size % kPageRows == 0 ? kPageRows : 1;
+      if (loads.rows == kPageRowsLarge) {
+        loads.large = PageChunkTmas<kPageRowsLarge>::make(mK, mVt);
+      } else if (loads.rows == kPageRows) {
+        loads.chunk = PageChunkTmas<kPageRows>::make(mK, mVt);
+      } else {
+        loads.key = PageChunkTmas<1>::make(mK, mVt);
+      }
+      return loads;
+    }
+    // f(the encoded chunk loads).
+    template <class F>
+    CUTLASS_DEVICE void visit(F&& f) const {
+      if (rows == kPageRowsLarge) {
+        f(large);
+      } else if (rows == kPageRows) {
+        f(chunk);
+      } else {
+        f(key);
+      }
     }
   };
 
@@ -166,10 +204,7 @@ struct ForwardMainloop {
     float const* learnable_sink;
     cutlass::FastDivmod heads_per_kv_head;
     SeqlenParams seqlen;
-    // Paged only, and of the two chunk sizes only the one page_size takes is encoded (each
-    // descriptor costs host time per call).
-    PageChunkTmas<kPageRows> page_chunks;
-    PageChunkTmas<1> page_rows;
+    PagedLoads paged;  // paged only
     int const* page_table;
     int64_t page_table_stride;
     int page_size;
@@ -191,13 +226,7 @@ struct ForwardMainloop {
                                  Shape<Int<kHeadDimV>, Int<kBlockN>>{}, _1{});
     const int heads_per_kv_head = get<2>(args.shape_q) / get<2>(args.shape_k);
     const float scale = Transform::softmax_scale(args.softmax_scale, args.softcap);
-    PageChunkTmas<kPageRows> page_chunks{};
-    PageChunkTmas<1> page_rows{};
-    if (args.page_table != nullptr && args.page_size % kPageRows == 0) {
-      page_chunks = PageChunkTmas<kPageRows>::make(mK, mVt);
-    } else if (args.page_table != nullptr) {
-      page_rows = PageChunkTmas<1>::make(mK, mVt);
-    }
+    const PagedLoads paged = args.page_table != nullptr ? PagedLoads::make(mK, mVt, args.page_size) : PagedLoads{};
     return {args.shape_q,
             args.shape_k,
             args.shape_vt,
@@ -211,8 +240,7 @@ struct ForwardMainloop {
             args.learnable_sink,
             cutlass::FastDivmod(heads_per_kv_head),
             args.seqlen,
-            page_chunks,
-            page_rows,
+            paged,
             args.page_table,
             args.page_table_stride,
             args.page_size,
@@ -223,8 +251,7 @@ struct ForwardMainloop {
     cute::prefetch_tma_descriptor(params.tma_q.get_tma_descriptor());
     cute::prefetch_tma_descriptor(params.tma_k.get_tma_descriptor());
     cute::prefetch_tma_descriptor(params.tma_vt.get_tma_descriptor());
-    if (params.page_table != nullptr && params.page_size % kPageRows == 0) params.page_chunks.prefetch();
-    if (params.page_table != nullptr && params.page_size % kPageRows != 0) params.page_rows.prefetch();
+    if (params.page_table != nullptr) params.paged.visit([](auto const& tmas) { tmas.prefetch(); });
   }
 
   // Paged: one stage of key block n_block as kBlockN / kRows chunk loads on the stage's barrier
@@ -330,26 +357,25 @@ struct ForwardMainloop {
     // Paged, the whole producer warp runs this (see load_paged_stage), and lane 0 alone arms
     // barriers and issues the other loads; dense, only lane 0 runs it.
     const bool paged = params.page_table != nullptr;
-    const bool chunks = params.page_size % kPageRows == 0;
     const bool leader = cutlass::canonical_lane_idx() == 0;
     auto load_k = [&](int n_block) {
       if (!paged) {
         tma_load_stage(pipeline_k, pipe_k_write, params.tma_k, tKgK(_, n_block), tKsK);
-      } else if (chunks) {
-        load_paged_stage<false, kPageRows>(params, pipeline_k, pipe_k_write, params.page_chunks.k, sK, seq, head_kv,
-                                           n_block);
       } else {
-        load_paged_stage<false, 1>(params, pipeline_k, pipe_k_write, params.page_rows.k, sK, seq, head_kv, n_block);
+        params.paged.visit([&](auto const& tmas) {
+          constexpr int kRows = cute::remove_cvref_t<decltype(tmas)>::kRows;
+          load_paged_stage<false, kRows>(params, pipeline_k, pipe_k_write, tmas.k, sK, seq, head_kv, n_block);
+        });
       }
     };
     auto load_v = [&](int n_block) {
       if (!paged) {
         tma_load_stage(pipeline_v, pipe_v_write, params.tma_vt, tVgVt(_, n_block), tVsVt);
-      } else if (chunks) {
-        load_paged_stage<true, kPageRows>(params, pipeline_v, pipe_v_write, params.page_chunks.vt, sVt, seq, head_kv,
-                                          n_block);
       } else {
-        load_paged_stage<true, 1>(params, pipeline_v, pipe_v_write, params.page_rows.vt, sVt, seq, head_kv, n_block);
+        params.paged.visit([&](auto const& tmas) {
+          constexpr int kRows = cute::remove_cvref_t<decltype(tmas)>::kRows;
+          load_paged_stage<true, kRows>(params, pipeline_v, pipe_v_write, tmas.vt, sVt, seq, head_kv, n_block);
+        });
       }
     };
     // The first K block goes out while the previous tile's last GEMMs may still read Q.
