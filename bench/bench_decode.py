@@ -2,10 +2,10 @@
 """Decoding side by side: one query token per sequence against a dense KV cache (every sequence
 cache_len keys), GQA, bf16, hdim 128. FlashHopper's flash_attn_with_kvcache (num_splits=0, the
 library's choice; eager, replayed from a CUDA graph, and on the same keys in a paged cache of
---page-size pages in shuffled order) against FlashAttention-3's
-flash_mha_with_kvcache (flash-attn3-jax, when it imports; the best of num_splits 1, 4, 16, 32, as
-it has no heuristic of its own), and PyTorch SDPA's cuDNN and FLASH (FlashAttention-2) backends
-with enable_gqa.
+--page-size pages in shuffled order) against FlashAttention-3's flash_mha_with_kvcache
+(flash-attn3-jax, when it imports; the best of num_splits 1, 4, 16, 32, as it has no heuristic of
+its own, and with that count on the same paged cache), and PyTorch SDPA's cuDNN and FLASH
+(FlashAttention-2) backends with enable_gqa.
 
 Bandwidth: the K and V bytes a call must read (batch * cache_len * heads_kv * (d + dv) * 2) over
 its time, beside the GPU's device-to-device copy bandwidth measured in the same run (a 4 GiB
@@ -13,7 +13,8 @@ copy: read + write bytes over its time). Times are medians of interleaved rounds
 around back-to-back calls; FA3 through JAX: wall clock around back-to-back jitted calls, as
 bench_varlen.py). max_diff_vs_fa3: our out's largest absolute difference from FA3's;
 paged_vs_dense: the dense call's time over the paged one's; max_diff_paged: their outputs'
-largest difference (0: the same kernel reading the same keys).
+largest difference (0: the same kernel reading the same keys); paged_vs_fa3_paged: FA3's paged
+time over ours.
 
 Writes bench_decode_<date>.csv (after every row) and .png into --out; prints a table last.
 
@@ -33,10 +34,10 @@ os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"  # JAX (FA3) allocates as 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "python"))
 
-BACKENDS = ("flashhopper", "flashhopper_graph", "flashhopper_paged", "fa3", "cudnn", "flash2")
+BACKENDS = ("flashhopper", "flashhopper_graph", "flashhopper_paged", "fa3", "fa3_paged", "cudnn", "flash2")
 FIELDS = ["date", "gpu", "batch", "cache_len", "heads_q", "heads_kv", "hdim", "kv_gib",
           *(f"{b}_{unit}" for b in BACKENDS for unit in ("us", "tbps")), "fa3_splits", "copy_tbps",
-          "ours_vs_copy", "ours_vs_fa3", "max_diff_vs_fa3", "page_size", "paged_vs_dense", "max_diff_paged"]
+          "ours_vs_copy", "ours_vs_fa3", "max_diff_vs_fa3", "page_size", "paged_vs_dense", "max_diff_paged", "paged_vs_fa3_paged"]
 NAN = float("nan")
 MAX_KV_GIB = 36  # rows whose cache would not leave room for the peers' copies are skipped
 
@@ -126,6 +127,12 @@ def measure_row(batch, cache_len, heads_q, heads_kv, d, fa3, copy, args):
         fa3_splits = best[1]
         jax_fns["fa3"] = best[2]
         outs["fa3"] = _from_jax(fa3, jax.block_until_ready(best[2]()))
+        # FA3 on the same paged cache, with the split count that was best on the dense one.
+        jpk, jpv, jtable = (_to_jax(fa3, x) for x in (paged_k, paged_v, table))
+        paged_jitted = jax.jit(lambda a, b, c, t: mha(a, b, c, cache_seqlens=cache_len, page_table=t,
+                                                      num_splits=fa3_splits))
+        jax_fns["fa3_paged"] = lambda: paged_jitted(jq, jpk, jpv, jtable)
+        jax.block_until_ready(jax_fns["fa3_paged"]())
     ms = time_interleaved(torch_fns, jax_fns, (fa3[0].block_until_ready if fa3 else None), 5, args.rounds,
                           args.calls)
     kv_bytes = 2 * batch * cache_len * heads_kv * d * k.element_size()
@@ -141,6 +148,7 @@ def measure_row(batch, cache_len, heads_q, heads_kv, d, fa3, copy, args):
     row["page_size"] = page
     row["paged_vs_dense"] = row["flashhopper_us"] / row["flashhopper_paged_us"]
     row["max_diff_paged"] = (outs["flashhopper"].float() - outs["flashhopper_paged"].float()).abs().max().item()
+    row["paged_vs_fa3_paged"] = row["fa3_paged_us"] / row["flashhopper_paged_us"]
     return row
 
 
@@ -183,7 +191,8 @@ def main(argv=None):
             torch.cuda.empty_cache()
     _plot(rows, os.path.join(args.out, f"bench_decode_{date}.png"), gpu, date, copy)
     print(f"\ndecode, GQA {heads_q}/{heads_kv}, hdim 128, bf16, {gpu}; K+V TB/s (copy {copy:.2f})")
-    print(f"{'batch':>5} {'cache':>7} {'ours':>6} {'graph':>6} {'paged':>6} {'FA3':>6} {'cuDNN':>6} {'FA2':>6} "
+    print(f"{'batch':>5} {'cache':>7} {'ours':>6} {'graph':>6} {'paged':>6} {'FA3':>6} {'FA3 pg':>6} {'cuDNN':>6} "
+          f"{'FA2':>6} "
           f"{'ours us':>8} {'FA3 us':>8} {'vs FA3':>6} {'vs copy':>7}")
     for r in rows:
         print(f"{r['batch']:5d} {r['cache_len']:7d} " + " ".join(_fmt(r[f'{b}_tbps'], '6.2f') for b in BACKENDS)
