@@ -37,7 +37,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.p
 BACKENDS = ("flashhopper", "flashhopper_graph", "flashhopper_paged", "fa3", "fa3_paged", "cudnn", "flash2")
 FIELDS = ["date", "gpu", "batch", "cache_len", "heads_q", "heads_kv", "hdim", "kv_gib",
           *(f"{b}_{unit}" for b in BACKENDS for unit in ("us", "tbps")), "fa3_splits", "copy_tbps",
-          "ours_vs_copy", "ours_vs_fa3", "max_diff_vs_fa3", "page_size", "paged_vs_dense", "max_diff_paged", "paged_vs_fa3_paged"]
+          "ours_vs_copy", "ours_vs_fa3", "max_diff_vs_fa3", "page_size", "paged_vs_dense", "max_diff_paged",
+          "paged_vs_fa3_paged"]
 NAN = float("nan")
 MAX_KV_GIB = 36  # rows whose cache would not leave room for the peers' copies are skipped
 

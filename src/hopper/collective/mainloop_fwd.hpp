@@ -318,10 +318,10 @@ struct ForwardMainloop {
     return params.learnable_sink ? params.learnable_sink[work.head] * float(M_LOG2E) : -INFINITY;
   }
 
-  // Producer: called by one thread, or by the producer warp when producer_is_warp. Loads K/V blocks in the walk's order (the last block, which
-  // may need masking, first), interleaved as K of one block and V of the one before, as the
-  // consumers use them, and Q once its buffer is free (every consumer is done with the previous
-  // tile's Q K^T).
+  // Producer: called by one thread, or by the producer warp when producer_is_warp. Loads K/V
+  // blocks in the walk's order (the last block, which may need masking, first), interleaved as K
+  // of one block and V of the one before, as the consumers use them, and Q once its buffer is free
+  // (every consumer is done with the previous tile's Q K^T).
   CUTLASS_DEVICE static void load(Params const& params, Pipeline& pipeline_k, Pipeline& pipeline_v,
                                   PipelineState& pipe_k_write, PipelineState& pipe_v_write,
                                   cutlass::arch::ClusterTransactionBarrier& barrier_q_full,
