@@ -17,9 +17,9 @@ and sk, deterministic backward; and all of it over packed variable-length sequen
 flash_attn_varlen_func (q [total_q, Hq, d], cu_seqlens_q/k, max_seqlen_q/k, seqused_q/k; up to 8192
 sequences). What a build of the library cannot run raises FlashHopperNotSupported with the
 library's message. Every argument FlashHopper cannot honour yet raises NotImplementedError naming it
-(num_splits > 1, qv, fp8 descales, sm_margin). flash_attn_with_kvcache runs a dense KV cache (with
-the append, rotary and split-KV) and a paged one (page sizes multiples of 16). flash_attn_combine merges
-split-KV partials (FA3's signature and layouts). Bad tensors (dtype, rank, shape, strides, device, alignment) and bad
+(qv, fp8 descales, sm_margin). flash_attn_with_kvcache runs a dense KV cache (with the append,
+rotary and split-KV) and a paged one (any page size). flash_attn_combine merges split-KV partials
+(FA3's signature and layouts). Bad tensors (dtype, rank, shape, strides, device, alignment) and bad
 options (window_size, softcap, attention_chunk, learnable_sink, cu_seqlens, seqused, max_seqlen)
 raise ValueError naming the argument before anything is launched.
 
@@ -31,9 +31,10 @@ Differences from FlashAttention-3 worth knowing:
 - window_size also takes None for an unbounded side (FlashAttention-4's spelling, as -1); its
   bounds must be ints >= -1 (FA3 converts with int()). learnable_sink is a keyword after FA3's
   parameters, so FA3's positional calls keep their meaning.
-- pack_gqa is a tuning hint in FA3 and is accepted and ignored here. In flash_attn_func and
-  flash_attn_varlen_func, num_splits 0 (FA3's "choose for me") and 1 both mean one split; in
-  flash_attn_with_kvcache, 0 lets the library choose from the shapes (as FA3).
+- pack_gqa is a tuning hint in FA3 and is accepted and ignored here (the library packs a decode's
+  query heads itself). num_splits > 1 splits the keys (split-KV; flash_attn_varlen_func raises
+  FlashHopperNotSupported for it), and 0 lets the library choose from the shapes, as FA3; packed
+  (varlen) queries always run unsplit with 0.
 """
 from typing import Optional, Union
 
@@ -66,8 +67,7 @@ def _resolve_options(causal, qv, q_descale, k_descale, v_descale, window_size, a
     for name, descale in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
         if descale is not None:
             _not_yet(name, "<tensor>", "fp8 attention (descale factors)")
-    if num_splits not in (0, 1):
-        _not_yet("num_splits", num_splits, "split-KV")
+    interface.check_num_splits(num_splits)
     if sm_margin != 0:
         _not_yet("sm_margin", sm_margin, "leaving SMs free")
     return interface.check_mask_args(causal, window_size, softcap, attention_chunk)
@@ -113,13 +113,15 @@ def _attention(q, k, v, varlen, softmax_scale, causal, qv, q_descale, k_descale,
         interface.check_forward_args(q, k, v, softmax_scale, learnable_sink, varlen)
         interface.check_devices([("q", q), ("k", k), ("v", v), ("learnable_sink", learnable_sink)]
                                 + interface.varlen_tensors(varlen))
+        varlen_args = (None,) * 6 if varlen is None else varlen
         out, softmax_lse = ops.fwd(q, k, v, softmax_scale, causal, bool(deterministic), window_left, window_right,
-                                   softcap, attention_chunk, learnable_sink, *(() if varlen is None else varlen))
+                                   softcap, attention_chunk, learnable_sink, *varlen_args, num_splits)
     else:
         result = interface.forward(q, k, v, causal, softmax_scale, return_lse=bool(return_attn_probs),
                                    window_size=(window_left, window_right), softcap=softcap,
                                    attention_chunk=attention_chunk, learnable_sink=learnable_sink,
-                                   varlen=None if varlen is None else interface.as_varlen(*varlen))
+                                   varlen=None if varlen is None else interface.as_varlen(*varlen),
+                                   num_splits=num_splits)
         out, softmax_lse = result if return_attn_probs else (result, None)
     if unpadded_dim is not None:
         out = out[..., :unpadded_dim].contiguous()

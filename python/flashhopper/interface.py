@@ -387,6 +387,12 @@ def library_mask(causal: bool, window_left: int, window_right: int, seqlen_q: in
     return 0, window_left, window_right
 
 
+def check_num_splits(num_splits) -> None:
+    """num_splits is an int (the library checks its range)."""
+    if not isinstance(num_splits, int) or isinstance(num_splits, bool):
+        raise invalid_argument(f"num_splits: expected an int, got {type(num_splits).__name__}")
+
+
 def check_softmax_scale(softmax_scale) -> None:
     if softmax_scale is None:
         return
@@ -566,7 +572,8 @@ def _set_varlen_sizes(params, varlen) -> None:
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
             softmax_scale: float | None = None, out: torch.Tensor | None = None,
             return_lse: bool = False, *, window_size=(-1, -1), softcap: float = 0.0,
-            attention_chunk: int = 0, learnable_sink: torch.Tensor | None = None, varlen: Varlen | None = None):
+            attention_chunk: int = 0, learnable_sink: torch.Tensor | None = None, varlen: Varlen | None = None,
+            num_splits: int = 1):
     """Attention forward. q [B, sq, Hq, d], k [B, sk, Hkv, d], v [B, sk, Hkv, d] on one CUDA
     device (bf16 or fp16). Returns out [B, sq, Hq, d] (and lse [B, Hq, sq] float32 when
     return_lse). softmax_scale None means 1/sqrt(d); causal is aligned bottom-right.
@@ -579,12 +586,16 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = Fa
     > 0 replaces scores s by softcap * tanh(s / softcap); attention_chunk c > 0 lets query row i
     see key j only within its chunk (floor(p / c) * c <= j < floor(p / c) * c + c, p = i + sk - sq),
     on top of the window; learnable_sink float32 [Hq] adds exp(sink[h]) to every row's softmax
-    denominator (lse includes it)."""
+    denominator (lse includes it). num_splits > 1 splits the keys into that many parts whose
+    partials are combined (split-KV; dense queries only), 0 lets the library choose from the shapes
+    (more than one only where the query tiles leave most SMs idle), 1 does not split."""
     key = _plan_key("forward", (q, k, v, out, learnable_sink, *_varlen_fields(varlen)),
-                    (causal, softmax_scale, return_lse, window_size, softcap, attention_chunk, *_varlen_sizes(varlen)))
+                    (causal, softmax_scale, return_lse, window_size, softcap, attention_chunk, num_splits,
+                     *_varlen_sizes(varlen)))
     plan = _PLANS.get(key) if key is not None else None
     if plan is None:
         mask = check_mask_args(causal, window_size, softcap, attention_chunk)
+        check_num_splits(num_splits)
         check_forward_args(q, k, v, softmax_scale, learnable_sink, varlen)
         check_devices([("q", q), ("k", k), ("v", v), ("out", out), ("learnable_sink", learnable_sink)]
                       + varlen_tensors(varlen))
@@ -607,6 +618,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = Fa
         params.softmax_scale = _scale(softmax_scale)
         _set_mask(params, q, k, varlen, mask)
         _set_varlen_sizes(params, varlen)
+        params.num_splits = num_splits
         plan = _make_plan(key, params, named, lib.fh_forward_workspace_size)
     _launch(plan, named, lib.fh_forward, q.device)
     return (out, lse) if return_lse else out
@@ -750,8 +762,7 @@ def _check_kvcache_args(q, k_cache, v_cache, k_new, v_new, qv, rotary_seqlens, c
                         cache_leftpad, cu_seqlens_q, max_seqlen_q, num_splits) -> None:
     """forward_with_kvcache's metadata checks here (the library checks the rest): types, ranks,
     dtypes, the int32 vectors' lengths."""
-    if not isinstance(num_splits, int) or isinstance(num_splits, bool):
-        raise invalid_argument(f"num_splits: expected an int, got {type(num_splits).__name__}")
+    check_num_splits(num_splits)
     varlen_q = cu_seqlens_q is not None
     rank, layout = (3, "[total_q, H, d] (cu_seqlens_q given)") if varlen_q else (4, "[B, sq, H, d]")
     _check_input("q", q, rank, layout)

@@ -4,7 +4,8 @@ graphs see one opaque op per pass:
     torch.ops.flashhopper.fwd(q, k, v, softmax_scale=None, causal=False, deterministic=False,
                               window_left=-1, window_right=-1, softcap=0.0, attention_chunk=0,
                               learnable_sink=None, cu_seqlens_q=None, cu_seqlens_k=None,
-                              max_seqlen_q=None, max_seqlen_k=None, seqused_q=None, seqused_k=None)
+                              max_seqlen_q=None, max_seqlen_k=None, seqused_q=None, seqused_k=None,
+                              num_splits=1)
         -> (out [B, sq, Hq, d], lse [B, Hq, sq] float32), varlen (out [total_q, Hq, d], lse [Hq, total_q])
     torch.ops.flashhopper.bwd(dout, q, k, v, out, lse, softmax_scale=None, causal=False,
                               deterministic=False, window_left=-1, window_right=-1, softcap=0.0,
@@ -22,7 +23,8 @@ bottom-right aligned (within each sequence), -1 unbounded, causal forces right =
 covering the whole sequence (max_seqlen in the packed layout) is no bound; attention_chunk c > 0
 restricts each row to its chunk of c keys on top of the window; softcap > 0 caps the scores
 (softcap * tanh(s / softcap)); learnable_sink (float32 [Hq], or None) adds exp(sink[h]) to every
-row's softmax denominator, and lse includes it. bwd always returns four
+row's softmax denominator, and lse includes it; fwd's num_splits splits the keys (split-KV, as
+interface.forward; 0 lets the library choose), which changes nothing in bwd. bwd always returns four
 tensors: dsink is float32 [Hq] (d loss / d learnable_sink, summed over batch and rows) when
 learnable_sink is given and an empty float32 tensor of shape [0] otherwise.
 
@@ -43,7 +45,7 @@ from . import interface
 
 Tensor = torch.Tensor
 
-_NUM_FWD_INPUTS = 17
+_NUM_FWD_INPUTS = 18
 _SINK_INPUT = 10  # learnable_sink's position among fwd's inputs
 
 
@@ -53,20 +55,22 @@ def fwd(q: Tensor, k: Tensor, v: Tensor, softmax_scale: Optional[float] = None, 
         attention_chunk: int = 0, learnable_sink: Optional[Tensor] = None, cu_seqlens_q: Optional[Tensor] = None,
         cu_seqlens_k: Optional[Tensor] = None, max_seqlen_q: Optional[int] = None,
         max_seqlen_k: Optional[int] = None, seqused_q: Optional[Tensor] = None,
-        seqused_k: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+        seqused_k: Optional[Tensor] = None, num_splits: int = 1) -> tuple[Tensor, Tensor]:
     varlen = interface.as_varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k)
     out, lse = interface.forward(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True,
                                  window_size=(window_left, window_right), softcap=softcap,
-                                 attention_chunk=attention_chunk, learnable_sink=learnable_sink, varlen=varlen)
+                                 attention_chunk=attention_chunk, learnable_sink=learnable_sink, varlen=varlen,
+                                 num_splits=num_splits)
     return out, lse
 
 
 @fwd.register_fake
 def _fwd_fake(q, k, v, softmax_scale=None, causal=False, deterministic=False, window_left=-1, window_right=-1,
               softcap=0.0, attention_chunk=0, learnable_sink=None, cu_seqlens_q=None, cu_seqlens_k=None,
-              max_seqlen_q=None, max_seqlen_k=None, seqused_q=None, seqused_k=None):
+              max_seqlen_q=None, max_seqlen_k=None, seqused_q=None, seqused_k=None, num_splits=1):
     varlen = interface.as_varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k)
     interface.check_mask_args(causal, (window_left, window_right), softcap, attention_chunk)
+    interface.check_num_splits(num_splits)
     interface.check_forward_args(q, k, v, softmax_scale, learnable_sink, varlen)
     out = q.new_empty((*q.shape[:-1], v.shape[-1]))
     lse = q.new_empty(interface.lse_shape(q, varlen), dtype=torch.float32)
@@ -121,7 +125,7 @@ def _bwd_fake(dout, q, k, v, out, lse, softmax_scale=None, causal=False, determi
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, softmax_scale, causal, deterministic, window_left, window_right, softcap, attention_chunk,
-     learnable_sink, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k) = inputs
+     learnable_sink, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, _) = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, learnable_sink, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
     ctx.softmax_scale = softmax_scale

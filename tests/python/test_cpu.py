@@ -83,7 +83,8 @@ def test_ops_registered():
                "Tensor? learnable_sink=None, Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, "
                "SymInt? max_seqlen_q=None, SymInt? max_seqlen_k=None, Tensor? seqused_q=None, Tensor? seqused_k=None")
     assert fwd_schema == ("flashhopper::fwd(Tensor q, Tensor k, Tensor v, float? softmax_scale=None, "
-                          f"bool causal=False, bool deterministic=False, {options}) -> (Tensor, Tensor)")
+                          f"bool causal=False, bool deterministic=False, {options}, SymInt num_splits=1) "
+                          "-> (Tensor, Tensor)")
     assert bwd_schema == ("flashhopper::bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
                           f"float? softmax_scale=None, bool causal=False, bool deterministic=False, {options}) "
                           "-> (Tensor, Tensor, Tensor, Tensor)")
@@ -152,7 +153,6 @@ def test_module_alias_import():
 # What the kernels cannot do yet: NotImplementedError naming the argument, before device checks
 
 @pytest.mark.parametrize("kwargs, argument", [
-    (dict(num_splits=2), "num_splits"),
     (dict(sm_margin=8), "sm_margin"),
     (dict(q_descale=torch.ones(2, 2)), "q_descale"),
     (dict(k_descale=torch.ones(2, 2)), "k_descale"),
@@ -299,7 +299,8 @@ def test_flash_attn_combine_checks_its_arguments():
 
 @pytest.mark.parametrize("kwargs", [
     dict(), dict(causal=True), dict(window_size=(-1, 0)), dict(window_size=(95, 0)), dict(window_size=(-1, 63)),
-    dict(window_size=(200, 200)), dict(num_splits=0), dict(pack_gqa=True), dict(deterministic=True),
+    dict(window_size=(200, 200)), dict(num_splits=0), dict(num_splits=3), dict(pack_gqa=True),
+    dict(deterministic=True),
     dict(window_size=(16, 16)), dict(window_size=(-1, 16)), dict(window_size=(16, -1)), dict(window_size=(0, 0)),
     dict(window_size=(16, 0), causal=True), dict(window_size=(16, 16), causal=True), dict(window_size=None),
     dict(window_size=(None, 0)), dict(window_size=[8, 8]), dict(softcap=30.0), dict(softcap=1),
@@ -309,7 +310,8 @@ def test_flash_attn_combine_checks_its_arguments():
 ])
 def test_supported_options_reach_the_device_check(kwargs):
     """Local windows, causal with a window, chunks, softcap and learnable_sink are accepted, as are
-    num_splits 0/1 and the pack_gqa hint, dense and varlen: the next refusal is the CPU device."""
+    num_splits (the library refuses > 1 with packed queries on the GPU) and the pack_gqa hint, dense
+    and varlen: the next refusal is the CPU device."""
     q, k, v = qkv()  # seqlen_q 64, seqlen_k 96
     with pytest.raises(ValueError, match="q: must be a CUDA tensor"):
         flash_attn_func(q, k, v, **kwargs)
@@ -358,8 +360,8 @@ def test_refusals_are_flashhopper_errors_of_the_builtin_type():
         flash_attn_func(q.float(), k.float(), v.float())
     assert isinstance(info.value, (flashhopper.FlashHopperError)) and isinstance(info.value, RuntimeError)
     assert isinstance(info.value, ValueError)
-    with pytest.raises(flashhopper.FlashHopperNotSupported, match="num_splits") as info:
-        flash_attn_func(q, k, v, num_splits=2)
+    with pytest.raises(flashhopper.FlashHopperNotSupported, match="sm_margin") as info:
+        flash_attn_func(q, k, v, sm_margin=2)
     assert isinstance(info.value, flashhopper.FlashHopperError) and isinstance(info.value, NotImplementedError)
     with pytest.raises(flashhopper.FlashHopperInvalidArgument, match="window_size"):
         fa3.flash_attn_varlen_func(*varlen_args(), window_size=(-2, 0))
@@ -653,6 +655,21 @@ def _captured_params(monkeypatch):
     monkeypatch.setattr(interface, "_launch",
                         lambda plan, named, run_fn, device: captured.append(interface._bound_params(plan, named)))
     return captured
+
+
+def test_flash_attn_func_passes_num_splits(monkeypatch):
+    """flash_attn_func's num_splits reaches the library (split-KV; 0: its choice from the shapes),
+    through the plain call and through the autograd op; FA3's default is one split; a float is
+    refused by name."""
+    captured = _captured_params(monkeypatch)
+    q, k, v = qkv()
+    flash_attn_func(q, k, v)
+    flash_attn_func(q, k, v, num_splits=3)
+    flash_attn_func(q, k, v, num_splits=0)
+    flash_attn_func(q.clone().requires_grad_(), k, v, num_splits=5)
+    assert [params.num_splits for params in captured] == [1, 3, 0, 5]
+    with pytest.raises(ValueError, match="num_splits: expected an int, got float"):
+        flash_attn_func(q, k, v, num_splits=2.0)
 
 
 @pytest.mark.parametrize("causal, window, expected", [

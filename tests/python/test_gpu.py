@@ -113,6 +113,20 @@ def test_against_reference(dtype, head_dim, batch, seqlen_q, seqlen_k, heads_q, 
         *leaves, causal=causal, softmax_scale=scale, dtype=in_dtype))
 
 
+@pytest.mark.parametrize("num_splits, causal", [(3, True), (7, False), (0, False)])
+@requires_gpu
+def test_flash_attn_func_split_kv_against_reference(num_splits, causal):
+    """flash_attn_func split over the keys (forced, and chosen by the library on a decode-like
+    shape that it splits): out, lse and the gradients (the backward reads the combined out and lse)
+    against float64 with the pass rule."""
+    q, k, v = make_inputs(2, 4, 3000, 8, 2, 128, torch.bfloat16, seed=num_splits)
+    out, lse = run_or_skip(flash_attn_func, q, k, v, causal=causal, num_splits=num_splits, return_attn_probs=True)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    assert_matches_reference(out, lse, grads, (q, k, v), dout, torch.bfloat16, lambda leaves, in_dtype:
+                             attention_reference(*leaves, causal=causal, dtype=in_dtype))
+
+
 # (id, dtype, head_dim, batch, seqlen_q, seqlen_k, heads_q, heads_kv, options for flash_attn_func, with_sink).
 # Windows (both sides, one side, with causal, the diagonal only), chunks (multiples of the tile sizes
 # or not, with a window, with causal), softcap (loose and tight), sinks (with rows that see no key,
