@@ -155,9 +155,9 @@ def _layout(varlen: Optional[Varlen]):
     return 3, "[total_q, heads_q, head_dim]", "[total_k, heads_kv, head_dim]", "[heads_q, total_q]"
 
 
-def lse_shape(q: torch.Tensor, varlen: Optional[Varlen] = None) -> tuple:
-    """lse's shape: [B, Hq, sq] for q [B, sq, Hq, d], [Hq, total_q] for q [total_q, Hq, d] (varlen)."""
-    if varlen is None:
+def lse_shape(q: torch.Tensor) -> tuple:
+    """lse's shape: [B, Hq, sq] for q [B, sq, Hq, d], [Hq, total_q] for packed q [total_q, Hq, d]."""
+    if q.dim() == 4:
         return q.shape[0], q.shape[2], q.shape[1]
     return q.shape[1], q.shape[0]
 
@@ -423,7 +423,7 @@ def check_backward_args(dout, q, k, v, out, lse, softmax_scale=None, check_dout_
         raise invalid_argument(f"lse: expected a torch.Tensor, got {type(lse).__name__}")
     if lse.dtype != torch.float32:
         raise invalid_argument(f"lse: dtype {lse.dtype}, expected torch.float32 (as returned by the forward)")
-    expected_lse = tuple(lse_shape(q, varlen))
+    expected_lse = tuple(lse_shape(q))
     if tuple(lse.shape) != expected_lse:
         raise invalid_argument(f"lse: shape {tuple(lse.shape)}, expected {lse_dims} = {expected_lse}")
 
@@ -606,7 +606,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = Fa
             check_layout("out", out)
     if out is None:
         out = torch.empty((*q.shape[:-1], v.shape[-1]), dtype=q.dtype, device=q.device)
-    lse = torch.empty(lse_shape(q, varlen), dtype=torch.float32, device=q.device) if return_lse else None
+    lse = torch.empty(lse_shape(q), dtype=torch.float32, device=q.device) if return_lse else None
     check_alignment((("q", q), ("k", k), ("v", v), ("out", out)))
     named = (("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse), ("learnable_sink", learnable_sink),
              *varlen_tensors(varlen))
@@ -730,8 +730,7 @@ def forward_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         check_devices([(_KVCACHE_NAMES.get(name, name), t) for name, t in inputs])
     varlen_q = cu_seqlens_q is not None
     out = torch.empty((*q.shape[:-1], v_cache.shape[-1]), dtype=q.dtype, device=q.device)
-    lse_dims = (q.shape[-2], q.shape[0]) if varlen_q else (q.shape[0], q.shape[-2], q.shape[1])
-    lse = torch.empty(lse_dims, dtype=torch.float32, device=q.device) if return_lse else None
+    lse = torch.empty(lse_shape(q), dtype=torch.float32, device=q.device) if return_lse else None
     named = (*inputs, ("out", out), ("lse", lse))
     lib = _ffi.lib()
     try:

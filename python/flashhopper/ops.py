@@ -73,7 +73,7 @@ def _fwd_fake(q, k, v, softmax_scale=None, causal=False, deterministic=False, wi
     interface.check_num_splits(num_splits)
     interface.check_forward_args(q, k, v, softmax_scale, learnable_sink, varlen)
     out = q.new_empty((*q.shape[:-1], v.shape[-1]))
-    lse = q.new_empty(interface.lse_shape(q, varlen), dtype=torch.float32)
+    lse = q.new_empty(interface.lse_shape(q), dtype=torch.float32)
     return out, lse
 
 

@@ -493,16 +493,16 @@ std::vector<KvCacheCase> kv_cache_cases() {
   }
   // Paged: pages of 16 keys (a block reads 10 pages at hdim 128), 48 (no block boundary on a page
   // boundary), 64, 128 and 256, and pages loaded key by key: 1, 4 and 24; decoding (packed GQA,
-  // split-KV chosen and forced), an append with rotary, a prefill-like 64 rows, a window. Causal
-  // (blocks of 128 keys) and not (160) take every chunk size: 1, 16, 32 and whole blocks.
+  // split-KV chosen and forced), an append with rotary, a prefill-like 64 rows, a window. Decodes
+  // run unmasked (packed GQA: blocks of 160 keys), the appends causal (128): both take every chunk
+  // size, 1, 16 and 32 keys.
   for (int page_size : {1, 4, 16, 24, 48, 64, 128, 256}) {
-    const bool causal = page_size == 16 || page_size >= 128;
-    KvCacheCase c{6, 1, 32, 8, 0, page_size * (2048 / page_size), causal, false, false};
+    KvCacheCase c{6, 1, 32, 8, 0, page_size * (2048 / page_size), page_size % 32 == 16, false, false};
     c.num_splits = page_size == 128 ? 3 : 0;
     c.page_size = page_size;
     cases.push_back(c);
   }
-  for (int page_size : {4, 16, 64}) {
+  for (int page_size : {4, 16, 64, 128}) {
     KvCacheCase c{4, 3, 8, 2, 0, 1024, true, false, false, -1, 3, 64, true};
     c.page_size = page_size;
     cases.push_back(c);

@@ -86,12 +86,12 @@ struct ForwardMainloop {
 
   // A paged KV cache: K and Vt viewed per page, (page_size, d, heads, pages) and (dv, page_size,
   // heads, pages), and a stage loaded as chunks of keys, each from its own page: of
-  // kPageRowsLarge keys (the largest power of two dividing kBlockN) where page_size is a multiple
-  // of that, else of kPageRows keys where it is a multiple of those, else of one key. So any page
-  // size works, whatever kBlockN is, in as few TMA boxes as the pages allow (small boxes load
-  // slower; bench/RESULTS.md).
+  // kPageRowsLarge keys where page_size is a multiple of that, else of kPageRows keys where it is
+  // a multiple of those, else of one key. So any page size works, whatever kBlockN is, in as few
+  // TMA boxes as the pages allow (small boxes load slower; bench/RESULTS.md). kPageRowsLarge: the
+  // largest power of two dividing kBlockN, at most 32 keys (the chunk sizes the GPU tests take).
   static constexpr int kPageRows = kPagedKeyChunk;
-  static constexpr int kPageRowsLarge = kBlockN & -kBlockN;
+  static constexpr int kPageRowsLarge = (kBlockN & -kBlockN) < 32 ? (kBlockN & -kBlockN) : 32;
   static_assert(kBlockN % kPageRows == 0, "a key block is a whole number of page chunks");
   template <int kRows>
   using PageChunkK = Shape<Int<kRows>, Int<kHeadDim>>;
