@@ -41,12 +41,15 @@ run_gtests() {
   summary+=("$label: rc=$rc, $(grep -E '^\[  PASSED  \]|^\[  FAILED  \]' "$out/$log" | tr '\n' ' ')")
 }
 
-# One side-by-side benchmark script of bench/ (its own peers), the table it prints last.
+# One side-by-side benchmark script of bench/ (its own peers), the table it prints last; extra
+# arguments go to the script, whose files then go into $out/$name<arguments>.
 run_bench() {
-  local name=$1
+  local name=$1 dir=$out
+  shift
+  [ $# -gt 0 ] && dir="$out/$name$(printf '%s' "$@" | tr -c 'a-zA-Z0-9' '_')"
   PYTHONUNBUFFERED=1 FLASHHOPPER_LIBRARY="$build/libflashhopper.so" PYTHONPATH="$root/python${PYTHONPATH:+:$PYTHONPATH}" \
-    timeout 400 python3 "$root/bench/bench_$name.py" --out "$out" 2>&1 | tail -30
-  summary+=("$name bench: see $out/bench_${name}_*.csv")
+    timeout 400 python3 "$root/bench/bench_$name.py" --out "$dir" "$@" 2>&1 | tail -30
+  summary+=("$name bench $*: see $dir/bench_${name}_*.csv")
 }
 
 for step in "${steps[@]}"; do
@@ -100,7 +103,10 @@ for step in "${steps[@]}"; do
       ;;
     features_bench) run_bench features ;;
     head_dims_bench) run_bench head_dims ;;
-    decode_bench) run_bench decode ;;
+    decode_bench)
+      # The paged column at each of DECODE_PAGE_SIZES (default the issue's 16 and 256).
+      for page_size in ${DECODE_PAGE_SIZES:-16 256}; do run_bench decode --page-size "$page_size"; done
+      ;;
     tests)
       # FWD_FILTER / BWD_FILTER (gtest filters, default all) split the grid over several calls.
       run_gtests "gpu tests" test_forward_gpu "${FWD_FILTER:-*}" "${FWD_TIMEOUT:-420}" gpu_tests.log
