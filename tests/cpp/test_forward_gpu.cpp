@@ -477,6 +477,11 @@ std::vector<KvCacheCase> kv_cache_cases() {
     }
   cases.push_back({5, 4, 32, 8, 7, 4096, true, true, true});
   cases.push_back({5, 4, 4, 4, 5, 700, false, true, false, 100});  // a window over the cache
+  // GQA ratios 16 and 32, decoding (packed: 16 and 32 query heads a tile) and not.
+  for (int seqlen_q : {1, 3}) {
+    cases.push_back({3, seqlen_q, 32, 2, 4, 1500, seqlen_q > 1, true, true});
+    cases.push_back({3, seqlen_q, 32, 1, 3, 1500, false, false, false});
+  }
   // Appending, with rotary (interleaved or not, a rotary dim below d), q rotated at consecutive
   // positions (causal) or all at the offset.
   cases.push_back({4, 1, 8, 2, 4, 1000, false, false, false, -1, 1});
