@@ -14,7 +14,8 @@ around back-to-back calls; FA3 through JAX: wall clock around back-to-back jitte
 bench_varlen.py). max_diff_vs_fa3: our out's largest absolute difference from FA3's;
 paged_vs_dense: the dense call's time over the paged one's; max_diff_paged: their outputs'
 largest difference (0: the same kernel reading the same keys); paged_vs_fa3_paged: FA3's paged
-time over ours.
+time over ours. workspace_bytes: what the dense call allocates and frees again (the split-KV
+partials), workspace_vs_kv: over the K and V bytes it reads.
 
 Writes bench_decode_<date>.csv (after every row) and .png into --out; prints a table last.
 
@@ -38,7 +39,7 @@ BACKENDS = ("flashhopper", "flashhopper_graph", "flashhopper_paged", "fa3", "fa3
 FIELDS = ["date", "gpu", "batch", "cache_len", "heads_q", "heads_kv", "hdim", "kv_gib",
           *(f"{b}_{unit}" for b in BACKENDS for unit in ("us", "tbps")), "fa3_splits", "copy_tbps",
           "ours_vs_copy", "ours_vs_fa3", "max_diff_vs_fa3", "page_size", "paged_vs_dense", "max_diff_paged",
-          "paged_vs_fa3_paged"]
+          "paged_vs_fa3_paged", "workspace_bytes", "workspace_vs_kv"]
 NAN = float("nan")
 MAX_KV_GIB = 36  # rows whose cache would not leave room for the peers' copies are skipped
 
@@ -50,6 +51,18 @@ def copy_tbps():
     dst = torch.empty_like(src)
     ms = time_all_ms({"copy": lambda: dst.copy_(src)}, warmup=3, rounds=9, calls=3)["copy"]
     return 2 * src.numel() * src.element_size() / (ms * 1e-3) / 1e12
+
+
+def workspace_bytes(fn):
+    """The bytes a call allocates and frees again (its workspace: split partials, plans): the peak
+    of PyTorch's allocator during the call less what is still allocated after it (its out)."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    result = fn()
+    torch.cuda.synchronize()
+    peak, after = torch.cuda.max_memory_allocated(), torch.cuda.memory_allocated()
+    del result
+    return peak - after
 
 
 def graphed(fn):
@@ -92,6 +105,7 @@ def measure_row(batch, cache_len, heads_q, heads_kv, d, fa3, copy, args):
         return fh.flash_attn_with_kvcache(q, k, v, cache_seqlens=lengths, num_splits=0)
     outs["flashhopper"] = ours()
     torch_fns["flashhopper"] = ours
+    workspace = workspace_bytes(ours)
     torch_fns["flashhopper_graph"] = graphed(ours)
     # The same keys in a paged cache: pages of page_size keys in shuffled order.
     page = args.page_size
@@ -150,6 +164,7 @@ def measure_row(batch, cache_len, heads_q, heads_kv, d, fa3, copy, args):
     row["paged_vs_dense"] = row["flashhopper_us"] / row["flashhopper_paged_us"]
     row["max_diff_paged"] = (outs["flashhopper"].float() - outs["flashhopper_paged"].float()).abs().max().item()
     row["paged_vs_fa3_paged"] = row["fa3_paged_us"] / row["flashhopper_paged_us"]
+    row["workspace_bytes"], row["workspace_vs_kv"] = workspace, workspace / kv_bytes
     return row
 
 
@@ -194,11 +209,11 @@ def main(argv=None):
     print(f"\ndecode, GQA {heads_q}/{heads_kv}, hdim 128, bf16, {gpu}; K+V TB/s (copy {copy:.2f})")
     print(f"{'batch':>5} {'cache':>7} {'ours':>6} {'graph':>6} {'paged':>6} {'FA3':>6} {'FA3 pg':>6} {'cuDNN':>6} "
           f"{'FA2':>6} "
-          f"{'ours us':>8} {'FA3 us':>8} {'vs FA3':>6} {'vs copy':>7}")
+          f"{'ours us':>8} {'FA3 us':>8} {'vs FA3':>6} {'vs copy':>7} {'ws %KV':>7}")
     for r in rows:
         print(f"{r['batch']:5d} {r['cache_len']:7d} " + " ".join(_fmt(r[f'{b}_tbps'], '6.2f') for b in BACKENDS)
               + f" {_fmt(r['flashhopper_us'], '8.1f')} {_fmt(r['fa3_us'], '8.1f')} {_fmt(r['ours_vs_fa3'], '6.2f')}"
-              f" {_fmt(r['ours_vs_copy'], '7.2f')}")
+              f" {_fmt(r['ours_vs_copy'], '7.2f')} {_fmt(100 * r['workspace_vs_kv'], '7.3f')}")
     return 0
 
 
