@@ -34,7 +34,6 @@ import inspect
 import math
 import os
 import random
-import statistics
 import sys
 import tempfile
 import time
@@ -168,32 +167,6 @@ def _fa3_keywords(fn):
             "causal": pick("is_causal", "causal")}
 
 
-def _to_jax(fa3, t):
-    """A torch CUDA bf16 tensor as a JAX array: through DLPack (zero copy), else through the host."""
-    jax, jnp, _ = fa3
-    t = t.detach().contiguous()
-    torch.cuda.synchronize()
-    try:
-        return jax.dlpack.from_dlpack(t)
-    except Exception:
-        if t.dtype == torch.bfloat16:
-            bits = jnp.asarray(t.view(torch.int16).cpu().numpy())
-            return jax.lax.bitcast_convert_type(bits, jnp.bfloat16)
-        return jnp.asarray(t.cpu().numpy())
-
-
-def _from_jax(fa3, x):
-    jax, jnp, _ = fa3
-    try:
-        return torch.from_dlpack(x)
-    except Exception:
-        import numpy as np
-        if x.dtype == jnp.bfloat16:
-            bits = np.asarray(jax.lax.bitcast_convert_type(x, jnp.int16))
-            return torch.from_numpy(bits).view(torch.bfloat16).cuda()
-        return torch.from_numpy(np.asarray(x)).cuda()
-
-
 # ---------------------------------------------------------------------------------------------------
 # Timing
 
@@ -224,42 +197,13 @@ def _fa3_setup(pass_, fa3, inputs, dout, cu, max_seqlen, causal):
     return fn, list(jax.block_until_ready(fn()))
 
 
-def time_interleaved(torch_fns, jax_fns, block, warmup, rounds, calls):
-    """Median per backend over `rounds` rounds; each round times every PyTorch backend once with
-    flashhopper.bench.time_all_ms (rounds=1: CUDA events around `calls` back-to-back calls) and then
-    every JAX backend (wall clock around `calls` back-to-back calls and one block_until_ready)."""
-    from flashhopper.bench import time_all_ms
-
-    for fn in torch_fns.values():
-        for _ in range(warmup):
-            fn()
-    for fn in jax_fns.values():
-        for _ in range(warmup):
-            block(fn())
-    torch.cuda.synchronize()
-    samples = {name: [] for name in (*torch_fns, *jax_fns)}
-    for _ in range(rounds):
-        if torch_fns:
-            for name, ms in time_all_ms(torch_fns, warmup=0, rounds=1, calls=calls).items():
-                samples[name].append(ms)
-        for name, fn in jax_fns.items():
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            for _ in range(calls):
-                result = fn()
-            block(result)
-            samples[name].append((time.perf_counter() - start) * 1e3 / calls)
-            del result
-    return {name: statistics.median(s) for name, s in samples.items()}
-
-
 def _max_diff(ours, theirs):
     return max((a.float() - b.float()).abs().max().item() for a, b in zip(ours, theirs))
 
 
 def measure_row(name, lengths, causal, dense, args, peers, date, gpu, started):
     import flashhopper
-    from flashhopper.bench import pass_setup
+    from flashhopper.bench import from_jax, pass_setup, time_interleaved, to_jax
 
     fa4_varlen, fa3 = peers
     total, max_seqlen, seqs = sum(lengths), max(lengths), len(lengths)
@@ -285,8 +229,8 @@ def measure_row(name, lengths, causal, dense, args, peers, date, gpu, started):
     fa3_inputs = fa3_dout = fa3_cu = None
     if fa3 is not None:
         try:
-            fa3_inputs = [_to_jax(fa3, x) for x in (q, k, v)]
-            fa3_dout = _to_jax(fa3, dout)
+            fa3_inputs = [to_jax(fa3, x) for x in (q, k, v)]
+            fa3_dout = to_jax(fa3, dout)
             fa3_cu = fa3[1].asarray(cu_list, dtype=fa3[1].int32)
         except Exception as error:
             print(f"  {name}: FA3 inputs: {error!r}", flush=True)
@@ -337,7 +281,7 @@ def measure_row(name, lengths, causal, dense, args, peers, date, gpu, started):
                 try:
                     theirs = results[backend]
                     if backend == "fa3":
-                        theirs = [_from_jax(fa3, x) for x in theirs]
+                        theirs = [from_jax(fa3, x) for x in theirs]
                     theirs = [t.reshape(o.shape) for o, t in zip(results["flashhopper"], theirs)]
                     row[f"max_diff_vs_{backend}"] = _max_diff(results["flashhopper"], theirs)
                 except Exception as error:

@@ -17,6 +17,7 @@ max_diff_vs_cudnn is the largest absolute difference from cuDNN's out (forward) 
 
     python -m flashhopper.bench [--passes fwd bwd] [--hdims 64 128 ...] [--seqlens ...] [--causal 0 1] [--out DIR]
     (bench/benchmark_attention.py is the same script; scripts/device_check.sh bench runs it)
+    python -m flashhopper.bench --decode [...]: decoding against a KV cache (flashhopper.bench_decode)
 
 Each measured row prints one progress line: [row/total] the numbers, elapsed seconds. The PNG needs
 matplotlib (imported only to plot); without it the plot is skipped with a message.
@@ -90,8 +91,71 @@ def time_all_ms(fns, warmup=10, rounds=15, calls=10):
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+def time_interleaved(torch_fns, jax_fns, block, warmup, rounds, calls):
+    """Median per backend over `rounds` rounds; each round times every PyTorch backend once with
+    time_all_ms (rounds=1: CUDA events around `calls` back-to-back calls) and then
+    every JAX backend (wall clock around `calls` back-to-back calls and one block_until_ready)."""
+    for fn in torch_fns.values():
+        for _ in range(warmup):
+            fn()
+    for fn in jax_fns.values():
+        for _ in range(warmup):
+            block(fn())
+    torch.cuda.synchronize()
+    samples = {name: [] for name in (*torch_fns, *jax_fns)}
+    for _ in range(rounds):
+        if torch_fns:
+            for name, ms in time_all_ms(torch_fns, warmup=0, rounds=1, calls=calls).items():
+                samples[name].append(ms)
+        for name, fn in jax_fns.items():
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(calls):
+                result = fn()
+            block(result)
+            samples[name].append((time.perf_counter() - start) * 1e3 / calls)
+            del result
+    return {name: statistics.median(s) for name, s in samples.items()}
+
+
+# JAX peers (FlashAttention-3 through flash-attn3-jax): tensors across, by DLPack where it works.
+
+def to_jax(fa3, t):
+    """A torch CUDA tensor as a JAX array (fa3: the peer tuple whose first two items are jax and
+    jax.numpy): through DLPack (zero copy), else through the host."""
+    jax, jnp, _ = fa3
+    t = t.detach().contiguous()
+    torch.cuda.synchronize()
+    try:
+        return jax.dlpack.from_dlpack(t)
+    except Exception:
+        if t.dtype == torch.bfloat16:
+            bits = jnp.asarray(t.view(torch.int16).cpu().numpy())
+            return jax.lax.bitcast_convert_type(bits, jnp.bfloat16)
+        return jnp.asarray(t.cpu().numpy())
+
+
+def from_jax(fa3, x):
+    """A JAX array as a torch CUDA tensor: through DLPack, else through the host."""
+    jax, jnp, _ = fa3
+    try:
+        return torch.from_dlpack(x)
+    except Exception:
+        import numpy as np
+        if x.dtype == jnp.bfloat16:
+            bits = np.asarray(jax.lax.bitcast_convert_type(x, jnp.int16))
+            return torch.from_numpy(bits).view(torch.bfloat16).cuda()
+        return torch.from_numpy(np.asarray(x)).cuda()
+
+
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--decode" in argv:  # the decode benchmark, with its own options
+        from .bench_decode import main as decode_main
+        return decode_main([a for a in argv if a != "--decode"])
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--decode", action="store_true",
+                        help="time decoding against a KV cache instead (its options: --decode --help)")
     parser.add_argument("--passes", nargs="+", choices=["fwd", "bwd"], default=["fwd", "bwd"],
                         help="passes to time, in this order (default: %(default)s)")
     parser.add_argument("--hdims", type=int, nargs="+", default=None,

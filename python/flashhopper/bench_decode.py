@@ -1,0 +1,249 @@
+#!/usr/bin/env python3
+"""Decoding side by side: one query token per sequence against a dense KV cache (every sequence
+cache_len keys), GQA, bf16, hdim 128. FlashHopper's flash_attn_with_kvcache (num_splits=0, the
+library's choice; eager, replayed from a CUDA graph, and on the same keys in a paged cache of
+--page-size pages in shuffled order) against FlashAttention-3's flash_mha_with_kvcache
+(flash-attn3-jax, when it imports; the best of num_splits 1, 4, 16, 32, as it has no heuristic of
+its own, and with that count on the same paged cache), and PyTorch SDPA's cuDNN and FLASH
+(FlashAttention-2) backends with enable_gqa.
+
+Bandwidth: the K and V bytes a call must read (batch * cache_len * heads_kv * (d + dv) * 2) over
+its time, beside the GPU's device-to-device copy bandwidth measured in the same run (a 4 GiB
+copy: read + write bytes over its time). Times are medians of interleaved rounds (CUDA events
+around back-to-back calls; FA3 through JAX: wall clock around back-to-back jitted calls, as
+bench_varlen.py). max_diff_vs_fa3: our out's largest absolute difference from FA3's;
+paged_vs_dense: the dense call's time over the paged one's; max_diff_paged: their outputs'
+largest difference (0: the same kernel reading the same keys); paged_vs_fa3_paged: FA3's paged
+time over ours. workspace_bytes: what the dense call allocates and frees again (the split-KV
+partials), workspace_vs_kv: over the K and V bytes it reads.
+
+Writes bench_decode_<date>.csv (after every row) and .png into --out; prints a table last.
+
+    python -m flashhopper.bench --decode [--batches 1 8 ...] [--cache-lens 4096 ...] [--page-size 64] [--out DIR]
+    (bench/bench_decode.py is the same script; scripts/device_check.sh decode_bench runs it)
+"""
+import argparse
+import csv
+import datetime
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from . import flash_attn_interface as fh
+from . import interface
+from .bench import from_jax, time_all_ms, time_interleaved, to_jax
+
+BACKENDS = ("flashhopper", "flashhopper_graph", "flashhopper_paged", "fa3", "fa3_paged", "cudnn", "flash2")
+FIELDS = ["date", "gpu", "batch", "cache_len", "heads_q", "heads_kv", "hdim", "kv_gib",
+          *(f"{b}_{unit}" for b in BACKENDS for unit in ("us", "tbps")), "fa3_splits", "copy_tbps",
+          "ours_vs_copy", "ours_vs_fa3", "max_diff_vs_fa3", "page_size", "paged_vs_dense", "max_diff_paged",
+          "paged_vs_fa3_paged", "workspace_bytes", "workspace_vs_kv"]
+NAN = float("nan")
+MAX_KV_GIB = 36  # rows whose cache would not leave room for the peers' copies are skipped
+
+
+def copy_tbps():
+    """Device-to-device copy bandwidth: bytes read plus written over the median time of a copy."""
+    src = torch.empty(2 ** 31, dtype=torch.int16, device="cuda")
+    dst = torch.empty_like(src)
+    ms = time_all_ms({"copy": lambda: dst.copy_(src)}, warmup=3, rounds=9, calls=3)["copy"]
+    return 2 * src.numel() * src.element_size() / (ms * 1e-3) / 1e12
+
+
+def workspace_bytes(fn):
+    """The bytes a call allocates and frees again (its workspace: split partials, plans): the peak
+    of PyTorch's allocator during the call less what is still allocated after it (its out)."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    result = fn()
+    torch.cuda.synchronize()
+    peak, after = torch.cuda.max_memory_allocated(), torch.cuda.memory_allocated()
+    del result
+    return peak - after
+
+
+def graphed(fn):
+    """fn replayed from a CUDA graph (captured after a warm-up call on a side stream)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def _load_fa3():
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # JAX allocates as it goes, beside PyTorch
+    try:
+        import jax
+        import jax.numpy as jnp
+        from flash_attn3_jax import flash_mha_with_kvcache
+        if jax.default_backend() != "gpu":
+            raise RuntimeError(f"JAX's default backend is {jax.default_backend()!r}, not 'gpu'")
+    except Exception as error:  # FA3 (JAX) missing: its columns stay empty
+        print(f"FlashAttention-3 (JAX) not available ({error!r}): its columns stay empty", flush=True)
+        return None
+    return jax, jnp, flash_mha_with_kvcache
+
+
+def measure_row(batch, cache_len, heads_q, heads_kv, d, fa3, copy, args):
+    q = torch.randn(batch, 1, heads_q, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(batch, cache_len, heads_kv, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    lengths = torch.full((batch,), cache_len, dtype=torch.int32, device="cuda")
+    torch_fns, jax_fns, outs = {}, {}, {}
+
+    def ours():
+        return fh.flash_attn_with_kvcache(q, k, v, cache_seqlens=lengths, num_splits=0)
+    outs["flashhopper"] = ours()
+    torch_fns["flashhopper"] = ours
+    workspace = workspace_bytes(ours)
+    torch_fns["flashhopper_graph"] = graphed(ours)
+    # The same keys in a paged cache: pages of page_size keys in shuffled order.
+    page = args.page_size
+    order = torch.randperm(batch * cache_len // page, device="cuda")
+    paged_k, paged_v = torch.empty_like(k).view(-1, page, heads_kv, d), torch.empty_like(v).view(-1, page, heads_kv, d)
+    paged_k[order], paged_v[order] = k.view(-1, page, heads_kv, d), v.view(-1, page, heads_kv, d)
+    table = order.view(batch, -1).to(torch.int32)
+
+    def ours_paged():
+        return fh.flash_attn_with_kvcache(q, paged_k, paged_v, cache_seqlens=lengths, page_table=table, num_splits=0)
+    outs["flashhopper_paged"] = ours_paged()
+    torch_fns["flashhopper_paged"] = ours_paged
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))  # SDPA's [B, H, S, d]
+    for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash2", SDPBackend.FLASH_ATTENTION)):
+        def sdpa(backend=backend):
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
+        try:
+            sdpa()
+            torch_fns[name] = sdpa
+        except Exception as error:
+            print(f"  {name}: cannot run this row ({str(error).splitlines()[0][:100]})", flush=True)
+    fa3_splits = NAN
+    if fa3 is not None:
+        jax, _, mha = fa3
+        jq, jk, jv = (to_jax(fa3, x) for x in (q, k, v))
+        best = None
+        for splits in (1, 4, 16, 32):
+            jitted = jax.jit(lambda a, b, c, s=splits: mha(a, b, c, cache_seqlens=cache_len, num_splits=s))
+            fn = lambda jitted=jitted: jitted(jq, jk, jv)  # noqa: E731
+            ms = time_interleaved({}, {"fa3": fn}, jax.block_until_ready, 3, 3, args.calls)["fa3"]
+            if best is None or ms < best[0]:
+                best = (ms, splits, fn)
+        fa3_splits = best[1]
+        jax_fns["fa3"] = best[2]
+        outs["fa3"] = from_jax(fa3, jax.block_until_ready(best[2]()))
+        # FA3 on the same paged cache, with the split count that was best on the dense one.
+        jpk, jpv, jtable = (to_jax(fa3, x) for x in (paged_k, paged_v, table))
+        paged_jitted = jax.jit(lambda a, b, c, t: mha(a, b, c, cache_seqlens=cache_len, page_table=t,
+                                                      num_splits=fa3_splits))
+        jax_fns["fa3_paged"] = lambda: paged_jitted(jq, jpk, jpv, jtable)
+        jax.block_until_ready(jax_fns["fa3_paged"]())
+    ms = time_interleaved(torch_fns, jax_fns, (fa3[0].block_until_ready if fa3 else None), 5, args.rounds,
+                          args.calls)
+    kv_bytes = 2 * batch * cache_len * heads_kv * d * k.element_size()
+    row = {"batch": batch, "cache_len": cache_len, "heads_q": heads_q, "heads_kv": heads_kv, "hdim": d,
+           "kv_gib": kv_bytes / 2 ** 30, "fa3_splits": fa3_splits, "copy_tbps": copy}
+    for b in BACKENDS:
+        us = ms[b] * 1e3 if b in ms else NAN
+        row[f"{b}_us"], row[f"{b}_tbps"] = us, kv_bytes / (us * 1e-6) / 1e12
+    row["ours_vs_copy"] = row["flashhopper_tbps"] / copy
+    row["ours_vs_fa3"] = row["fa3_us"] / row["flashhopper_us"]
+    row["max_diff_vs_fa3"] = ((outs["flashhopper"].float() - outs["fa3"].float()).abs().max().item()
+                              if "fa3" in outs else NAN)
+    row["page_size"] = page
+    row["paged_vs_dense"] = row["flashhopper_us"] / row["flashhopper_paged_us"]
+    row["max_diff_paged"] = (outs["flashhopper"].float() - outs["flashhopper_paged"].float()).abs().max().item()
+    row["paged_vs_fa3_paged"] = row["fa3_paged_us"] / row["flashhopper_paged_us"]
+    row["workspace_bytes"], row["workspace_vs_kv"] = workspace, workspace / kv_bytes
+    return row
+
+
+def _fmt(value, spec):
+    return "-" if value != value else format(value, spec)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m flashhopper.bench --decode", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64, 128],
+                        help="sequences a call (default: %(default)s)")
+    parser.add_argument("--cache-lens", type=int, nargs="+", default=[4096, 16384, 131072],
+                        help="keys cached a sequence (default: %(default)s)")
+    parser.add_argument("--heads", type=int, nargs=2, default=[32, 8], metavar=("HQ", "HKV"),
+                        help="query and KV heads (default: %(default)s)")
+    parser.add_argument("--page-size", type=int, default=64, help="the paged column's page size (default: %(default)s)")
+    parser.add_argument("--rounds", type=int, default=9, help="interleaved rounds (default: %(default)s)")
+    parser.add_argument("--calls", type=int, default=20, help="back-to-back calls a round (default: %(default)s)")
+    parser.add_argument("--out", default="flashhopper-bench",
+                        help="folder for the CSV and plot, created when the run starts (default: %(default)s)")
+    args = parser.parse_args(argv)
+    if not interface.is_available():
+        reason = ("PyTorch sees no CUDA GPU" if not torch.cuda.is_available() else
+                  "the library has no CUDA kernels or the GPU is not an sm_90 (H100/H200)")
+        print(f"flashhopper.bench --decode: nothing to time here: {reason}.", file=sys.stderr)
+        return 1
+    os.makedirs(args.out, exist_ok=True)
+    fa3 = _load_fa3()
+    gpu, date = torch.cuda.get_device_name(), datetime.date.today().isoformat()
+    csv_path = os.path.join(args.out, f"bench_decode_{date}.csv")
+    copy = copy_tbps()
+    print(f"device-to-device copy: {copy:.2f} TB/s", flush=True)
+    heads_q, heads_kv = args.heads
+    rows = []
+    for cache_len in args.cache_lens:
+        for batch in args.batches:
+            kv_gib = 2 * batch * cache_len * heads_kv * 128 * 2 / 2 ** 30  # dense; the paged copy as much again
+            if kv_gib > MAX_KV_GIB:
+                print(f"skip batch {batch} x {cache_len}: {kv_gib:.0f} GiB of cache", flush=True)
+                continue
+            row = {"date": date, "gpu": gpu, **measure_row(batch, cache_len, heads_q, heads_kv, 128, fa3, copy, args)}
+            rows.append(row)
+            print(f"batch {batch:4d} cache {cache_len:6d}: ours {row['flashhopper_us']:8.1f} us "
+                  f"{row['flashhopper_tbps']:.2f} TB/s, FA3 {_fmt(row['fa3_us'], '8.1f')} us", flush=True)
+            with open(csv_path, "w", newline="") as f:
+                writer = csv.DictWriter(f, fieldnames=FIELDS)
+                writer.writeheader()
+                writer.writerows(rows)
+            torch.cuda.empty_cache()
+    _plot(rows, os.path.join(args.out, f"bench_decode_{date}.png"), gpu, date, copy)
+    print(f"\ndecode, GQA {heads_q}/{heads_kv}, hdim 128, bf16, {gpu}; K+V TB/s (copy {copy:.2f})")
+    print(f"{'batch':>5} {'cache':>7} {'ours':>6} {'graph':>6} {'paged':>6} {'FA3':>6} {'FA3 pg':>6} {'cuDNN':>6} "
+          f"{'FA2':>6} "
+          f"{'ours us':>8} {'FA3 us':>8} {'vs FA3':>6} {'vs copy':>7} {'ws %KV':>7}")
+    for r in rows:
+        print(f"{r['batch']:5d} {r['cache_len']:7d} " + " ".join(_fmt(r[f'{b}_tbps'], '6.2f') for b in BACKENDS)
+              + f" {_fmt(r['flashhopper_us'], '8.1f')} {_fmt(r['fa3_us'], '8.1f')} {_fmt(r['ours_vs_fa3'], '6.2f')}"
+              f" {_fmt(r['ours_vs_copy'], '7.2f')} {_fmt(100 * r['workspace_vs_kv'], '7.3f')}")
+    return 0
+
+
+def _plot(rows, path, gpu, date, copy):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    cache_lens = sorted({r["cache_len"] for r in rows})
+    fig, axes = plt.subplots(1, len(cache_lens), figsize=(5 * len(cache_lens), 4), squeeze=False)
+    for ax, cache_len in zip(axes[0], cache_lens):
+        here = [r for r in rows if r["cache_len"] == cache_len]
+        for b in BACKENDS:
+            ax.plot([r["batch"] for r in here], [r[f"{b}_tbps"] for r in here], marker="o", label=b)
+        ax.axhline(copy, color="gray", linestyle="--", label="copy")
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"cache {cache_len}")
+        ax.set_xlabel("batch")
+        ax.set_ylabel("K+V read, TB/s")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"Decode (1 query token, GQA, hdim 128, bf16), {gpu}, {date}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
