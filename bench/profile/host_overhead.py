@@ -38,7 +38,7 @@ def components(calls, loops):
     params = _ffi.ForwardParams()
     for field, t in named[:4]:
         setattr(params, field, interface._view(t))
-    plan = interface._Plan(params, ("q", "k", "v", "out"), 0)
+    plan = interface._Plan(params, interface._pointer_offsets(params, named), 0)
     steps = {
         "check_mask_args": lambda: interface.check_mask_args(False, (-1, -1), 0.0, 0),
         "check_forward_args": lambda: interface.check_forward_args(q, q, q),

@@ -19,6 +19,7 @@ calls can be captured in a CUDA graph."""
 import ctypes
 import math
 import numbers
+import struct
 from typing import NamedTuple, Optional
 
 import torch
@@ -471,36 +472,48 @@ def _scale(softmax_scale) -> float:
 
 class _Plan(NamedTuple):
     params: ctypes.Structure  # every field, with the data pointers of the call that built it
-    fields: tuple             # the tensor fields a call sets, in the order of its present tensors
+    pointer_offsets: tuple    # where in params each present tensor's data pointer lies, in the call's order
     workspace_bytes: int
 
 
 _PLANS: dict = {}
 _MAX_PLANS = 4096
 _SCALARS = (int, float, bool, type(None))
+_POINTER = struct.Struct("=Q")  # a Tensor's data field: a native 64-bit pointer
 
 
 def _plan_key(kind: str, tensors, options):
-    """kind, each tensor's metadata (or None) and each option with its type; None (the call is not
-    memoised) when an argument is neither a tensor nor None, or an option not a plain scalar or a
-    tuple of them."""
-    keyed = []
+    """kind, each option with its type (a tuple's items likewise, after its length) and each
+    tensor's metadata (or None), as one flat tuple (each part parses one way, so distinct calls never
+    share a key); None (the call is not memoised) when an argument is neither a tensor nor None, or
+    an option not a plain scalar or a tuple of them."""
+    keyed = [kind]
     for option in options:
-        if type(option) is tuple and all(type(x) in _SCALARS for x in option):
-            keyed.append(tuple((type(x), x) for x in option))
-        elif type(option) in _SCALARS:
-            keyed.append((type(option), option))
+        cls = type(option)
+        if cls in _SCALARS:
+            keyed += (cls, option)
+        elif cls is tuple:
+            keyed += (tuple, len(option))
+            for item in option:
+                if type(item) not in _SCALARS:
+                    return None
+                keyed += (type(item), item)
         else:
             return None
-    metas = []
     for t in tensors:
         if t is None:
-            metas.append(None)
+            keyed.append(None)
         elif isinstance(t, torch.Tensor):
-            metas.append((t.dtype, t.device, t.shape, t.stride()))
+            keyed += (t.dtype, t.device, t.shape, t.stride())
         else:
             return None
-    return kind, tuple(metas), tuple(keyed)
+    return tuple(keyed)
+
+
+def _pointer_offsets(params, named) -> tuple:
+    """The byte offsets in params of the data pointers of the (field, tensor) pairs present."""
+    cls, data = type(params), _ffi.Tensor.data.offset
+    return tuple(getattr(cls, name).offset + data for name, t in named if t is not None)
 
 
 def _make_plan(key, params, named, workspace_size_fn) -> _Plan:
@@ -508,7 +521,7 @@ def _make_plan(key, params, named, workspace_size_fn) -> _Plan:
     size (which validates it); memoised under key (None: not memoised)."""
     workspace_bytes = ctypes.c_size_t(0)
     _check(workspace_size_fn(ctypes.byref(params), ctypes.byref(workspace_bytes)))
-    plan = _Plan(params, tuple(name for name, t in named if t is not None), workspace_bytes.value)
+    plan = _Plan(params, _pointer_offsets(params, named), workspace_bytes.value)
     if key is not None:
         if len(_PLANS) >= _MAX_PLANS:
             _PLANS.clear()
@@ -517,10 +530,12 @@ def _make_plan(key, params, named, workspace_size_fn) -> _Plan:
 
 
 def _bound_params(plan: _Plan, named) -> ctypes.Structure:
-    """A copy of the plan's struct with the data pointers of this call's (field, tensor) pairs."""
+    """A copy of the plan's struct (calls may run at once in several threads) with the data
+    pointers of this call's (field, tensor) pairs."""
     params = type(plan.params).from_buffer_copy(plan.params)
-    for field, t in zip(plan.fields, [t for _, t in named if t is not None]):
-        getattr(params, field).data = t.data_ptr()
+    pointers = [t.data_ptr() for _, t in named if t is not None]
+    for offset, pointer in zip(plan.pointer_offsets, pointers):
+        _POINTER.pack_into(params, offset, pointer)
     return params
 
 
