@@ -17,7 +17,12 @@ largest difference (0: the same kernel reading the same keys); paged_vs_fa3_page
 time over ours. workspace_bytes: what the dense call allocates and frees again (the split-KV
 partials), workspace_vs_kv: over the K and V bytes it reads.
 
-Writes bench_decode_<date>.csv (after every row) and .png into --out; prints a table last.
+Prefill rows (--prefill-lens): seqlen_q new tokens a sequence against a cache, causal, through
+flash_attn_with_kvcache and through flash_attn_varlen_func on the same memory, TFLOP/s and their
+ratio.
+
+Writes bench_decode_<date>.csv (after every row), .png and bench_prefill_<date>.csv into --out;
+prints the tables last.
 
     python -m flashhopper.bench --decode [--batches 1 8 ...] [--cache-lens 4096 ...] [--page-size 64] [--out DIR]
     (bench/bench_decode.py is the same script; scripts/device_check.sh decode_bench runs it)
@@ -182,8 +187,15 @@ def main(argv=None):
     parser.add_argument("--page-size", type=int, default=64, help="the paged column's page size (default: %(default)s)")
     parser.add_argument("--rounds", type=int, default=9, help="interleaved rounds (default: %(default)s)")
     parser.add_argument("--calls", type=int, default=20, help="back-to-back calls a round (default: %(default)s)")
+    parser.add_argument("--prefill-lens", type=int, nargs="*", default=[512, 1024, 2048, 4096],
+                        help="prefill rows: query tokens a sequence against the cache, causal, through "
+                             "flash_attn_with_kvcache and through flash_attn_varlen_func (default: %(default)s; "
+                             "none: no prefill rows)")
+    parser.add_argument("--prefill-cache", type=int, default=16384,
+                        help="prefill rows: keys cached a sequence, the new ones included (default: %(default)s)")
+    parser.add_argument("--prefill-batch", type=int, default=4, help="prefill rows: sequences (default: %(default)s)")
     parser.add_argument("--out", default="flashhopper-bench",
-                        help="folder for the CSV and plot, created when the run starts (default: %(default)s)")
+                        help="folder for the CSVs and plot, created when the run starts (default: %(default)s)")
     args = parser.parse_args(argv)
     if not interface.is_available():
         reason = ("PyTorch sees no CUDA GPU" if not torch.cuda.is_available() else
@@ -222,7 +234,52 @@ def main(argv=None):
         print(f"{r['batch']:5d} {r['cache_len']:7d} " + " ".join(_fmt(r[f'{b}_tbps'], '6.2f') for b in BACKENDS)
               + f" {_fmt(r['flashhopper_us'], '8.1f')} {_fmt(r['fa3_us'], '8.1f')} {_fmt(r['ours_vs_fa3'], '6.2f')}"
               f" {_fmt(r['ours_vs_copy'], '7.2f')} {_fmt(100 * r['workspace_vs_kv'], '7.3f')}")
+    prefill = [{"date": date, "gpu": gpu, **measure_prefill_row(args.prefill_batch, seqlen_q, args.prefill_cache,
+                                                                heads_q, heads_kv, 128, args)}
+               for seqlen_q in args.prefill_lens]
+    if prefill:
+        with open(os.path.join(args.out, f"bench_prefill_{date}.csv"), "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(prefill[0]))
+            writer.writeheader()
+            writer.writerows(prefill)
+        print(f"\nprefill against a cache of {args.prefill_cache} keys, batch {args.prefill_batch}, causal, "
+              f"GQA {heads_q}/{heads_kv}, hdim 128, bf16; TFLOP/s")
+        print(f"{'sq':>5} {'kvcache':>8} {'varlen':>8} {'kvcache/varlen':>15} {'max diff':>9}")
+        for r in prefill:
+            print(f"{r['seqlen_q']:5d} {r['kvcache_tflops']:8.0f} {r['varlen_tflops']:8.0f} "
+                  f"{r['kvcache_vs_varlen']:15.3f} {r['max_diff']:9.2g}")
     return 0
+
+
+def measure_prefill_row(batch, seqlen_q, cache_len, heads_q, heads_kv, d, args):
+    """seqlen_q new query tokens a sequence at the end of cache_len cached keys (causal, bottom-right
+    aligned), through flash_attn_with_kvcache and through flash_attn_varlen_func over the same
+    memory (the cache as packed keys): TFLOP/s with FlashAttention's count of the visible pairs,
+    their ratio (the issue's bound: within 5%) and the outputs' largest difference."""
+    q = torch.randn(batch, seqlen_q, heads_q, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(batch, cache_len, heads_kv, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    lengths = torch.full((batch,), cache_len, dtype=torch.int32, device="cuda")
+    cu_q = torch.arange(0, batch + 1, dtype=torch.int32, device="cuda") * seqlen_q
+    cu_k = torch.arange(0, batch + 1, dtype=torch.int32, device="cuda") * cache_len
+    packed_q, packed_k, packed_v = q.view(-1, heads_q, d), k.view(-1, heads_kv, d), v.view(-1, heads_kv, d)
+
+    def kvcache():
+        return fh.flash_attn_with_kvcache(q, k, v, cache_seqlens=lengths, causal=True)
+
+    def varlen():
+        return fh.flash_attn_varlen_func(packed_q, packed_k, packed_v, cu_q, cu_k, seqlen_q, cache_len, causal=True)
+    diff = (kvcache().view(-1, heads_q, d).float() - varlen().float()).abs().max().item()
+    ms = time_all_ms({"kvcache": kvcache, "varlen": varlen}, warmup=5, rounds=args.rounds, calls=args.calls)
+    pairs = seqlen_q * cache_len - seqlen_q * (seqlen_q - 1) // 2  # row i sees cache_len - seqlen_q + i + 1 keys
+    flop = 4 * batch * heads_q * pairs * d
+    row = {"batch": batch, "seqlen_q": seqlen_q, "cache_len": cache_len, "heads_q": heads_q, "heads_kv": heads_kv,
+           "hdim": d, "kvcache_us": ms["kvcache"] * 1e3, "varlen_us": ms["varlen"] * 1e3,
+           "kvcache_tflops": flop / (ms["kvcache"] * 1e-3) / 1e12, "varlen_tflops": flop / (ms["varlen"] * 1e-3) / 1e12,
+           "kvcache_vs_varlen": ms["varlen"] / ms["kvcache"], "max_diff": diff}
+    print(f"prefill sq {seqlen_q:5d}: kvcache {row['kvcache_tflops']:.0f}, varlen {row['varlen_tflops']:.0f} TFLOP/s",
+          flush=True)
+    return row
 
 
 def _plot(rows, path, gpu, date, copy):
