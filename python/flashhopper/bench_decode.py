@@ -226,14 +226,6 @@ def main(argv=None):
                 writer.writerows(rows)
             torch.cuda.empty_cache()
     _plot(rows, os.path.join(args.out, f"bench_decode_{date}.png"), gpu, date, copy)
-    print(f"\ndecode, GQA {heads_q}/{heads_kv}, hdim 128, bf16, {gpu}; K+V TB/s (copy {copy:.2f})")
-    print(f"{'batch':>5} {'cache':>7} {'ours':>6} {'graph':>6} {'paged':>6} {'FA3':>6} {'FA3 pg':>6} {'cuDNN':>6} "
-          f"{'FA2':>6} "
-          f"{'ours us':>8} {'FA3 us':>8} {'vs FA3':>6} {'vs copy':>7} {'ws %KV':>7}")
-    for r in rows:
-        print(f"{r['batch']:5d} {r['cache_len']:7d} " + " ".join(_fmt(r[f'{b}_tbps'], '6.2f') for b in BACKENDS)
-              + f" {_fmt(r['flashhopper_us'], '8.1f')} {_fmt(r['fa3_us'], '8.1f')} {_fmt(r['ours_vs_fa3'], '6.2f')}"
-              f" {_fmt(r['ours_vs_copy'], '7.2f')} {_fmt(100 * r['workspace_vs_kv'], '7.3f')}")
     prefill = [{"date": date, "gpu": gpu, **measure_prefill_row(args.prefill_batch, seqlen_q, args.prefill_cache,
                                                                 heads_q, heads_kv, 128, args)}
                for seqlen_q in args.prefill_lens]
@@ -242,13 +234,30 @@ def main(argv=None):
             writer = csv.DictWriter(f, fieldnames=list(prefill[0]))
             writer.writeheader()
             writer.writerows(prefill)
-        print(f"\nprefill against a cache of {args.prefill_cache} keys, batch {args.prefill_batch}, causal, "
-              f"GQA {heads_q}/{heads_kv}, hdim 128, bf16; TFLOP/s")
-        print(f"{'sq':>5} {'kvcache':>8} {'varlen':>8} {'kvcache/varlen':>15} {'max diff':>9}")
-        for r in prefill:
-            print(f"{r['seqlen_q']:5d} {r['kvcache_tflops']:8.0f} {r['varlen_tflops']:8.0f} "
-                  f"{r['kvcache_vs_varlen']:15.3f} {r['max_diff']:9.2g}")
+    print_tables(rows, prefill, gpu, copy)
     return 0
+
+
+def print_tables(rows, prefill, gpu, copy):
+    """The decode table (TB/s a backend, ours against FA3 and the copy, the workspace), then the
+    prefill one, if any."""
+    if rows:
+        print(f"\ndecode, GQA {rows[0]['heads_q']}/{rows[0]['heads_kv']}, hdim {rows[0]['hdim']}, bf16, {gpu}; "
+              f"K+V TB/s (copy {copy:.2f})")
+        print(f"{'batch':>5} {'cache':>7} {'ours':>6} {'graph':>6} {'paged':>6} {'FA3':>6} {'FA3 pg':>6} "
+              f"{'cuDNN':>6} {'FA2':>6} {'ours us':>8} {'FA3 us':>8} {'vs FA3':>6} {'vs copy':>7} {'ws %KV':>7}")
+    for r in rows:
+        print(f"{r['batch']:5d} {r['cache_len']:7d} " + " ".join(_fmt(r[f'{b}_tbps'], '6.2f') for b in BACKENDS)
+              + f" {_fmt(r['flashhopper_us'], '8.1f')} {_fmt(r['fa3_us'], '8.1f')} {_fmt(r['ours_vs_fa3'], '6.2f')}"
+              f" {_fmt(r['ours_vs_copy'], '7.2f')} {_fmt(100 * r['workspace_vs_kv'], '7.3f')}")
+    if prefill:
+        r = prefill[0]
+        print(f"\nprefill against a cache of {r['cache_len']} keys, batch {r['batch']}, causal, "
+              f"GQA {r['heads_q']}/{r['heads_kv']}, hdim {r['hdim']}, bf16; TFLOP/s")
+        print(f"{'sq':>5} {'kvcache':>8} {'varlen':>8} {'kvcache/varlen':>15} {'max diff':>9}")
+    for r in prefill:
+        print(f"{r['seqlen_q']:5d} {_fmt(r['kvcache_tflops'], '8.0f')} {_fmt(r['varlen_tflops'], '8.0f')} "
+              f"{_fmt(r['kvcache_vs_varlen'], '15.3f')} {_fmt(r['max_diff'], '9.2g')}")
 
 
 def measure_prefill_row(batch, seqlen_q, cache_len, heads_q, heads_kv, d, args):

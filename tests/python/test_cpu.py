@@ -1259,6 +1259,32 @@ def test_bench_help_and_outputs(tmp_path):
     assert (tmp_path / "bench_forward.png").stat().st_size > 0
 
 
+def test_bench_decode_tables_and_plot(tmp_path, capsys):
+    """The decode benchmark's tables and plot from rows as measure_row and measure_prefill_row make
+    them, the peers' columns missing (NaN, as without FA3): every field printed or '-', no error."""
+    from flashhopper import bench_decode
+    nan = float("nan")
+    rows = []
+    for batch in (1, 32):
+        row = dict.fromkeys(bench_decode.FIELDS, nan)
+        row.update(date="2026-01-01", gpu="test", batch=batch, cache_len=4096, heads_q=32, heads_kv=8, hdim=128,
+                   page_size=64, workspace_bytes=0)
+        for b in ("flashhopper", "flashhopper_graph", "flashhopper_paged", "cudnn", "flash2"):
+            row[f"{b}_us"], row[f"{b}_tbps"] = 100.0, 3.5
+        row.update(ours_vs_copy=0.8, workspace_vs_kv=0.001)
+        rows.append(row)
+    prefill = [{"date": "2026-01-01", "gpu": "test", "batch": 4, "seqlen_q": 512, "cache_len": 16384, "heads_q": 32,
+                "heads_kv": 8, "hdim": 128, "kvcache_us": 10.0, "varlen_us": 10.0, "kvcache_tflops": 500.0,
+                "varlen_tflops": 510.0, "kvcache_vs_varlen": 0.98, "max_diff": 0.0}]
+    bench_decode.print_tables(rows, prefill, "test", 4.2)
+    printed = capsys.readouterr().out
+    assert "decode, GQA 32/8, hdim 128" in printed and "prefill against a cache of 16384 keys" in printed
+    assert printed.count("\n   32    4096   3.50") == 1 and "  0.980" in printed
+    pytest.importorskip("matplotlib")
+    bench_decode._plot(rows, str(tmp_path / "decode.png"), "test", "2026-01-01", 4.2)
+    assert (tmp_path / "decode.png").stat().st_size > 0
+
+
 def test_bench_head_dims_picks_the_family_as_the_library_does():
     """bench_head_dims times a padded head dim against the family it runs on: the smallest head dim
     at least the call's, then the smallest value head dim (bf16, the pass's own families)."""
