@@ -172,7 +172,8 @@ def measure_row(batch, cache_len, heads_q, heads_kv, d, fa3, copy, args):
 
 
 def _fmt(value, spec):
-    return "-" if value != value else format(value, spec)
+    """value formatted by spec, or '-' (NaN: not measured) as wide."""
+    return format("-", ">" + spec.split(".")[0]) if value != value else format(value, spec)
 
 
 def main(argv=None):
