@@ -148,6 +148,16 @@ def from_jax(fa3, x):
         return torch.from_numpy(np.asarray(x)).cuda()
 
 
+def can_time_here(prog: str) -> bool:
+    """Whether the kernels can run here; if not, one line on stderr saying why."""
+    if flashhopper.is_available():
+        return True
+    reason = ("PyTorch sees no CUDA GPU" if not torch.cuda.is_available() else
+              "the library has no CUDA kernels or the GPU is not an sm_90 (H100/H200)")
+    print(f"{prog}: nothing to time here: {reason}.", file=sys.stderr)
+    return False
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     if "--decode" in argv:  # the decode benchmark, with its own options
@@ -178,10 +188,7 @@ def main(argv=None):
     parser.add_argument("--out", default="flashhopper-bench",
                         help="folder for the CSVs and plots, created when the run starts (default: %(default)s)")
     args = parser.parse_args(argv)
-    if not flashhopper.is_available():
-        reason = ("PyTorch sees no CUDA GPU" if not torch.cuda.is_available() else
-                  "the library has no CUDA kernels or the GPU is not an sm_90 (H100/H200)")
-        print(f"flashhopper.bench: nothing to time here: {reason}.", file=sys.stderr)
+    if not can_time_here("flashhopper.bench"):
         return 1
     if args.hdims is None:
         args.hdims = sorted({f.head_dim for f in flashhopper.compiled_families()

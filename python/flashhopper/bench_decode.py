@@ -31,15 +31,13 @@ import argparse
 import csv
 import datetime
 import os
-import sys
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from . import flash_attn_interface as fh
-from . import interface
-from .bench import from_jax, time_all_ms, time_interleaved, to_jax
+from .bench import can_time_here, from_jax, time_all_ms, time_interleaved, to_jax
 
 BACKENDS = ("flashhopper", "flashhopper_graph", "flashhopper_paged", "fa3", "fa3_paged", "cudnn", "flash2")
 FIELDS = ["date", "gpu", "batch", "cache_len", "heads_q", "heads_kv", "hdim", "kv_gib",
@@ -198,10 +196,7 @@ def main(argv=None):
     parser.add_argument("--out", default="flashhopper-bench",
                         help="folder for the CSVs and plot, created when the run starts (default: %(default)s)")
     args = parser.parse_args(argv)
-    if not interface.is_available():
-        reason = ("PyTorch sees no CUDA GPU" if not torch.cuda.is_available() else
-                  "the library has no CUDA kernels or the GPU is not an sm_90 (H100/H200)")
-        print(f"flashhopper.bench --decode: nothing to time here: {reason}.", file=sys.stderr)
+    if not can_time_here("flashhopper.bench --decode"):
         return 1
     os.makedirs(args.out, exist_ok=True)
     fa3 = _load_fa3()
