@@ -142,7 +142,8 @@ int main(int argc, char** argv) {
   }
 
   std::printf("| C++ call (host work, GPU busy) | us per call |\n|---|---|\n");
-  for (const Case& c : cases) std::printf("| %s | %.2f |\n", c.name.c_str(), host_us_per_call(c.call, calls, loops, stream));
+  for (const Case& c : cases)
+    std::printf("| %s | %.2f |\n", c.name.c_str(), host_us_per_call(c.call, calls, loops, stream));
   workspaces.clear();
   check_cuda(cudaStreamDestroy(stream), "cudaStreamDestroy");
   return 0;

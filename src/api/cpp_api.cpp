@@ -7,8 +7,13 @@
 #include "flashhopper/flashhopper.hpp"
 
 #ifdef FLASHHOPPER_WITH_CUDA
+#include <cuda.h>
 #include <cuda_runtime_api.h>
 
+#include <cstdint>
+#include <mutex>
+
+#include "launch/device_info.hpp"
 #include "launch/launch.hpp"
 #endif
 
@@ -25,28 +30,73 @@ Status cuda_error(const char* what, cudaError_t err) {
 
 // The current device must be an sm_90 GPU (the kernels are built for sm_90a only).
 Status check_device() {
-  int device = 0;
-  cudaError_t err = cudaGetDevice(&device);
+  launch::DeviceInfo device;
+  const cudaError_t err = launch::current_device_info(&device);
   if (err != cudaSuccess) {
     cudaGetLastError();  // clear, so the caller's next CUDA call does not see our failure
     return error(FH_ERROR_NO_DEVICE, std::string("no CUDA device available: ") + cudaGetErrorString(err));
   }
-  int major = 0, minor = 0;
-  if ((err = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device)) != cudaSuccess ||
-      (err = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device)) != cudaSuccess) {
-    return cuda_error("cudaDeviceGetAttribute", err);
-  }
-  if (major != 9 || minor != 0) {
-    return error(FH_ERROR_NO_DEVICE, "device " + std::to_string(device) + " has compute capability " +
-                                         std::to_string(major) + "." + std::to_string(minor) +
+  if (device.cc_major != 9 || device.cc_minor != 0) {
+    return error(FH_ERROR_NO_DEVICE, "device " + std::to_string(device.device) + " has compute capability " +
+                                         std::to_string(device.cc_major) + "." + std::to_string(device.cc_minor) +
                                          "; FlashHopper's kernels need sm_90 (H100/H200)");
   }
   return {};
 }
 
-// A host pointer handed to a kernel would fault; refuse it with the argument's name.
+// The device allocations a call's pointers were found in, so that later calls check a pointer by a
+// lookup instead of a pointer-attribute query each (host time on every call). An allocation stays
+// trusted for the process's life: memory freed while a call uses it is the caller's error, as with
+// any CUDA call. Fixed size; when full, the oldest entry goes.
+class DeviceAllocations {
+ public:
+  bool contains(const void* p) {
+    const auto address = reinterpret_cast<uintptr_t>(p);
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (int i = 0; i < count_; ++i)
+      if (address >= ranges_[i].begin && address < ranges_[i].end) return true;
+    return false;
+  }
+  // Remembers the allocation that holds p, when the driver can say which.
+  void add(const void* p) {
+    using AddressRange = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
+    static const AddressRange address_range = [] {
+      void* fn = nullptr;
+      cudaDriverEntryPointQueryResult found{};
+      if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &fn, 12000, cudaEnableDefault, &found) !=
+              cudaSuccess ||
+          found != cudaDriverEntryPointSuccess)
+        fn = nullptr;
+      return reinterpret_cast<AddressRange>(fn);
+    }();
+    CUdeviceptr base = 0;
+    size_t bytes = 0;
+    if (address_range == nullptr || address_range(&base, &bytes, reinterpret_cast<CUdeviceptr>(p)) != CUDA_SUCCESS)
+      return;
+    std::lock_guard<std::mutex> lock(mutex_);
+    ranges_[next_] = {uintptr_t(base), uintptr_t(base) + bytes};
+    next_ = (next_ + 1) % kSize;
+    if (count_ < kSize) ++count_;
+  }
+
+ private:
+  static constexpr int kSize = 64;
+  struct Range {
+    uintptr_t begin = 0, end = 0;
+  };
+  std::mutex mutex_;
+  Range ranges_[kSize];
+  int count_ = 0, next_ = 0;
+};
+
+DeviceAllocations& device_allocations() {
+  static DeviceAllocations allocations;
+  return allocations;
+}
+
+// The pointer must be device (or managed) memory.
 Status check_device_pointer(const Tensor& t, const char* name) {
-  if (t.data == nullptr) return {};
+  if (t.data == nullptr || device_allocations().contains(t.data)) return {};
   cudaPointerAttributes attributes{};
   cudaError_t err = cudaPointerGetAttributes(&attributes, t.data);
   if (err != cudaSuccess) {
@@ -57,6 +107,7 @@ Status check_device_pointer(const Tensor& t, const char* name) {
   if (attributes.type != cudaMemoryTypeDevice && attributes.type != cudaMemoryTypeManaged) {
     return error(FH_ERROR_INVALID_ARGUMENT, std::string(name) + ": must point to device memory");
   }
+  device_allocations().add(t.data);
   return {};
 }
 #endif
@@ -181,13 +232,14 @@ Status forward(const ForwardParams& params, void* workspace, size_t workspace_by
       {&params.cache_seqlens, "cache_seqlens"}, {&params.cache_batch_idx, "cache_batch_idx"},
       {&params.cache_leftpad, "cache_leftpad"}, {&params.k_new, "k_new"}, {&params.v_new, "v_new"},
       {&params.rotary_cos, "rotary_cos"}, {&params.rotary_sin, "rotary_sin"},
-      {&params.rotary_seqlens, "rotary_seqlens"}};
+      {&params.rotary_seqlens, "rotary_seqlens"}, {&params.page_table, "page_table"}};
   for (const auto& [tensor, name] : pointers) {
     if (!(status = check_device_pointer(*tensor, name)).ok()) return status;
   }
-  status = check_workspace(workspace, workspace_bytes, launch::forward_workspace_size(params, shape));
+  const launch::ForwardPlan plan = launch::plan_forward(params, shape);
+  status = check_workspace(workspace, workspace_bytes, plan.workspace_bytes());
   if (!status.ok()) return status;
-  const int err = launch::run_forward(params, shape, workspace, stream);
+  const int err = launch::run_forward(plan, workspace, stream);
   if (err != 0) return cuda_error("forward kernel launch", static_cast<cudaError_t>(err));
   return {};
 #else

@@ -38,10 +38,10 @@ TileExtent forward_tile(const ForwardParams& p, const detail::ProblemShape& s) {
 // num_splits 0: split the keys when the query tiles leave most SMs idle (decoding: a few query
 // rows against long keys). From the shapes alone (never the lengths in device memory), so a CUDA
 // graph captured with it stays valid: the fewest splits whose waves of tiles use the SMs within
-// 85% as well as the best count does, each split at least two key blocks.
-int choose_num_splits(int64_t tiles, int64_t key_blocks, int num_sms) {
+// 85% as well as the best count does, each split at least two key blocks, at most most_splits.
+int choose_num_splits(int64_t tiles, int64_t key_blocks, int num_sms, int64_t most_splits) {
   if (tiles <= 0 || tiles * 5 >= int64_t(num_sms) * 4) return 1;
-  const int most = int(std::min<int64_t>({key_blocks / 2, 128, 2 * int64_t(num_sms)}));
+  const int most = int(std::min<int64_t>({key_blocks / 2, 128, 2 * int64_t(num_sms), most_splits}));
   auto efficiency = [&](int splits) {
     const double waves = double(tiles * splits) / num_sms;
     return waves / std::ceil(waves);
@@ -59,33 +59,15 @@ int forward_num_splits(const ForwardParams& p, const detail::ProblemShape& s) {
   int num_sms = 0, l2_bytes = 0;
   if (s.varlen_q || tile.block_m == 0 || device_sms_and_l2(&num_sms, &l2_bytes) != cudaSuccess) return 1;
   const int64_t tiles = (s.seqlen_q + tile.block_m - 1) / tile.block_m * s.heads_q * s.batch;
-  return choose_num_splits(tiles, (s.seqlen_k + tile.block_n - 1) / tile.block_n, num_sms);
+  // The partials (float32 O and LSE a split) stay within 1% of the K and V bytes the call reads.
+  const double kv_bytes = double(s.batch) * s.seqlen_k * s.heads_kv * (s.head_dim + s.head_dim_v) *
+                          dtype_size(static_cast<fh_dtype>(p.k.dtype));
+  const double split_bytes = double(s.batch) * s.heads_q * s.seqlen_q * (s.head_dim_v + 1) * sizeof(float);
+  const auto most_splits = std::max<int64_t>(1, int64_t(kv_bytes / (100 * split_bytes)));
+  return choose_num_splits(tiles, (s.seqlen_k + tile.block_n - 1) / tile.block_n, num_sms, most_splits);
 }
 
 size_t round_up_256(size_t bytes) { return (bytes + 255) / 256 * 256; }
-
-// The workspace: the planned tiles (packed queries), the rotated copy of q (an append with
-// rotary), the split partials (split-KV).
-struct WorkspaceLayout {
-  size_t planned_tiles = 0, rotated_q = 0, out_partial = 0, lse_partial = 0;
-  int num_splits = 1;
-  size_t total() const { return planned_tiles + rotated_q + out_partial + lse_partial; }
-};
-WorkspaceLayout workspace_layout(const ForwardParams& p, const detail::ProblemShape& s) {
-  WorkspaceLayout w;
-  const int block_m = forward_tile(p, s).block_m;  // 0: a family this build lacks (refused later)
-  if (s.varlen_q && block_m > 0)
-    w.planned_tiles = planned_tiles_bytes(max_planned_tiles(s.total_q, s.seqlen_q, s.batch, s.heads_q, block_m));
-  w.rotated_q = rotated_q_bytes(p, s);
-  const detail::KernelCall call = detail::kernel_call(p, s);
-  w.num_splits = forward_num_splits(call.params, call.shape);
-  if (w.num_splits > 1) {  // as many rows as out has: the same for a packed call
-    const size_t rows = size_t(w.num_splits) * s.batch * s.heads_q * s.seqlen_q;
-    w.out_partial = round_up_256(rows * s.head_dim_v * sizeof(float));
-    w.lse_partial = round_up_256(rows * sizeof(float));
-  }
-  return w;
-}
 }  // namespace
 
 std::string forward_unsupported_reason(const ForwardParams& p, const detail::ProblemShape& s) {
@@ -106,27 +88,45 @@ std::string forward_unsupported_reason(const ForwardParams& p, const detail::Pro
   return family_unsupported_reason(Pass::kForward, static_cast<fh_dtype>(p.q.dtype), s.head_dim, s.head_dim_v);
 }
 
-size_t forward_workspace_size(const ForwardParams& p, const detail::ProblemShape& s) {
-  return workspace_layout(p, s).total();
+ForwardPlan plan_forward(const ForwardParams& p, const detail::ProblemShape& s) {
+  ForwardPlan plan;
+  plan.params = &p;
+  plan.shape = &s;
+  plan.call = detail::kernel_call(p, s);
+  const int block_m = forward_tile(p, s).block_m;  // 0: a family this build lacks (refused before)
+  if (s.varlen_q && block_m > 0)
+    plan.planned_tiles = planned_tiles_bytes(max_planned_tiles(s.total_q, s.seqlen_q, s.batch, s.heads_q, block_m));
+  plan.rotated_q = rotated_q_bytes(p, s);
+  plan.num_splits = forward_num_splits(plan.call.params, plan.call.shape);
+  if (plan.num_splits > 1) {  // as many rows as out has: the same for a packed call
+    const size_t rows = size_t(plan.num_splits) * s.batch * s.heads_q * s.seqlen_q;
+    plan.out_partial = round_up_256(rows * s.head_dim_v * sizeof(float));
+    plan.lse_partial = round_up_256(rows * sizeof(float));
+  }
+  return plan;
 }
 
-int run_forward(const ForwardParams& params, const detail::ProblemShape& shape, void* workspace, fh_stream_t stream) {
-  const WorkspaceLayout layout = workspace_layout(params, shape);
+int run_forward(const ForwardPlan& plan, void* workspace, fh_stream_t stream) {
+  const ForwardParams& params = *plan.params;
+  const detail::ProblemShape& shape = *plan.shape;
   char* const base = static_cast<char*>(workspace);
-  ForwardParams attention = params;
+  detail::KernelCall call = plan.call;
   if (shape.append_kv) {
-    void* q_rotated = base + layout.planned_tiles;
+    void* q_rotated = base + plan.planned_tiles;
     if (const int err = run_kv_append(params, shape, q_rotated, stream); err != 0) return err;
-    if (layout.rotated_q > 0) attention.q = rotated_q_view(params, q_rotated);
+    if (plan.rotated_q > 0) {  // the attention reads the rotated copy of q
+      ForwardParams attention = params;
+      attention.q = rotated_q_view(params, q_rotated);
+      call = detail::kernel_call(attention, shape);
+    }
   }
   ForwardWorkspace parts;
   parts.planned_tiles = base;
-  if (layout.num_splits > 1) {
-    parts.num_splits = layout.num_splits;
-    parts.out_partial = reinterpret_cast<float*>(base + layout.planned_tiles + layout.rotated_q);
-    parts.lse_partial = reinterpret_cast<float*>(base + layout.planned_tiles + layout.rotated_q + layout.out_partial);
+  if (plan.num_splits > 1) {
+    parts.num_splits = plan.num_splits;
+    parts.out_partial = reinterpret_cast<float*>(base + plan.planned_tiles + plan.rotated_q);
+    parts.lse_partial = reinterpret_cast<float*>(base + plan.planned_tiles + plan.rotated_q + plan.out_partial);
   }
-  const detail::KernelCall call = detail::kernel_call(attention, shape);
   const int err = visit_instantiation<Pass::kForward>(
       forward_family(call.params, call.shape), mask_kind(call.params), call.params.softcap > 0.f,
       [&](auto dtype, auto head_dim, auto head_dim_v, auto mask, auto softcap) {

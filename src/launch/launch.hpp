@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <string>
 
+#include "api/packed_decode.hpp"
 #include "api/problem_shape.hpp"
 
 namespace flashhopper::launch {
@@ -13,11 +14,26 @@ namespace flashhopper::launch {
 // Argument validity is checked before this is asked.
 std::string forward_unsupported_reason(const ForwardParams& params, const detail::ProblemShape& shape);
 
-size_t forward_workspace_size(const ForwardParams& params, const detail::ProblemShape& shape);
+// A forward as the kernels run it, computed once per call: the call after the decode rewrite
+// (detail::kernel_call), the split count and the workspace's parts, in order: the planned tiles
+// (packed queries), the rotated copy of q (an append with rotary), the split partials (split-KV).
+// It refers to the params and shape it was made from, which must outlive it.
+struct ForwardPlan {
+  const ForwardParams* params = nullptr;
+  const detail::ProblemShape* shape = nullptr;
+  detail::KernelCall call;
+  size_t planned_tiles = 0, rotated_q = 0, out_partial = 0, lse_partial = 0;
+  int num_splits = 1;
+  size_t workspace_bytes() const { return planned_tiles + rotated_q + out_partial + lse_partial; }
+};
+ForwardPlan plan_forward(const ForwardParams& params, const detail::ProblemShape& shape);
+
+inline size_t forward_workspace_size(const ForwardParams& params, const detail::ProblemShape& shape) {
+  return plan_forward(params, shape).workspace_bytes();
+}
 
 // Enqueues the forward. Returns the CUDA error of the launch (0 on success).
-int run_forward(const ForwardParams& params, const detail::ProblemShape& shape, void* workspace,
-                fh_stream_t stream);
+int run_forward(const ForwardPlan& plan, void* workspace, fh_stream_t stream);
 
 std::string backward_unsupported_reason(const BackwardParams& params, const detail::ProblemShape& shape);
 

@@ -10,6 +10,7 @@
 
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
+#include <cutlass/arch/memory_sm80.h>
 #include <cutlass/cutlass.h>
 #include <cutlass/fast_math.h>
 #include <cutlass/gemm/collective/builders/sm90_common.inl>
@@ -85,14 +86,13 @@ struct ForwardMainloop {
       take<0, 2>(SmemLayoutVt{}), Shape<Int<kHeadDimV>, Int<kBlockN>>{}, _1{}));
 
   // A paged KV cache: K and Vt viewed per page, (page_size, d, heads, pages) and (dv, page_size,
-  // heads, pages), and a stage loaded as chunks of keys, each from its own page: of
-  // kPageRowsLarge keys where page_size is a multiple of that, else of kPageRows keys where it is
-  // a multiple of those, else of one key. So any page size works, whatever kBlockN is, in as few
-  // TMA boxes as the pages allow (small boxes load slower; bench/RESULTS.md). kPageRowsLarge: the
-  // largest power of two dividing kBlockN, at most 32 keys (the chunk sizes the GPU tests take).
-  static constexpr int kPageRows = kPagedKeyChunk;
-  static constexpr int kPageRowsLarge = (kBlockN & -kBlockN) < 32 ? (kBlockN & -kBlockN) : 32;
-  static_assert(kBlockN % kPageRows == 0, "a key block is a whole number of page chunks");
+  // heads, pages). Where the pages hold whole chunks of kPageRowsTma keys, a stage loads as such
+  // chunks, one TMA box each (each from its own page). Other page sizes are gathered: the producer
+  // warpgroup's threads copy the stage 16 bytes at a time (cp.async), each key from its page. (TMA
+  // boxes of fewer keys load slower than the gather; bench/RESULTS.md.)
+  static constexpr int kPageRowsTma = 32;
+  static constexpr bool kTmaPaging = kBlockN % kPageRowsTma == 0;
+  static constexpr int kGatherThreads = cutlass::NumThreadsPerWarpGroup;
   template <int kRows>
   using PageChunkK = Shape<Int<kRows>, Int<kHeadDim>>;
   template <int kRows>
@@ -122,38 +122,25 @@ struct ForwardMainloop {
       cute::prefetch_tma_descriptor(vt.get_tma_descriptor());
     }
   };
-  // A paged call's chunk loads: of the three chunk sizes only the one page_size takes is encoded
-  // (each descriptor costs host time per call).
-  struct PagedLoads {
-    PageChunkTmas<kPageRowsLarge> large;
-    PageChunkTmas<kPageRows> chunk;
-    PageChunkTmas<1> key;
-    int rows = 0;  // the chunk size: kPageRowsLarge, kPageRows or 1; 0: not paged
-
+  struct NoPageChunkTmas {
     template <class TensorK, class TensorVt>
-    static PagedLoads make(TensorK const& mK, TensorVt const& mVt, int page_size) {
-      PagedLoads loads;
-      loads.rows = page_size % kPageRowsLarge == 0 ? kPageRowsLarge : page_size % kPageRows == 0 ? kPageRows : 1;
-      if (loads.rows == kPageRowsLarge) {
-        loads.large = PageChunkTmas<kPageRowsLarge>::make(mK, mVt);
-      } else if (loads.rows == kPageRows) {
-        loads.chunk = PageChunkTmas<kPageRows>::make(mK, mVt);
-      } else {
-        loads.key = PageChunkTmas<1>::make(mK, mVt);
-      }
-      return loads;
+    static NoPageChunkTmas make(TensorK const&, TensorVt const&) {
+      return {};
     }
-    // f(the encoded chunk loads).
-    template <class F>
-    CUTLASS_DEVICE void visit(F&& f) const {
-      if (rows == kPageRowsLarge) {
-        f(large);
-      } else if (rows == kPageRows) {
-        f(chunk);
-      } else {
-        f(key);
-      }
-    }
+    CUTLASS_DEVICE void prefetch() const {}
+  };
+  // Where the gather reads K (or V): key `row` of page `page` for KV head h at
+  // ptr + page * page_stride + row * row_stride + h * head_stride.
+  struct GatherSource {
+    Element const* ptr = nullptr;
+    int64_t page_stride = 0, row_stride = 0, head_stride = 0;
+    int dim = 0;  // the call's head dim: columns past it are zero-filled
+  };
+  enum class PagedMode : int { kNone, kTmaChunks, kGather };
+  struct PagedLoads {
+    cute::conditional_t<kTmaPaging, PageChunkTmas<kPageRowsTma>, NoPageChunkTmas> chunks;
+    GatherSource k, v;
+    PagedMode mode = PagedMode::kNone;
   };
 
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
@@ -211,9 +198,13 @@ struct ForwardMainloop {
     cutlass::FastDivmod page_size_divmod;
   };
 
-  // Whether the producer is a whole warp (a paged cache: each lane gathers its own chunks) or one
-  // thread.
-  CUTLASS_HOST_DEVICE static bool producer_is_warp(Params const& params) { return params.page_table != nullptr; }
+  // The producer's threads: the warpgroup when it gathers a paged cache, a warp when it loads one
+  // in TMA chunks (each lane its own), else one thread.
+  CUTLASS_HOST_DEVICE static int producer_threads(Params const& params) {
+    return params.paged.mode == PagedMode::kGather      ? kGatherThreads
+           : params.paged.mode == PagedMode::kTmaChunks ? cutlass::NumThreadsPerWarp
+                                                        : 1;
+  }
 
   static Params to_underlying_arguments(Arguments const& args) {
     Tensor mQ = make_tensor(make_gmem_ptr(args.ptr_q), args.shape_q, args.stride_q);
@@ -226,7 +217,19 @@ struct ForwardMainloop {
                                  Shape<Int<kHeadDimV>, Int<kBlockN>>{}, _1{});
     const int heads_per_kv_head = get<2>(args.shape_q) / get<2>(args.shape_k);
     const float scale = Transform::softmax_scale(args.softmax_scale, args.softcap);
-    const PagedLoads paged = args.page_table != nullptr ? PagedLoads::make(mK, mVt, args.page_size) : PagedLoads{};
+    PagedLoads paged;
+    if (args.page_table != nullptr) {
+      if (kTmaPaging && args.page_size % kPageRowsTma == 0) {
+        paged.mode = PagedMode::kTmaChunks;
+        paged.chunks = decltype(paged.chunks)::make(mK, mVt);  // only then: each descriptor costs host time
+      } else {
+        paged.mode = PagedMode::kGather;
+        paged.k = {args.ptr_k, get<3>(args.stride_k), get<0>(args.stride_k), get<2>(args.stride_k),
+                   get<1>(args.shape_k)};
+        paged.v = {args.ptr_v, get<3>(args.stride_vt), get<1>(args.stride_vt), get<2>(args.stride_vt),
+                   get<0>(args.shape_vt)};
+      }
+    }
     return {args.shape_q,
             args.shape_k,
             args.shape_vt,
@@ -251,26 +254,26 @@ struct ForwardMainloop {
     cute::prefetch_tma_descriptor(params.tma_q.get_tma_descriptor());
     cute::prefetch_tma_descriptor(params.tma_k.get_tma_descriptor());
     cute::prefetch_tma_descriptor(params.tma_vt.get_tma_descriptor());
-    if (params.page_table != nullptr) params.paged.visit([](auto const& tmas) { tmas.prefetch(); });
+    if (params.paged.mode == PagedMode::kTmaChunks) params.paged.chunks.prefetch();
   }
 
-  // Paged: one stage of key block n_block as kBlockN / kRows chunk loads on the stage's barrier
-  // (their bytes add up to the stage's), issued by the producer warp, lane l taking chunks l,
-  // l + 32, ... Each lane reads its chunks' page numbers before the stage is free, so the page
-  // table's latency hides behind that wait. A chunk past the sequence's keys reads rows beyond
+  // Paged, TMA chunks: one stage of key block n_block as kBlockN / kPageRowsTma chunk loads on the
+  // stage's barrier (their bytes add up to the stage's), issued by the producer warp, lane l taking
+  // chunks l, l + 32, ... Each lane reads its chunks' page numbers before the stage is free, so the
+  // page table's latency hides behind that wait. A chunk past the sequence's keys reads rows beyond
   // its page's extent, which the TMA fills with zeros: the page table is read only within the
   // sequence and no stale value reaches P V.
-  template <bool kIsV, int kRows, class Tma, class TensorStages>
+  template <bool kIsV, class Tma, class TensorStages>
   CUTLASS_DEVICE static void load_paged_stage(Params const& params, Pipeline& pipeline, PipelineState& state,
                                               Tma const& tma, TensorStages const& stages, SeqlenInfo const& seq,
                                               int head_kv, int n_block) {
+    constexpr int kRows = kPageRowsTma;
     constexpr int kChunks = kBlockN / kRows;
     constexpr int kChunksPerLane = (kChunks + 31) / 32;
     const int lane = cutlass::canonical_lane_idx();
     int const* table = params.page_table + seq.batch * params.page_table_stride;
     // Each chunk's first key as its row in the cache seen as one column of pages (page *
-    // page_size + row in the page), or -1 past the sequence: one register a chunk, which the
-    // producer's few need.
+    // page_size + row in the page), or -1 past the sequence.
     int cache_row[kChunksPerLane];
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < kChunksPerLane; ++i) {
@@ -279,7 +282,7 @@ struct ForwardMainloop {
       params.page_size_divmod(page_index, row_in_page, key);
       cache_row[i] = key < seq.seqlen_k ? __ldg(table + page_index) * params.page_size + row_in_page : -1;
     }
-    pipeline.producer_acquire(state);  // every lane waits; lane 0 arms the barrier
+    pipeline.producer_acquire(state);  // every lane waits; thread 0 arms the barrier
     __syncwarp();
     auto& barrier = *pipeline.producer_get_barrier(state);
     Tensor pages = tma.get_tma_tensor(kIsV ? params.shape_vt : params.shape_k);
@@ -297,6 +300,54 @@ struct ForwardMainloop {
     }
     ++state;
   }
+
+  // Paged, gathered: the producer warpgroup copies key block n_block into the stage, each thread
+  // 16-byte pieces t, t + 128, ... (consecutive threads along a key's row, so a warp reads whole
+  // rows), keys past the sequence and columns past the call's head dim as zeros. The stage's
+  // barrier expects the TMA's bytes (armed by thread 0 in producer_acquire); instead every thread
+  // makes the barrier wait for its copies (cp.async.mbarrier.arrive), and once all have, thread 0
+  // cancels the expected bytes: the phase then completes when the last copy lands.
+  template <bool kIsV, class TensorStages>
+  CUTLASS_DEVICE static void gather_stage(Params const& params, Pipeline& pipeline, PipelineState& state,
+                                          TensorStages const& stages, SeqlenInfo const& seq, int head_kv,
+                                          int n_block) {
+    constexpr int kDim = kIsV ? kHeadDimV : kHeadDim;
+    constexpr int kPieceElements = 16 / int(sizeof(Element));
+    constexpr int kPiecesPerKey = kDim / kPieceElements;
+    constexpr int kPieces = kBlockN * kPiecesPerKey;
+    constexpr int kPiecesPerThread = (kPieces + kGatherThreads - 1) / kGatherThreads;
+    static_assert(kDim % kPieceElements == 0);
+    GatherSource const& source = kIsV ? params.paged.v : params.paged.k;
+    int const* table = params.page_table + seq.batch * params.page_table_stride;
+    Element const* head = source.ptr + head_kv * source.head_stride;
+    const int thread = int(threadIdx.x);  // the producer warpgroup's 0..127
+    pipeline.producer_acquire(state);
+    uint64_t* barrier = pipeline.producer_get_barrier(state);
+    // Not unrolled: the producer's 24 registers hold one piece's addresses, not twenty.
+    CUTLASS_PRAGMA_NO_UNROLL
+    for (int i = 0; i < kPiecesPerThread; ++i) {
+      const int piece = thread + i * kGatherThreads;
+      if (kPieces % kGatherThreads == 0 || piece < kPieces) {
+        const int row = piece / kPiecesPerKey, col = piece % kPiecesPerKey * kPieceElements;
+        const int key = n_block * kBlockN + row;
+        const bool valid = key < seq.seqlen_k && col < source.dim;
+        Element const* from = head;
+        if (valid) {
+          int page_index, row_in_page;
+          params.page_size_divmod(page_index, row_in_page, key);
+          from += __ldg(table + page_index) * source.page_stride + row_in_page * source.row_stride + col;
+        }
+        Element* to = kIsV ? &stages(col, row, state.index()) : &stages(row, col, state.index());
+        cutlass::arch::cp_async_zfill<16, cutlass::arch::CacheOperation::Global>(to, from, valid);
+      }
+    }
+    cutlass::arch::cpasync_barrier_arrive(barrier);
+    named_barrier_sync(kGatherThreads, FwdBarrier::kProducerGather);  // every thread's arrive is in
+    if (thread == 0)
+      cutlass::arch::ClusterTransactionBarrier::complete_transaction(barrier, 0, kIsV ? kTmaBytesV : kTmaBytesK);
+    ++state;
+  }
+
   // Chunk c of kRows keys of a K tile (keys, d) or a Vt tile (dv, keys).
   template <bool kIsV, int kRows, class Tensor2>
   CUTLASS_DEVICE static auto key_chunk(Tensor2 const& tile, int c) {
@@ -318,7 +369,7 @@ struct ForwardMainloop {
     return params.learnable_sink ? params.learnable_sink[work.head] * float(M_LOG2E) : -INFINITY;
   }
 
-  // Producer: called by one thread, or by the producer warp when producer_is_warp. Loads K/V
+  // Producer: called by producer_threads threads. Loads K/V
   // blocks in the walk's order (the last block, which may need masking, first), interleaved as K
   // of one block and V of the one before, as the consumers use them, and Q once its buffer is free
   // (every consumer is done with the previous tile's Q K^T).
@@ -354,30 +405,33 @@ struct ForwardMainloop {
     Tensor tVgVt = get<0>(tma_v_parts);
     Tensor tVsVt = get<1>(tma_v_parts);
 
-    // Paged, the whole producer warp runs this (see load_paged_stage), and lane 0 alone arms
-    // barriers and issues the other loads; dense, only lane 0 runs it.
-    const bool paged = params.page_table != nullptr;
-    const bool leader = cutlass::canonical_lane_idx() == 0;
-    auto load_k = [&](int n_block) {
-      if (!paged) {
-        tma_load_stage(pipeline_k, pipe_k_write, params.tma_k, tKgK(_, n_block), tKsK);
+    // Every producer thread runs this (producer_threads); thread 0 alone arms the barriers and
+    // issues the other loads.
+    const bool leader = threadIdx.x == 0;
+    auto load_stage = [&](auto is_v, int n_block) {
+      constexpr bool kIsV = decltype(is_v)::value;
+      Pipeline& pipeline = kIsV ? pipeline_v : pipeline_k;
+      PipelineState& state = kIsV ? pipe_v_write : pipe_k_write;
+      auto const& stages = [&]() -> auto const& {
+        if constexpr (kIsV) return sVt; else return sK;
+      }();
+      if (params.paged.mode == PagedMode::kGather) {
+        gather_stage<kIsV>(params, pipeline, state, stages, seq, head_kv, n_block);
+      } else if (params.paged.mode == PagedMode::kTmaChunks) {
+        if constexpr (kTmaPaging) {
+          auto const& tma = [&]() -> auto const& {
+            if constexpr (kIsV) return params.paged.chunks.vt; else return params.paged.chunks.k;
+          }();
+          load_paged_stage<kIsV>(params, pipeline, state, tma, stages, seq, head_kv, n_block);
+        }
+      } else if constexpr (kIsV) {
+        tma_load_stage(pipeline, state, params.tma_vt, tVgVt(_, n_block), tVsVt);
       } else {
-        params.paged.visit([&](auto const& tmas) {
-          constexpr int kRows = cute::remove_cvref_t<decltype(tmas)>::kRows;
-          load_paged_stage<false, kRows>(params, pipeline_k, pipe_k_write, tmas.k, sK, seq, head_kv, n_block);
-        });
+        tma_load_stage(pipeline, state, params.tma_k, tKgK(_, n_block), tKsK);
       }
     };
-    auto load_v = [&](int n_block) {
-      if (!paged) {
-        tma_load_stage(pipeline_v, pipe_v_write, params.tma_vt, tVgVt(_, n_block), tVsVt);
-      } else {
-        params.paged.visit([&](auto const& tmas) {
-          constexpr int kRows = cute::remove_cvref_t<decltype(tmas)>::kRows;
-          load_paged_stage<true, kRows>(params, pipeline_v, pipe_v_write, tmas.vt, sVt, seq, head_kv, n_block);
-        });
-      }
-    };
+    auto load_k = [&](int n_block) { load_stage(cute::false_type{}, n_block); };
+    auto load_v = [&](int n_block) { load_stage(cute::true_type{}, n_block); };
     // The first K block goes out while the previous tile's last GEMMs may still read Q.
     const int num_blocks = blocks.count();
     load_k(blocks.at(0));
@@ -444,12 +498,20 @@ struct ForwardMainloop {
                              (warp_group + 1) % kNumMmaWarpGroups);
     };
 
+    // A gathered stage was written by cp.async, through the generic proxy; the WGMMAs read it
+    // through the async proxy.
+    const bool gathered = params.paged.mode == PagedMode::kGather;
+    auto wait_stage = [&](Pipeline& pipeline, PipelineState& state) {
+      pipeline.consumer_wait(state);
+      if (gathered) cutlass::arch::fence_view_async_shared();
+    };
+
     barrier_q_full.wait(q_full_phase);
     q_full_phase ^= 1;
 
     // First block: S only.
     int n_block = blocks.at(0);
-    pipeline_k.consumer_wait(pipe_k_read);
+    wait_stage(pipeline_k, pipe_k_read);
     take_turn();
     warpgroup_gemm</*kZeroInit=*/true, /*kWait=*/-1>(tiled_mma_qk, tSrQ, tSrK(_, _, _, pipe_k_read.index()), tSrS);
     pass_turn();
@@ -479,13 +541,13 @@ struct ForwardMainloop {
     };
     for (int i = 1; i < num_blocks; ++i) {
       n_block = blocks.at(i);
-      pipeline_k.consumer_wait(pipe_k_read);
+      wait_stage(pipeline_k, pipe_k_read);
       write_p(i > 1);
       take_turn();
       warpgroup_gemm<true, -1>(tiled_mma_qk, tSrQ, tSrK(_, _, _, pipe_k_read.index()), tSrS);
       // O shrinks for the previous block's maximum while Q K^T runs, before P V adds to it.
       scale_rows(o_rowcol, o_scale);
-      pipeline_v.consumer_wait(pipe_v_read);
+      wait_stage(pipeline_v, pipe_v_read);
       warpgroup_gemm<false, -1>(tiled_mma_pv, tOrP, tOrVt(_, _, _, pipe_v_read.index()), tOrO);
       pass_turn();
       warpgroup_wait<1>();  // S is ready; P V may still run
@@ -499,7 +561,7 @@ struct ForwardMainloop {
     // Last block: P V only.
     write_p(num_blocks > 1);
     scale_rows(o_rowcol, o_scale);
-    pipeline_v.consumer_wait(pipe_v_read);
+    wait_stage(pipeline_v, pipe_v_read);
     take_turn();
     warpgroup_gemm<false, -1>(tiled_mma_pv, tOrP, tOrVt(_, _, _, pipe_v_read.index()), tOrO);
     pass_turn();

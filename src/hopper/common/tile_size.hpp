@@ -8,10 +8,6 @@
 
 namespace flashhopper::hopper {
 
-// A paged KV cache whose page size is a multiple of this many keys loads in chunks of it, each
-// from its own page (other page sizes load key by key). Every forward kBlockN is a multiple too.
-constexpr int kPagedKeyChunk = 16;
-
 // Per (head dim, value head dim), the families of scripts/kernel_manifest.py. kMasked: causal or
 // local (blocks cross a mask boundary; narrower key blocks waste less there).
 template <int kHeadDim, int kHeadDimV, bool kMasked>

@@ -1,5 +1,5 @@
 // The forward kernel: warp roles, register split, shared storage and the persistent tile loop.
-// Warpgroup 0 is the producer (one thread issues every TMA load, one warp for a paged cache);
+// Warpgroup 0 is the producer (one thread issues every TMA load; a warp or all four gather a paged cache);
 // warpgroups 1.. are consumers that run the mainloop and the epilogue on the same tile, 64 rows each.
 #pragma once
 
@@ -83,8 +83,11 @@ struct ForwardKernel {
     SharedStorage& storage = *reinterpret_cast<SharedStorage*>(smem_buf);
     const int warp_group = cutlass::canonical_warp_group_idx();
 
+    const int producer_threads = Mainloop::producer_threads(params.mainloop);
+    const int producer_warps = (producer_threads + cutlass::NumThreadsPerWarp - 1) / cutlass::NumThreadsPerWarp;
     if (threadIdx.x == 0) {
-      storage.barriers.tiles.init(kNumMmaThreads);  // the producer and the MMA threads but the taker
+      // Receivers of the tiles: a thread of each producer warp and the MMA threads but the taker.
+      storage.barriers.tiles.init(producer_warps + kNumMmaThreads - 1);
       Mainloop::prefetch_tma_descriptors(params.mainloop);
       Epilogue::prefetch_tma_descriptors(params.epilogue);
       storage.barriers.q_full.init(/*arrive_count=*/1);
@@ -102,16 +105,16 @@ struct ForwardKernel {
 
     if (warp_group == 0) {  // producer
       cutlass::arch::warpgroup_reg_dealloc<kProducerRegisters>();
-      // One thread issues the loads, or one warp when the mainloop gathers (a paged cache); lane 0
-      // takes the tiles and hands them to the others.
-      const bool warp = Mainloop::producer_is_warp(params.mainloop);
-      if (threadIdx.x >= (warp ? cutlass::NumThreadsPerWarp : 1)) return;
+      // One thread issues the loads, or a warp or the warpgroup for a paged cache
+      // (Mainloop::producer_threads); lane 0 of each warp takes the tiles and hands them on.
+      if (int(threadIdx.x) >= producer_threads) return;
       auto pipe_k_write = cutlass::make_producer_start_state<Pipeline>();
       auto pipe_v_write = cutlass::make_producer_start_state<Pipeline>();
       int q_empty_phase = 1;  // the buffer starts empty: the first wait passes
+      const bool lane0 = cutlass::canonical_lane_idx() == 0;
       for (int k = 0;; ++k) {
-        int tile = threadIdx.x == 0 ? Scheduler::tile_at(params.scheduler, storage.barriers.tiles, k, false) : 0;
-        if (warp) tile = __shfl_sync(0xffffffff, tile, 0);
+        int tile = lane0 ? Scheduler::tile_at(params.scheduler, storage.barriers.tiles, k, false) : 0;
+        if (producer_threads > 1) tile = __shfl_sync(0xffffffff, tile, 0);
         const WorkTile work = Scheduler::decode(params.scheduler, tile);
         if (!work.valid) break;
         const SeqlenInfo seq = Mainloop::seqlen_info(params.mainloop, work);
