@@ -301,49 +301,67 @@ struct ForwardMainloop {
     ++state;
   }
 
-  // Paged, gathered: the producer warpgroup copies key block n_block into the stage, each thread
-  // 16-byte pieces t, t + 128, ... (consecutive threads along a key's row, so a warp reads whole
-  // rows), keys past the sequence and columns past the call's head dim as zeros. The stage's
-  // barrier expects the TMA's bytes (armed by thread 0 in producer_acquire); instead every thread
-  // makes the barrier wait for its copies (cp.async.mbarrier.arrive), and once all have, thread 0
-  // cancels the expected bytes: the phase then completes when the last copy lands.
+  // Paged, gathered: the producer warpgroup copies key block n_block into the stage, warp w the
+  // keys [w, w + 1) * kBlockN / 4, 16 bytes a lane and copy (consecutive lanes along a key's row,
+  // so that a warp reads whole rows); keys past the sequence and columns past the call's head dim
+  // as zeros. Lane l reads the page numbers of its warp's keys l, l + 32 before the stage is free
+  // (the page table's latency hides behind that wait) and hands them to the lanes that copy those
+  // keys. The stage's barrier expects the TMA's bytes (armed by thread 0 in producer_acquire);
+  // instead every thread makes the barrier wait for its copies (cp.async.mbarrier.arrive), and
+  // once all have, thread 0 cancels the expected bytes: the phase then completes when the last
+  // copy lands.
   template <bool kIsV, class TensorStages>
   CUTLASS_DEVICE static void gather_stage(Params const& params, Pipeline& pipeline, PipelineState& state,
                                           TensorStages const& stages, SeqlenInfo const& seq, int head_kv,
                                           int n_block) {
-    constexpr int kDim = kIsV ? kHeadDimV : kHeadDim;
+    constexpr int kWarps = kGatherThreads / cutlass::NumThreadsPerWarp;
+    constexpr int kKeysPerWarp = kBlockN / kWarps;
+    constexpr int kLookups = (kKeysPerWarp + 31) / 32;
     constexpr int kPieceElements = 16 / int(sizeof(Element));
-    constexpr int kPiecesPerKey = kDim / kPieceElements;
-    constexpr int kPieces = kBlockN * kPiecesPerKey;
-    constexpr int kPiecesPerThread = (kPieces + kGatherThreads - 1) / kGatherThreads;
-    static_assert(kDim % kPieceElements == 0);
+    constexpr int kPiecesPerKey = (kIsV ? kHeadDimV : kHeadDim) / kPieceElements;
+    constexpr int kCopies = kKeysPerWarp * kPiecesPerKey / 32;  // a lane's
+    static_assert(kBlockN % kWarps == 0 && kLookups <= 2 && (kKeysPerWarp * kPiecesPerKey) % 32 == 0);
     GatherSource const& source = kIsV ? params.paged.v : params.paged.k;
+    const int lane = cutlass::canonical_lane_idx();
+    const int first_key = n_block * kBlockN + cutlass::canonical_warp_idx() * kKeysPerWarp;
     int const* table = params.page_table + seq.batch * params.page_table_stride;
+    // Key first_key + lane + 32 r as its row in the cache seen as one column of pages (page *
+    // page_size + row in the page), or -1 past the sequence.
+    int cache_row[kLookups];
+    CUTLASS_PRAGMA_UNROLL
+    for (int r = 0; r < kLookups; ++r) {
+      const int key = first_key + lane + 32 * r;
+      int page_index, row_in_page;
+      params.page_size_divmod(page_index, row_in_page, key);
+      cache_row[r] = lane + 32 * r < kKeysPerWarp && key < seq.seqlen_k
+                         ? __ldg(table + page_index) * params.page_size + row_in_page
+                         : -1;
+    }
     Element const* head = source.ptr + head_kv * source.head_stride;
-    const int thread = int(threadIdx.x);  // the producer warpgroup's 0..127
+    const int first_row = cutlass::canonical_warp_idx() * kKeysPerWarp;  // in the stage
     pipeline.producer_acquire(state);
     uint64_t* barrier = pipeline.producer_get_barrier(state);
-    // Not unrolled: the producer's 24 registers hold one piece's addresses, not twenty.
-    CUTLASS_PRAGMA_NO_UNROLL
-    for (int i = 0; i < kPiecesPerThread; ++i) {
-      const int piece = thread + i * kGatherThreads;
-      if (kPieces % kGatherThreads == 0 || piece < kPieces) {
-        const int row = piece / kPiecesPerKey, col = piece % kPiecesPerKey * kPieceElements;
-        const int key = n_block * kBlockN + row;
-        const bool valid = key < seq.seqlen_k && col < source.dim;
-        Element const* from = head;
-        if (valid) {
-          int page_index, row_in_page;
-          params.page_size_divmod(page_index, row_in_page, key);
-          from += __ldg(table + page_index) * source.page_stride + row_in_page * source.row_stride + col;
-        }
-        Element* to = kIsV ? &stages(col, row, state.index()) : &stages(row, col, state.index());
-        cutlass::arch::cp_async_zfill<16, cutlass::arch::CacheOperation::Global>(to, from, valid);
+    // Two copies an iteration: the producer's 24 registers hold two copies' addresses, not twenty.
+#pragma unroll 2
+    for (int i = 0; i < kCopies; ++i) {
+      const int piece = lane + 32 * i;
+      const int key = piece / kPiecesPerKey, col = piece % kPiecesPerKey * kPieceElements;
+      // Keys 0..31 of the warp are held in cache_row[0], 32.. in [1]: the same for the whole warp.
+      const int held = kLookups == 1 || i < kPiecesPerKey ? cache_row[0] : cache_row[kLookups - 1];
+      const int row = __shfl_sync(0xffffffff, held, key % 32);
+      const bool valid = row >= 0 && col < source.dim;
+      Element const* from = head;
+      if (valid) {
+        int page, row_in_page;
+        params.page_size_divmod(page, row_in_page, row);
+        from += page * source.page_stride + row_in_page * source.row_stride + col;
       }
+      Element* to = kIsV ? &stages(col, first_row + key, state.index()) : &stages(first_row + key, col, state.index());
+      cutlass::arch::cp_async_zfill<16, cutlass::arch::CacheOperation::Global>(to, from, valid);
     }
     cutlass::arch::cpasync_barrier_arrive(barrier);
     named_barrier_sync(kGatherThreads, FwdBarrier::kProducerGather);  // every thread's arrive is in
-    if (thread == 0)
+    if (threadIdx.x == 0)
       cutlass::arch::ClusterTransactionBarrier::complete_transaction(barrier, 0, kIsV ? kTmaBytesV : kTmaBytesK);
     ++state;
   }
