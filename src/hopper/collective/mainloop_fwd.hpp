@@ -86,12 +86,14 @@ struct ForwardMainloop {
       take<0, 2>(SmemLayoutVt{}), Shape<Int<kHeadDimV>, Int<kBlockN>>{}, _1{}));
 
   // A paged KV cache: K and Vt viewed per page, (page_size, d, heads, pages) and (dv, page_size,
-  // heads, pages). Where the pages hold whole chunks of kPageRowsTma keys, a stage loads as such
-  // chunks, one TMA box each (each from its own page). Other page sizes are gathered: the producer
-  // warpgroup's threads copy the stage 16 bytes at a time (cp.async), each key from its page. (TMA
-  // boxes of fewer keys load slower than the gather; bench/RESULTS.md.)
-  static constexpr int kPageRowsTma = 32;
-  static constexpr bool kTmaPaging = kBlockN % kPageRowsTma == 0;
+  // heads, pages). Where the pages hold whole chunks of 32 keys (else of 16), a stage loads as such
+  // chunks, one TMA box each, each from its own page. Other page sizes are gathered: the producer
+  // warpgroup's threads copy the stage 16 bytes at a time (cp.async), each key from its page.
+  // Fewer keys a box load slower; the gather slower still (bench/RESULTS.md).
+  static constexpr int kPageRowsLarge = 32;
+  static constexpr int kPageRowsSmall = 16;
+  static constexpr bool kLargeChunks = kBlockN % kPageRowsLarge == 0;
+  static_assert(kBlockN % kPageRowsSmall == 0, "a key block is a whole number of 16-key chunks");
   static constexpr int kGatherThreads = cutlass::NumThreadsPerWarpGroup;
   template <int kRows>
   using PageChunkK = Shape<Int<kRows>, Int<kHeadDim>>;
@@ -123,6 +125,7 @@ struct ForwardMainloop {
     }
   };
   struct NoPageChunkTmas {
+    static constexpr int kRows = 0;
     template <class TensorK, class TensorVt>
     static NoPageChunkTmas make(TensorK const&, TensorVt const&) {
       return {};
@@ -136,9 +139,12 @@ struct ForwardMainloop {
     int64_t page_stride = 0, row_stride = 0, head_stride = 0;
     int dim = 0;  // the call's head dim: columns past it are zero-filled
   };
-  enum class PagedMode : int { kNone, kTmaChunks, kGather };
+  enum class PagedMode : int { kNone, kLargeChunks, kSmallChunks, kGather };
+  // A paged call's loads: only the chunk loads its page size takes are encoded (each descriptor
+  // costs host time per call).
   struct PagedLoads {
-    cute::conditional_t<kTmaPaging, PageChunkTmas<kPageRowsTma>, NoPageChunkTmas> chunks;
+    cute::conditional_t<kLargeChunks, PageChunkTmas<kPageRowsLarge>, NoPageChunkTmas> large;
+    PageChunkTmas<kPageRowsSmall> small;
     GatherSource k, v;
     PagedMode mode = PagedMode::kNone;
   };
@@ -201,9 +207,9 @@ struct ForwardMainloop {
   // The producer's threads: the warpgroup when it gathers a paged cache, a warp when it loads one
   // in TMA chunks (each lane its own), else one thread.
   CUTLASS_HOST_DEVICE static int producer_threads(Params const& params) {
-    return params.paged.mode == PagedMode::kGather      ? kGatherThreads
-           : params.paged.mode == PagedMode::kTmaChunks ? cutlass::NumThreadsPerWarp
-                                                        : 1;
+    return params.paged.mode == PagedMode::kGather ? kGatherThreads
+           : params.paged.mode == PagedMode::kNone ? 1
+                                                   : cutlass::NumThreadsPerWarp;
   }
 
   static Params to_underlying_arguments(Arguments const& args) {
@@ -219,9 +225,12 @@ struct ForwardMainloop {
     const float scale = Transform::softmax_scale(args.softmax_scale, args.softcap);
     PagedLoads paged;
     if (args.page_table != nullptr) {
-      if (kTmaPaging && args.page_size % kPageRowsTma == 0) {
-        paged.mode = PagedMode::kTmaChunks;
-        paged.chunks = decltype(paged.chunks)::make(mK, mVt);  // only then: each descriptor costs host time
+      if (kLargeChunks && args.page_size % kPageRowsLarge == 0) {
+        paged.mode = PagedMode::kLargeChunks;
+        paged.large = decltype(paged.large)::make(mK, mVt);
+      } else if (args.page_size % kPageRowsSmall == 0) {
+        paged.mode = PagedMode::kSmallChunks;
+        paged.small = PageChunkTmas<kPageRowsSmall>::make(mK, mVt);
       } else {
         paged.mode = PagedMode::kGather;
         paged.k = {args.ptr_k, get<3>(args.stride_k), get<0>(args.stride_k), get<2>(args.stride_k),
@@ -254,20 +263,20 @@ struct ForwardMainloop {
     cute::prefetch_tma_descriptor(params.tma_q.get_tma_descriptor());
     cute::prefetch_tma_descriptor(params.tma_k.get_tma_descriptor());
     cute::prefetch_tma_descriptor(params.tma_vt.get_tma_descriptor());
-    if (params.paged.mode == PagedMode::kTmaChunks) params.paged.chunks.prefetch();
+    if (params.paged.mode == PagedMode::kLargeChunks) params.paged.large.prefetch();
+    if (params.paged.mode == PagedMode::kSmallChunks) params.paged.small.prefetch();
   }
 
-  // Paged, TMA chunks: one stage of key block n_block as kBlockN / kPageRowsTma chunk loads on the
+  // Paged, TMA chunks: one stage of key block n_block as kBlockN / kRows chunk loads on the
   // stage's barrier (their bytes add up to the stage's), issued by the producer warp, lane l taking
   // chunks l, l + 32, ... Each lane reads its chunks' page numbers before the stage is free, so the
   // page table's latency hides behind that wait. A chunk past the sequence's keys reads rows beyond
   // its page's extent, which the TMA fills with zeros: the page table is read only within the
   // sequence and no stale value reaches P V.
-  template <bool kIsV, class Tma, class TensorStages>
+  template <bool kIsV, int kRows, class Tma, class TensorStages>
   CUTLASS_DEVICE static void load_paged_stage(Params const& params, Pipeline& pipeline, PipelineState& state,
                                               Tma const& tma, TensorStages const& stages, SeqlenInfo const& seq,
                                               int head_kv, int n_block) {
-    constexpr int kRows = kPageRowsTma;
     constexpr int kChunks = kBlockN / kRows;
     constexpr int kChunksPerLane = (kChunks + 31) / 32;
     const int lane = cutlass::canonical_lane_idx();
@@ -435,12 +444,21 @@ struct ForwardMainloop {
       }();
       if (params.paged.mode == PagedMode::kGather) {
         gather_stage<kIsV>(params, pipeline, state, stages, seq, head_kv, n_block);
-      } else if (params.paged.mode == PagedMode::kTmaChunks) {
-        if constexpr (kTmaPaging) {
-          auto const& tma = [&]() -> auto const& {
-            if constexpr (kIsV) return params.paged.chunks.vt; else return params.paged.chunks.k;
-          }();
-          load_paged_stage<kIsV>(params, pipeline, state, tma, stages, seq, head_kv, n_block);
+      } else if (params.paged.mode != PagedMode::kNone) {
+        auto load_chunks = [&](auto const& tmas) {
+          constexpr int kRows = cute::remove_cvref_t<decltype(tmas)>::kRows;
+          if constexpr (kRows > 0) {
+            if constexpr (kIsV) {
+              load_paged_stage<kIsV, kRows>(params, pipeline, state, tmas.vt, stages, seq, head_kv, n_block);
+            } else {
+              load_paged_stage<kIsV, kRows>(params, pipeline, state, tmas.k, stages, seq, head_kv, n_block);
+            }
+          }
+        };
+        if (params.paged.mode == PagedMode::kLargeChunks) {
+          load_chunks(params.paged.large);
+        } else {
+          load_chunks(params.paged.small);
         }
       } else if constexpr (kIsV) {
         tma_load_stage(pipeline, state, params.tma_vt, tVgVt(_, n_block), tVsVt);
