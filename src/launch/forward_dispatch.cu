@@ -6,6 +6,7 @@
 #include <string>
 
 #include "api/packed_decode.hpp"
+#include "api/split_plan.hpp"
 #include "hopper/common/tile_size.hpp"
 #include "launch/device_info.hpp"
 #include "launch/dispatch.hpp"
@@ -35,24 +36,6 @@ TileExtent forward_tile(const ForwardParams& p, const detail::ProblemShape& s) {
   });
 }
 
-// num_splits 0: split the keys when the query tiles leave most SMs idle (decoding: a few query
-// rows against long keys). From the shapes alone (never the lengths in device memory), so a CUDA
-// graph captured with it stays valid: the fewest splits whose waves of tiles use the SMs within
-// 85% as well as the best count does, each split at least two key blocks, at most most_splits.
-int choose_num_splits(int64_t tiles, int64_t key_blocks, int num_sms, int64_t most_splits) {
-  if (tiles <= 0 || tiles * 5 >= int64_t(num_sms) * 4) return 1;
-  const int most = int(std::min<int64_t>({key_blocks / 2, 128, 2 * int64_t(num_sms), most_splits}));
-  auto efficiency = [&](int splits) {
-    const double waves = double(tiles * splits) / num_sms;
-    return waves / std::ceil(waves);
-  };
-  double best = 0;
-  for (int splits = 1; splits <= most; ++splits) best = std::max(best, efficiency(splits));
-  for (int splits = 1; splits <= most; ++splits)
-    if (efficiency(splits) >= 0.85 * best) return splits;
-  return 1;
-}
-
 int forward_num_splits(const ForwardParams& p, const detail::ProblemShape& s) {
   if (p.num_splits != 0) return p.num_splits;
   const TileExtent tile = forward_tile(p, s);
@@ -63,8 +46,8 @@ int forward_num_splits(const ForwardParams& p, const detail::ProblemShape& s) {
   const double kv_bytes = double(s.batch) * s.seqlen_k * s.heads_kv * (s.head_dim + s.head_dim_v) *
                           dtype_size(static_cast<fh_dtype>(p.k.dtype));
   const double split_bytes = double(s.batch) * s.heads_q * s.seqlen_q * (s.head_dim_v + 1) * sizeof(float);
-  const auto most_splits = std::max<int64_t>(1, int64_t(kv_bytes / (100 * split_bytes)));
-  return choose_num_splits(tiles, (s.seqlen_k + tile.block_n - 1) / tile.block_n, num_sms, most_splits);
+  return detail::choose_num_splits(tiles, (s.seqlen_k + tile.block_n - 1) / tile.block_n, num_sms,
+                                   detail::most_splits_for_workspace(kv_bytes, split_bytes));
 }
 
 size_t round_up_256(size_t bytes) { return (bytes + 255) / 256 * 256; }

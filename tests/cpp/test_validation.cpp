@@ -5,6 +5,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -13,6 +14,7 @@
 #include <utility>
 #include <vector>
 
+#include "api/split_plan.hpp"
 #include "api/validate.hpp"
 #include "launch/compiled_families.hpp"
 #include "flashhopper/flashhopper.h"
@@ -1601,3 +1603,50 @@ TEST(Threads, LastErrorIsPerThread) {
 }
 
 }  // namespace
+
+// ---- The split-KV count of num_splits = 0 (api/split_plan.hpp) ------------------------------
+
+TEST(SplitPlan, NoSplitWhenTheTilesFillTheGpu) {
+  EXPECT_EQ(fh::detail::choose_num_splits(/*tiles=*/132, /*key_blocks=*/800, /*num_sms=*/132, 1000), 1);
+  EXPECT_EQ(fh::detail::choose_num_splits(106, 800, 132, 1000), 1);  // 106 * 5 >= 132 * 4
+  EXPECT_EQ(fh::detail::choose_num_splits(0, 800, 132, 1000), 1);
+}
+
+TEST(SplitPlan, DecodeSplitsWithinItsBounds) {
+  // Decoding, GQA 32/8 packed: 8 tiles a sequence; key blocks of 160 keys.
+  for (int64_t batch : {1, 2, 4, 8}) {
+    for (int64_t keys : {4096, 16384, 131072}) {
+      const int64_t tiles = 8 * batch, key_blocks = (keys + 159) / 160;
+      const int splits = fh::detail::choose_num_splits(tiles, key_blocks, 132, 1000);
+      SCOPED_TRACE("batch " + std::to_string(batch) + ", keys " + std::to_string(keys));
+      EXPECT_GT(splits, 1);               // 8 to 64 tiles leave most of 132 SMs idle
+      EXPECT_LE(splits, key_blocks / 2);  // each split at least two key blocks
+      // Its waves use the SMs within 85% as well as any other count allowed does.
+      auto efficiency = [&](int64_t n) {
+        const double waves = double(tiles * n) / 132;
+        return waves / std::ceil(waves);
+      };
+      for (int64_t other = 1; other <= std::min<int64_t>(key_blocks / 2, 128); ++other)
+        EXPECT_GE(efficiency(splits), 0.85 * efficiency(other)) << other << " splits";
+    }
+  }
+}
+
+TEST(SplitPlan, PartialsStayWithinOnePercentOfTheKeysAndValues) {
+  // One token, GQA 32/8, hdim 128, bf16: K and V bytes against one split's float32 O and LSE rows.
+  for (int64_t batch : {1, 8}) {
+    for (int64_t keys : {1024, 4096, 16384}) {
+      const double kv_bytes = double(batch) * keys * 8 * (128 + 128) * 2;
+      const double partial_bytes = double(batch) * 32 * (128 + 1) * 4;
+      const int64_t most = fh::detail::most_splits_for_workspace(kv_bytes, partial_bytes);
+      const int splits = fh::detail::choose_num_splits(8 * batch, (keys + 159) / 160, 132, most);
+      SCOPED_TRACE("batch " + std::to_string(batch) + ", keys " + std::to_string(keys));
+      EXPECT_GE(most, 1);
+      EXPECT_LE(splits, most);
+      if (splits > 1) EXPECT_LE(splits * partial_bytes, 0.01 * kv_bytes);
+    }
+  }
+  // Too few keys for even one split's partials within 1%: no split.
+  EXPECT_EQ(fh::detail::most_splits_for_workspace(1000.0, 1000.0), 1);
+  EXPECT_EQ(fh::detail::choose_num_splits(8, 100, 132, 1), 1);
+}
