@@ -93,16 +93,19 @@ int run_forward(const ForwardPlan& plan, void* workspace, fh_stream_t stream) {
   const ForwardParams& params = *plan.params;
   const detail::ProblemShape& shape = *plan.shape;
   char* const base = static_cast<char*>(workspace);
-  detail::KernelCall call = plan.call;
+  const detail::KernelCall* attention = &plan.call;
+  detail::KernelCall rotated;
   if (shape.append_kv) {
     void* q_rotated = base + plan.planned_tiles;
     if (const int err = run_kv_append(params, shape, q_rotated, stream); err != 0) return err;
     if (plan.rotated_q > 0) {  // the attention reads the rotated copy of q
-      ForwardParams attention = params;
-      attention.q = rotated_q_view(params, q_rotated);
-      call = detail::kernel_call(attention, shape);
+      ForwardParams with_rotated_q = params;
+      with_rotated_q.q = rotated_q_view(params, q_rotated);
+      rotated = detail::kernel_call(with_rotated_q, shape);
+      attention = &rotated;
     }
   }
+  const detail::KernelCall& call = *attention;
   ForwardWorkspace parts;
   parts.planned_tiles = base;
   if (plan.num_splits > 1) {
