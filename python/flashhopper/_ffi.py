@@ -89,6 +89,16 @@ def _find_library() -> str:
     return str(repo_build) if repo_build.exists() else "libflashhopper.so"
 
 
+def torch_ops_library():
+    """libflashhopper_torch.so (the C++ PyTorch ops, src/torch/ops.cpp) beside the library that
+    lib() loads, or None where there is none (a build without torch, or a library from the path)."""
+    path = pathlib.Path(_find_library())
+    if path.parent == pathlib.Path("."):
+        return None
+    ops = path.parent / "libflashhopper_torch.so"
+    return str(ops) if ops.exists() else None
+
+
 _lib = None
 
 

@@ -62,15 +62,18 @@ def not_supported(message: str) -> FlashHopperNotSupported:
     return FlashHopperNotSupported(_STATUS_NOT_SUPPORTED, message)
 
 
-def _check(status: int) -> None:
-    if status == 0:
-        return
-    message = _ffi.lib().fh_last_error().decode()
+def library_error(status: int, message: str) -> FlashHopperError:
+    """The exception for a library status (non-zero) and its message."""
     if status == _STATUS_INVALID_ARGUMENT:
-        raise FlashHopperInvalidArgument(status, message)
+        return FlashHopperInvalidArgument(status, message)
     if status == _STATUS_NOT_SUPPORTED:
-        raise FlashHopperNotSupported(status, message)
-    raise FlashHopperError(status, message)
+        return FlashHopperNotSupported(status, message)
+    return FlashHopperError(status, message)
+
+
+def _check(status: int) -> None:
+    if status != 0:
+        raise library_error(status, _ffi.lib().fh_last_error().decode())
 
 
 class KernelFamily(NamedTuple):

@@ -36,12 +36,23 @@ outputs with PyTorch's caching allocator and launch on torch.cuda.current_stream
 synchronises with the host. bwd accepts dout in any layout (autograd may hand over an expanded or
 unaligned one) and copies it when the kernels need that; every other argument must already satisfy
 the kernels' layout rules (see interface.py).
+
+Two implementations of the CUDA kernels, one library call underneath (the C ABI):
+- C++ (src/torch/ops.cpp, libflashhopper_torch.so next to libflashhopper.so), registered through
+  PyTorch's stable ABI: what AOTInductor's runtime can call, and less host work. Used when present
+  (a build against torch >= 2.9) unless FLASHHOPPER_TORCH_OPS=0; then the C++ side owns the schemas.
+- Python (below, over interface.forward / backward): the fallback, with the same schemas.
+`NATIVE` says which one runs. The CPU kernels, the fake functions and autograd are Python in both
+cases. Errors from the C++ kernels reach Python as RuntimeError("flashhopper (<status>): ...");
+`fwd` and `bwd` here re-raise them as the Python layer's classes (interface.FlashHopperError...).
 """
+import logging
+import os
 from typing import Optional
 
 import torch
 
-from . import interface
+from . import _ffi, interface
 
 Tensor = torch.Tensor
 
@@ -49,8 +60,23 @@ _NUM_FWD_INPUTS = 18
 _SINK_INPUT = 10  # learnable_sink's position among fwd's inputs
 
 
-@torch.library.custom_op("flashhopper::fwd", mutates_args=())
-def fwd(q: Tensor, k: Tensor, v: Tensor, softmax_scale: Optional[float] = None, causal: bool = False,
+_log = logging.getLogger(__name__)
+
+# The schemas, also in src/torch/ops.cpp (the C++ registration must own them where it runs).
+FWD_SCHEMA = ("fwd(Tensor q, Tensor k, Tensor v, float? softmax_scale=None, bool causal=False, "
+              "bool deterministic=False, SymInt window_left=-1, SymInt window_right=-1, float softcap=0., "
+              "SymInt attention_chunk=0, Tensor? learnable_sink=None, Tensor? cu_seqlens_q=None, "
+              "Tensor? cu_seqlens_k=None, SymInt? max_seqlen_q=None, SymInt? max_seqlen_k=None, "
+              "Tensor? seqused_q=None, Tensor? seqused_k=None, SymInt num_splits=1) -> (Tensor, Tensor)")
+BWD_SCHEMA = ("bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, float? softmax_scale=None, "
+              "bool causal=False, bool deterministic=False, SymInt window_left=-1, SymInt window_right=-1, "
+              "float softcap=0., SymInt attention_chunk=0, Tensor? learnable_sink=None, "
+              "Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, SymInt? max_seqlen_q=None, "
+              "SymInt? max_seqlen_k=None, Tensor? seqused_q=None, Tensor? seqused_k=None) "
+              "-> (Tensor, Tensor, Tensor, Tensor)")
+
+
+def _fwd_python(q: Tensor, k: Tensor, v: Tensor, softmax_scale: Optional[float] = None, causal: bool = False,
         deterministic: bool = False, window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
         attention_chunk: int = 0, learnable_sink: Optional[Tensor] = None, cu_seqlens_q: Optional[Tensor] = None,
         cu_seqlens_k: Optional[Tensor] = None, max_seqlen_q: Optional[int] = None,
@@ -64,7 +90,6 @@ def fwd(q: Tensor, k: Tensor, v: Tensor, softmax_scale: Optional[float] = None, 
     return out, lse
 
 
-@fwd.register_fake
 def _fwd_fake(q, k, v, softmax_scale=None, causal=False, deterministic=False, window_left=-1, window_right=-1,
               softcap=0.0, attention_chunk=0, learnable_sink=None, cu_seqlens_q=None, cu_seqlens_k=None,
               max_seqlen_q=None, max_seqlen_k=None, seqused_q=None, seqused_k=None, num_splits=1):
@@ -87,8 +112,7 @@ def _no_dsink(q: Tensor) -> Tensor:
     return q.new_empty((0,), dtype=torch.float32)
 
 
-@torch.library.custom_op("flashhopper::bwd", mutates_args=())
-def bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+def _bwd_python(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
         softmax_scale: Optional[float] = None, causal: bool = False, deterministic: bool = False,
         window_left: int = -1, window_right: int = -1, softcap: float = 0.0, attention_chunk: int = 0,
         learnable_sink: Optional[Tensor] = None, cu_seqlens_q: Optional[Tensor] = None,
@@ -108,7 +132,6 @@ def bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
     return grads
 
 
-@bwd.register_fake
 def _bwd_fake(dout, q, k, v, out, lse, softmax_scale=None, causal=False, deterministic=False, window_left=-1,
               window_right=-1, softcap=0.0, attention_chunk=0, learnable_sink=None, cu_seqlens_q=None,
               cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, seqused_q=None, seqused_k=None):
@@ -156,4 +179,63 @@ def _backward(ctx, dout, dlse):
     return tuple(grads)
 
 
-fwd.register_autograd(_backward, setup_context=_setup_context)
+def _load_native() -> bool:
+    """Loads libflashhopper_torch.so from beside the C ABI library when it is there (and
+    FLASHHOPPER_TORCH_OPS is not 0); True when its ops are registered."""
+    if os.environ.get("FLASHHOPPER_TORCH_OPS", "1") == "0":
+        return False
+    path = _ffi.torch_ops_library()
+    if path is None:
+        return False
+    _ffi.lib()  # libflashhopper.so first, the one this package uses, which the ops library links
+    try:
+        torch.ops.load_library(path)
+    except (OSError, RuntimeError) as e:
+        _log.warning("flashhopper: the C++ ops in %s do not load (%s); using the Python ops", path, e)
+        return False
+    return True
+
+
+NATIVE = _load_native()
+_library = torch.library.Library("flashhopper", "FRAGMENT")
+if not NATIVE:
+    _library.define(FWD_SCHEMA)
+    _library.define(BWD_SCHEMA)
+    _library.impl("fwd", _fwd_python, "CUDA")
+    _library.impl("bwd", _bwd_python, "CUDA")
+# Host tensors: the Python checks name what is wrong (the device among the rest).
+_library.impl("fwd", _fwd_python, "CPU")
+_library.impl("bwd", _bwd_python, "CPU")
+torch.library.register_fake("flashhopper::fwd", _fwd_fake, lib=_library)
+torch.library.register_fake("flashhopper::bwd", _bwd_fake, lib=_library)
+torch.library.register_autograd("flashhopper::fwd", _backward, setup_context=_setup_context, lib=_library)
+
+
+def _raised_as_python(error: RuntimeError) -> Exception:
+    """A C++ kernel's RuntimeError("flashhopper (<status>): <message>") as the Python layer raises
+    it (FlashHopperInvalidArgument, FlashHopperNotSupported, FlashHopperError); others unchanged."""
+    text = str(error)
+    for status, name in _ffi.STATUS_NAMES.items():
+        prefix = f"flashhopper ({name}): "
+        if status and text.startswith(prefix) and not isinstance(error, interface.FlashHopperError):
+            return interface.library_error(status, text[len(prefix):])
+    return error
+
+
+def _calls(op):
+    def call(*args):
+        if torch.compiler.is_compiling():
+            return op(*args)
+        try:
+            return op(*args)
+        except RuntimeError as error:
+            raised = _raised_as_python(error)
+            if raised is error:
+                raise
+            raise raised from None
+    call.__doc__ = f"{op}, with the library's errors raised as the Python layer's classes"
+    return call
+
+
+fwd = _calls(torch.ops.flashhopper.fwd.default)
+bwd = _calls(torch.ops.flashhopper.bwd.default)

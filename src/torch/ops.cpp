@@ -1,0 +1,287 @@
+// The PyTorch ops flashhopper::fwd and flashhopper::bwd in C++, over the library's C ABI, through
+// PyTorch's stable ABI (torch/csrc/stable). C++ registration is what lets AOTInductor's runtime
+// call them (it cannot call an op implemented in Python), and the stable ABI is what lets one build
+// of this file load into every PyTorch from 2.9 on (TORCH_TARGET_VERSION, set by CMake).
+//
+// Only the CUDA kernels live here. python/flashhopper/ops.py adds what the C++ side cannot: the
+// fake (meta) functions, autograd, and the CPU kernels that refuse host tensors with the Python
+// layer's messages. Semantics are those of the Python implementation in ops.py (its docstring):
+// the same mask rules, output layouts and dout handling, so that both give bit-identical results.
+#include <torch/csrc/inductor/aoti_torch/c/shim.h>
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
+#include <torch/csrc/stable/tensor.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "flashhopper/flashhopper.h"
+
+namespace {
+
+using torch::headeronly::ScalarType;
+using torch::stable::Tensor;
+
+// Messages start as the Python layer's do ("flashhopper (<status>): ..."), so that it can raise
+// its own exception classes from them (ops.py: _raised_as).
+[[noreturn]] void refuse(const char* status, const std::string& message) {
+  throw std::runtime_error(std::string("flashhopper (") + status + "): " + message);
+}
+
+void check(fh_status status) {
+  if (status == FH_SUCCESS) return;
+  static const char* const kNames[] = {"success", "invalid argument", "not supported", "no device", "CUDA error",
+                                       "workspace"};
+  const char* name = (status >= 0 && status <= FH_ERROR_WORKSPACE) ? kNames[status] : "error";
+  refuse(name, fh_last_error());
+}
+
+void check_aoti(AOTITorchError error, const char* what) {
+  if (error != AOTI_TORCH_SUCCESS) refuse("CUDA error", std::string("PyTorch could not ") + what);
+}
+
+int32_t as_int32(const char* name, int64_t value) {
+  if (value < std::numeric_limits<int32_t>::min() || value > std::numeric_limits<int32_t>::max()) {
+    refuse("invalid argument", std::string(name) + ": " + std::to_string(value) + " does not fit in int32");
+  }
+  return static_cast<int32_t>(value);
+}
+
+fh_tensor view(const char* name, const Tensor& t) {
+  fh_tensor v{};
+  switch (t.scalar_type()) {
+    case ScalarType::BFloat16: v.dtype = FH_DTYPE_BF16; break;
+    case ScalarType::Half: v.dtype = FH_DTYPE_FP16; break;
+    case ScalarType::Float: v.dtype = FH_DTYPE_FP32; break;
+    case ScalarType::Int: v.dtype = FH_DTYPE_INT32; break;
+    default: refuse("invalid argument", std::string(name) + ": dtype is not supported (bf16, fp16, float32, int32)");
+  }
+  const int64_t ndim = t.dim();
+  if (ndim > FH_MAX_DIMS) {
+    refuse("invalid argument", std::string(name) + ": " + std::to_string(ndim) + " dims, at most 5");
+  }
+  v.data = t.data_ptr();
+  v.ndim = static_cast<int32_t>(ndim);
+  for (int64_t d = 0; d < ndim; ++d) {
+    v.shape[d] = t.size(d);
+    v.stride[d] = t.stride(d);
+  }
+  return v;
+}
+
+void set(fh_tensor& field, const char* name, const std::optional<Tensor>& t) {
+  if (t.has_value()) field = view(name, *t);
+}
+
+// The launch: on the tensors' device, on PyTorch's current stream of it, with the workspace from
+// PyTorch's caching allocator.
+class OnDevice {
+ public:
+  explicit OnDevice(const Tensor& t) : index_(t.get_device_index()) {
+    check_aoti(aoti_torch_create_cuda_guard(index_, &guard_), "set the CUDA device");
+  }
+  ~OnDevice() { aoti_torch_delete_cuda_guard(guard_); }
+  OnDevice(const OnDevice&) = delete;
+  OnDevice& operator=(const OnDevice&) = delete;
+
+  fh_stream_t stream() const {
+    void* stream = nullptr;
+    check_aoti(aoti_torch_get_current_cuda_stream(index_, &stream), "get the current CUDA stream");
+    return static_cast<fh_stream_t>(stream);
+  }
+
+ private:
+  int32_t index_;
+  CUDAGuardHandle guard_ = nullptr;
+};
+
+template <typename Params, typename SizeFn, typename RunFn>
+void launch(const Params& params, const Tensor& like, SizeFn workspace_size, RunFn run) {
+  OnDevice on(like);
+  size_t bytes = 0;
+  check(workspace_size(&params, &bytes));
+  std::optional<Tensor> workspace;
+  if (bytes > 0) workspace = torch::stable::new_empty(like, {static_cast<int64_t>(bytes)}, ScalarType::Byte);
+  check(run(&params, workspace ? workspace->data_ptr() : nullptr, bytes, on.stream()));
+}
+
+float library_scale(const std::optional<double>& softmax_scale) {
+  if (!softmax_scale.has_value()) return 0.0f;  // the C ABI's 0: 1/sqrt(head_dim)
+  const double s = *softmax_scale;
+  if (!std::isfinite(s) || s < 0) {
+    refuse("invalid argument", "softmax_scale: " + std::to_string(s) + " must be finite and > 0");
+  }
+  if (s == 0) refuse("not supported", "softmax_scale: 0.0 is not supported; pass None for the default");
+  return static_cast<float>(s);
+}
+
+// The mask fields both parameter structs share, by FlashAttention-3's rules (as ops.py's
+// interface.library_mask): causal forces the right bound to 0; a bound covering the whole
+// sequence (max_seqlen in the packed layout) is no bound; the window (-1, 0) is causal.
+template <typename Params>
+void set_mask(Params& p, bool causal, int64_t left, int64_t right, double softcap, int64_t chunk,
+              const Tensor& q, const Tensor& k, bool varlen, const std::optional<int64_t>& max_seqlen_q,
+              const std::optional<int64_t>& max_seqlen_k) {
+  if (causal) right = 0;
+  int64_t seqlen_q = 0, seqlen_k = 0;
+  if (varlen) {
+    if (!max_seqlen_q || !max_seqlen_k) refuse("invalid argument", "max_seqlen_q, max_seqlen_k: needed with cu_seqlens");
+    seqlen_q = *max_seqlen_q;
+    seqlen_k = *max_seqlen_k;
+    p.max_seqlen_q = as_int32("max_seqlen_q", seqlen_q);
+    p.max_seqlen_k = as_int32("max_seqlen_k", seqlen_k);
+  } else if (q.dim() == 4 && k.dim() == 4) {
+    seqlen_q = q.size(1);
+    seqlen_k = k.size(1);
+  }
+  if (left >= seqlen_k - 1) left = -1;
+  if (right >= seqlen_q - 1) right = -1;
+  if (causal) right = 0;
+  const bool is_causal = left < 0 && right == 0;
+  p.causal = is_causal ? 1 : 0;
+  p.window_left = is_causal ? -1 : as_int32("window_left", left);
+  p.window_right = is_causal ? -1 : as_int32("window_right", right);
+  p.softcap = static_cast<float>(softcap);
+  p.attention_chunk = as_int32("attention_chunk", chunk);
+}
+
+// The output shapes the fake functions in ops.py give: out like q with v's head dim, lse [B, Hq, sq]
+// (dense) or [Hq, total_q] (packed).
+std::vector<int64_t> out_shape(const Tensor& q, const Tensor& v) {
+  std::vector<int64_t> shape;
+  for (int64_t d = 0; d + 1 < q.dim(); ++d) shape.push_back(q.size(d));
+  shape.push_back(v.size(v.dim() - 1));
+  return shape;
+}
+
+std::vector<int64_t> lse_shape(const Tensor& q) {
+  if (q.dim() == 4) return {q.size(0), q.size(2), q.size(1)};
+  return {q.size(1), q.size(0)};
+}
+
+void check_ranks(const Tensor& q, const Tensor& v, bool varlen) {
+  const int64_t rank = varlen ? 3 : 4;
+  if (q.dim() != rank || v.dim() != rank) {
+    refuse("invalid argument", std::string(varlen ? "q, v: expected 3 dims [total, heads, head_dim]"
+                                                   : "q, v: expected 4 dims [batch, seqlen, heads, head_dim]") +
+                                   " (the packed layout goes with cu_seqlens_q/k)");
+  }
+}
+
+// dout as the kernels take it (ops.py's _normalize_dout): last dim contiguous, other strides
+// multiples of 16 bytes and none 0 on a dim of more than one element, data 16-byte aligned;
+// otherwise a contiguous copy (autograd may hand over an expanded or unaligned one).
+Tensor kernel_ready(const Tensor& dout) {
+  const int64_t granule = 16 / static_cast<int64_t>(dout.element_size());
+  bool ok = dout.stride(dout.dim() - 1) == 1 && reinterpret_cast<uintptr_t>(dout.data_ptr()) % 16 == 0;
+  for (int64_t d = 0; ok && d + 1 < dout.dim(); ++d) {
+    ok = dout.stride(d) % granule == 0 && (dout.stride(d) != 0 || dout.size(d) <= 1);
+  }
+  if (ok) return dout;
+  std::vector<int64_t> sizes;
+  for (int64_t d = 0; d < dout.dim(); ++d) sizes.push_back(dout.size(d));
+  Tensor copy = torch::stable::new_empty(dout, sizes);
+  torch::stable::copy_(copy, dout);
+  return copy;
+}
+
+std::tuple<Tensor, Tensor> forward(Tensor q, Tensor k, Tensor v, std::optional<double> softmax_scale, bool causal,
+                                   bool /*deterministic: autograd's, for bwd*/, int64_t window_left,
+                                   int64_t window_right, double softcap, int64_t attention_chunk,
+                                   std::optional<Tensor> learnable_sink, std::optional<Tensor> cu_seqlens_q,
+                                   std::optional<Tensor> cu_seqlens_k, std::optional<int64_t> max_seqlen_q,
+                                   std::optional<int64_t> max_seqlen_k, std::optional<Tensor> seqused_q,
+                                   std::optional<Tensor> seqused_k, int64_t num_splits) {
+  const bool varlen = cu_seqlens_q.has_value() || cu_seqlens_k.has_value();
+  check_ranks(q, v, varlen);
+  Tensor out = torch::stable::new_empty(q, out_shape(q, v));
+  Tensor lse = torch::stable::new_empty(q, lse_shape(q), ScalarType::Float);
+  fh_forward_params p;
+  fh_forward_params_init(&p);
+  p.q = view("q", q);
+  p.k = view("k", k);
+  p.v = view("v", v);
+  p.out = view("out", out);
+  p.lse = view("lse", lse);
+  set(p.learnable_sink, "learnable_sink", learnable_sink);
+  set(p.cu_seqlens_q, "cu_seqlens_q", cu_seqlens_q);
+  set(p.cu_seqlens_k, "cu_seqlens_k", cu_seqlens_k);
+  set(p.seqused_q, "seqused_q", seqused_q);
+  set(p.seqused_k, "seqused_k", seqused_k);
+  p.softmax_scale = library_scale(softmax_scale);
+  set_mask(p, causal, window_left, window_right, softcap, attention_chunk, q, k, varlen, max_seqlen_q,
+           max_seqlen_k);
+  p.num_splits = as_int32("num_splits", num_splits);
+  launch(p, q, fh_forward_workspace_size, fh_forward);
+  return {out, lse};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> backward(
+    Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, std::optional<double> softmax_scale,
+    bool causal, bool deterministic, int64_t window_left, int64_t window_right, double softcap,
+    int64_t attention_chunk, std::optional<Tensor> learnable_sink, std::optional<Tensor> cu_seqlens_q,
+    std::optional<Tensor> cu_seqlens_k, std::optional<int64_t> max_seqlen_q, std::optional<int64_t> max_seqlen_k,
+    std::optional<Tensor> seqused_q, std::optional<Tensor> seqused_k) {
+  const bool varlen = cu_seqlens_q.has_value() || cu_seqlens_k.has_value();
+  check_ranks(q, v, varlen);
+  if (dout.dim() < 1) refuse("invalid argument", "dout: expected the shape of out");
+  dout = kernel_ready(dout);
+  Tensor dq = torch::stable::empty_like(q);
+  Tensor dk = torch::stable::empty_like(k);
+  Tensor dv = torch::stable::empty_like(v);
+  // the library writes every element of dsink (a fixed-order sum of per-CTA shares): no zero fill
+  const int64_t sink_size = learnable_sink.has_value() ? q.size(q.dim() - 2) : 0;
+  Tensor dsink = torch::stable::new_empty(q, {sink_size}, ScalarType::Float);
+  fh_backward_params p;
+  fh_backward_params_init(&p);
+  p.dout = view("dout", dout);
+  p.q = view("q", q);
+  p.k = view("k", k);
+  p.v = view("v", v);
+  p.out = view("out", out);
+  p.lse = view("lse", lse);
+  p.dq = view("dq", dq);
+  p.dk = view("dk", dk);
+  p.dv = view("dv", dv);
+  set(p.learnable_sink, "learnable_sink", learnable_sink);
+  if (learnable_sink.has_value()) p.dsink = view("dsink", dsink);
+  set(p.cu_seqlens_q, "cu_seqlens_q", cu_seqlens_q);
+  set(p.cu_seqlens_k, "cu_seqlens_k", cu_seqlens_k);
+  set(p.seqused_q, "seqused_q", seqused_q);
+  set(p.seqused_k, "seqused_k", seqused_k);
+  p.softmax_scale = library_scale(softmax_scale);
+  p.deterministic = deterministic ? 1 : 0;
+  set_mask(p, causal, window_left, window_right, softcap, attention_chunk, q, k, varlen, max_seqlen_q,
+           max_seqlen_k);
+  launch(p, q, fh_backward_workspace_size, fh_backward);
+  return {dq, dk, dv, dsink};
+}
+
+}  // namespace
+
+// The schemas ops.py's Python definitions have (tests/python/test_cpu.py: test_ops_registered).
+STABLE_TORCH_LIBRARY(flashhopper, m) {
+  m.def(
+      "fwd(Tensor q, Tensor k, Tensor v, float? softmax_scale=None, bool causal=False, bool deterministic=False, "
+      "SymInt window_left=-1, SymInt window_right=-1, float softcap=0., SymInt attention_chunk=0, "
+      "Tensor? learnable_sink=None, Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, "
+      "SymInt? max_seqlen_q=None, SymInt? max_seqlen_k=None, Tensor? seqused_q=None, Tensor? seqused_k=None, "
+      "SymInt num_splits=1) -> (Tensor, Tensor)");
+  m.def(
+      "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, float? softmax_scale=None, "
+      "bool causal=False, bool deterministic=False, SymInt window_left=-1, SymInt window_right=-1, "
+      "float softcap=0., SymInt attention_chunk=0, Tensor? learnable_sink=None, Tensor? cu_seqlens_q=None, "
+      "Tensor? cu_seqlens_k=None, SymInt? max_seqlen_q=None, SymInt? max_seqlen_k=None, "
+      "Tensor? seqused_q=None, Tensor? seqused_k=None) -> (Tensor, Tensor, Tensor, Tensor)");
+}
+
+STABLE_TORCH_LIBRARY_IMPL(flashhopper, CUDA, m) {
+  m.impl("fwd", TORCH_BOX(&forward));
+  m.impl("bwd", TORCH_BOX(&backward));
+}
