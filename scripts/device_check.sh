@@ -5,7 +5,7 @@
 # GoogleTest headers and archives carried in .gtest/). Usage:
 #   scripts/device_check.sh [build|tests|features|varlen|sanitize|demo|bench|features_bench|varlen_bench|
 #                            kernel_times|head_dims_bench|decode_bench|kv_cache|python|
-#                            host_overhead]...
+#                            host_overhead|readme]...
 set -uo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 build="${BUILD:-$root/build}"
@@ -57,7 +57,7 @@ for step in "${steps[@]}"; do
     build)
       # nvcc and ninja are there; GoogleTest is not (.gtest/ holds this machine's copy).
       cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DFLASHHOPPER_KERNELS="${KERNELS:-full}" \
-        -DGTEST_ROOT="$root/.gtest" >"$out/build.log" 2>&1 &&
+        -DGTEST_ROOT="$root/.gtest" -DFLASHHOPPER_TORCH_OPS=ON >"$out/build.log" 2>&1 &&
         timeout 560 cmake --build "$build" -j "$(nproc)" >>"$out/build.log" 2>&1
       rc=$?
       tail -3 "$out/build.log"
@@ -148,6 +148,27 @@ for step in "${steps[@]}"; do
       sanitize split_kv test_forward_gpu "$(printf 'SplitKv/*/bf16_d128_%s:' full_b1_sq200_sk300_h2_hkv2_lsink_splits256 \
         causal_b1_sq300_sk2000_h4_hkv1_splits3 full_b2_sq130_sk1500_h4_hkv2_w128x0_sinks4_splits5)$(printf \
         'KvCache/*/b6_sq1_h32_hkv8_rows7_S4096_causal_leftpad_batchidx_new3_rotary64i_splits3')"
+      ;;
+    readme)
+      # The README's GPU-side commands as written, on the build step's folder (README_STEPS picks
+      # some of: test demo bench decode): scripts/test.sh (CTest, then every Python test),
+      # scripts/demo.sh, python -m flashhopper.bench and its --decode (small grids, to see they run).
+      for part in ${README_STEPS:-test demo bench decode}; do
+        case "$part" in
+          test) (cd "$root" && BUILD_DIR="$(realpath --relative-to="$root" "$build")" FLASHHOPPER_PYTHON=python3 \
+                 FLASHHOPPER_CMAKE_ARGS="-DGTEST_ROOT=$root/.gtest" timeout "${README_TEST_TIMEOUT:-540}" \
+                 ./scripts/test.sh) >"$out/readme_test.log" 2>&1 ;;
+          demo) (cd "$root" && BUILD_DIR="$(realpath --relative-to="$root" "$build")" timeout 300 ./scripts/demo.sh) \
+                  >"$out/readme_demo.log" 2>&1 ;;
+          bench) (cd "$out" && FLASHHOPPER_LIBRARY="$build/libflashhopper.so" PYTHONPATH="$root/python" timeout 300 \
+                  python3 -m flashhopper.bench --hdims 128 --seqlens 1024 4096) >"$out/readme_bench.log" 2>&1 ;;
+          decode) (cd "$out" && FLASHHOPPER_LIBRARY="$build/libflashhopper.so" PYTHONPATH="$root/python" timeout 300 \
+                   python3 -m flashhopper.bench --decode --batches 8 --cache-lens 4096) >"$out/readme_decode.log" 2>&1 ;;
+        esac
+        rc=$?
+        tail -4 "$out/readme_$part.log"
+        summary+=("README $part: rc=$rc, $(grep -E 'passed|tests passed|PASS|TFLOP|TB/s' "$out/readme_$part.log" | tail -1)")
+      done
       ;;
     demo)
       timeout 300 "$build/examples/flashhopper_demo" 2048 128 2>&1 | tee "$out/demo.log"

@@ -90,6 +90,36 @@ def test_ops_registered():
                           "-> (Tensor, Tensor, Tensor, Tensor)")
 
 
+def test_cpp_ops_load_where_the_build_made_them():
+    """Where the build made libflashhopper_torch.so (a torch >= 2.9 was found), the package uses it:
+    the C++ ops own the schemas, which are ops.py's (the Python fallback's) exactly."""
+    from flashhopper import _ffi, ops
+    if _ffi.torch_ops_library() is None:
+        pytest.skip("this build has no C++ PyTorch ops (no CUDA torch >= 2.9 at configure time)")
+    assert ops.NATIVE
+    assert str(torch.ops.flashhopper.fwd.default._schema) == "flashhopper::" + ops.FWD_SCHEMA
+    assert str(torch.ops.flashhopper.bwd.default._schema) == "flashhopper::" + ops.BWD_SCHEMA
+
+
+def test_python_ops_when_the_cpp_ones_are_switched_off():
+    """FLASHHOPPER_TORCH_OPS=0: the Python ops, with the same schemas and the same checks."""
+    code = ("import torch, flashhopper\n"
+            "from flashhopper import ops\n"
+            "assert not ops.NATIVE\n"
+            "assert str(torch.ops.flashhopper.fwd.default._schema) == 'flashhopper::' + ops.FWD_SCHEMA\n"
+            "assert str(torch.ops.flashhopper.bwd.default._schema) == 'flashhopper::' + ops.BWD_SCHEMA\n"
+            "q = torch.zeros(1, 8, 2, 64, dtype=torch.bfloat16)\n"
+            "try:\n"
+            "    torch.ops.flashhopper.fwd(q, q, q)\n"
+            "except flashhopper.FlashHopperInvalidArgument as e:\n"
+            "    assert 'q: must be a CUDA tensor' in str(e)\n"
+            "else:\n"
+            "    raise AssertionError('no refusal')\n")
+    env = dict(os.environ, FLASHHOPPER_TORCH_OPS="0")
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
 # FlashAttention-3's hopper/flash_attn_interface.py parameter lists (names, order and defaults).
 FA3_SIGNATURES = {
     "flash_attn_func": [("q", None), ("k", None), ("v", None), ("softmax_scale", None), ("causal", False),

@@ -854,3 +854,109 @@ def test_calls_without_autograd_skip_the_op_and_reuse_their_plan(monkeypatch):
         assert max_error(lse, lse64) <= 1e-3
         with pytest.raises(ValueError, match="k: dtype torch.float16 differs"):
             flash_attn_func(q2, k2.half(), v2, causal=True)
+
+
+# ---- The C++ ops (src/torch/ops.cpp) and AOTInductor -------------------------------------------
+
+def requires_cpp_ops(test):
+    return pytest.mark.skipif(not flashhopper.ops.NATIVE,
+                              reason="this build has no C++ PyTorch ops (libflashhopper_torch.so)")(test)
+
+
+@requires_cpp_ops
+@requires_gpu
+def test_cpp_ops_match_the_python_ops_bitwise():
+    """The C++ kernels of torch.ops.flashhopper.fwd / bwd and the Python ones (ops.py) make the same
+    library call: the same bits, dense and packed, with the mask options and a learnable sink, and a
+    dout that needs its copy (expanded)."""
+    from flashhopper import ops
+    q, k, v = make_inputs(2, 200, 264, 8, 2, 128, torch.bfloat16, seed=31, requires_grad=False)
+    sink = make_sink(8, seed=32, requires_grad=False)
+    options = (0.1, True, True, 48, 0, 20.0, 0, sink)
+    native = torch.ops.flashhopper.fwd.default(q, k, v, *options)
+    python = ops._fwd_python(q, k, v, *options)
+    for a, b in zip(native, python):
+        assert torch.equal(a, b)
+    out, lse = native
+    dout = torch.randn(1, 1, 8, 128, device="cuda", dtype=torch.bfloat16).expand_as(out)
+    native = torch.ops.flashhopper.bwd.default(dout, q, k, v, out, lse, *options)
+    python = ops._bwd_python(dout, q, k, v, out, lse, *options)
+    for name, a, b in zip(("dq", "dk", "dv", "dsink"), native, python):
+        assert torch.equal(a, b), name
+    vq, vk, vv, cu_q, cu_k = make_varlen_inputs([37, 0, 120], [64, 5, 200], 4, 2, 128, torch.bfloat16, seed=33,
+                                                requires_grad=False)
+    varlen = (cu_q, cu_k, 120, 200)
+    native = torch.ops.flashhopper.fwd.default(vq, vk, vv, None, True, False, -1, -1, 0.0, 0, None, *varlen)
+    python = ops._fwd_python(vq, vk, vv, None, True, False, -1, -1, 0.0, 0, None, *varlen)
+    for a, b in zip(native, python):
+        assert torch.equal(a, b)
+
+
+@requires_cpp_ops
+@requires_gpu
+def test_cpp_op_refusals_name_the_argument():
+    """A refusal by the library, reached through the C++ kernel with no Python check before it (a k
+    whose data is not 16-byte aligned), comes back as RuntimeError('flashhopper (invalid argument):
+    k...'), which ops.fwd raises as FlashHopperInvalidArgument."""
+    from flashhopper import ops
+    q, k, v = make_inputs(1, 64, 64, 2, 2, 128, torch.bfloat16, requires_grad=False)
+    strided_k = torch.empty(1, 64, 2, 136, device="cuda", dtype=torch.bfloat16)[..., 1:129]
+    with pytest.raises(RuntimeError, match=r"flashhopper \(invalid argument\): k"):
+        torch.ops.flashhopper.fwd.default(q, strided_k, v)
+    with pytest.raises(flashhopper.FlashHopperInvalidArgument, match="^flashhopper \\(invalid argument\\): k"):
+        ops.fwd(q, strided_k, v)
+
+
+class _AttentionBlock(torch.nn.Module):
+    """Projections around flash_attn_func (no bias: the matmuls stay cuBLAS calls, so a compiled
+    graph can be held to eager's bits)."""
+
+    def __init__(self, dim=512, heads=4, head_dim=128):
+        super().__init__()
+        self.heads, self.head_dim = heads, head_dim
+        self.qkv = torch.nn.Linear(dim, 3 * heads * head_dim, bias=False)
+        self.proj = torch.nn.Linear(heads * head_dim, dim, bias=False)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, self.head_dim).unbind(2)
+        out = flash_attn_func(q, k, v, causal=True, deterministic=True)
+        return self.proj(out.reshape(b, s, -1))
+
+
+def _block_and_input(seed):
+    torch.manual_seed(seed)
+    block = _AttentionBlock().to("cuda", torch.bfloat16)
+    x = torch.randn(2, 300, 512, device="cuda", dtype=torch.bfloat16)
+    return block, x
+
+
+@requires_gpu
+def test_model_through_torch_compile_trains_as_eager():
+    block, x = _block_and_input(41)
+    x.requires_grad_()
+    eager = run_or_skip(block, x)
+    grads = torch.autograd.grad(eager.sum(), (x, *block.parameters()))
+    compiled = torch.compile(block, fullgraph=True)(x)
+    compiled_grads = torch.autograd.grad(compiled.sum(), (x, *block.parameters()))
+    assert torch.equal(compiled, eager)
+    for a, b in zip(compiled_grads, grads):
+        assert torch.equal(a, b)
+
+
+@requires_cpp_ops
+@requires_gpu
+def test_model_through_aot_inductor_package_runs_as_eager(tmp_path):
+    """torch.export -> aoti_compile_and_package -> load_package: the package calls the C++ op
+    (AOTInductor's runtime cannot call a Python one) and gives eager's bits, on the export's input
+    and on a new one."""
+    block, x = _block_and_input(43)
+    with torch.no_grad():
+        eager = run_or_skip(block, x)
+        exported = torch.export.export(block, (x,))
+        assert any(node.target is torch.ops.flashhopper.fwd.default for node in exported.graph.nodes)
+        package = torch._inductor.aoti_compile_and_package(exported, package_path=str(tmp_path / "block.pt2"))
+        loaded = torch._inductor.aoti_load_package(package)
+        assert torch.equal(loaded(x), eager)
+        x2 = torch.randn_like(x)
+        assert torch.equal(loaded(x2), block(x2))
