@@ -158,3 +158,28 @@ def recording_backend(graphs):
         boxed = lambda g, _: make_boxed_func(g.forward)
         return aot_autograd(fw_compiler=boxed, bw_compiler=boxed)(gm, example_inputs)
     return backend
+
+
+class AttentionBlock(torch.nn.Module):
+    """Projections around flash_attn_func (causal, deterministic backward). No bias: the matmuls
+    stay cuBLAS calls, so that a compiled graph can be held to eager's bits."""
+
+    def __init__(self, dim=512, heads=4, head_dim=128):
+        super().__init__()
+        self.heads, self.head_dim = heads, head_dim
+        self.qkv = torch.nn.Linear(dim, 3 * heads * head_dim, bias=False)
+        self.proj = torch.nn.Linear(heads * head_dim, dim, bias=False)
+
+    def forward(self, x):
+        from flashhopper import flash_attn_func
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, self.head_dim).unbind(2)
+        out = flash_attn_func(q, k, v, causal=True, deterministic=True)
+        return self.proj(out.reshape(b, s, -1))
+
+
+def attention_block_and_input(seed):
+    """An AttentionBlock in bf16 on the GPU and an input x [2, 300, 512], from `seed`."""
+    torch.manual_seed(seed)
+    block = AttentionBlock().to("cuda", torch.bfloat16)
+    return block, torch.randn(2, 300, 512, device="cuda", dtype=torch.bfloat16)

@@ -7,7 +7,12 @@ with seqused); determinism, torch.compile(fullgraph=True), torch.export, CUDA-gr
 replay, opcheck, the SDPA backend and the error paths on CUDA tensors."""
 import itertools
 import math
+import os
+import pathlib
 import random
+import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -16,8 +21,8 @@ import flashhopper
 import flashhopper.flash_attn_interface as fa3
 from flashhopper import FlashHopperNotSupported, flash_attn_func
 
-from support import (attention_reference, capture_graph, expect_replay_matches_eager, requires_gpu,
-                     varlen_attention_reference)
+from support import (attention_block_and_input, attention_reference, capture_graph, expect_replay_matches_eager,
+                     requires_gpu, varlen_attention_reference)
 
 OUT_SLACK = 1e-5
 GRAD_SLACK = 1e-4
@@ -630,8 +635,8 @@ def test_errors_on_cuda_tensors():
     misaligned = flat[1:].view(q.shape)  # 2-byte offset; strides fine
     with pytest.raises(ValueError, match="q: data pointer .* not 16-byte aligned"):
         flash_attn_func(misaligned, k, v)
-    with pytest.raises(NotImplementedError, match="num_splits"):
-        flash_attn_func(q, k, v, num_splits=2)
+    with pytest.raises(ValueError, match=r"num_splits: is -1; must be in \[0, "):
+        flash_attn_func(q, k, v, num_splits=-1)
     with pytest.raises(ValueError, match="softcap: -5.0"):
         flash_attn_func(q, k, v, softcap=-5.0)
     with pytest.raises(ValueError, match="window_size: the left bound is -2"):
@@ -907,33 +912,9 @@ def test_cpp_op_refusals_name_the_argument():
         ops.fwd(q, strided_k, v)
 
 
-class _AttentionBlock(torch.nn.Module):
-    """Projections around flash_attn_func (no bias: the matmuls stay cuBLAS calls, so a compiled
-    graph can be held to eager's bits)."""
-
-    def __init__(self, dim=512, heads=4, head_dim=128):
-        super().__init__()
-        self.heads, self.head_dim = heads, head_dim
-        self.qkv = torch.nn.Linear(dim, 3 * heads * head_dim, bias=False)
-        self.proj = torch.nn.Linear(heads * head_dim, dim, bias=False)
-
-    def forward(self, x):
-        b, s, _ = x.shape
-        q, k, v = self.qkv(x).view(b, s, 3, self.heads, self.head_dim).unbind(2)
-        out = flash_attn_func(q, k, v, causal=True, deterministic=True)
-        return self.proj(out.reshape(b, s, -1))
-
-
-def _block_and_input(seed):
-    torch.manual_seed(seed)
-    block = _AttentionBlock().to("cuda", torch.bfloat16)
-    x = torch.randn(2, 300, 512, device="cuda", dtype=torch.bfloat16)
-    return block, x
-
-
 @requires_gpu
 def test_model_through_torch_compile_trains_as_eager():
-    block, x = _block_and_input(41)
+    block, x = attention_block_and_input(41)
     x.requires_grad_()
     eager = run_or_skip(block, x)
     grads = torch.autograd.grad(eager.sum(), (x, *block.parameters()))
@@ -944,19 +925,30 @@ def test_model_through_torch_compile_trains_as_eager():
         assert torch.equal(a, b)
 
 
+def _compiler_libstdcxx():
+    """The C++ compiler's libstdc++ (AOTInductor builds the package's .so with that compiler), or None."""
+    compiler = shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        return None
+    path = subprocess.run([compiler, "-print-file-name=libstdc++.so.6"], capture_output=True, text=True).stdout.strip()
+    return path if os.path.isabs(path) and os.path.exists(path) else None
+
+
 @requires_cpp_ops
 @requires_gpu
 def test_model_through_aot_inductor_package_runs_as_eager(tmp_path):
-    """torch.export -> aoti_compile_and_package -> load_package: the package calls the C++ op
-    (AOTInductor's runtime cannot call a Python one) and gives eager's bits, on the export's input
-    and on a new one."""
-    block, x = _block_and_input(43)
-    with torch.no_grad():
-        eager = run_or_skip(block, x)
-        exported = torch.export.export(block, (x,))
-        assert any(node.target is torch.ops.flashhopper.fwd.default for node in exported.graph.nodes)
-        package = torch._inductor.aoti_compile_and_package(exported, package_path=str(tmp_path / "block.pt2"))
-        loaded = torch._inductor.aoti_load_package(package)
-        assert torch.equal(loaded(x), eager)
-        x2 = torch.randn_like(x)
-        assert torch.equal(loaded(x2), block(x2))
+    """torch.export -> aoti_compile_and_package -> aoti_load_package (tests/python/aoti_roundtrip.py,
+    in its own process): the package calls the C++ op (AOTInductor's runtime cannot call a Python
+    one) and gives eager's bits, on the export's input and on a new one. The process preloads the
+    compiler's libstdc++: on the H200 machine a package's loader crashes in std::regex without it,
+    for any model (a Linear alone too), when another libstdc++ was loaded first (README:
+    Troubleshooting)."""
+    env = dict(os.environ)
+    libstdcxx = _compiler_libstdcxx()
+    if libstdcxx is not None:
+        env["LD_PRELOAD"] = libstdcxx + (":" + env["LD_PRELOAD"] if env.get("LD_PRELOAD") else "")
+    script = pathlib.Path(__file__).with_name("aoti_roundtrip.py")
+    result = subprocess.run([sys.executable, str(script), str(tmp_path / "block.pt2")], env=env, capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "package == eager: True True" in result.stdout, result.stdout[-3000:]
