@@ -68,6 +68,8 @@ def end_to_end(calls, loops):
             "flashhopper.flash_attn_func (inputs require grad: the custom op)":
                 lambda: flashhopper.flash_attn_func(q_grad, q_grad, q_grad),
             "flashhopper.forward (no op)": lambda: flashhopper.forward(q, q, q),
+            f"torch.ops.flashhopper.fwd ({'C++' if flashhopper.ops.NATIVE else 'Python'} kernel, no autograd)":
+                lambda: torch.ops.flashhopper.fwd.default(q, q, q),
             "flashhopper.flash_attn_with_kvcache (1 token)":
                 lambda: flashhopper.flash_attn_with_kvcache(q_decode, q, q, cache_seqlens=lengths)}
     for name, backend in (("SDPA cuDNN", SDPBackend.CUDNN_ATTENTION), ("SDPA FLASH", SDPBackend.FLASH_ATTENTION)):

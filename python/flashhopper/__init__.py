@@ -1,6 +1,6 @@
 """FlashHopper: fused exact attention for Hopper GPUs (H100/H200).
 
-A thin layer over the library's C ABI (ctypes; nothing compiled against PyTorch):
+A thin layer over the library's C ABI (ctypes; the ops also in C++ where libflashhopper_torch.so was built):
 
 - FlashAttention-3's API: flash_attn_func and flash_attn_varlen_func (packed variable-length
   sequences; both with autograd, torch.compile, CUDA graphs), flash_attn_qkvpacked_func;
