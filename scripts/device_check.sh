@@ -161,9 +161,9 @@ for step in "${steps[@]}"; do
           demo) (cd "$root" && BUILD_DIR="$(realpath --relative-to="$root" "$build")" timeout 300 ./scripts/demo.sh) \
                   >"$out/readme_demo.log" 2>&1 ;;
           bench) (cd "$out" && FLASHHOPPER_LIBRARY="$build/libflashhopper.so" PYTHONPATH="$root/python" timeout 300 \
-                  python3 -m flashhopper.bench --hdims 128 --seqlens 1024 4096) >"$out/readme_bench.log" 2>&1 ;;
+                  python3 -m flashhopper.bench --hdims 128 --seqlens 2048 --rounds 3 --calls 5 --bwd-rounds 3 --bwd-calls 3) >"$out/readme_bench.log" 2>&1 ;;
           decode) (cd "$out" && FLASHHOPPER_LIBRARY="$build/libflashhopper.so" PYTHONPATH="$root/python" timeout 300 \
-                   python3 -m flashhopper.bench --decode --batches 8 --cache-lens 4096) >"$out/readme_decode.log" 2>&1 ;;
+                   python3 -m flashhopper.bench --decode --batches 8 --cache-lens 4096 --rounds 3 --calls 5 --prefill-lens 1024) >"$out/readme_decode.log" 2>&1 ;;
         esac
         rc=$?
         tail -4 "$out/readme_$part.log"

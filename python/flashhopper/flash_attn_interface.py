@@ -92,6 +92,11 @@ def _pad_head_dims(q, k, v, softmax_scale):
     return pad(q, d), pad(k, d), pad(v, dv), scale, (dv if dv % granule else None)
 
 
+def _traced(*tensors) -> bool:
+    """Some argument is a tensor subclass (the fake tensors of torch.compile and torch.export)."""
+    return any(isinstance(t, torch.Tensor) and type(t) is not torch.Tensor for t in tensors)
+
+
 def _needs_the_op(*tensors) -> bool:
     """The fwd custom op is for autograd and tracing (torch.compile, fake tensors); a call that
     needs neither runs the same library call without it, at half the host work."""
@@ -312,7 +317,11 @@ def flash_attn_with_kvcache(
     and rotary, split over the keys (num_splits; 0 chooses from the shapes); fp8 descales,
     cu_seqlens_k_new, num_splits > 1 with cu_seqlens_q, and sm_margin raise FlashHopperNotSupported
     (a NotImplementedError). scheduler_metadata (from
-    get_scheduler_metadata) gives the split-KV count."""
+    get_scheduler_metadata) gives the split-KV count. It has no PyTorch op yet: under
+    torch.compile or torch.export (fake tensors) it raises FlashHopperNotSupported."""
+    if torch.compiler.is_compiling() or _traced(q, k_cache, v_cache):
+        _not_yet("flash_attn_with_kvcache", "<traced>", "tracing (torch.compile, torch.export) of the KV-cache call; "
+                 "call it eagerly")
     for name, descale in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
         if descale is not None:
             _not_yet(name, "<tensor>", "fp8 attention (descale factors)")

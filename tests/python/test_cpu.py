@@ -1028,6 +1028,16 @@ def test_fake_varlen_shapes(dtype):
                                       used[:3])
 
 
+def test_kvcache_call_refuses_tracing_by_name():
+    """flash_attn_with_kvcache has no op yet: with fake tensors (torch.export, torch.compile) it
+    says so instead of failing deep inside (a data pointer of a fake tensor)."""
+    with FakeTensorMode():
+        q = torch.empty(2, 1, 8, 128, dtype=torch.bfloat16, device="cuda")
+        cache = torch.empty(2, 256, 2, 128, dtype=torch.bfloat16, device="cuda")
+        with pytest.raises(NotImplementedError, match="flash_attn_with_kvcache=.*tracing .*call it eagerly"):
+            fa3.flash_attn_with_kvcache(q, cache, cache, cache_seqlens=16)
+
+
 def test_fake_impl_checks_shapes():
     with FakeTensorMode():
         q, k, v = qkv(device="cuda")
