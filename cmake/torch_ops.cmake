@@ -2,8 +2,14 @@
 # Only torch's stable-ABI headers are used, with TORCH_TARGET_VERSION 2.9: the binary then calls
 # nothing a PyTorch from 2.9 on lacks. It links torch's libraries by their unversioned names, which
 # the importing process has already loaded.
+# The Python: FLASHHOPPER_PYTHON, else the one a pip build runs (scikit-build-core passes it), else
+# python3 on the path.
 set(FLASHHOPPER_PYTHON "$ENV{FLASHHOPPER_PYTHON}" CACHE STRING "Python whose torch the C++ ops build against")
-if(NOT FLASHHOPPER_PYTHON)
+if(NOT FLASHHOPPER_PYTHON AND Python_EXECUTABLE)
+  set(FLASHHOPPER_PYTHON "${Python_EXECUTABLE}")
+elseif(NOT FLASHHOPPER_PYTHON AND Python3_EXECUTABLE)
+  set(FLASHHOPPER_PYTHON "${Python3_EXECUTABLE}")
+elseif(NOT FLASHHOPPER_PYTHON)
   find_program(_fh_python NAMES python3 python)
   set(FLASHHOPPER_PYTHON "${_fh_python}")
 endif()
