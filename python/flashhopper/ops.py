@@ -77,11 +77,11 @@ BWD_SCHEMA = ("bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor
 
 
 def _fwd_python(q: Tensor, k: Tensor, v: Tensor, softmax_scale: Optional[float] = None, causal: bool = False,
-        deterministic: bool = False, window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
-        attention_chunk: int = 0, learnable_sink: Optional[Tensor] = None, cu_seqlens_q: Optional[Tensor] = None,
-        cu_seqlens_k: Optional[Tensor] = None, max_seqlen_q: Optional[int] = None,
-        max_seqlen_k: Optional[int] = None, seqused_q: Optional[Tensor] = None,
-        seqused_k: Optional[Tensor] = None, num_splits: int = 1) -> tuple[Tensor, Tensor]:
+                deterministic: bool = False, window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
+                attention_chunk: int = 0, learnable_sink: Optional[Tensor] = None,
+                cu_seqlens_q: Optional[Tensor] = None, cu_seqlens_k: Optional[Tensor] = None,
+                max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None, seqused_q: Optional[Tensor] = None,
+                seqused_k: Optional[Tensor] = None, num_splits: int = 1) -> tuple[Tensor, Tensor]:
     varlen = interface.as_varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k)
     out, lse = interface.forward(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True,
                                  window_size=(window_left, window_right), softcap=softcap,
@@ -113,12 +113,12 @@ def _no_dsink(q: Tensor) -> Tensor:
 
 
 def _bwd_python(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-        softmax_scale: Optional[float] = None, causal: bool = False, deterministic: bool = False,
-        window_left: int = -1, window_right: int = -1, softcap: float = 0.0, attention_chunk: int = 0,
-        learnable_sink: Optional[Tensor] = None, cu_seqlens_q: Optional[Tensor] = None,
-        cu_seqlens_k: Optional[Tensor] = None, max_seqlen_q: Optional[int] = None,
-        max_seqlen_k: Optional[int] = None, seqused_q: Optional[Tensor] = None,
-        seqused_k: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                softmax_scale: Optional[float] = None, causal: bool = False, deterministic: bool = False,
+                window_left: int = -1, window_right: int = -1, softcap: float = 0.0, attention_chunk: int = 0,
+                learnable_sink: Optional[Tensor] = None, cu_seqlens_q: Optional[Tensor] = None,
+                cu_seqlens_k: Optional[Tensor] = None, max_seqlen_q: Optional[int] = None,
+                max_seqlen_k: Optional[int] = None, seqused_q: Optional[Tensor] = None,
+                seqused_k: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     varlen = interface.as_varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k)
     dout = _normalize_dout(dout)
     if dout.data_ptr() % 16 != 0:

@@ -131,7 +131,9 @@ void set_mask(Params& p, bool causal, int64_t left, int64_t right, double softca
   if (causal) right = 0;
   int64_t seqlen_q = 0, seqlen_k = 0;
   if (varlen) {
-    if (!max_seqlen_q || !max_seqlen_k) refuse("invalid argument", "max_seqlen_q, max_seqlen_k: needed with cu_seqlens");
+    if (!max_seqlen_q || !max_seqlen_k) {
+      refuse("invalid argument", "max_seqlen_q, max_seqlen_k: needed with cu_seqlens");
+    }
     seqlen_q = *max_seqlen_q;
     seqlen_k = *max_seqlen_k;
     p.max_seqlen_q = as_int32("max_seqlen_q", seqlen_q);
