@@ -9,6 +9,9 @@
 //     would be lying about its memory): no crash, no sanitizer report, and a refusal that leaves
 //     every output as it was.
 // Usage: fuzz_api [--seed N] [--iterations N] [--seconds S]. Exit code 0: no finding.
+// Built with -DFLASHHOPPER_LIBFUZZER (target fuzz_api_libfuzzer, clang only), the same iteration is
+// libFuzzer's entry point: the input's bytes make the choices, so coverage guides them, and a
+// finding aborts (libFuzzer then saves the input).
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
@@ -29,6 +32,27 @@ namespace {
 namespace fh = flashhopper;
 using Wide = __int128;
 
+// Where the driver's choices come from: a seeded generator (the random driver) or a libFuzzer
+// input, one byte a choice and 0 past its end (small choices, rng() % n, are most of them). Both
+// are uniform random bit generators to the code below.
+class Choices {
+ public:
+  using result_type = uint64_t;
+  explicit Choices(uint64_t seed) : generator_(seed) {}
+  Choices(const uint8_t* data, size_t size) : data_(data), size_(size) {}
+  static constexpr result_type min() { return 0; }
+  static constexpr result_type max() { return std::numeric_limits<result_type>::max(); }
+  result_type operator()() {
+    if (data_ == nullptr) return generator_();
+    return next_ < size_ ? data_[next_++] : 0;
+  }
+
+ private:
+  std::mt19937_64 generator_;
+  const uint8_t* data_ = nullptr;
+  size_t size_ = 0, next_ = 0;
+};
+
 constexpr size_t kArenaDoubles = 1 << 17;  // 1 MiB of float inputs and outputs
 constexpr size_t kArenaInts = 1 << 12;     // the int32 lengths and page tables
 
@@ -37,9 +61,9 @@ struct Arena {
   std::vector<int32_t> ints = std::vector<int32_t>(kArenaInts);
   size_t next_float = 0, next_int = 0;
 
-  void reset(std::mt19937_64& rng) {
+  void reset(std::mt19937_64& values) {  // the input values: not choices (they decide nothing)
     std::normal_distribution<double> normal;
-    for (double& x : floats) x = normal(rng);
+    for (double& x : floats) x = normal(values);
     next_float = next_int = 0;
   }
   fh::Tensor floats_of(std::initializer_list<int64_t> shape) {
@@ -83,7 +107,7 @@ struct Arena {
 };
 
 // A value from one of the classes that break code: ordinary, boundary, hostile.
-int64_t pick_extent(std::mt19937_64& rng, int64_t ordinary) {
+int64_t pick_extent(Choices& rng, int64_t ordinary) {
   static const int64_t hostile[] = {0,  -1, 1, 2, 7, 8, 63, 64, 65, 256, 257, int64_t(1) << 31, int64_t(1) << 32,
                                     std::numeric_limits<int64_t>::max(), std::numeric_limits<int64_t>::min()};
   switch (rng() % 4) {
@@ -96,7 +120,7 @@ int64_t pick_extent(std::mt19937_64& rng, int64_t ordinary) {
   }
 }
 
-void mutate_tensor(std::mt19937_64& rng, fh::Tensor& t) {
+void mutate_tensor(Choices& rng, fh::Tensor& t) {
   switch (rng() % 7) {
     case 0: t.shape[rng() % FH_MAX_DIMS] = pick_extent(rng, t.shape[0]); break;
     case 1: {  // near the last dim's stride (ndim itself may be mutated past FH_MAX_DIMS)
@@ -106,13 +130,15 @@ void mutate_tensor(std::mt19937_64& rng, fh::Tensor& t) {
     }
     case 2: t.dtype = int32_t(rng() % 8) - 1; break;
     case 3: t.ndim = int32_t(rng() % 8) - 1; break;
-    case 4: t.data = rng() % 2 ? nullptr : static_cast<char*>(t.data) + 1 + rng() % 8; break;  // absent, misaligned
+    case 4:  // absent, or misaligned (an absent tensor stays absent: no offset from a null pointer)
+      t.data = rng() % 2 || t.data == nullptr ? nullptr : static_cast<char*>(t.data) + 1 + rng() % 8;
+      break;
     case 5: t = fh::Tensor{}; break;
     default: break;
   }
 }
 
-void mutate_ints(std::mt19937_64& rng, const fh::Tensor& t) {
+void mutate_ints(Choices& rng, const fh::Tensor& t) {
   if (t.data == nullptr || t.dtype != FH_DTYPE_INT32 || t.ndim < 1 || t.shape[0] < 1 || t.shape[0] > 64) return;
   if (reinterpret_cast<uintptr_t>(t.data) % alignof(int32_t) != 0) return;  // a mutated pointer: not ours to write
   static const int32_t hostile[] = {-1, 0, 1, 7, 1000, std::numeric_limits<int32_t>::max(),
@@ -121,7 +147,7 @@ void mutate_ints(std::mt19937_64& rng, const fh::Tensor& t) {
   values[rng() % uint64_t(t.shape[0])] = hostile[rng() % (sizeof(hostile) / sizeof(hostile[0]))];
 }
 
-void mutate_scalars(std::mt19937_64& rng, int32_t* ints[], size_t n_ints, float* floats[], size_t n_floats) {
+void mutate_scalars(Choices& rng, int32_t* ints[], size_t n_ints, float* floats[], size_t n_floats) {
   static const int32_t hostile_ints[] = {-2, -1, 0, 1, 2, 7, 64, std::numeric_limits<int32_t>::max(),
                                          std::numeric_limits<int32_t>::min()};
   static const float hostile_floats[] = {0.f, -1.f, 1e-30f, 1e30f, std::numeric_limits<float>::infinity(),
@@ -166,8 +192,8 @@ std::vector<char> snapshot(const Arena& arena) {
 // The valid calls the mutations start from. Inputs come first in the arena, outputs after them.
 enum class Kind { kDense, kVarlen, kPagedAppend, kBackward, kCombine };
 
-void run_one(std::mt19937_64& rng, Arena& arena, Findings& findings, long iteration) {
-  arena.reset(rng);
+// One mutated call over `arena`, whose values the caller has set.
+void run_one(Choices& rng, Arena& arena, Findings& findings, long iteration) {
   const Kind kind = Kind(rng() % 5);
   const int64_t batch = 2, sq = 5, sk = 9, hq = 4, hkv = 2, d = 8;
   fh::reference::Options options;
@@ -278,6 +304,23 @@ void run_one(std::mt19937_64& rng, Arena& arena, Findings& findings, long iterat
 
 }  // namespace
 
+#ifdef FLASHHOPPER_LIBFUZZER
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  static Arena arena;
+  static const std::vector<double> values = [] {  // the same input values every time: only choices vary
+    std::mt19937_64 generator(1);
+    arena.reset(generator);
+    return arena.floats;
+  }();
+  arena.floats = values;
+  arena.next_float = arena.next_int = 0;
+  Findings findings;
+  Choices choices(data, size);
+  run_one(choices, arena, findings, 0);
+  if (findings.count > 0) std::abort();
+  return 0;
+}
+#else
 int main(int argc, char** argv) {
   uint64_t seed = 1;
   long iterations = 20000;
@@ -292,16 +335,19 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  std::mt19937_64 rng(seed);
+  Choices choices(seed);
+  std::mt19937_64 values(seed);
   Arena arena;
   Findings findings;
   const auto start = std::chrono::steady_clock::now();
   long done = 0;
   for (; done < iterations; ++done) {
     if (seconds > 0 && std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() > seconds) break;
-    run_one(rng, arena, findings, done);
+    arena.reset(values);
+    run_one(choices, arena, findings, done);
   }
   std::printf("fuzz_api: seed %llu, %ld iterations, %ld findings\n", static_cast<unsigned long long>(seed), done,
               findings.count);
   return findings.count == 0 ? 0 : 1;
 }
+#endif
