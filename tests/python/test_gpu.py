@@ -940,9 +940,8 @@ def test_model_through_aot_inductor_package_runs_as_eager(tmp_path):
     """torch.export -> aoti_compile_and_package -> aoti_load_package (tests/python/aoti_roundtrip.py,
     in its own process): the package calls the C++ op (AOTInductor's runtime cannot call a Python
     one) and gives eager's bits, on the export's input and on a new one. The process preloads the
-    compiler's libstdc++: on the H200 machine a package's loader crashes in std::regex without it,
-    for any model (a Linear alone too), when another libstdc++ was loaded first (README:
-    Troubleshooting)."""
+    compiler's libstdc++: on the H200 machine the package loader crashed in std::regex without it,
+    for any model (a Linear alone too), and ran with it (README, Python usage)."""
     env = dict(os.environ)
     libstdcxx = _compiler_libstdcxx()
     if libstdcxx is not None:
