@@ -214,10 +214,12 @@ torch.library.register_autograd("flashhopper::fwd", _backward, setup_context=_se
 def _raised_as_python(error: RuntimeError) -> Exception:
     """A C++ kernel's RuntimeError("flashhopper (<status>): <message>") as the Python layer raises
     it (FlashHopperInvalidArgument, FlashHopperNotSupported, FlashHopperError); others unchanged."""
+    if isinstance(error, interface.FlashHopperError):
+        return error
     text = str(error)
     for status, name in _ffi.STATUS_NAMES.items():
         prefix = f"flashhopper ({name}): "
-        if status and text.startswith(prefix) and not isinstance(error, interface.FlashHopperError):
+        if status and text.startswith(prefix):
             return interface.library_error(status, text[len(prefix):])
     return error
 

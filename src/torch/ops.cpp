@@ -79,6 +79,24 @@ void set(fh_tensor& field, const char* name, const std::optional<Tensor>& t) {
   if (t.has_value()) field = view(name, *t);
 }
 
+// The tensor fields both parameter structs share.
+template <typename Params>
+void set_shared_tensors(Params& p, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+                        const Tensor& lse, const std::optional<Tensor>& learnable_sink,
+                        const std::optional<Tensor>& cu_seqlens_q, const std::optional<Tensor>& cu_seqlens_k,
+                        const std::optional<Tensor>& seqused_q, const std::optional<Tensor>& seqused_k) {
+  p.q = view("q", q);
+  p.k = view("k", k);
+  p.v = view("v", v);
+  p.out = view("out", out);
+  p.lse = view("lse", lse);
+  set(p.learnable_sink, "learnable_sink", learnable_sink);
+  set(p.cu_seqlens_q, "cu_seqlens_q", cu_seqlens_q);
+  set(p.cu_seqlens_k, "cu_seqlens_k", cu_seqlens_k);
+  set(p.seqused_q, "seqused_q", seqused_q);
+  set(p.seqused_k, "seqused_k", seqused_k);
+}
+
 // The launch: on the tensors' device, on PyTorch's current stream of it, with the workspace from
 // PyTorch's caching allocator.
 class OnDevice {
@@ -206,16 +224,7 @@ std::tuple<Tensor, Tensor> forward(Tensor q, Tensor k, Tensor v, std::optional<d
   Tensor lse = torch::stable::new_empty(q, lse_shape(q), ScalarType::Float);
   fh_forward_params p;
   fh_forward_params_init(&p);
-  p.q = view("q", q);
-  p.k = view("k", k);
-  p.v = view("v", v);
-  p.out = view("out", out);
-  p.lse = view("lse", lse);
-  set(p.learnable_sink, "learnable_sink", learnable_sink);
-  set(p.cu_seqlens_q, "cu_seqlens_q", cu_seqlens_q);
-  set(p.cu_seqlens_k, "cu_seqlens_k", cu_seqlens_k);
-  set(p.seqused_q, "seqused_q", seqused_q);
-  set(p.seqused_k, "seqused_k", seqused_k);
+  set_shared_tensors(p, q, k, v, out, lse, learnable_sink, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k);
   p.softmax_scale = library_scale(softmax_scale);
   set_mask(p, causal, window_left, window_right, softcap, attention_chunk, q, k, varlen, max_seqlen_q,
            max_seqlen_k);
@@ -242,21 +251,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> backward(
   Tensor dsink = torch::stable::new_empty(q, {sink_size}, ScalarType::Float);
   fh_backward_params p;
   fh_backward_params_init(&p);
+  set_shared_tensors(p, q, k, v, out, lse, learnable_sink, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k);
   p.dout = view("dout", dout);
-  p.q = view("q", q);
-  p.k = view("k", k);
-  p.v = view("v", v);
-  p.out = view("out", out);
-  p.lse = view("lse", lse);
   p.dq = view("dq", dq);
   p.dk = view("dk", dk);
   p.dv = view("dv", dv);
-  set(p.learnable_sink, "learnable_sink", learnable_sink);
   if (learnable_sink.has_value()) p.dsink = view("dsink", dsink);
-  set(p.cu_seqlens_q, "cu_seqlens_q", cu_seqlens_q);
-  set(p.cu_seqlens_k, "cu_seqlens_k", cu_seqlens_k);
-  set(p.seqused_q, "seqused_q", seqused_q);
-  set(p.seqused_k, "seqused_k", seqused_k);
   p.softmax_scale = library_scale(softmax_scale);
   p.deterministic = deterministic ? 1 : 0;
   set_mask(p, causal, window_left, window_right, softcap, attention_chunk, q, k, varlen, max_seqlen_q,
