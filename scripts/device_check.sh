@@ -5,7 +5,7 @@
 # GoogleTest headers and archives carried in .gtest/). Usage:
 #   scripts/device_check.sh [build|tests|features|varlen|sanitize|demo|bench|features_bench|varlen_bench|
 #                            kernel_times|head_dims_bench|decode_bench|kv_cache|python|
-#                            host_overhead|readme]...
+#                            host_overhead|hostile|sweep|readme]...
 set -uo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 build="${BUILD:-$root/build}"
@@ -148,6 +148,17 @@ for step in "${steps[@]}"; do
       sanitize split_kv test_forward_gpu "$(printf 'SplitKv/*/bf16_d128_%s:' full_b1_sq200_sk300_h2_hkv2_lsink_splits256 \
         causal_b1_sq300_sk2000_h4_hkv1_splits3 full_b2_sq130_sk1500_h4_hkv2_w128x0_sinks4_splits5)$(printf \
         'KvCache/*/b6_sq1_h32_hkv8_rows7_S4096_causal_leftpad_batchidx_new3_rotary64i_splits3')"
+      ;;
+    hostile)
+      # Extreme and non-finite input values; concurrent calls from threads and streams.
+      run_gtests "hostile value tests" test_hostile_values_gpu '*' 300 gpu_tests_hostile.log
+      run_gtests "concurrency tests" test_concurrency_gpu '*' 300 gpu_tests_concurrency.log
+      ;;
+    sweep)
+      # compute-sanitizer over whole test binaries (scripts/sanitizer_sweep.sh; SWEEP_TOOLS, and
+      # its SWEEP_* variables pick the tools, binaries and shards of this call).
+      BUILD="$build" OUT="$out/sweep" "$root/scripts/sanitizer_sweep.sh" ${SWEEP_TOOLS:-} | tail -40
+      summary+=("sanitizer sweep: rc=${PIPESTATUS[0]}, see $out/sweep/sweep_summary.tsv")
       ;;
     readme)
       # The README's GPU-side commands as written, on the build step's folder (README_STEPS picks

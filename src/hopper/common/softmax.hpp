@@ -27,7 +27,9 @@ CUTLASS_DEVICE float exp2_fma(float x) {
   p = fmaf(p, f, 0.6931471806f);
   p = fmaf(p, f, 1.f);
   const float y = __int_as_float(__float_as_int(p) + (__float_as_int(shifted) << 23));
-  return x < -125.f ? 0.f : y;  // exactly 0 for masked scores (-inf), as exp2f gives
+  // Exactly 0 for masked scores (-inf), as exp2f gives; NaN stays NaN (the clamp and the exponent
+  // bits would turn it into a finite number, hiding a NaN input).
+  return x < -125.f ? 0.f : (x == x ? y : x);
 }
 
 // kFmaExpEvery > 0: every kFmaExpEvery-th exponent of a row goes through exp2_fma, which relieves
@@ -97,7 +99,7 @@ struct OnlineSoftmax {
         o_scale[m] = shrink / sum;
         lse[m] = new_max * float(M_LN2) + logf(sum);
       } else {
-        const bool empty = sum == 0.f || sum != sum;
+        const bool empty = sum == 0.f;  // a NaN sum (a NaN input) stays NaN in O and LSE
         o_scale[m] = empty ? 0.f : 1.f / sum;
         lse[m] = empty ? -INFINITY : row_max[m] * softmax_scale + logf(sum);
       }

@@ -47,9 +47,16 @@ struct SplitCombineKernel {
                            head * p.lse_partial_stride[2] + row * p.lse_partial_stride[3]];
     };
     float max_lse = -INFINITY;
-    for (int s = lane; s < p.splits; s += 32) max_lse = fmaxf(max_lse, lse_of(s));
+    bool nan_seen = false;
+    for (int s = lane; s < p.splits; s += 32) {
+      const float lse_s = lse_of(s);
+      max_lse = fmaxf(max_lse, lse_s);
+      nan_seen |= lse_s != lse_s;
+    }
     for (int offset = 16; offset > 0; offset /= 2)
       max_lse = fmaxf(max_lse, __shfl_xor_sync(0xffffffff, max_lse, offset));
+    // fmaxf skips NaN: a split's NaN (from a NaN input) must reach the row, not read as "no key".
+    if (__any_sync(0xffffffff, nan_seen)) max_lse = NAN;
     OutElement* out_row = p.out + batch * p.out_stride[0] + head * p.out_stride[1] + row * p.out_stride[2];
     if (max_lse == -INFINITY) {  // no split saw a key of this row
       for (int c = lane; c < p.columns; c += 32) out_row[c * p.out_stride[3]] = OutElement(0.f);
