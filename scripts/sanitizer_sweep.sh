@@ -49,5 +49,5 @@ for tool in "${tools[@]}"; do
   done
 done
 echo "==== sanitizer sweep ($summary) ===="
-column -t -s $'\t' "$summary"
+(column -t -s $'\t' "$summary" 2>/dev/null || cat "$summary")
 exit $status
