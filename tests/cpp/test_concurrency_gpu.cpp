@@ -142,6 +142,9 @@ TEST(Concurrency, LastErrorStaysWithItsThread) {
         Status status;
         if (failure.empty()) failure = run.enqueue(nullptr, &status);
         if (failure.empty() && !status.ok()) failure = status.message;
+        // The C++ calls above leave the C ABI's message alone; a successful C ABI call clears it.
+        const fh_forward_params good = run.forward_params();
+        if (failure.empty() && fh_forward_check(&good) != FH_SUCCESS) failure = fh_last_error();
         if (failure.empty() && std::string(fh_last_error()) != "")
           failure = std::string("a success left a message: ") + fh_last_error();
       }

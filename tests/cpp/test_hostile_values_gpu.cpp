@@ -113,8 +113,8 @@ std::vector<ExtremeCase> extreme_cases() {
            write(k, i, read(k, {i[0], 0, i[2], i[3]}));
          });
        }},
-      {"bf16_scale_1e-30", FH_DTYPE_BF16, true, true, 1e-30f, [](Problem&) {}},
-      {"fp16_scale_1e-30", FH_DTYPE_FP16, false, true, 1e-30f, [](Problem&) {}},
+      {"bf16_scale_1e_minus_30", FH_DTYPE_BF16, true, true, 1e-30f, [](Problem&) {}},
+      {"fp16_scale_1e_minus_30", FH_DTYPE_FP16, false, true, 1e-30f, [](Problem&) {}},
       {"bf16_scale_1e3", FH_DTYPE_BF16, false, true, 1e3f, [](Problem&) {}},
       // A huge scale: scores near 1e31, one key a row. Its gradients are the scale times rounding
       // noise, beyond the dtype: forward only.
