@@ -56,6 +56,12 @@ bool all_finite(const Tensor& t) {
   return finite;
 }
 
+// Every key of a (batch, head) the copy of its first: all scores of a row equal, P uniform.
+void make_keys_equal(Problem& p) {
+  const Tensor k = p.k.view();
+  for_each_index(shape_of(k), [&](const std::vector<int64_t>& i) { write(k, i, read(k, {i[0], 0, i[2], i[3]})); });
+}
+
 // ---- extreme finite values ------------------------------------------------------------------
 
 struct ExtremeCase {
@@ -99,21 +105,10 @@ std::vector<ExtremeCase> extreme_cases() {
          multiply(p.k, 30);
          multiply(p.v, 1e30);
        }},
-      // Every key the same vector: all scores of a row equal, P uniform.
       {"bf16_equal_scores", FH_DTYPE_BF16, true, true, 0.f,
-       [](Problem& p) {
-         const Tensor k = p.k.view();
-         for_each_index(shape_of(k), [&](const std::vector<int64_t>& i) {
-           write(k, i, read(k, {i[0], 0, i[2], i[3]}));
-         });
-       }},
+       make_keys_equal},
       {"fp16_equal_scores", FH_DTYPE_FP16, false, true, 0.f,
-       [](Problem& p) {
-         const Tensor k = p.k.view();
-         for_each_index(shape_of(k), [&](const std::vector<int64_t>& i) {
-           write(k, i, read(k, {i[0], 0, i[2], i[3]}));
-         });
-       }},
+       make_keys_equal},
       {"bf16_scale_1e_minus_30", FH_DTYPE_BF16, true, true, 1e-30f, [](Problem&) {}},
       {"fp16_scale_1e_minus_30", FH_DTYPE_FP16, false, true, 1e-30f, [](Problem&) {}},
       {"bf16_scale_1e3", FH_DTYPE_BF16, false, true, 1e3f, [](Problem&) {}},
