@@ -212,6 +212,16 @@ struct ForwardMainloop {
                                                    : cutlass::NumThreadsPerWarp;
   }
 
+  // What completes a K or V stage: TMA bytes and thread 0's arrival; when the warpgroup gathers,
+  // its threads' arrivals once their copies land (cp.async.mbarrier.arrive.noinc) and no bytes.
+  struct KvStageCompletion {
+    uint32_t bytes_k, bytes_v, arrivals;
+  };
+  CUTLASS_HOST_DEVICE static KvStageCompletion kv_stage_completion(Params const& params) {
+    if (params.paged.mode == PagedMode::kGather) return {0, 0, 1 + kGatherThreads};
+    return {kTmaBytesK, kTmaBytesV, 1};
+  }
+
   static Params to_underlying_arguments(Arguments const& args) {
     Tensor mQ = make_tensor(make_gmem_ptr(args.ptr_q), args.shape_q, args.stride_q);
     Tensor mK = make_tensor(make_gmem_ptr(args.ptr_k), args.shape_k, args.stride_k);
@@ -315,10 +325,10 @@ struct ForwardMainloop {
   // so that a warp reads whole rows); keys past the sequence and columns past the call's head dim
   // as zeros. Lane l reads the page numbers of its warp's keys l, l + 32 before the stage is free
   // (the page table's latency hides behind that wait) and hands them to the lanes that copy those
-  // keys. The stage's barrier expects the TMA's bytes (armed by thread 0 in producer_acquire);
-  // instead every thread makes the barrier wait for its copies (cp.async.mbarrier.arrive), and
-  // once all have, thread 0 cancels the expected bytes: the phase then completes when the last
-  // copy lands.
+  // keys. The stage's barrier counts thread 0's arrival (producer_acquire) and one of each thread,
+  // made when its copies land (kv_stage_completion): the phase completes with the last copy. The
+  // counting form of cp.async.mbarrier.arrive under a single expected arrival and a cancelled
+  // byte count is as correct, but synccheck reports it (scripts/probes/cp_async_barrier_probe.cu).
   template <bool kIsV, class TensorStages>
   CUTLASS_DEVICE static void gather_stage(Params const& params, Pipeline& pipeline, PipelineState& state,
                                           TensorStages const& stages, SeqlenInfo const& seq, int head_kv,
@@ -368,10 +378,7 @@ struct ForwardMainloop {
       Element* to = kIsV ? &stages(col, first_row + key, state.index()) : &stages(first_row + key, col, state.index());
       cutlass::arch::cp_async_zfill<16, cutlass::arch::CacheOperation::Global>(to, from, valid);
     }
-    cutlass::arch::cpasync_barrier_arrive(barrier);
-    named_barrier_sync(kGatherThreads, FwdBarrier::kProducerGather);  // every thread's arrive is in
-    if (threadIdx.x == 0)
-      cutlass::arch::ClusterTransactionBarrier::complete_transaction(barrier, 0, kIsV ? kTmaBytesV : kTmaBytesK);
+    cutlass::arch::cpasync_barrier_arrive_noinc(barrier);  // once this thread's copies have landed
     ++state;
   }
 

@@ -9,7 +9,6 @@ namespace flashhopper::hopper {
 enum class FwdBarrier : uint32_t {
   kEpilogue = 0,          // all consumer warpgroups: done with sQ before O overwrites it
   kWarpScheduler0 = 1,    // ping-pong turn of consumer warpgroup 0; 1 and 2 follow
-  kProducerGather = 4,    // the producer warpgroup: every thread's copies of a gathered stage are issued
 };
 
 enum class BwdBarrier : uint32_t {

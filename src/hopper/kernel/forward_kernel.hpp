@@ -95,10 +95,11 @@ struct ForwardKernel {
     }
 
     using Pipeline = typename Mainloop::Pipeline;
-    Pipeline pipeline_k =
-        make_tma_pipeline<Pipeline>(storage.barriers.pipeline_k, warp_group, kNumMmaThreads, Mainloop::kTmaBytesK);
-    Pipeline pipeline_v =
-        make_tma_pipeline<Pipeline>(storage.barriers.pipeline_v, warp_group, kNumMmaThreads, Mainloop::kTmaBytesV);
+    const auto kv_stage = Mainloop::kv_stage_completion(params.mainloop);
+    Pipeline pipeline_k = make_tma_pipeline<Pipeline>(storage.barriers.pipeline_k, warp_group, kNumMmaThreads,
+                                                      kv_stage.bytes_k, kv_stage.arrivals);
+    Pipeline pipeline_v = make_tma_pipeline<Pipeline>(storage.barriers.pipeline_v, warp_group, kNumMmaThreads,
+                                                      kv_stage.bytes_v, kv_stage.arrivals);
 
     cutlass::arch::fence_barrier_init();
     __syncthreads();
