@@ -62,6 +62,19 @@ void make_keys_equal(Problem& p) {
   for_each_index(shape_of(k), [&](const std::vector<int64_t>& i) { write(k, i, read(k, {i[0], 0, i[2], i[3]})); });
 }
 
+Features windowed(int left, int right) {
+  Features f;
+  f.window_left = left;
+  f.window_right = right;
+  return f;
+}
+
+Features capped(float softcap) {
+  Features f;
+  f.softcap = softcap;
+  return f;
+}
+
 // ---- extreme finite values ------------------------------------------------------------------
 
 struct ExtremeCase {
@@ -71,6 +84,7 @@ struct ExtremeCase {
   bool backward;  // also the backward (where the exact gradients fit the dtype)
   float softmax_scale;
   std::function<void(Problem&)> shape_inputs;  // rewrites the random inputs
+  Features features{};                          // a window, softcap
 };
 
 std::ostream& operator<<(std::ostream& os, const ExtremeCase& c) { return os << c.name; }
@@ -116,6 +130,29 @@ std::vector<ExtremeCase> extreme_cases() {
       // rounding noise, beyond the dtype: forward only.
       {"bf16_scale_1e7", FH_DTYPE_BF16, true, false, 1e7f, [](Problem&) {}},
       {"fp16_scale_1e7", FH_DTYPE_FP16, false, false, 1e7f, [](Problem&) {}},
+      // Softcap saturated: scaled scores near 5e7 (fp16: 4e11, beyond the dtype) capped at +-30,
+      // so tanh is +-1 and its gradient factor exactly 0 on most scores.
+      {"bf16_softcap_scores_near_5e7", FH_DTYPE_BF16, false, true, 0.f,
+       [](Problem& p) {
+         fill_uniform(p.q, 1e4, 11);
+         fill_uniform(p.k, 1e4, 12);
+       },
+       capped(30)},
+      {"fp16_softcap_inputs_near_6e4", FH_DTYPE_FP16, true, false, 0.f,
+       [](Problem& p) {
+         fill_uniform(p.q, 6e4, 11);
+         fill_uniform(p.k, 6e4, 12);
+         fill_uniform(p.v, 6e4, 13);
+       },
+       capped(30)},
+      {"bf16_window_equal_scores", FH_DTYPE_BF16, false, true, 0.f, make_keys_equal, windowed(64, 0)},
+      // A huge scale under a two-sided window and a cap: every score at +-20.
+      {"bf16_window_softcap_scale_1e3", FH_DTYPE_BF16, false, true, 1e3f, [](Problem&) {},
+       [] {
+         Features f = windowed(100, 20);
+         f.softcap = 20;
+         return f;
+       }()},
   };
 }
 
@@ -143,7 +180,7 @@ TEST_P(ExtremeValuesTest, FiniteAndWithinThePassRule) {
   const ExtremeCase& e = GetParam();
   const int head_dim = head_dim_for(e.dtype);
   if (head_dim == 0) GTEST_SKIP() << "no family of this dtype in this build";
-  const GridCase c{e.dtype, head_dim, e.causal, 2, 300, 257, 4, 2, false};
+  const GridCase c{e.dtype, head_dim, e.causal, 2, 300, 257, 4, 2, false, e.features};
   Problem problem = Problem::random(c, 7);
   problem.softmax_scale = e.softmax_scale;
   e.shape_inputs(problem);
@@ -171,6 +208,7 @@ TEST_P(ExtremeValuesTest, FiniteAndWithinThePassRule) {
     f.v = fp32_inputs ? v32.view() : problem.v.view();
     f.causal = c.causal;
     f.softmax_scale = e.softmax_scale;
+    e.features.apply(f);
     f.out = (*r)[0].view();
     f.lse = (*r)[1].view();
     ASSERT_TRUE(reference::forward(f, options).ok());
@@ -184,6 +222,7 @@ TEST_P(ExtremeValuesTest, FiniteAndWithinThePassRule) {
     b.lse = f.lse;
     b.causal = c.causal;
     b.softmax_scale = e.softmax_scale;
+    e.features.apply(b);
     b.dq = (*r)[2].view();
     b.dk = (*r)[3].view();
     b.dv = (*r)[4].view();
@@ -223,10 +262,11 @@ struct PoisonCase {
   double value;
   bool causal;
   int num_splits;  // > 1: the forward's split-KV path and combine (forward only)
+  Features features{};  // a window (what a row sees) or softcap
   std::string name() const {
     const std::string v = std::isnan(value) ? "nan" : value > 0 ? "inf" : "minus_inf";
     return std::string(input == 'o' ? "dout" : std::string(1, input)) + "_" + v + (causal ? "_causal" : "_full") +
-           (num_splits > 1 ? "_splits" + std::to_string(num_splits) : "");
+           features.tag() + (num_splits > 1 ? "_splits" + std::to_string(num_splits) : "");
   }
 };
 
@@ -243,6 +283,14 @@ std::vector<PoisonCase> poison_cases() {
       cases.push_back({input, value, causal, 1});
       if (input != 'o') cases.push_back({input, value, causal, 3});
     }
+  // Under a window (one-sided, two-sided) and softcap: one poison of each input.
+  const std::vector<std::pair<bool, Features>> featured = {
+      {false, windowed(64, 0)}, {false, windowed(40, 30)}, {true, capped(30)}};
+  for (const auto& [causal, features] : featured)
+    for (const auto& [input, value] : std::vector<std::pair<char, double>>{{'q', nan}, {'k', nan}, {'v', inf}, {'o', nan}}) {
+      cases.push_back({input, value, causal, 1, features});
+      if (input != 'o') cases.push_back({input, value, causal, 3, features});
+    }
   return cases;
 }
 
@@ -253,7 +301,7 @@ TEST_P(NonFiniteInputTest, ReachesOnlyWhatDependsOnIt) {
   const fh_dtype dtype = head_dim_for(FH_DTYPE_BF16) ? FH_DTYPE_BF16 : FH_DTYPE_FP16;
   const int head_dim = head_dim_for(dtype);
   if (head_dim == 0) GTEST_SKIP() << "no family with both passes in this build";
-  GridCase c{dtype, head_dim, pc.causal, 2, kSeq, kSeq, kHeads, kHeadsKv, false};
+  GridCase c{dtype, head_dim, pc.causal, 2, kSeq, kSeq, kHeads, kHeadsKv, false, pc.features};
   c.num_splits = pc.num_splits;
   const Problem clean = Problem::random(c, 3);
   Problem poisoned = clean;
@@ -272,7 +320,11 @@ TEST_P(NonFiniteInputTest, ReachesOnlyWhatDependsOnIt) {
   ASSERT_TRUE(status.ok()) << status.message;
 
   const int group = kHeads / kHeadsKv;
-  auto sees = [&](int row, int key) { return !pc.causal || key <= row; };  // sq = sk: no offset
+  auto sees = [&](int row, int key) {  // sq = sk: no offset
+    const Features& f = pc.features;
+    return (!pc.causal || key <= row) && (f.window_left < 0 || key >= row - f.window_left) &&
+           (f.window_right < 0 || key <= row + f.window_right);
+  };
   // Whether query row (batch, row, head) depends on the poisoned element in the forward.
   auto row_affected = [&](int batch, int row, int head) {
     if (batch != 0 || head / group != 0) return false;
