@@ -62,19 +62,6 @@ void make_keys_equal(Problem& p) {
   for_each_index(shape_of(k), [&](const std::vector<int64_t>& i) { write(k, i, read(k, {i[0], 0, i[2], i[3]})); });
 }
 
-Features windowed(int left, int right) {
-  Features f;
-  f.window_left = left;
-  f.window_right = right;
-  return f;
-}
-
-Features capped(float softcap) {
-  Features f;
-  f.softcap = softcap;
-  return f;
-}
-
 // ---- extreme finite values ------------------------------------------------------------------
 
 struct ExtremeCase {
@@ -137,22 +124,18 @@ std::vector<ExtremeCase> extreme_cases() {
          fill_uniform(p.q, 1e4, 11);
          fill_uniform(p.k, 1e4, 12);
        },
-       capped(30)},
+       Features{-1, -1, 0, 0, 30.f}},
       {"fp16_softcap_inputs_near_6e4", FH_DTYPE_FP16, true, false, 0.f,
        [](Problem& p) {
          fill_uniform(p.q, 6e4, 11);
          fill_uniform(p.k, 6e4, 12);
          fill_uniform(p.v, 6e4, 13);
        },
-       capped(30)},
-      {"bf16_window_equal_scores", FH_DTYPE_BF16, false, true, 0.f, make_keys_equal, windowed(64, 0)},
+       Features{-1, -1, 0, 0, 30.f}},
+      {"bf16_window_equal_scores", FH_DTYPE_BF16, false, true, 0.f, make_keys_equal, Features{64, 0}},
       // A huge scale under a two-sided window and a cap: every score at +-20.
       {"bf16_window_softcap_scale_1e3", FH_DTYPE_BF16, false, true, 1e3f, [](Problem&) {},
-       [] {
-         Features f = windowed(100, 20);
-         f.softcap = 20;
-         return f;
-       }()},
+       Features{100, 20, 0, 0, 20.f}},
   };
 }
 
@@ -285,7 +268,7 @@ std::vector<PoisonCase> poison_cases() {
     }
   // Under a window (one-sided, two-sided) and softcap: one poison of each input.
   const std::vector<std::pair<bool, Features>> featured = {
-      {false, windowed(64, 0)}, {false, windowed(40, 30)}, {true, capped(30)}};
+      {false, Features{64, 0}}, {false, Features{40, 30}}, {true, Features{-1, -1, 0, 0, 30.f}}};
   for (const auto& [causal, features] : featured)
     for (const auto& [input, value] : std::vector<std::pair<char, double>>{{'q', nan}, {'k', nan}, {'v', inf}, {'o', nan}}) {
       cases.push_back({input, value, causal, 1, features});
