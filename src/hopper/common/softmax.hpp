@@ -27,9 +27,15 @@ CUTLASS_DEVICE float exp2_fma(float x) {
   p = fmaf(p, f, 0.6931471806f);
   p = fmaf(p, f, 1.f);
   const float y = __int_as_float(__float_as_int(p) + (__float_as_int(shifted) << 23));
-  // Exactly 0 for masked scores (-inf), as exp2f gives; NaN stays NaN (the clamp and the exponent
-  // bits would turn it into a finite number, hiding a NaN input).
-  return x < -125.f ? 0.f : (x == x ? y : x);
+  return x < -125.f ? 0.f : y;  // exactly 0 for masked scores (-inf), as exp2f gives
+}
+
+// max that returns NaN when either input is NaN (fmaxf drops it): a NaN score then makes the row's
+// maximum NaN, and so every exponent of the row, exp2_fma's included (its clamp would hide a NaN x).
+CUTLASS_DEVICE float max_keep_nan(float a, float b) {
+  float m;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(m) : "f"(a), "f"(b));
+  return m;
 }
 
 // kFmaExpEvery > 0: every kFmaExpEvery-th exponent of a row goes through exp2_fma, which relieves
@@ -57,8 +63,8 @@ struct OnlineSoftmax {
     for (int m = 0; m < kRows; ++m) {
       float block_max = row_max[m];
       CUTLASS_PRAGMA_UNROLL
-      for (int n = 0; n < size<1>(s); ++n) block_max = fmaxf(block_max, s(m, n));
-      block_max = quad_allreduce(block_max, [](float a, float b) { return fmaxf(a, b); });
+      for (int n = 0; n < size<1>(s); ++n) block_max = max_keep_nan(block_max, s(m, n));
+      block_max = quad_allreduce(block_max, [](float a, float b) { return max_keep_nan(a, b); });
       // A row that has seen only masked keys keeps max -inf; use 0 so no (-inf) - (-inf) arises.
       const float max_scaled = block_max == -INFINITY ? 0.f : block_max * scale_log2;
       if constexpr (kFirst) {
