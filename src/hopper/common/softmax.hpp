@@ -8,6 +8,7 @@
 
 #include <cute/tensor.hpp>
 
+#include "hopper/common/nan_max.hpp"
 #include "hopper/common/utils.hpp"
 
 namespace flashhopper::hopper {
@@ -28,14 +29,6 @@ CUTLASS_DEVICE float exp2_fma(float x) {
   p = fmaf(p, f, 1.f);
   const float y = __int_as_float(__float_as_int(p) + (__float_as_int(shifted) << 23));
   return x < -125.f ? 0.f : y;  // exactly 0 for masked scores (-inf), as exp2f gives
-}
-
-// max that returns NaN when either input is NaN (fmaxf drops it): a NaN score then makes the row's
-// maximum NaN, and so every exponent of the row, exp2_fma's included (its clamp would hide a NaN x).
-CUTLASS_DEVICE float max_keep_nan(float a, float b) {
-  float m;
-  asm("max.NaN.f32 %0, %1, %2;" : "=f"(m) : "f"(a), "f"(b));
-  return m;
 }
 
 // kFmaExpEvery > 0: every kFmaExpEvery-th exponent of a row goes through exp2_fma, which relieves
@@ -61,6 +54,8 @@ struct OnlineSoftmax {
     static_assert(decltype(size<0>(s))::value == kRows);
     CUTLASS_PRAGMA_UNROLL
     for (int m = 0; m < kRows; ++m) {
+      // max.NaN: a NaN score makes the row's maximum NaN, and so every exponent of the row
+      // (exp2_fma's clamp would otherwise turn a NaN exponent into a finite value).
       float block_max = row_max[m];
       CUTLASS_PRAGMA_UNROLL
       for (int n = 0; n < size<1>(s); ++n) block_max = max_keep_nan(block_max, s(m, n));

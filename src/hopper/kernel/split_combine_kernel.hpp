@@ -12,6 +12,8 @@
 #include <cutlass/cutlass.h>
 #include <cutlass/numeric_conversion.h>
 
+#include "hopper/common/nan_max.hpp"
+
 namespace flashhopper::hopper {
 
 template <class OutElement>
@@ -46,17 +48,11 @@ struct SplitCombineKernel {
       return p.lse_partial[s * p.lse_partial_stride[0] + batch * p.lse_partial_stride[1] +
                            head * p.lse_partial_stride[2] + row * p.lse_partial_stride[3]];
     };
+    // A split's NaN (from a NaN input) must reach the row, not read as "no key": max.NaN.
     float max_lse = -INFINITY;
-    bool nan_seen = false;
-    for (int s = lane; s < p.splits; s += 32) {
-      const float lse_s = lse_of(s);
-      max_lse = fmaxf(max_lse, lse_s);
-      nan_seen |= lse_s != lse_s;
-    }
+    for (int s = lane; s < p.splits; s += 32) max_lse = max_keep_nan(max_lse, lse_of(s));
     for (int offset = 16; offset > 0; offset /= 2)
-      max_lse = fmaxf(max_lse, __shfl_xor_sync(0xffffffff, max_lse, offset));
-    // fmaxf skips NaN: a split's NaN (from a NaN input) must reach the row, not read as "no key".
-    if (__any_sync(0xffffffff, nan_seen)) max_lse = NAN;
+      max_lse = max_keep_nan(max_lse, __shfl_xor_sync(0xffffffff, max_lse, offset));
     OutElement* out_row = p.out + batch * p.out_stride[0] + head * p.out_stride[1] + row * p.out_stride[2];
     if (max_lse == -INFINITY) {  // no split saw a key of this row
       for (int c = lane; c < p.columns; c += 32) out_row[c * p.out_stride[3]] = OutElement(0.f);
