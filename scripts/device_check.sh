@@ -56,9 +56,11 @@ for step in "${steps[@]}"; do
   case "$step" in
     build)
       # nvcc and ninja are there; GoogleTest is not (.gtest/ holds this machine's copy).
+      # BUILD_TARGETS (default all) builds only some targets, e.g. the GPU test binaries for a sweep.
       cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DFLASHHOPPER_KERNELS="${KERNELS:-full}" \
-        -DGTEST_ROOT="$root/.gtest" -DFLASHHOPPER_TORCH_OPS=ON >"$out/build.log" 2>&1 &&
-        timeout 560 cmake --build "$build" -j "$(nproc)" >>"$out/build.log" 2>&1
+        -DGTEST_ROOT="$root/.gtest" -DFLASHHOPPER_TORCH_OPS="${TORCH_OPS:-ON}" >"$out/build.log" 2>&1 &&
+        timeout "${BUILD_TIMEOUT:-560}" cmake --build "$build" -j "$(nproc)" \
+          ${BUILD_TARGETS:+--target $BUILD_TARGETS} >>"$out/build.log" 2>&1
       rc=$?
       tail -3 "$out/build.log"
       summary+=("build: rc=$rc")
@@ -157,8 +159,11 @@ for step in "${steps[@]}"; do
     sweep)
       # compute-sanitizer over whole test binaries (scripts/sanitizer_sweep.sh; SWEEP_TOOLS, and
       # its SWEEP_* variables pick the tools, binaries and shards of this call).
+      # The logs travel as one archive (a device call returns a bounded number of files).
       BUILD="$build" OUT="$out/sweep" "$root/scripts/sanitizer_sweep.sh" ${SWEEP_TOOLS:-} | tail -40
-      summary+=("sanitizer sweep: rc=${PIPESTATUS[0]}, see $out/sweep/sweep_summary.tsv")
+      rc=${PIPESTATUS[0]}
+      tar czf "$out/sweep_logs.tgz" -C "$out/sweep" . && find "$out/sweep" -name '*.log' -delete
+      summary+=("sanitizer sweep: rc=$rc, see $out/sweep/sweep_summary.tsv and sweep_logs.tgz")
       ;;
     readme)
       # The README's GPU-side commands as written, on the build step's folder (README_STEPS picks
