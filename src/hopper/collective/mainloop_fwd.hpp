@@ -321,14 +321,19 @@ struct ForwardMainloop {
   }
 
   // Paged, gathered: the producer warpgroup copies key block n_block into the stage, warp w the
-  // keys [w, w + 1) * kBlockN / 4, 16 bytes a lane and copy (consecutive lanes along a key's row,
-  // so that a warp reads whole rows); keys past the sequence and columns past the call's head dim
-  // as zeros. Lane l reads the page numbers of its warp's keys l, l + 32 before the stage is free
-  // (the page table's latency hides behind that wait) and hands them to the lanes that copy those
-  // keys. The stage's barrier counts thread 0's arrival (producer_acquire) and one of each thread,
-  // made when its copies land (kv_stage_completion): the phase completes with the last copy. The
-  // counting form of cp.async.mbarrier.arrive under a single expected arrival and a cancelled
-  // byte count is as correct, but synccheck reports it (scripts/probes/cp_async_barrier_probe.cu).
+  // keys [w, w + 1) * kBlockN / 4, 16 bytes a lane and copy; keys past the sequence and columns
+  // past the call's head dim as zeros. A warp's copy covers 8 keys x 64 bytes (4 lanes a key), so
+  // that a lane's keys are 8 apart: one swizzle atom's rows, at a fixed distance in the stage, so
+  // its addresses are one add apart. Lane l finds where its warp's keys l, l + 32 lie in the cache
+  // (page table and strides) before the stage is free, so the page table's latency hides behind
+  // that wait, and hands those element offsets to the lanes that copy the keys: a copy then costs
+  // a shuffle, a few adds and the cp.async to a 32-bit shared address, with no page-table read,
+  // division or generic pointer in the loop (what the producer's 24 registers afford without
+  // spilling there). The stage's barrier counts thread 0's arrival (producer_acquire) and one of
+  // each thread, made when its copies land (kv_stage_completion): the phase completes with the
+  // last copy. The counting form of cp.async.mbarrier.arrive under a single expected arrival and
+  // a cancelled byte count is as correct, but synccheck reports it
+  // (scripts/probes/cp_async_barrier_probe.cu).
   template <bool kIsV, class TensorStages>
   CUTLASS_DEVICE static void gather_stage(Params const& params, Pipeline& pipeline, PipelineState& state,
                                           TensorStages const& stages, SeqlenInfo const& seq, int head_kv,
@@ -338,45 +343,61 @@ struct ForwardMainloop {
     constexpr int kLookups = (kKeysPerWarp + 31) / 32;
     constexpr int kPieceElements = 16 / int(sizeof(Element));
     constexpr int kPiecesPerKey = (kIsV ? kHeadDimV : kHeadDim) / kPieceElements;
-    constexpr int kCopies = kKeysPerWarp * kPiecesPerKey / 32;  // a lane's
-    static_assert(kBlockN % kWarps == 0 && kLookups <= 2 && (kKeysPerWarp * kPiecesPerKey) % 32 == 0);
+    constexpr int kLanesPerKey = 4;
+    constexpr int kKeysPerCopy = cutlass::NumThreadsPerWarp / kLanesPerKey;  // 8: a swizzle atom's rows
+    constexpr int kKeyGroups = (kKeysPerWarp + kKeysPerCopy - 1) / kKeysPerCopy;
+    static_assert(kBlockN % kWarps == 0 && kLookups <= 2 && kPiecesPerKey % kLanesPerKey == 0);
     GatherSource const& source = kIsV ? params.paged.v : params.paged.k;
     const int lane = cutlass::canonical_lane_idx();
-    const int first_key = n_block * kBlockN + cutlass::canonical_warp_idx() * kKeysPerWarp;
+    const int first_row = cutlass::canonical_warp_idx() * kKeysPerWarp;  // in the stage
+    const int first_key = n_block * kBlockN + first_row;
     int const* table = params.page_table + seq.batch * params.page_table_stride;
-    // Key first_key + lane + 32 r as its row in the cache seen as one column of pages (page *
-    // page_size + row in the page), or -1 past the sequence.
-    int cache_row[kLookups];
+    // Key first_key + lane + 32 r's first element, counted from the KV head's, or -1 past the
+    // sequence.
+    int64_t key_offset[kLookups];
     CUTLASS_PRAGMA_UNROLL
     for (int r = 0; r < kLookups; ++r) {
       const int key = first_key + lane + 32 * r;
       int page_index, row_in_page;
       params.page_size_divmod(page_index, row_in_page, key);
-      cache_row[r] = lane + 32 * r < kKeysPerWarp && key < seq.seqlen_k
-                         ? __ldg(table + page_index) * params.page_size + row_in_page
-                         : -1;
+      key_offset[r] = lane + 32 * r < kKeysPerWarp && key < seq.seqlen_k
+                          ? __ldg(table + page_index) * source.page_stride + row_in_page * source.row_stride
+                          : int64_t(-1);
     }
     Element const* head = source.ptr + head_kv * source.head_stride;
-    const int first_row = cutlass::canonical_warp_idx() * kKeysPerWarp;  // in the stage
+    // The stages' layout over their base's shared-space address, so that an element's "pointer"
+    // is its 32-bit shared address, swizzle included: the swizzle acts on address bits below the
+    // base's 1024-byte alignment, the same in the generic and the shared space. Its elements are
+    // only ever addressed, never read or written.
+    using StageLayout = cute::conditional_t<kIsV, SmemLayoutVt, SmemLayoutK>;
+    const uint32_t stage_base = cute::cast_smem_ptr_to_uint(raw_pointer_cast(stages.data()));
+    Tensor shared_addresses =
+        make_tensor(make_smem_ptr(reinterpret_cast<Element*>(uintptr_t(stage_base))), StageLayout{});
+    const int stage = state.index();
+    auto shared_address = [&](int key, int col) {
+      Element const& e = kIsV ? shared_addresses(col, key, stage) : shared_addresses(key, col, stage);
+      return uint32_t(reinterpret_cast<uintptr_t>(&e));
+    };
+    const uint32_t key_group_bytes = shared_address(kKeysPerCopy, 0) - shared_address(0, 0);
+    const int lane_key = lane / kLanesPerKey;  // keys lane_key + 8 m of the warp's
     pipeline.producer_acquire(state);
     uint64_t* barrier = pipeline.producer_get_barrier(state);
-    // Two copies an iteration: the producer's 24 registers hold two copies' addresses, not twenty.
-#pragma unroll 2
-    for (int i = 0; i < kCopies; ++i) {
-      const int piece = lane + 32 * i;
-      const int key = piece / kPiecesPerKey, col = piece % kPiecesPerKey * kPieceElements;
-      // Keys 0..31 of the warp are held in cache_row[0], 32.. in [1]: the same for the whole warp.
-      const int held = kLookups == 1 || i < kPiecesPerKey ? cache_row[0] : cache_row[kLookups - 1];
-      const int row = __shfl_sync(0xffffffff, held, key % 32);
-      const bool valid = row >= 0 && col < source.dim;
-      Element const* from = head;
-      if (valid) {
-        int page, row_in_page;
-        params.page_size_divmod(page, row_in_page, row);
-        from += page * source.page_stride + row_in_page * source.row_stride + col;
+    CUTLASS_PRAGMA_NO_UNROLL
+    for (int step = 0; step < kPiecesPerKey / kLanesPerKey; ++step) {
+      const int col = (lane % kLanesPerKey + kLanesPerKey * step) * kPieceElements;
+      const bool col_valid = col < source.dim;
+      const uint32_t to = shared_address(first_row + lane_key, col);
+      CUTLASS_PRAGMA_UNROLL
+      for (int m = 0; m < kKeyGroups; ++m) {
+        const int key = lane_key + kKeysPerCopy * m;
+        // Keys 0..31 of the warp are held in key_offset[0], 32.. in [1]: the same for the whole warp.
+        const int64_t held = kLookups == 1 || kKeysPerCopy * m < 32 ? key_offset[0] : key_offset[kLookups - 1];
+        const int64_t offset = __shfl_sync(0xffffffff, held, key % 32);
+        if (kKeysPerWarp % kKeysPerCopy == 0 || key < kKeysPerWarp) {
+          const bool valid = offset >= 0 && col_valid;
+          cp_async_16_zfill(to + m * key_group_bytes, head + (valid ? offset + col : 0), valid);
+        }
       }
-      Element* to = kIsV ? &stages(col, first_row + key, state.index()) : &stages(first_row + key, col, state.index());
-      cutlass::arch::cp_async_zfill<16, cutlass::arch::CacheOperation::Global>(to, from, valid);
     }
     cutlass::arch::cpasync_barrier_arrive_noinc(barrier);  // once this thread's copies have landed
     ++state;
