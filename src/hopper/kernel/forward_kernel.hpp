@@ -33,6 +33,12 @@ struct ForwardKernel {
   static constexpr int kProducerRegisters = kNumMmaWarpGroups == 2 ? 24 : 32;
   static constexpr int kConsumerRegisters = kNumMmaWarpGroups == 2 ? 240 : 160;
   static_assert(kNumMmaWarpGroups == 2 || kNumMmaWarpGroups == 3);
+  // setmaxnreg moves registers within the CTA's launch allocation (the per-thread count ptxas
+  // gives kNumThreads threads, a multiple of 8), so the split must fit in it: else the consumers'
+  // increase waits forever (a 32-register producer beside two 240-register consumers hangs).
+  static_assert((kProducerRegisters + kNumMmaWarpGroups * kConsumerRegisters) * cutlass::NumThreadsPerWarpGroup <=
+                    65536 / kNumThreads / 8 * 8 * kNumThreads,
+                "the register split exceeds the CTA's launch allocation");
 
   static constexpr int kSmemLimit = kSmemLimitBytes;
   static constexpr int kOBytes = cosize_v<typename Epilogue::SmemLayoutO> * sizeof(Element);
