@@ -10,7 +10,6 @@
 
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
-#include <cutlass/arch/memory_sm80.h>
 #include <cutlass/cutlass.h>
 #include <cutlass/fast_math.h>
 #include <cutlass/gemm/collective/builders/sm90_common.inl>

@@ -8,9 +8,9 @@ namespace flashhopper::hopper {
 
 using namespace cute;
 
-// 16 bytes global -> shared with cp.async (L2 only, 128-byte L2 prefetch), zeros where !valid. The
-// shared address as a 32-bit offset, which saves a loop the generic-pointer arithmetic and its
-// conversion that cutlass::arch::cp_async_zfill does per call.
+// 16 bytes global -> shared with cp.async (L2 only, 128-byte L2 prefetch), zeros where !valid.
+// It takes the 32-bit shared address, so a copy loop skips the generic pointer and its conversion
+// that cutlass::arch::cp_async_zfill makes on every call.
 CUTLASS_DEVICE void cp_async_16_zfill(uint32_t smem_addr, void const* gmem, bool valid) {
   asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(smem_addr), "l"(gmem),
                "r"(valid ? 16 : 0));

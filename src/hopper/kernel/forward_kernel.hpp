@@ -33,9 +33,10 @@ struct ForwardKernel {
   static constexpr int kProducerRegisters = kNumMmaWarpGroups == 2 ? 24 : 32;
   static constexpr int kConsumerRegisters = kNumMmaWarpGroups == 2 ? 240 : 160;
   static_assert(kNumMmaWarpGroups == 2 || kNumMmaWarpGroups == 3);
-  // setmaxnreg moves registers within the CTA's launch allocation (the per-thread count ptxas
-  // gives kNumThreads threads, a multiple of 8), so the split must fit in it: else the consumers'
-  // increase waits forever (a 32-register producer beside two 240-register consumers hangs).
+  // setmaxnreg moves registers within the CTA's launch allocation, so the split must fit in it:
+  // else the consumers' increase waits forever (a 32-register producer beside two 240-register
+  // consumers hangs). These kernels launch with the most a thread can have, 65536 / kNumThreads
+  // rounded down to a multiple of 8 (ptxas -v: 168 and 128).
   static_assert((kProducerRegisters + kNumMmaWarpGroups * kConsumerRegisters) * cutlass::NumThreadsPerWarpGroup <=
                     65536 / kNumThreads / 8 * 8 * kNumThreads,
                 "the register split exceeds the CTA's launch allocation");
