@@ -317,11 +317,9 @@ def flash_attn_with_kvcache(
     and rotary, split over the keys (num_splits; 0 chooses from the shapes); fp8 descales,
     cu_seqlens_k_new, num_splits > 1 with cu_seqlens_q, and sm_margin raise FlashHopperNotSupported
     (a NotImplementedError). scheduler_metadata (from
-    get_scheduler_metadata) gives the split-KV count. It has no PyTorch op yet: under
-    torch.compile or torch.export (fake tensors) it raises FlashHopperNotSupported."""
-    if torch.compiler.is_compiling() or _traced(q, k_cache, v_cache):
-        _not_yet("flash_attn_with_kvcache", "<traced>", "tracing (torch.compile, torch.export) of the KV-cache call; "
-                 "call it eagerly")
+    get_scheduler_metadata) gives the split-KV count. Under torch.compile or torch.export (fake
+    tensors) it runs as the flashhopper::fwd_kvcache op, whose schema marks k_cache and v_cache as
+    written."""
     for name, descale in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
         if descale is not None:
             _not_yet(name, "<tensor>", "fp8 attention (descale factors)")
@@ -338,6 +336,15 @@ def flash_attn_with_kvcache(
             raise interface.invalid_argument(f"q: expected a torch.Tensor, got {type(q).__name__}")
         batch = q.shape[0] if cu_seqlens_q is None else cu_seqlens_q.shape[0] - 1
         cache_seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=q.device)
+    if torch.compiler.is_compiling() or _traced(q, k_cache, v_cache):
+        # Traced (torch.compile, torch.export): the fwd_kvcache op, which tells the tracer that the
+        # append writes k_cache and v_cache. Eager calls skip the dispatcher's host work.
+        causal, window_left, window_right, softcap, attention_chunk = mask
+        out, softmax_lse = ops.fwd_kvcache(
+            q, k_cache, v_cache, k, v, qv, rotary_cos, rotary_sin, rotary_seqlens, bool(rotary_interleaved),
+            cache_seqlens, cache_batch_idx, cache_leftpad, page_table, cu_seqlens_q, max_seqlen_q, softmax_scale,
+            causal, window_left, window_right, softcap, attention_chunk, num_splits)
+        return (out, softmax_lse) if return_softmax_lse else out
     return interface.forward_with_kvcache(
         q, k_cache, v_cache, k_new=k, v_new=v, qv=qv, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
         rotary_seqlens=rotary_seqlens, rotary_interleaved=rotary_interleaved, cache_seqlens=cache_seqlens,

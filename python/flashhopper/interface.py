@@ -743,7 +743,7 @@ def forward_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                     (max_seqlen_q, rotary_interleaved, softmax_scale, mask, num_splits, return_lse))
     plan = _PLANS.get(key) if key is not None else None
     if plan is None:
-        _check_kvcache_args(q, k_cache, v_cache, k_new, v_new, qv, rotary_seqlens, cache_seqlens, cache_batch_idx,
+        check_kvcache_args(q, k_cache, v_cache, k_new, v_new, qv, rotary_seqlens, cache_seqlens, cache_batch_idx,
                             cache_leftpad, cu_seqlens_q, max_seqlen_q, num_splits)
         check_devices([(_KVCACHE_NAMES.get(name, name), t) for name, t in inputs])
     varlen_q = cu_seqlens_q is not None
@@ -775,7 +775,7 @@ def forward_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     return (out, lse) if return_lse else out
 
 
-def _check_kvcache_args(q, k_cache, v_cache, k_new, v_new, qv, rotary_seqlens, cache_seqlens, cache_batch_idx,
+def check_kvcache_args(q, k_cache, v_cache, k_new, v_new, qv, rotary_seqlens, cache_seqlens, cache_batch_idx,
                         cache_leftpad, cu_seqlens_q, max_seqlen_q, num_splits) -> None:
     """forward_with_kvcache's metadata checks here (the library checks the rest): types, ranks,
     dtypes, the int32 vectors' lengths."""

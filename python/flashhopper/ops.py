@@ -14,6 +14,16 @@ graphs see one opaque op per pass:
                               seqused_q=None, seqused_k=None)
         -> (dq, dk, dv, dsink)
 
+    torch.ops.flashhopper.fwd_kvcache(q, k_cache, v_cache, k_new=None, v_new=None, qv=None,
+                                      rotary_cos=None, rotary_sin=None, rotary_seqlens=None,
+                                      rotary_interleaved=True, cache_seqlens=None, cache_batch_idx=None,
+                                      cache_leftpad=None, page_table=None, cu_seqlens_q=None,
+                                      max_seqlen_q=None, softmax_scale=None, causal=False, window_left=-1,
+                                      window_right=-1, softcap=0.0, attention_chunk=0, num_splits=0)
+        -> (out, lse), as interface.forward_with_kvcache with return_lse; it appends k_new/v_new
+        into k_cache/v_cache in place (both marked mutated), so that flash_attn_with_kvcache can be
+        traced (torch.compile, torch.export). Forward only; Python only (no C++ op yet).
+
 The options added after `deterministic` come last so that positional calls written for the first
 six arguments keep their meaning. cu_seqlens_q/k (int32 [B + 1]), max_seqlen_q/k (ints) and the
 optional seqused_q/k (int32 [B]) select FlashAttention's packed (varlen) layout, as
@@ -98,6 +108,39 @@ def _fwd_fake(q, k, v, softmax_scale=None, causal=False, deterministic=False, wi
     interface.check_num_splits(num_splits)
     interface.check_forward_args(q, k, v, softmax_scale, learnable_sink, varlen)
     out = q.new_empty((*q.shape[:-1], v.shape[-1]))
+    lse = q.new_empty(interface.lse_shape(q), dtype=torch.float32)
+    return out, lse
+
+
+KVCACHE_SCHEMA = ("fwd_kvcache(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k_new=None, "
+                  "Tensor? v_new=None, Tensor? qv=None, Tensor? rotary_cos=None, Tensor? rotary_sin=None, "
+                  "Tensor? rotary_seqlens=None, bool rotary_interleaved=True, Tensor? cache_seqlens=None, "
+                  "Tensor? cache_batch_idx=None, Tensor? cache_leftpad=None, Tensor? page_table=None, "
+                  "Tensor? cu_seqlens_q=None, SymInt? max_seqlen_q=None, float? softmax_scale=None, "
+                  "bool causal=False, SymInt window_left=-1, SymInt window_right=-1, float softcap=0., "
+                  "SymInt attention_chunk=0, SymInt num_splits=0) -> (Tensor, Tensor)")
+
+
+def _fwd_kvcache_python(q, k_cache, v_cache, k_new=None, v_new=None, qv=None, rotary_cos=None, rotary_sin=None,
+                        rotary_seqlens=None, rotary_interleaved=True, cache_seqlens=None, cache_batch_idx=None,
+                        cache_leftpad=None, page_table=None, cu_seqlens_q=None, max_seqlen_q=None, softmax_scale=None,
+                        causal=False, window_left=-1, window_right=-1, softcap=0.0, attention_chunk=0, num_splits=0):
+    mask = interface.check_mask_args(causal, (window_left, window_right), softcap, attention_chunk)
+    return interface.forward_with_kvcache(
+        q, k_cache, v_cache, k_new=k_new, v_new=v_new, qv=qv, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+        rotary_seqlens=rotary_seqlens, rotary_interleaved=rotary_interleaved, cache_seqlens=cache_seqlens,
+        cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, page_table=page_table, cu_seqlens_q=cu_seqlens_q,
+        max_seqlen_q=max_seqlen_q, softmax_scale=softmax_scale, mask=mask, num_splits=num_splits, return_lse=True)
+
+
+def _fwd_kvcache_fake(q, k_cache, v_cache, k_new=None, v_new=None, qv=None, rotary_cos=None, rotary_sin=None,
+                      rotary_seqlens=None, rotary_interleaved=True, cache_seqlens=None, cache_batch_idx=None,
+                      cache_leftpad=None, page_table=None, cu_seqlens_q=None, max_seqlen_q=None, softmax_scale=None,
+                      causal=False, window_left=-1, window_right=-1, softcap=0.0, attention_chunk=0, num_splits=0):
+    interface.check_mask_args(causal, (window_left, window_right), softcap, attention_chunk)
+    interface.check_kvcache_args(q, k_cache, v_cache, k_new, v_new, qv, rotary_seqlens, cache_seqlens,
+                                 cache_batch_idx, cache_leftpad, cu_seqlens_q, max_seqlen_q, num_splits)
+    out = q.new_empty((*q.shape[:-1], v_cache.shape[-1]))
     lse = q.new_empty(interface.lse_shape(q), dtype=torch.float32)
     return out, lse
 
@@ -209,6 +252,10 @@ _library.impl("bwd", _bwd_python, "CPU")
 torch.library.register_fake("flashhopper::fwd", _fwd_fake, lib=_library)
 torch.library.register_fake("flashhopper::bwd", _bwd_fake, lib=_library)
 torch.library.register_autograd("flashhopper::fwd", _backward, setup_context=_setup_context, lib=_library)
+_library.define(KVCACHE_SCHEMA)
+_library.impl("fwd_kvcache", _fwd_kvcache_python, "CUDA")
+_library.impl("fwd_kvcache", _fwd_kvcache_python, "CPU")  # host tensors: the checks name what is wrong
+torch.library.register_fake("flashhopper::fwd_kvcache", _fwd_kvcache_fake, lib=_library)
 
 
 def _raised_as_python(error: RuntimeError) -> Exception:
@@ -241,3 +288,4 @@ def _calls(op):
 
 fwd = _calls(torch.ops.flashhopper.fwd.default)
 bwd = _calls(torch.ops.flashhopper.bwd.default)
+fwd_kvcache = _calls(torch.ops.flashhopper.fwd_kvcache.default)

@@ -1028,14 +1028,56 @@ def test_fake_varlen_shapes(dtype):
                                       used[:3])
 
 
-def test_kvcache_call_refuses_tracing_by_name():
-    """flash_attn_with_kvcache has no op yet: with fake tensors (torch.export, torch.compile) it
-    says so instead of failing deep inside (a data pointer of a fake tensor)."""
+def test_kvcache_op_registered():
+    from flashhopper import ops
+    assert str(torch.ops.flashhopper.fwd_kvcache.default._schema) == "flashhopper::" + ops.KVCACHE_SCHEMA
+    schema = torch.ops.flashhopper.fwd_kvcache.default._schema
+    written = [a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+    assert written == ["k_cache", "v_cache"]  # the append writes them; the tracer must know
+
+
+def test_kvcache_call_traces_as_the_op():
+    """With fake tensors (torch.export, torch.compile) flash_attn_with_kvcache runs as the
+    fwd_kvcache op: out takes v_cache's head dim, lse is [B, H, sq] (or [H, total_q] packed), and
+    the fake implementation checks the arguments by name as the eager call does."""
     with FakeTensorMode():
-        q = torch.empty(2, 1, 8, 128, dtype=torch.bfloat16, device="cuda")
-        cache = torch.empty(2, 256, 2, 128, dtype=torch.bfloat16, device="cuda")
-        with pytest.raises(NotImplementedError, match="flash_attn_with_kvcache=.*tracing .*call it eagerly"):
-            fa3.flash_attn_with_kvcache(q, cache, cache, cache_seqlens=16)
+        q = torch.empty(2, 3, 8, 128, dtype=torch.bfloat16, device="cuda")
+        k_cache = torch.empty(2, 256, 2, 128, dtype=torch.bfloat16, device="cuda")
+        v_cache = torch.empty(2, 256, 2, 64, dtype=torch.bfloat16, device="cuda")
+        k_new = torch.empty(2, 3, 2, 128, dtype=torch.bfloat16, device="cuda")
+        v_new = torch.empty(2, 3, 2, 64, dtype=torch.bfloat16, device="cuda")
+        out, lse = fa3.flash_attn_with_kvcache(q, k_cache, v_cache, k=k_new, v=v_new, cache_seqlens=16, causal=True,
+                                               return_softmax_lse=True)
+        assert out.shape == (2, 3, 8, 64) and out.dtype == torch.bfloat16
+        assert lse.shape == (2, 8, 3) and lse.dtype == torch.float32
+        packed = torch.empty(5, 8, 128, dtype=torch.bfloat16, device="cuda")
+        cu_q = torch.tensor([0, 2, 5], dtype=torch.int32, device="cuda")
+        out = fa3.flash_attn_with_kvcache(packed, k_cache, v_cache, cache_seqlens=16, cu_seqlens_q=cu_q,
+                                          max_seqlen_q=3)
+        assert out.shape == (5, 8, 64)
+        with pytest.raises(ValueError, match="v_cache: dtype"):
+            fa3.flash_attn_with_kvcache(q, k_cache, v_cache.to(torch.float16), cache_seqlens=16)
+        with pytest.raises(ValueError, match="window_size"):
+            fa3.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=16, window_size=(-2, 0))
+
+
+def test_kvcache_call_in_a_traced_graph():
+    """make_fx over a decode step: one fwd_kvcache node, with the cache as its written inputs."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def step(q, k_cache, v_cache, k_new, v_new, lengths):
+        return fa3.flash_attn_with_kvcache(q, k_cache, v_cache, k=k_new, v=v_new, cache_seqlens=lengths, causal=True)
+
+    with FakeTensorMode():
+        args = (torch.empty(2, 1, 8, 128, dtype=torch.bfloat16, device="cuda"),
+                torch.empty(2, 256, 2, 128, dtype=torch.bfloat16, device="cuda"),
+                torch.empty(2, 256, 2, 128, dtype=torch.bfloat16, device="cuda"),
+                torch.empty(2, 1, 2, 128, dtype=torch.bfloat16, device="cuda"),
+                torch.empty(2, 1, 2, 128, dtype=torch.bfloat16, device="cuda"),
+                torch.empty(2, dtype=torch.int32, device="cuda"))
+        graph = make_fx(step, tracing_mode="fake")(*args)
+    calls = [n for n in graph.graph.nodes if n.op == "call_function" and "fwd_kvcache" in str(n.target)]
+    assert len(calls) == 1
 
 
 def test_fake_impl_checks_shapes():

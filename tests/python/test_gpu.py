@@ -754,6 +754,34 @@ def test_flash_attn_with_kvcache_dense_cache_against_reference(seqlen_q, causal,
         assert ours_err <= 2 * plain_err + 1e-5, (b, ours_err, plain_err)
         torch.testing.assert_close(lse[b:b + 1].double(), lse64, rtol=1e-3, atol=1e-3)
 
+@requires_gpu
+def test_flash_attn_with_kvcache_torch_compile_fullgraph():
+    """A decode step with the append under torch.compile(fullgraph=True) (the fwd_kvcache op): the
+    eager call's out and lse bit for bit, the new keys written into the caller's cache at
+    cache_seqlens, and the rest of the cache unchanged."""
+    torch.manual_seed(11)
+    q = torch.randn(3, 1, 8, 128, device="cuda", dtype=torch.bfloat16)
+    k_cache = torch.randn(3, 512, 2, 128, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    k_new, v_new = torch.randn_like(k_cache[:, :1]), torch.randn_like(v_cache[:, :1])
+    lengths = torch.tensor([100, 0, 511], dtype=torch.int32, device="cuda")
+
+    def step(q, k_cache, v_cache, k_new, v_new, lengths):
+        return fa3.flash_attn_with_kvcache(q, k_cache, v_cache, k=k_new, v=v_new, cache_seqlens=lengths, causal=True,
+                                           return_softmax_lse=True)
+
+    eager_k, eager_v = k_cache.clone(), v_cache.clone()
+    before_k = k_cache.clone()
+    out, lse = step(q, eager_k, eager_v, k_new, v_new, lengths)
+    compiled_out, compiled_lse = torch.compile(step, fullgraph=True)(q, k_cache, v_cache, k_new, v_new, lengths)
+    assert torch.equal(compiled_out, out) and torch.equal(compiled_lse, lse)
+    assert torch.equal(k_cache, eager_k) and torch.equal(v_cache, eager_v)
+    for b, length in enumerate(lengths.tolist()):
+        assert torch.equal(k_cache[b, length], k_new[b, 0])
+        assert torch.equal(k_cache[b, :length], before_k[b, :length])
+        assert torch.equal(k_cache[b, length + 1:], before_k[b, length + 1:])
+
+
 @pytest.mark.parametrize("page_size", [1, 4, 16, 48, 256])
 @requires_gpu
 def test_flash_attn_with_kvcache_paged_is_the_dense_cache_paged(page_size):
