@@ -744,7 +744,7 @@ def forward_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     plan = _PLANS.get(key) if key is not None else None
     if plan is None:
         check_kvcache_args(q, k_cache, v_cache, k_new, v_new, qv, rotary_seqlens, cache_seqlens, cache_batch_idx,
-                            cache_leftpad, cu_seqlens_q, max_seqlen_q, num_splits)
+                           cache_leftpad, cu_seqlens_q, max_seqlen_q, num_splits)
         check_devices([(_KVCACHE_NAMES.get(name, name), t) for name, t in inputs])
     varlen_q = cu_seqlens_q is not None
     out = torch.empty((*q.shape[:-1], v_cache.shape[-1]), dtype=q.dtype, device=q.device)
@@ -776,7 +776,7 @@ def forward_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
 
 
 def check_kvcache_args(q, k_cache, v_cache, k_new, v_new, qv, rotary_seqlens, cache_seqlens, cache_batch_idx,
-                        cache_leftpad, cu_seqlens_q, max_seqlen_q, num_splits) -> None:
+                       cache_leftpad, cu_seqlens_q, max_seqlen_q, num_splits) -> None:
     """forward_with_kvcache's metadata checks here (the library checks the rest): types, ranks,
     dtypes, the int32 vectors' lengths."""
     check_num_splits(num_splits)

@@ -1061,6 +1061,45 @@ def test_kvcache_call_traces_as_the_op():
             fa3.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=16, window_size=(-2, 0))
 
 
+def test_kvcache_schema_lets_inductor_write_the_cache_in_place():
+    """The schema marks k_cache and v_cache written. Inductor must then write them in place, not
+    copy a whole cache per decode step. The check uses an op of the same schema with a small CPU
+    body, compiled on the CPU: the generated code has no copy of the cache, and the caller's
+    cache holds the appended keys."""
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler for Inductor's CPU code")
+    from torch._inductor.utils import run_and_get_code
+
+    from flashhopper import ops
+    lib = torch.library.Library("flashhopper_schema_check", "DEF")
+    lib.define(ops.KVCACHE_SCHEMA)
+
+    def append_first(q, k_cache, v_cache, k_new=None, v_new=None, *args, **kwargs):
+        if k_new is not None:
+            k_cache[:, :1].copy_(k_new)
+            v_cache[:, :1].copy_(v_new)
+        return q.new_zeros((*q.shape[:-1], v_cache.shape[-1])), q.new_zeros(flashhopper.interface.lse_shape(q))
+
+    def fake(q, k_cache, v_cache, *args, **kwargs):
+        return q.new_empty((*q.shape[:-1], v_cache.shape[-1])), q.new_empty(flashhopper.interface.lse_shape(q))
+
+    lib.impl("fwd_kvcache", append_first, "CPU")
+    torch.library.register_fake("flashhopper_schema_check::fwd_kvcache", fake, lib=lib)
+
+    def step(q, k_cache, v_cache, k_new, v_new):
+        out, _ = torch.ops.flashhopper_schema_check.fwd_kvcache(q, k_cache, v_cache, k_new, v_new)
+        return out + 1
+
+    q = torch.randn(2, 1, 8, 64)
+    k_cache, v_cache = torch.randn(2, 4096, 2, 64), torch.randn(2, 4096, 2, 64)
+    k_new, v_new = torch.randn(2, 1, 2, 64), torch.randn(2, 1, 2, 64)
+    torch._dynamo.reset()
+    _, code = run_and_get_code(torch.compile(step, fullgraph=True), q, k_cache, v_cache, k_new, v_new)
+    copies = [line for line in "\n".join(code).splitlines() if "clone" in line or "copy_" in line]
+    assert copies == []
+    assert torch.equal(k_cache[:, :1], k_new) and torch.equal(v_cache[:, :1], v_new)
+
+
 def test_kvcache_call_in_a_traced_graph():
     """make_fx over a decode step: one fwd_kvcache node, with the cache as its written inputs."""
     from torch.fx.experimental.proxy_tensor import make_fx
