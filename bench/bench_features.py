@@ -63,6 +63,8 @@ def main():
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--calls", type=int, default=5)
+    parser.add_argument("--passes", nargs="+", choices=("fwd", "bwd"), default=["fwd", "bwd"],
+                        help="which passes to time (a forward-only build: --passes fwd)")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     gpu = torch.cuda.get_device_name()
@@ -89,7 +91,7 @@ def main():
             calls["flashhopper_without"] = ours_kwargs(baseline)
         pair_count = {"flashhopper": pairs_of(seqlen, options), "flashhopper_without": pairs_of(seqlen, baseline or {}),
                       "fa4": pairs_of(seqlen, options)}
-        for pass_ in ("fwd", "bwd"):
+        for pass_ in args.passes:
             fns = {}
             for backend, kwargs in calls.items():
                 try:

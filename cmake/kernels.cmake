@@ -1,6 +1,6 @@
 # Which kernel instantiations this build compiles: the families of the chosen kernel set in the
 # manifest (scripts/kernel_manifest.py, generated into cmake/kernel_manifest.cmake), each with
-# every mask kind and softcap. FLASHHOPPER_KERNEL_SET (the set's index) reaches the dispatch
+# every mask kind and softcap (and, forward, each feature set). FLASHHOPPER_KERNEL_SET (the set's index) reaches the dispatch
 # (src/launch/compiled_families.hpp), so a call for a family left out is refused by name rather
 # than failing to link.
 include(${CMAKE_CURRENT_LIST_DIR}/kernel_manifest.cmake)
@@ -13,10 +13,8 @@ set(FLASHHOPPER_KERNEL_SOURCES ${PROJECT_SOURCE_DIR}/src/launch/forward_dispatch
     ${PROJECT_SOURCE_DIR}/src/launch/backward_dispatch.cu ${PROJECT_SOURCE_DIR}/src/launch/varlen_plan.cu
     ${PROJECT_SOURCE_DIR}/src/launch/combine_launch.cu ${PROJECT_SOURCE_DIR}/src/launch/kv_append_launch.cu)
 set(FLASHHOPPER_KERNEL_DEFINES FLASHHOPPER_KERNEL_SET=${_set_index})
-foreach(_family IN LISTS FLASHHOPPER_KERNEL_FAMILIES_${FLASHHOPPER_KERNELS})
-  foreach(_variant IN LISTS FLASHHOPPER_KERNEL_VARIANTS)
-    list(APPEND FLASHHOPPER_KERNEL_SOURCES ${PROJECT_SOURCE_DIR}/src/hopper/instantiations/${_family}_${_variant}.cu)
-  endforeach()
+foreach(_instantiation IN LISTS FLASHHOPPER_KERNEL_INSTANTIATIONS_${FLASHHOPPER_KERNELS})
+  list(APPEND FLASHHOPPER_KERNEL_SOURCES ${PROJECT_SOURCE_DIR}/src/hopper/instantiations/${_instantiation}.cu)
 endforeach()
 list(LENGTH FLASHHOPPER_KERNEL_FAMILIES_${FLASHHOPPER_KERNELS} _count)
 message(STATUS "FlashHopper kernels: set ${FLASHHOPPER_KERNELS}, ${_count} families "

@@ -3,9 +3,9 @@
 # side-by-side benchmarks; prints a short summary last. Build here first (cmake --build build)
 # and carry the build folder, or build there (step `build`: the full kernel set, or KERNELS=dev, with the
 # GoogleTest headers and archives carried in .gtest/). Usage:
-#   scripts/device_check.sh [build|tests|features|varlen|sanitize|demo|bench|features_bench|varlen_bench|
+#   scripts/device_check.sh [build|tests|features|varlen|sanitize|demo|gate|bench|features_bench|varlen_bench|
 #                            kernel_times|head_dims_bench|decode_bench|kv_cache|python|
-#                            host_overhead|hostile|sweep|readme]...
+#                            host_overhead|hostile|sweep|readme|resources]...
 set -uo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 build="${BUILD:-$root/build}"
@@ -13,7 +13,7 @@ out="${OUT:-/tmp/flashhopper_out}"
 mkdir -p "$out"
 export LD_LIBRARY_PATH="$build:${LD_LIBRARY_PATH:-}"  # the build's rpath names this machine's paths
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(tests sanitize demo bench)
+[ ${#steps[@]} -eq 0 ] && steps=(resources tests sanitize demo gate bench)
 summary=()
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv,noheader || true
 
@@ -189,6 +189,20 @@ for step in "${steps[@]}"; do
     demo)
       timeout 300 "$build/examples/flashhopper_demo" 2048 128 2>&1 | tee "$out/demo.log"
       summary+=("demo: $(grep -c PASS "$out/demo.log") pass, $(grep -c FAIL "$out/demo.log") fail")
+      ;;
+    gate)
+      # The speed gate (python -m flashhopper.bench --gate): each row against bench/baseline_<gpu>.csv;
+      # GATE_ARGS adds options (--update writes the better figures back).
+      PYTHONUNBUFFERED=1 FLASHHOPPER_LIBRARY="$build/libflashhopper.so" PYTHONPATH="$root/python" \
+        timeout 400 python3 -m flashhopper.bench --gate --out "$out/gate.csv" ${GATE_ARGS:-} 2>&1 | tee "$out/gate.log" | tail -60
+      summary+=("gate: $(tail -1 "$out/gate.log")")
+      ;;
+    resources)
+      # Registers, stack and local loads/stores of each forward instantiation against the recorded
+      # ones (scripts/kernel_resources.py, bench/kernel_resources.txt).
+      python3 "$root/scripts/kernel_resources.py" "$build" --check "$root/bench/kernel_resources.txt" \
+        2>&1 | tee "$out/kernel_resources.txt" | tail -30
+      summary+=("kernel resources: $(tail -1 "$out/kernel_resources.txt")")
       ;;
     bench)
       PYTHONUNBUFFERED=1 FLASHHOPPER_LIBRARY="$build/libflashhopper.so" PYTHONPATH="$root/python" \

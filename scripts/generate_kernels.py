@@ -2,10 +2,11 @@
 """Writes, from the kernel manifest (scripts/kernel_manifest.py):
 - one explicit instantiation per .cu file under src/hopper/instantiations/ (a family times each
   mask kind and softcap), so a build spreads the kernels over all cores;
-- cmake/kernel_manifest.cmake: each kernel set's families, from which cmake/kernels.cmake lists
-  the sources;
+- cmake/kernel_manifest.cmake: each kernel set's families and instantiations, from which
+  cmake/kernels.cmake lists the sources;
 - src/launch/kernel_manifest.hpp: the families and the sets that compile them, from which the
-  dispatch picks a call's family and the library answers fh_compiled_families.
+  dispatch picks a call's family and the library answers fh_compiled_families, and the forward's
+  feature sets.
 `--check` writes nothing and fails when a generated file is missing or differs (CI runs it)."""
 import argparse
 import pathlib
@@ -25,24 +26,26 @@ LAUNCH = {  # header, function, its parameter types
 }
 
 
-def instantiation(family: manifest.Family, kind: str, softcap: str) -> str:
+def instantiation(family: manifest.Family, kind: str, softcap: str, features) -> str:
     header, function, parameters = LAUNCH[family.pass_]
+    features = "" if features is None else f", hopper::ForwardFeatures::{features}"
     return f"""// {HEADER}
 #include "launch/{header}"
 
 namespace flashhopper::launch {{
-template cudaError_t {function}<{manifest.DTYPES[family.dtype]}, {family.head_dim}, {family.head_dim_v}, hopper::MaskKind::{kind}, {softcap}>(
+template cudaError_t {function}<{manifest.DTYPES[family.dtype]}, {family.head_dim}, {family.head_dim_v}, hopper::MaskKind::{kind}, {softcap}{features}>(
     {parameters});
 }}  // namespace flashhopper::launch
 """
 
 
 def cmake_lists(families: list) -> str:
-    lines = [f"# {HEADER}", f"set(FLASHHOPPER_KERNEL_SETS {' '.join(manifest.KERNEL_SETS)})",
-             f"set(FLASHHOPPER_KERNEL_VARIANTS {' '.join(v[0] for v in manifest.variants())})"]
+    lines = [f"# {HEADER}", f"set(FLASHHOPPER_KERNEL_SETS {' '.join(manifest.KERNEL_SETS)})"]
     for kernel_set in manifest.KERNEL_SETS:
-        stems = " ".join(f.stem for f in families if f.in_set(kernel_set))
-        lines.append(f"set(FLASHHOPPER_KERNEL_FAMILIES_{kernel_set} {stems})")
+        in_set = [f for f in families if f.in_set(kernel_set)]
+        lines.append(f"set(FLASHHOPPER_KERNEL_FAMILIES_{kernel_set} {' '.join(f.stem for f in in_set)})")
+        stems = " ".join(f"{f.stem}_{v[0]}" for f in in_set for v in manifest.variants(f.pass_))
+        lines.append(f"set(FLASHHOPPER_KERNEL_INSTANTIATIONS_{kernel_set} {stems})")
     return "\n".join(lines) + "\n"
 
 
@@ -51,14 +54,19 @@ def dispatch_table(families: list) -> str:
     rows = "\n".join(
         f"    {{Pass::{manifest.PASSES[f.pass_]}, {manifest.DTYPES[f.dtype]}, {f.head_dim}, {f.head_dim_v}, "
         f"{manifest.KERNEL_SETS.index(f.first_set)}}}," for f in families)
+    feature_sets = ", ".join(f"hopper::ForwardFeatures::{v}" for v in manifest.FORWARD_FEATURE_SETS.values())
     return f"""// {HEADER}
 #pragma once
 
+#include "hopper/common/forward_features.hpp"
 #include "launch/kernel_family.hpp"
 
 namespace flashhopper::launch {{
 
 inline constexpr const char* kKernelSets[] = {{{sets}}};
+
+// The forward's compiled feature sets, in the order the dispatch tries them.
+inline constexpr hopper::ForwardFeatures kForwardFeatureSets[] = {{{feature_sets}}};
 
 // (pass, dtype, head dim, value head dim, the first kernel set that compiles it)
 inline constexpr KernelFamily kKernelFamilies[] = {{
@@ -73,8 +81,9 @@ def outputs() -> dict:
     families = manifest.families()
     files = {}
     for family in families:
-        for suffix, kind, softcap in manifest.variants():
-            files[f"src/hopper/instantiations/{family.stem}_{suffix}.cu"] = instantiation(family, kind, softcap)
+        for suffix, kind, softcap, features in manifest.variants(family.pass_):
+            files[f"src/hopper/instantiations/{family.stem}_{suffix}.cu"] = instantiation(family, kind, softcap,
+                                                                                            features)
     files["cmake/kernel_manifest.cmake"] = cmake_lists(families)
     files["src/launch/kernel_manifest.hpp"] = dispatch_table(families)
     return files

@@ -23,6 +23,12 @@ KERNEL_SETS = ("dev", "full")
 MASKS = {"full": "kNone", "causal": "kCausal", "local": "kLocal"}
 SOFTCAP = {"": "false", "_softcap": "true"}
 
+# And into every forward family: the features its kernels handle beyond a dense batch
+# (src/hopper/common/forward_features.hpp), file suffix -> ForwardFeatures enumerator. A call
+# runs on the first set, in this order, that holds every feature it uses: a dense call on a
+# kernel without any of their code, any other on the one with all of them.
+FORWARD_FEATURE_SETS = {"": "kNone", "_general": "kAll"}
+
 
 @dataclasses.dataclass(frozen=True)
 class HeadDims:
@@ -72,6 +78,10 @@ def families() -> list[Family]:
     return out
 
 
-def variants() -> list[tuple[str, str, str]]:
-    """(file suffix, MaskKind enumerator, softcap) compiled for every family."""
-    return [(f"{mask}{suffix}", kind, softcap) for mask, kind in MASKS.items() for suffix, softcap in SOFTCAP.items()]
+def variants(pass_: str) -> list[tuple[str, str, str, str]]:
+    """(file suffix, MaskKind enumerator, softcap, ForwardFeatures enumerator or None) compiled for
+    every family of the pass."""
+    features = FORWARD_FEATURE_SETS if pass_ == "fwd" else {"": None}
+    return [(f"{mask}{suffix}{features_suffix}", kind, softcap, feature_set)
+            for features_suffix, feature_set in features.items()
+            for mask, kind in MASKS.items() for suffix, softcap in SOFTCAP.items()]

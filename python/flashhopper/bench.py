@@ -18,6 +18,7 @@ max_diff_vs_cudnn is the largest absolute difference from cuDNN's out (forward) 
     python -m flashhopper.bench [--passes fwd bwd] [--hdims 64 128 ...] [--seqlens ...] [--causal 0 1] [--out DIR]
     (bench/benchmark_attention.py is the same script; scripts/device_check.sh bench runs it)
     python -m flashhopper.bench --decode [...]: decoding against a KV cache (flashhopper.bench_decode)
+    python -m flashhopper.bench --gate [...]: the speed gate against bench/baseline_<gpu>.csv (flashhopper.gate)
 
 Each measured row prints one progress line: [row/total] the numbers, elapsed seconds. The PNG needs
 matplotlib (imported only to plot); without it the plot is skipped with a message.
@@ -163,9 +164,14 @@ def main(argv=None):
     if "--decode" in argv:  # the decode benchmark, with its own options
         from .bench_decode import main as decode_main
         return decode_main([a for a in argv if a != "--decode"])
+    if "--gate" in argv:  # the speed gate against the recorded baseline, with its own options
+        from .gate import main as gate_main
+        return gate_main([a for a in argv if a != "--gate"])
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--decode", action="store_true",
                         help="time decoding against a KV cache instead (its options: --decode --help)")
+    parser.add_argument("--gate", action="store_true",
+                        help="run the speed gate against the recorded baseline instead (its options: --gate --help)")
     parser.add_argument("--passes", nargs="+", choices=["fwd", "bwd"], default=["fwd", "bwd"],
                         help="passes to time, in this order (default: %(default)s)")
     parser.add_argument("--hdims", type=int, nargs="+", default=None,

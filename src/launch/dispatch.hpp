@@ -2,7 +2,8 @@
 // instantiation, shared by both passes. visit_built_family hands `f` the family's dtype, head dim
 // and value head dim as integral_constant tags; with_variant adds the mask kind and softcap (the
 // variants of scripts/kernel_manifest.py); visit_instantiation is both at once, what a pass's
-// run_* calls. Only the families this build compiled are visited.
+// run_* calls. Only the families this build compiled are visited. with_forward_features picks the
+// forward's feature set (the manifest's FORWARD_FEATURE_SETS).
 #pragma once
 
 #include <cstddef>
@@ -68,6 +69,25 @@ auto with_variant(hopper::MaskKind mask, bool softcap, F&& f) {
     default:
       return with_softcap(std::integral_constant<MaskKind, MaskKind::kNone>{});
   }
+}
+
+namespace dispatch_detail {
+template <size_t... kIndex, class R, class F>
+R with_feature_set(std::index_sequence<kIndex...>, hopper::ForwardFeatures needed, R otherwise, F& f) {
+  R result = otherwise;
+  ((holds(kForwardFeatureSets[kIndex], needed) &&
+    (result = f(std::integral_constant<hopper::ForwardFeatures, kForwardFeatureSets[kIndex]>{}), true)) ||
+   ...);
+  return result;
+}
+}  // namespace dispatch_detail
+
+// f(features) with the first compiled forward feature set that holds `needed`, as a tag;
+// `otherwise` when none does.
+template <class R, class F>
+R with_forward_features(hopper::ForwardFeatures needed, R otherwise, F&& f) {
+  return dispatch_detail::with_feature_set(std::make_index_sequence<std::size(kForwardFeatureSets)>{}, needed,
+                                           otherwise, f);
 }
 
 // run(dtype, head_dim, head_dim_v, mask, softcap), all as tags, for `family`'s instantiation of

@@ -113,11 +113,14 @@ int run_forward(const ForwardPlan& plan, void* workspace, fh_stream_t stream) {
     parts.out_partial = reinterpret_cast<float*>(base + plan.planned_tiles + plan.rotated_q);
     parts.lse_partial = reinterpret_cast<float*>(base + plan.planned_tiles + plan.rotated_q + plan.out_partial);
   }
+  const hopper::ForwardFeatures features = forward_features(call.params, call.shape, parts.num_splits);
   const int err = visit_instantiation<Pass::kForward>(
       forward_family(call.params, call.shape), mask_kind(call.params), call.params.softcap > 0.f,
       [&](auto dtype, auto head_dim, auto head_dim_v, auto mask, auto softcap) {
-        return run_forward_hdim<dtype.value, head_dim.value, head_dim_v.value, mask.value, softcap.value>(
-            call.params, call.shape, parts, stream);
+        return with_forward_features(features, cudaErrorInvalidValue, [&](auto feature_set) {
+          return run_forward_hdim<dtype.value, head_dim.value, head_dim_v.value, mask.value, softcap.value,
+                                  feature_set.value>(call.params, call.shape, parts, stream);
+        });
       });
   if (err != 0 || parts.num_splits == 1) return err;
   return run_split_kv_combine(call.params, call.shape, parts.out_partial, parts.lse_partial, parts.num_splits,

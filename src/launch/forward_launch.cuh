@@ -20,20 +20,24 @@
 
 namespace flashhopper::launch {
 
-template <fh_dtype kDType, int kHeadDim, int kHeadDimV, hopper::MaskKind kMask, bool kSoftcap>
+template <fh_dtype kDType, int kHeadDim, int kHeadDimV, hopper::MaskKind kMask, bool kSoftcap,
+          hopper::ForwardFeatures kFeatures>
 cudaError_t run_forward_hdim(const ForwardParams& p, const detail::ProblemShape& s, const ForwardWorkspace& workspace,
                              cudaStream_t stream) {
   using namespace cute;
   using namespace flashhopper::hopper;
   using Element = typename ElementOf<kDType>::type;
   using Tile = ForwardTileSize<kHeadDim, kHeadDimV, /*kMasked=*/kMask != MaskKind::kNone>;
-  using Mainloop =
-      ForwardMainloop<Element, Tile::kBlockM, Tile::kBlockN, kHeadDim, kHeadDimV, Tile::kStages, kMask, kSoftcap>;
-  using Epilogue = ForwardEpilogue<Element, Tile::kBlockM, kHeadDimV, typename Mainloop::TiledMmaPV>;
+  using Mainloop = ForwardMainloop<Element, Tile::kBlockM, Tile::kBlockN, kHeadDim, kHeadDimV, Tile::kStages, kMask,
+                                   kSoftcap, kFeatures>;
+  using Epilogue = ForwardEpilogue<Element, Tile::kBlockM, kHeadDimV, typename Mainloop::TiledMmaPV, kFeatures>;
   // Causal tiles differ in length (longest first); a window's are alike, and those run together
   // share their K/V in L2 when the blocks of a head go together.
-  using Scheduler = PersistentTileScheduler</*kLongestFirst=*/kMask == MaskKind::kCausal>;
+  using Scheduler =
+      PersistentTileScheduler</*kLongestFirst=*/kMask == MaskKind::kCausal, Mainloop::kPacked, Mainloop::kSplitKv>;
   using Kernel = ForwardKernel<Mainloop, Epilogue, Scheduler>;
+  // The dispatch picks a kernel that holds the call's features; one without would ignore them.
+  if (!holds(kFeatures, forward_features(p, s, workspace.num_splits))) return cudaErrorInvalidValue;
 
   const int batch = int(s.batch), heads_q = int(s.heads_q), heads_kv = int(s.heads_kv);
   const int d = int(s.head_dim), dv = int(s.head_dim_v);

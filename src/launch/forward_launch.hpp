@@ -6,6 +6,7 @@
 #include <cuda_runtime_api.h>
 
 #include "api/problem_shape.hpp"
+#include "hopper/common/forward_features.hpp"
 #include "hopper/common/mask_kind.hpp"
 
 namespace flashhopper::launch {
@@ -18,8 +19,24 @@ struct ForwardWorkspace {
   float* lse_partial = nullptr;   // [num_splits, B, Hq, sq]
 };
 
+// The features a forward call uses beyond a dense batch (hopper/common/forward_features.hpp).
+inline hopper::ForwardFeatures forward_features(const ForwardParams& p, const detail::ProblemShape& s,
+                                                int num_splits) {
+  using hopper::ForwardFeatures;
+  ForwardFeatures f = ForwardFeatures::kNone;
+  if (s.varlen_q || s.varlen_k || detail::present(p.seqused_q) || detail::present(p.seqused_k))
+    f = f | ForwardFeatures::kPacked;
+  if (num_splits > 1) f = f | ForwardFeatures::kSplitKv;
+  if (detail::present(p.cache_seqlens) || detail::present(p.cache_leftpad) || detail::present(p.cache_batch_idx))
+    f = f | ForwardFeatures::kKvCache;
+  if (s.paged) f = f | ForwardFeatures::kPagedKv;
+  return f;
+}
+
 // kHeadDim, kHeadDimV: the compiled sizes; the call's own (shape.head_dim) may be smaller.
-template <fh_dtype kDType, int kHeadDim, int kHeadDimV, hopper::MaskKind kMask, bool kSoftcap>
+// kFeatures: what the kernel handles beyond a dense batch; at least the call's forward_features.
+template <fh_dtype kDType, int kHeadDim, int kHeadDimV, hopper::MaskKind kMask, bool kSoftcap,
+          hopper::ForwardFeatures kFeatures>
 cudaError_t run_forward_hdim(const ForwardParams& params, const detail::ProblemShape& shape,
                              const ForwardWorkspace& workspace, cudaStream_t stream);
 

@@ -1471,3 +1471,55 @@ def test_sdpa_backend_refuses_non_square_causal():
     with pytest.raises(RuntimeError, match="top-left"):
         flashhopper.sdpa._sdpa_forward(q, k, k, is_causal=True)
 
+
+
+def test_gate_verdicts_and_baseline_files(tmp_path):
+    """The speed gate's rules without a GPU: the noise allowance by length, each verdict, the
+    baseline files (the recorded ones parse; --update keeps the better figure of each row)."""
+    from flashhopper import gate
+    assert gate.allowed_drop(4096, "fwd") == 0.03 and gate.allowed_drop(2048, "bwd") == 0.08
+    assert gate.allowed_drop(16384, "decode") == 0.08
+    assert gate.verdict(97.5, 100.0, 0.03) == "ok" and gate.verdict(96.9, 100.0, 0.03) == "FAIL"
+    assert gate.verdict(float("nan"), 100.0, 0.03) == "not run" and gate.verdict(5.0, None, 0.03) == "new"
+    assert gate.visible_pairs(4, causal=True) == 10 and gate.visible_pairs(5, window=(1, 0)) == 9
+    names = [(r.name, r.pass_) for r in gate.rows()]
+    assert len(names) == len(set(names))  # a row's name and pass are its key in the baseline
+    for kind in ("h200", "h100"):
+        recorded = gate.read_baseline(str(ROOT / "bench" / f"baseline_{kind}.csv"))
+        assert set(recorded) <= set(names), f"baseline_{kind}.csv names rows the gate does not time"
+    path = str(tmp_path / "baseline.csv")
+    units = {("a", "fwd"): "TFLOP/s", ("b", "fwd"): "TFLOP/s", ("c", "decode"): "TB/s"}
+    gate.write_baseline(path, gate.updated_baseline(None, {("a", "fwd"): 100.0, ("b", "fwd"): 50.0}, units,
+                                                    "GPU", "2026-01-01", "x"))
+    merged = gate.updated_baseline(path, {("a", "fwd"): 90.0, ("b", "fwd"): 60.0, ("c", "decode"): 3.0,
+                                          ("d", "fwd"): float("nan")}, {**units, ("d", "fwd"): "TFLOP/s"},
+                                   "GPU", "2026-01-02", "y")
+    gate.write_baseline(path, merged)
+    assert gate.read_baseline(path) == {("a", "fwd"): 100.0, ("b", "fwd"): 60.0, ("c", "decode"): 3.0}
+    assert gate.default_baseline("NVIDIA H200").endswith(os.path.join("bench", "baseline_h200.csv"))
+    assert gate.default_baseline("NVIDIA A100") is None
+
+
+def test_kernel_resources_reads_cuobjdump_output():
+    """scripts/kernel_resources.py's parsers on cuobjdump's formats: REG and STACK per kernel, and
+    local loads/stores counted in all and between the first and last warpgroup MMA (with the R2UR
+    moves there)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import kernel_resources
+    finally:
+        sys.path.pop(0)
+    usage = kernel_resources.resource_usage(
+        "Resource usage:\n Common:\n  GLOBAL:0\n Function _Z20forward_kernel_entryA:\n"
+        "  REG:168 STACK:40 SHARED:0 LOCAL:0 CONSTANT[0]:3712\n")
+    assert usage == {"_Z20forward_kernel_entryA": (168, 40)}
+    sass = "\n".join([
+        "\tFunction : _Z20forward_kernel_entryA",
+        "        /*0000*/                   STL [R1], R2 ;",
+        "        /*0010*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], RZ ;",
+        "        /*0020*/                   LDL R3, [R1] ;",
+        "        /*0028*/                   R2UR UR6, R7 ;",
+        "        /*0030*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR8], R24 ;",
+        "        /*0040*/                   LDL.64 R4, [R1+0x8] ;",
+        "        /*0050*/                   EXIT ;"])
+    assert kernel_resources.local_traffic(sass) == {"_Z20forward_kernel_entryA": (3, 1, 1)}

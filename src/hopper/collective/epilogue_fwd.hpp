@@ -16,6 +16,7 @@
 #include <cutlass/cutlass.h>
 #include <cutlass/gemm/collective/builders/sm90_common.inl>
 
+#include "hopper/common/forward_features.hpp"
 #include "hopper/common/named_barrier.hpp"
 #include "hopper/common/seqlen.hpp"
 #include "hopper/common/tile_scheduler.hpp"
@@ -25,13 +26,15 @@ namespace flashhopper::hopper {
 
 using namespace cute;
 
-template <class Element_, int kBlockM_, int kHeadDimV_, class TiledMmaPV_>
+template <class Element_, int kBlockM_, int kHeadDimV_, class TiledMmaPV_, ForwardFeatures kFeatures>
 struct ForwardEpilogue {
   using Element = Element_;
   using TiledMmaPV = TiledMmaPV_;
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kHeadDimV = kHeadDimV_;
   static constexpr int kNumMmaThreads = size(TiledMmaPV{});
+  static constexpr bool kPacked = holds(kFeatures, ForwardFeatures::kPacked);
+  static constexpr bool kSplitKv = holds(kFeatures, ForwardFeatures::kSplitKv);
 
   using TileShapeO = Shape<Int<kBlockM>, Int<kHeadDimV>>;
   using SmemLayoutO = decltype(tile_to_shape(
@@ -78,7 +81,7 @@ struct ForwardEpilogue {
             args.packed, tma_o,        args.ptr_o_partial, args.ptr_lse_partial};
   }
 
-  CUTLASS_DEVICE static bool split_kv(Params const& params) { return params.ptr_o_partial != nullptr; }
+  CUTLASS_DEVICE static bool split_kv(Params const& params) { return kSplitKv && params.ptr_o_partial != nullptr; }
 
   CUTLASS_DEVICE static void prefetch_tma_descriptors(Params const& params) {
     cute::prefetch_tma_descriptor(params.tma_o.get_tma_descriptor());
@@ -112,7 +115,7 @@ struct ForwardEpilogue {
   }
 
   CUTLASS_DEVICE static bool tma_store_fits(Params const& params, WorkTile const& work, SeqlenInfo const& seq) {
-    return !params.packed || (work.block + 1) * kBlockM <= seq.capacity_q;
+    return !kPacked || !params.packed || (work.block + 1) * kBlockM <= seq.capacity_q;
   }
 
   // Rows past seqused_q get O = 0 and LSE = -inf (set, not scaled: their Q may be garbage).

@@ -15,6 +15,7 @@
 #include <cutlass/gemm/collective/builders/sm90_common.inl>
 #include <cutlass/pipeline/pipeline.hpp>
 
+#include "hopper/common/forward_features.hpp"
 #include "hopper/common/mask.hpp"
 #include "hopper/common/named_barrier.hpp"
 #include "hopper/common/score_transform.hpp"
@@ -29,7 +30,7 @@ namespace flashhopper::hopper {
 using namespace cute;
 
 template <class Element_, int kBlockM_, int kBlockN_, int kHeadDim_, int kHeadDimV_, int kStages_, MaskKind kMask_,
-          bool kSoftcap_>
+          bool kSoftcap_, ForwardFeatures kFeatures_>
 struct ForwardMainloop {
   using Element = Element_;
   static constexpr int kBlockM = kBlockM_;
@@ -40,6 +41,11 @@ struct ForwardMainloop {
   static constexpr MaskKind kMask = kMask_;
   using Mask = AttentionMask<kBlockM_, kBlockN_, kMask_>;
   using Transform = ScoreTransform<kSoftcap_>;
+  static constexpr ForwardFeatures kFeatures = kFeatures_;
+  static constexpr bool kPacked = holds(kFeatures, ForwardFeatures::kPacked);
+  static constexpr bool kSplitKv = holds(kFeatures, ForwardFeatures::kSplitKv);
+  static constexpr bool kKvCache = holds(kFeatures, ForwardFeatures::kKvCache);
+  static constexpr bool kPagedKv = holds(kFeatures, ForwardFeatures::kPagedKv);
   static constexpr int kNumMmaWarpGroups = kBlockM / 64;
   static constexpr int kNumMmaThreads = kNumMmaWarpGroups * cutlass::NumThreadsPerWarpGroup;
 
@@ -206,6 +212,7 @@ struct ForwardMainloop {
   // The producer's threads: the warpgroup when it gathers a paged cache, a warp when it loads one
   // in TMA chunks (each lane its own), else one thread.
   CUTLASS_HOST_DEVICE static int producer_threads(Params const& params) {
+    if constexpr (!kPagedKv) return 1;
     return params.paged.mode == PagedMode::kGather ? kGatherThreads
            : params.paged.mode == PagedMode::kNone ? 1
                                                    : cutlass::NumThreadsPerWarp;
@@ -217,7 +224,7 @@ struct ForwardMainloop {
     uint32_t bytes_k, bytes_v, arrivals;
   };
   CUTLASS_HOST_DEVICE static KvStageCompletion kv_stage_completion(Params const& params) {
-    if (params.paged.mode == PagedMode::kGather) return {0, 0, 1 + kGatherThreads};
+    if (kPagedKv && params.paged.mode == PagedMode::kGather) return {0, 0, 1 + kGatherThreads};
     return {kTmaBytesK, kTmaBytesV, 1};
   }
 
@@ -233,7 +240,7 @@ struct ForwardMainloop {
     const int heads_per_kv_head = get<2>(args.shape_q) / get<2>(args.shape_k);
     const float scale = Transform::softmax_scale(args.softmax_scale, args.softcap);
     PagedLoads paged;
-    if (args.page_table != nullptr) {
+    if (kPagedKv && args.page_table != nullptr) {
       if (kLargeChunks && args.page_size % kPageRowsLarge == 0) {
         paged.mode = PagedMode::kLargeChunks;
         paged.large = decltype(paged.large)::make(mK, mVt);
@@ -272,8 +279,10 @@ struct ForwardMainloop {
     cute::prefetch_tma_descriptor(params.tma_q.get_tma_descriptor());
     cute::prefetch_tma_descriptor(params.tma_k.get_tma_descriptor());
     cute::prefetch_tma_descriptor(params.tma_vt.get_tma_descriptor());
-    if (params.paged.mode == PagedMode::kLargeChunks) params.paged.large.prefetch();
-    if (params.paged.mode == PagedMode::kSmallChunks) params.paged.small.prefetch();
+    if constexpr (kPagedKv) {
+      if (params.paged.mode == PagedMode::kLargeChunks) params.paged.large.prefetch();
+      if (params.paged.mode == PagedMode::kSmallChunks) params.paged.small.prefetch();
+    }
   }
 
   // Paged, TMA chunks: one stage of key block n_block as kBlockN / kRows chunk loads on the
@@ -413,7 +422,7 @@ struct ForwardMainloop {
   }
 
   CUTLASS_DEVICE static SeqlenInfo seqlen_info(Params const& params, WorkTile const& work) {
-    return SeqlenInfo::make</*kKvCache=*/true>(params.seqlen, work.batch);
+    return SeqlenInfo::make<kKvCache, kPacked>(params.seqlen, work.batch);
   }
   CUTLASS_DEVICE static Mask make_mask(Params const& params, SeqlenInfo const& seq) {
     return Mask(seq, params.local);
@@ -469,9 +478,9 @@ struct ForwardMainloop {
       auto const& stages = [&]() -> auto const& {
         if constexpr (kIsV) return sVt; else return sK;
       }();
-      if (params.paged.mode == PagedMode::kGather) {
+      if (kPagedKv && params.paged.mode == PagedMode::kGather) {
         gather_stage<kIsV>(params, pipeline, state, stages, seq, head_kv, n_block);
-      } else if (params.paged.mode != PagedMode::kNone) {
+      } else if (kPagedKv && params.paged.mode != PagedMode::kNone) {
         auto load_chunks = [&](auto const& tmas) {
           constexpr int kRows = cute::remove_cvref_t<decltype(tmas)>::kRows;
           if constexpr (kRows > 0) {
@@ -563,7 +572,7 @@ struct ForwardMainloop {
 
     // A gathered stage was written by cp.async, through the generic proxy; the WGMMAs read it
     // through the async proxy.
-    const bool gathered = params.paged.mode == PagedMode::kGather;
+    const bool gathered = kPagedKv && params.paged.mode == PagedMode::kGather;
     auto wait_stage = [&](Pipeline& pipeline, PipelineState& state) {
       pipeline.consumer_wait(state);
       if (gathered) cutlass::arch::fence_view_async_shared();

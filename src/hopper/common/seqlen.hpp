@@ -46,23 +46,28 @@ struct SeqlenInfo {
   int batch = 0;     // the sequence's index in the batch
 
   // kKvCache: read the KV cache's fields (the forward only; the other kernels never get them, so
-  // they do not compile the code).
-  template <bool kKvCache = false>
+  // they do not compile the code). kPacked: read cu_seqlens and seqused; without it (a dense
+  // forward's kernel) every sequence has the tensors' lengths.
+  template <bool kKvCache = false, bool kPacked = true>
   CUTLASS_DEVICE static SeqlenInfo make(SeqlenParams const& p, int batch) {
     SeqlenInfo s{p.seqlen_q, p.seqlen_k, p.seqlen_q, p.seqlen_k};
     s.batch = batch;
-    if (p.packed_q()) {
-      span(p.cu_seqlens_q, batch, p.total_q, p.seqlen_q, s.offset_q, s.capacity_q);
+    if constexpr (kPacked) {
+      if (p.packed_q()) {
+        span(p.cu_seqlens_q, batch, p.total_q, p.seqlen_q, s.offset_q, s.capacity_q);
+      } else {
+        s.batch_q = batch;
+      }
+      if (p.packed_k()) {
+        span(p.cu_seqlens_k, batch, p.total_k, p.seqlen_k, s.offset_k, s.capacity_k);
+      } else {
+        s.batch_k = batch;
+      }
+      s.seqlen_q = p.seqused_q != nullptr ? min(s.capacity_q, max(__ldg(p.seqused_q + batch), 0)) : s.capacity_q;
+      s.seqlen_k = p.seqused_k != nullptr ? min(s.capacity_k, max(__ldg(p.seqused_k + batch), 0)) : s.capacity_k;
     } else {
-      s.batch_q = batch;
+      s.batch_q = s.batch_k = batch;
     }
-    if (p.packed_k()) {
-      span(p.cu_seqlens_k, batch, p.total_k, p.seqlen_k, s.offset_k, s.capacity_k);
-    } else {
-      s.batch_k = batch;
-    }
-    s.seqlen_q = p.seqused_q != nullptr ? min(s.capacity_q, max(__ldg(p.seqused_q + batch), 0)) : s.capacity_q;
-    s.seqlen_k = p.seqused_k != nullptr ? min(s.capacity_k, max(__ldg(p.seqused_k + batch), 0)) : s.capacity_k;
     if constexpr (kKvCache) {
       if (p.cache_seqlens != nullptr) {
         const int first = p.cache_leftpad != nullptr ? min(max(__ldg(p.cache_leftpad + batch), 0), p.seqlen_k) : 0;

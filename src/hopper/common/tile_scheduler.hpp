@@ -56,7 +56,10 @@ struct TileRing {
   }
 };
 
-template <bool kLongestFirst>
+// kPlanned: packed batches may come (the planner's tile list, taken from a counter); kSplit:
+// split-KV may come. Without them (a dense forward) a tile is only ever decoded from its index, so
+// every thread of a warp provably holds the same one, and it stays in uniform registers.
+template <bool kLongestFirst, bool kPlanned = true, bool kSplit = true>
 struct PersistentTileScheduler {
   struct Params {
     int num_blocks;  // row blocks times splits
@@ -107,7 +110,7 @@ struct PersistentTileScheduler {
 
   CUTLASS_DEVICE static WorkTile decode(Params const& params, int tile) {
     WorkTile work;
-    if (params.planned != nullptr) {
+    if (kPlanned && params.planned != nullptr) {
       // Both loads at once.
       const PlannedTile t = tile < params.num_tiles ? __ldg(params.planned + tile) : PlannedTile{0, 0, 0, 0};
       work.valid = tile < __ldg(params.num_planned);
@@ -134,7 +137,7 @@ struct PersistentTileScheduler {
     }
     params.head_divmod(work.batch, work.head, rest);
     work.block = block;
-    if (params.num_splits > 1) params.split_divmod(work.block, work.split, block);
+    if (kSplit && params.num_splits > 1) params.split_divmod(work.block, work.split, block);
     return work;
   }
 
@@ -152,7 +155,7 @@ struct PersistentTileScheduler {
   // tile k, so the producer has it before it is needed, and hands it to the others through the
   // ring. (Not the producer: its warpgroup runs on 24 registers.)
   CUTLASS_DEVICE static int tile_at(Params const& params, TileRing& ring, int k, bool taker) {
-    if (params.planned == nullptr) return int(blockIdx.x) + k * int(gridDim.x);
+    if (!kPlanned || params.planned == nullptr) return int(blockIdx.x) + k * int(gridDim.x);
     int tile = int(blockIdx.x);
     if (k > 0) {  // tile k sits in slot (k - 1) % kSlots
       const int slot = (k - 1) % TileRing::kSlots;

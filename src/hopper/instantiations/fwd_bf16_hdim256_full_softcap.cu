@@ -2,6 +2,6 @@
 #include "launch/forward_launch.cuh"
 
 namespace flashhopper::launch {
-template cudaError_t run_forward_hdim<FH_DTYPE_BF16, 256, 256, hopper::MaskKind::kNone, true>(
+template cudaError_t run_forward_hdim<FH_DTYPE_BF16, 256, 256, hopper::MaskKind::kNone, true, hopper::ForwardFeatures::kNone>(
     const ForwardParams&, const detail::ProblemShape&, const ForwardWorkspace&, cudaStream_t);
 }  // namespace flashhopper::launch

@@ -2,6 +2,6 @@
 #include "launch/forward_launch.cuh"
 
 namespace flashhopper::launch {
-template cudaError_t run_forward_hdim<FH_DTYPE_FP16, 192, 128, hopper::MaskKind::kLocal, false>(
+template cudaError_t run_forward_hdim<FH_DTYPE_FP16, 192, 128, hopper::MaskKind::kLocal, false, hopper::ForwardFeatures::kNone>(
     const ForwardParams&, const detail::ProblemShape&, const ForwardWorkspace&, cudaStream_t);
 }  // namespace flashhopper::launch

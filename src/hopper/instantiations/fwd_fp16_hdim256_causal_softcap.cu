@@ -2,6 +2,6 @@
 #include "launch/forward_launch.cuh"
 
 namespace flashhopper::launch {
-template cudaError_t run_forward_hdim<FH_DTYPE_FP16, 256, 256, hopper::MaskKind::kCausal, true>(
+template cudaError_t run_forward_hdim<FH_DTYPE_FP16, 256, 256, hopper::MaskKind::kCausal, true, hopper::ForwardFeatures::kNone>(
     const ForwardParams&, const detail::ProblemShape&, const ForwardWorkspace&, cudaStream_t);
 }  // namespace flashhopper::launch

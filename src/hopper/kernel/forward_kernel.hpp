@@ -83,7 +83,10 @@ struct ForwardKernel {
   // The key blocks a tile walks: its query block's, or its split's part of them.
   CUTLASS_DEVICE static auto key_blocks(Params const& params, SeqlenInfo const& seq, WorkTile const& work) {
     const auto blocks = Mainloop::make_mask(params.mainloop, seq).key_blocks(work.block);
-    return params.scheduler.num_splits > 1 ? blocks.split(work.split, params.scheduler.num_splits) : blocks;
+    if constexpr (Mainloop::kSplitKv) {
+      if (params.scheduler.num_splits > 1) return blocks.split(work.split, params.scheduler.num_splits);
+    }
+    return blocks;
   }
 
   CUTLASS_DEVICE void operator()(Params const& params, char* smem_buf) {
@@ -167,7 +170,7 @@ struct ForwardKernel {
         Tensor o_rowcol = make_tensor(tOrO.data(), accumulator_rowcol(tOrO.layout()));
         scale_rows(o_rowcol, o_scale);
         // Rows past seqused_q: O = 0, LSE = -inf.
-        if (seq.seqlen_q < seq.capacity_q) Epilogue::clear_unused_rows(o_rowcol, lse, thread_idx, work, seq);
+        if (Mainloop::kPacked && seq.seqlen_q < seq.capacity_q) Epilogue::clear_unused_rows(o_rowcol, lse, thread_idx, work, seq);
         if (Epilogue::split_kv(params.epilogue)) {
           Epilogue::store_partial(params.epilogue, tOrO, lse, thread_idx, work, seq);
         } else if constexpr (kOStagedInSmem) {

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# On the GPU machine: build the library of several source trees (commits) side by side, each with
+# only the instantiations a bisect times compiled for real; every other instantiation becomes a
+# stub that returns cudaErrorNotSupported, so a tree builds in a fraction of the full set's time
+# and the dispatch still links. Then time them with bench/ab_compare.sh LIB@PYTHONPATH ...
+#
+# Usage: bench/bisect_build.sh SRC_DIR LABEL... (KEEP="fwd_bf16_hdim128_full ..." picks the real
+#        instantiations; default: the bf16 forward's full and causal at hdim 128 and 256)
+# SRC_DIR holds LABEL.tar.xz for each label: `git archive COMMIT | xz > SRC_DIR/LABEL.tar.xz`,
+# made where the history is; and cutlass.tar.xz (third_party/cutlass) when the headers are not
+# installed there. Each tree lands in /tmp/bisect/LABEL, its library in /tmp/bisect/LABEL/build.
+set -uo pipefail
+src_dir=$1
+shift
+keep="${KEEP:-fwd_bf16_hdim128_full fwd_bf16_hdim128_causal fwd_bf16_hdim256_full fwd_bf16_hdim256_causal}"
+work=/tmp/bisect
+mkdir -p "$work"
+if [ ! -f "$work/cutlass/include/cute/tensor.hpp" ]; then
+  mkdir -p "$work/cutlass" && tar xJf "$src_dir/cutlass.tar.xz" -C "$work/cutlass" --strip-components=1 ||
+    { echo "bisect_build: no CUTLASS headers ($src_dir/cutlass.tar.xz)" >&2; exit 2; }
+fi
+
+# An instantiation file made a stub: the same function, explicitly specialised with a body that
+# refuses (the declaration from the launch header; the kernel headers are never compiled).
+stub() {
+  sed -i -e 's@launch/\(forward\|backward\)_launch.cuh@launch/\1_launch.hpp@' \
+    -e 's@^template cudaError_t@template <> cudaError_t@' \
+    -e 's@\(cudaStream_t\));@\1) { return cudaErrorNotSupported; }@' "$1"
+  grep -q 'return cudaErrorNotSupported' "$1" || { echo "bisect_build: could not stub $1" >&2; return 1; }
+}
+
+for label in "$@"; do
+  tree="$work/$label"
+  rm -rf "$tree" && mkdir -p "$tree" && tar xJf "$src_dir/$label.tar.xz" -C "$tree" --strip-components=1 || exit 2
+  for f in "$tree"/src/hopper/instantiations/*.cu; do
+    name=$(basename "$f" .cu)
+    [[ " $keep " == *" $name "* ]] || stub "$f" || exit 2
+  done
+  cmake -S "$tree" -B "$tree/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DFLASHHOPPER_KERNELS=full \
+    -DFLASHHOPPER_TESTS=OFF -DFLASHHOPPER_EXAMPLES=OFF -DFLASHHOPPER_TORCH_OPS=OFF \
+    -DCUTLASS_DIR="$work/cutlass" >"$work/$label.configure.log" 2>&1 ||
+    { echo "bisect_build: $label: configure failed ($work/$label.configure.log)"; continue; }
+done
+# One ninja per tree, all at once, the cores shared among them (JOBS: each tree's, default an
+# equal share): the real instantiations dominate.
+start=$(date +%s)
+jobs=${JOBS:-$(( $(nproc) / $# > 2 ? $(nproc) / $# : 2 ))}
+for label in "$@"; do
+  [ -f "$work/$label/build/build.ninja" ] &&
+    (cmake --build "$work/$label/build" --target flashhopper -j "$jobs" >"$work/$label.build.log" 2>&1;
+     echo "$label: build rc=$? after $(( $(date +%s) - start )) s") &
+done
+wait

@@ -1,0 +1,31 @@
+// What a forward kernel is compiled to handle beyond a dense batch. Each feature is a compile-time
+// switch of the kernel, its collectives and its scheduler, so that a dense call runs a kernel that
+// carries none of their code: as run-time branches they cost the dense forward 6-21% (more
+// registers, spills in the key-block loop, the tile and the WGMMA descriptors out of uniform
+// registers; bench/RESULTS.md, "the dense forward's lost speed"). The manifest
+// (scripts/kernel_manifest.py, FORWARD_FEATURE_SETS) says which sets are compiled; the dispatch
+// runs a call on the first compiled set that holds every feature it uses.
+#pragma once
+
+#include <cstdint>
+
+namespace flashhopper::hopper {
+
+enum class ForwardFeatures : uint32_t {
+  kNone = 0,
+  kPacked = 1u << 0,   // cu_seqlens or seqused: packed rows, used lengths, the planned tile list
+  kSplitKv = 1u << 1,  // num_splits > 1: float32 partials of each split of the keys
+  kKvCache = 1u << 2,  // cache_seqlens, cache_leftpad, cache_batch_idx (and the append before)
+  kPagedKv = 1u << 3,  // page_table: K and V by page, in TMA chunks or gathered
+  kAll = (1u << 4) - 1,
+};
+
+constexpr ForwardFeatures operator|(ForwardFeatures a, ForwardFeatures b) {
+  return ForwardFeatures(uint32_t(a) | uint32_t(b));
+}
+// Whether `set` holds every feature of `features`.
+constexpr bool holds(ForwardFeatures set, ForwardFeatures features) {
+  return (uint32_t(set) & uint32_t(features)) == uint32_t(features);
+}
+
+}  // namespace flashhopper::hopper
