@@ -22,7 +22,6 @@ import csv
 import dataclasses
 import datetime
 import os
-import statistics
 import subprocess
 import sys
 from typing import Callable, Optional
@@ -196,27 +195,6 @@ def rows() -> list:
     return out
 
 
-def time_rounds(fns: dict, rounds: int, calls: int, warmup: int = 3) -> dict:
-    """Median ms per call of each function over interleaved rounds (CUDA events around `calls`
-    back-to-back calls)."""
-    import torch
-    for fn in fns.values():
-        for _ in range(warmup):
-            fn()
-    torch.cuda.synchronize()
-    samples = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(calls):
-                fn()
-            stop.record()
-            stop.synchronize()
-            samples[name].append(start.elapsed_time(stop) / calls)
-    return {name: statistics.median(s) for name, s in samples.items()}
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m flashhopper.bench --gate", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -231,7 +209,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     import torch
-    from .bench import can_time_here
+    from .bench import can_time_here, time_all_ms
     if not can_time_here("flashhopper.bench --gate"):
         return 1
     gpu = torch.cuda.get_device_name()
@@ -254,12 +232,12 @@ def main(argv=None) -> int:
         fns[key], work[key] = fn, amount
     print(f"gate: {gpu}, {len(fns)} rows ({len(skipped)} could not run), {args.rounds} rounds of {args.calls} calls, "
           f"baseline {path}", flush=True)
-    ms = time_rounds(fns, args.rounds, args.calls) if fns else {}
+    ms = time_all_ms(fns, warmup=3, rounds=args.rounds, calls=args.calls) if fns else {}
     measured = {row_key: float("nan") for row_key in ((r.name, r.pass_) for r in chosen)}
     for key, t in ms.items():
         measured[key] = work[key] / t * 1e-9
     failures = 0
-    print(f"| row | pass | baseline | measured | ratio | allowed | verdict |\n|---|---|---|---|---|---|---|")
+    print("| row | pass | baseline | measured | ratio | allowed | verdict |\n|---|---|---|---|---|---|---|")
     for row in chosen:
         key = (row.name, row.pass_)
         base, value = baseline.get(key), measured[key]
