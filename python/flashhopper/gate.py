@@ -168,7 +168,7 @@ def _decode_row(name, batch, cache_len, page_size=0):
             k, v = (x.view(pages, page_size, HEADS_KV, FEATURE_HDIM) for x in (k, v))
         read = 2.0 * batch * cache_len * HEADS_KV * FEATURE_HDIM * 2  # K and V once, bytes
         return (lambda: fai.flash_attn_with_kvcache(q, k, v, cache_seqlens=lengths, page_table=table,
-                                                    num_splits=0)), read / 1e3  # TB/s from ms
+                                                    num_splits=0)), read  # bytes: TB/s as flop gives TFLOP/s
     return Row(name, "decode", cache_len, make, unit="TB/s")
 
 
