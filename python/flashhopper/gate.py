@@ -206,6 +206,8 @@ def main(argv=None) -> int:
     parser.add_argument("--passes", nargs="+", default=["fwd", "bwd", "decode"], choices=["fwd", "bwd", "decode"])
     parser.add_argument("--update", action="store_true", help="write the better figures back to the baseline")
     parser.add_argument("--out", default=None, help="also write this run's figures to this CSV")
+    parser.add_argument("--commit", default=None,
+                        help="the commit the figures are recorded under (default: git's HEAD of the package's checkout)")
     args = parser.parse_args(argv)
 
     import torch
@@ -249,10 +251,11 @@ def main(argv=None) -> int:
               f"{value:.1f} {row.unit} | {ratio} | -{row.tolerance:.0%} | {result}{note} |")
     date = datetime.date.today().isoformat()
     units = {(r.name, r.pass_): r.unit for r in chosen}
+    commit = args.commit or _commit()
     if args.out:
-        write_baseline(args.out, updated_baseline(None, measured, units, gpu, date, _commit()))
+        write_baseline(args.out, updated_baseline(None, measured, units, gpu, date, commit))
     if args.update:
-        write_baseline(path, updated_baseline(path, measured, units, gpu, date, _commit()))
+        write_baseline(path, updated_baseline(path, measured, units, gpu, date, commit))
         print(f"gate: baseline {path} updated")
     print(f"gate: {'FAILED' if failures else 'passed'} ({failures} of {len(fns)} rows below their baseline)")
     return 1 if failures else 0
