@@ -5,7 +5,8 @@
 # and the dispatch still links. Then time them with bench/ab_compare.sh LIB@PYTHONPATH ...
 #
 # Usage: bench/bisect_build.sh SRC_DIR LABEL... (KEEP="fwd_bf16_hdim128_full ..." picks the real
-#        instantiations; default: the bf16 forward's full and causal at hdim 128 and 256)
+#        instantiations; default: the bf16 forward's full and causal at hdim 128 and 256; TARGETS:
+#        what to build, default the library; test binaries, e.g. test_forward_gpu, need GTEST_ROOT)
 # SRC_DIR holds LABEL.tar.xz for each label: `git archive COMMIT | xz > SRC_DIR/LABEL.tar.xz`,
 # made where the history is; and cutlass.tar.xz (third_party/cutlass) when the headers are not
 # installed there. Each tree lands in /tmp/bisect/LABEL, its library in /tmp/bisect/LABEL/build.
@@ -13,6 +14,9 @@ set -uo pipefail
 src_dir=$1
 shift
 keep="${KEEP:-fwd_bf16_hdim128_full fwd_bf16_hdim128_causal fwd_bf16_hdim256_full fwd_bf16_hdim256_causal}"
+targets="${TARGETS:-flashhopper}"
+tests=OFF
+[[ " $targets" == *" test_"* ]] && tests=ON
 work=/tmp/bisect
 mkdir -p "$work"
 if [ ! -f "$work/cutlass/include/cute/tensor.hpp" ]; then
@@ -37,8 +41,8 @@ for label in "$@"; do
     [[ " $keep " == *" $name "* ]] || stub "$f" || exit 2
   done
   cmake -S "$tree" -B "$tree/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DFLASHHOPPER_KERNELS=full \
-    -DFLASHHOPPER_TESTS=OFF -DFLASHHOPPER_EXAMPLES=OFF -DFLASHHOPPER_TORCH_OPS=OFF \
-    -DCUTLASS_DIR="$work/cutlass" >"$work/$label.configure.log" 2>&1 ||
+    -DFLASHHOPPER_TESTS=$tests ${GTEST_ROOT:+-DGTEST_ROOT=$GTEST_ROOT} -DFLASHHOPPER_EXAMPLES=OFF \
+    -DFLASHHOPPER_TORCH_OPS=OFF -DCUTLASS_DIR="$work/cutlass" >"$work/$label.configure.log" 2>&1 ||
     { echo "bisect_build: $label: configure failed ($work/$label.configure.log)"; continue; }
 done
 # One ninja per tree, all at once, the cores shared among them (JOBS: each tree's, default an
@@ -47,7 +51,7 @@ start=$(date +%s)
 jobs=${JOBS:-$(( $(nproc) / $# > 2 ? $(nproc) / $# : 2 ))}
 for label in "$@"; do
   [ -f "$work/$label/build/build.ninja" ] &&
-    (cmake --build "$work/$label/build" --target flashhopper -j "$jobs" >"$work/$label.build.log" 2>&1;
+    (cmake --build "$work/$label/build" --target $targets -j "$jobs" >"$work/$label.build.log" 2>&1;
      echo "$label: build rc=$? after $(( $(date +%s) - start )) s") &
 done
 wait
