@@ -17,5 +17,8 @@ foreach(_instantiation IN LISTS FLASHHOPPER_KERNEL_INSTANTIATIONS_${FLASHHOPPER_
   list(APPEND FLASHHOPPER_KERNEL_SOURCES ${PROJECT_SOURCE_DIR}/src/hopper/instantiations/${_instantiation}.cu)
 endforeach()
 list(LENGTH FLASHHOPPER_KERNEL_FAMILIES_${FLASHHOPPER_KERNELS} _count)
+list(LENGTH FLASHHOPPER_KERNEL_INSTANTIATIONS_${FLASHHOPPER_KERNELS} _instantiations)
 message(STATUS "FlashHopper kernels: set ${FLASHHOPPER_KERNELS}, ${_count} families "
                "(${FLASHHOPPER_KERNEL_FAMILIES_${FLASHHOPPER_KERNELS}})")
+message(STATUS "FlashHopper kernels: ${_instantiations} instantiations to compile, about a minute of one core each "
+               "(README, Build times); the build counts them off as each finishes")

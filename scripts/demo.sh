@@ -3,7 +3,7 @@
 # checks them against the CPU reference and times them; elsewhere it runs the CPU reference and
 # says so.
 usage="usage: scripts/demo.sh [seqlen [head_dim]] [-DNAME=VALUE ...] [-- more cmake options]
-  seqlen: tokens per sequence (default 2048); head_dim: a multiple of 8 up to 256 (default 128).
+  seqlen: tokens per sequence (default 1024); head_dim: a multiple of 8 up to 256 (default 128).
   -D options (e.g. -DFLASHHOPPER_CUDA=OFF) and those after -- or in FLASHHOPPER_CMAKE_ARGS go to CMake."
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"

@@ -4,11 +4,16 @@
 # everything else runs. Usage: scripts/test.sh [extra cmake -D options]
 # The Python tests need torch and pytest in FLASHHOPPER_PYTHON (default python3); without them
 # they are skipped with a note, unless FLASHHOPPER_PYTHON was set (CI), where that is an error.
-set -euo pipefail
+set -euo pipefail  # pipefail: ctest's status survives the tee below
 root="$(cd "$(dirname "$0")/.." && pwd)"
 build="$root/${BUILD_DIR:-build}"
 "$root/scripts/build.sh" "$@"
-ctest --test-dir "$build" --output-on-failure
+ctest --test-dir "$build" --output-on-failure | tee "$build/ctest_last.log"
+# CTest shows a skipped test without its reason; the GPU tests print theirs when they skip.
+if grep -q "Skipped" "$build/ctest_last.log"; then
+  reason="$(ctest --test-dir "$build" -R '^forward_gpu$' -V 2>/dev/null | grep -o "GPU tests skipped: .*" || true)"
+  echo "${reason:-(some tests were skipped; ctest -V shows why)}"
+fi
 
 python="${FLASHHOPPER_PYTHON:-python3}"
 if [ ! -d "$root/tests/python" ]; then

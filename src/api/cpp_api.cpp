@@ -34,7 +34,15 @@ Status check_device() {
   const cudaError_t err = launch::current_device_info(&device);
   if (err != cudaSuccess) {
     cudaGetLastError();  // clear, so the caller's next CUDA call does not see our failure
-    return error(FH_ERROR_NO_DEVICE, std::string("no CUDA device available: ") + cudaGetErrorString(err));
+    // Without an NVIDIA driver the runtime answers "driver version is insufficient": say what that
+    // usually means rather than only its words.
+    const char* meaning = err == cudaErrorInsufficientDriver
+                              ? "no NVIDIA driver is loaded (no GPU here), or it is older than the CUDA runtime "
+                                "this library was built with needs"
+                          : err == cudaErrorNoDevice ? "no CUDA GPU is visible"
+                                                     : "the CUDA runtime could not reach a device";
+    return error(FH_ERROR_NO_DEVICE, std::string("no CUDA device available: ") + meaning + " (" +
+                                         cudaGetErrorName(err) + ": " + cudaGetErrorString(err) + ")");
   }
   if (device.cc_major != 9 || device.cc_minor != 0) {
     return error(FH_ERROR_NO_DEVICE, "device " + std::to_string(device.device) + " has compute capability " +
