@@ -309,16 +309,33 @@ def _int_option(name: str, value, what: str) -> int:
     return value if isinstance(value, torch.SymInt) else int(value)
 
 
+def _host_ints(name: str, t: torch.Tensor, what: str) -> list:
+    """The integers of a CPU tensor (FA3 accepts window_size as a tensor pair); a tensor on a GPU is
+    refused by name, since reading it would make the call wait for the device."""
+    if t.device.type != "cpu":
+        raise invalid_argument(f"{name}: {what} is a tensor on {t.device}; reading it would make the call wait for "
+                               "the device: pass ints or a CPU tensor")
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        raise invalid_argument(f"{name}: {what} must be an int, got a {t.dtype} tensor")
+    return t.tolist()
+
+
 def check_window_size(window_size) -> tuple[int, int]:
-    """window_size (left, right): ints >= -1, -1 (or None, FlashAttention-4's spelling) unbounded.
-    Returns the pair as ints; None means (-1, -1)."""
+    """window_size (left, right): ints >= -1, -1 (or None, FlashAttention-4's spelling) unbounded;
+    as FA3, also a CPU integer tensor of two elements, or a pair of 0-d ones. Returns the pair as
+    ints; None means (-1, -1)."""
     if window_size is None:
         return -1, -1
     if type(window_size) is tuple and len(window_size) == 2:  # the common case, fast (host work per call)
         left, right = window_size
         if type(left) is int and type(right) is int and left >= -1 and right >= -1:
             return left, right
-    if isinstance(window_size, (str, bytes, torch.Tensor)):
+    if isinstance(window_size, torch.Tensor):
+        if window_size.dim() != 1 or window_size.numel() != 2:
+            raise invalid_argument(f"window_size: expected a pair of ints (left, right), got a tensor of shape "
+                                   f"{list(window_size.shape)}")
+        window_size = tuple(_host_ints("window_size", window_size, "the pair"))
+    if isinstance(window_size, (str, bytes)):
         raise invalid_argument(f"window_size: expected a pair of ints (left, right), got {window_size!r}")
     try:
         bounds = tuple(window_size)
@@ -328,6 +345,8 @@ def check_window_size(window_size) -> tuple[int, int]:
         raise invalid_argument(f"window_size: expected a pair of ints (left, right), got {window_size!r}")
     resolved = []
     for side, bound in zip(("left", "right"), bounds):
+        if isinstance(bound, torch.Tensor) and bound.dim() == 0:
+            bound = _host_ints("window_size", bound, f"the {side} bound")
         bound = -1 if bound is None else _int_option("window_size", bound, f"the {side} bound")
         if bound < -1:
             raise invalid_argument(f"window_size: the {side} bound is {bound}; must be >= -1 (-1 means unbounded), "

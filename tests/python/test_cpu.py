@@ -564,7 +564,9 @@ def test_varlen_devices_must_match_under_fake_tensors():
     (dict(window_size=(2.5, 0)), r"window_size: the left bound must be an int, got float 2.5"),
     (dict(window_size=(0, 1.0)), r"window_size: the right bound must be an int, got float 1.0"),
     (dict(window_size=(True, 0)), r"window_size: the left bound must be an int, got bool"),
-    (dict(window_size=(8, torch.tensor(8))), r"window_size: the right bound must be an int, got Tensor"),
+    (dict(window_size=(8, torch.tensor(8.0))), r"window_size: the right bound must be an int, got a torch.float32"),
+    (dict(window_size=torch.tensor([8, 8, 8])), r"window_size: expected a pair of ints .* shape \[3\]"),
+    (dict(window_size=torch.tensor([-2, 0])), r"window_size: the left bound is -2; must be >= -1"),
     (dict(window_size=(1, 2, 3)), r"window_size: expected a pair of ints"),
     (dict(window_size=8), r"window_size: expected a pair of ints"),
     (dict(window_size="88"), r"window_size: expected a pair of ints"),
@@ -587,6 +589,23 @@ def test_bad_mask_options(kwargs, pattern):
         flashhopper.forward(q, k, v, **kwargs)
     with pytest.raises(ValueError, match=pattern):
         fa3.flash_attn_varlen_func(*varlen_args(), **kwargs)
+
+
+def test_window_size_as_fa3_writes_it():
+    """FA3 takes window_size as any pair: a CPU integer tensor of two (its own tests draw it with
+    torch.randint), or 0-d tensors; the same bounds as the ints. A tensor on a GPU is refused by
+    name (reading it would wait for the device)."""
+    from flashhopper import interface
+    assert interface.check_window_size(torch.tensor([5, 0])) == (5, 0)
+    assert interface.check_window_size(torch.tensor([-1, 3], dtype=torch.int32)) == (-1, 3)
+    assert interface.check_window_size((torch.tensor(7), torch.tensor(-1))) == (7, -1)
+    assert interface.check_window_size([torch.tensor(2), 4]) == (2, 4)
+    meta = torch.tensor([4, 0], device="meta")
+    with pytest.raises(ValueError, match=r"window_size: the pair is a tensor on meta; reading it would make"):
+        interface.check_window_size(meta)
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match=r"window_size: the left bound is -3"):
+        flash_attn_func(q, k, v, window_size=torch.tensor([-3, 0]))
 
 
 def test_bad_mask_options_in_the_ops_and_backward():
