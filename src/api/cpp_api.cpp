@@ -222,8 +222,8 @@ Status workspace_size(const BackwardParams& params, size_t* bytes) {
   return {};
 }
 
-Status forward(const ForwardParams& params, void* workspace, size_t workspace_bytes,
-               fh_stream_t stream) {
+Status forward(const ForwardParams& call, void* workspace, size_t workspace_bytes, fh_stream_t stream) {
+  const ForwardParams params = detail::without_ignored_arguments(call);
   Status status = check(params);
   if (!status.ok()) return status;
 #ifdef FLASHHOPPER_WITH_CUDA

@@ -642,10 +642,7 @@ Status check_forward_presence(const ForwardParams& p, const AttentionArgs& a) {
     return invalid("rotary_cos", "is given without k_new/v_new; the rotary embedding applies to the appended "
                                  "keys and q (apply it yourself to a cache without an append)");
   }
-  if (present(p.rotary_seqlens) && !present(p.rotary_cos)) {
-    return invalid("rotary_seqlens", "is given without rotary_cos/rotary_sin");
-  }
-  return {};
+  return {};  // (rotary_seqlens without the tables is ignored: without_ignored_arguments)
 }
 
 Status check_forward_ranks(const ForwardParams& p, const AttentionArgs& a) {
@@ -861,7 +858,14 @@ Status check_backward_scalars(const BackwardParams& p, const AttentionArgs& a) {
 
 // ---- Entry points -------------------------------------------------------------------------------
 
-Status validate(const ForwardParams& p, Target target) {
+ForwardParams without_ignored_arguments(const ForwardParams& params) {
+  ForwardParams p = params;
+  if (!present(p.rotary_cos) && !present(p.rotary_sin)) p.rotary_seqlens = {};
+  return p;
+}
+
+Status validate(const ForwardParams& params, Target target) {
+  const ForwardParams p = without_ignored_arguments(params);
   const AttentionArgs a = attention_args(p);
   FLASHHOPPER_RETURN_IF_INVALID(check_forward_presence(p, a));
   FLASHHOPPER_RETURN_IF_INVALID(check_forward_ranks(p, a));

@@ -10,6 +10,10 @@ namespace flashhopper::detail {
 // kHostReference: the CPU reference, which also accepts fp32/fp64 tensors and any alignment.
 enum class Target { kKernel, kHostReference };
 
+// The call with the arguments that have no effect in it cleared, as FA3 ignores them: rotary_seqlens
+// without rotary tables (engines pass it on every step). validate() and the forward see this.
+ForwardParams without_ignored_arguments(const ForwardParams& params);
+
 Status validate(const ForwardParams& params, Target target);
 Status validate(const BackwardParams& params, Target target);
 Status validate(const CombineParams& params, Target target);

@@ -319,9 +319,17 @@ TEST(ForwardKvCache, RotaryRules) {
   p = dense_cache_forward();
   p.k_new = p.v_new = {};
   EXPECT_REFUSED(fh::check(p), "rotary_cos", "k_new");
+  // As FA3: rotary_seqlens without the tables has no effect, and is neither refused nor checked
+  // (an int32 [B] tensor or not: it is not read).
   p = dense_cache_forward();
   p.rotary_cos = p.rotary_sin = {};
-  EXPECT_REFUSED(fh::check(p), "rotary_seqlens", "without rotary_cos");
+  EXPECT_PASSES(fh::check(p));
+  p.rotary_seqlens = fh::make_tensor(fake_pointer(27), FH_DTYPE_FP32, {kBatch + 3});
+  EXPECT_PASSES(fh::check(p));
+  EXPECT_EQ(fh::detail::without_ignored_arguments(p).rotary_seqlens.data, nullptr);
+  p.rotary_cos = dense_cache_forward().rotary_cos;  // with the tables it is checked again
+  p.rotary_sin = dense_cache_forward().rotary_sin;
+  EXPECT_REFUSED(fh::check(p), "rotary_seqlens", "");
   p = dense_cache_forward();
   p.rotary_cos.shape[1] = p.rotary_sin.shape[1] = kDim / 2 + 1;
   EXPECT_REFUSED(fh::check(p), "rotary_cos", "at most the head dim");
