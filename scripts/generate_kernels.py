@@ -66,7 +66,8 @@ namespace flashhopper::launch {{
 inline constexpr const char* kKernelSets[] = {{{sets}}};
 
 // The forward's compiled feature sets, in the order the dispatch tries them.
-inline constexpr hopper::ForwardFeatures kForwardFeatureSets[] = {{{feature_sets}}};
+inline constexpr hopper::ForwardFeatures kForwardFeatureSets[] = {{
+    {feature_sets}}};
 
 // (pass, dtype, head dim, value head dim, the first kernel set that compiles it)
 inline constexpr KernelFamily kKernelFamilies[] = {{

@@ -9,9 +9,10 @@ Per instantiation (src/hopper/instantiations/*.cu) and its kernel: REG and STACK
 frame, where spills go) from --dump-resource-usage; from the disassembly, the local loads and
 stores (LDL, STL) in all and in the key-block loop (from the first to the last warpgroup MMA,
 where a spill costs every block), and the loop's R2UR moves (values copied into uniform
-registers, such as WGMMA descriptors computed from a tile index the compiler cannot prove uniform). --check compares with a record (lines: instantiation stack
-loop_local), and fails when a kernel's stack or its loop's local traffic grew. cuobjdump: $CUOBJDUMP,
-else on PATH, else next to nvcc.
+registers, such as WGMMA descriptors computed from a tile index the compiler cannot prove
+uniform). --check compares with a record (lines: instantiation stack loop_local), and fails when a
+kernel's stack or its loop's local traffic grew. cuobjdump: $CUOBJDUMP, else on PATH, else next to
+nvcc.
 """
 import argparse
 import os

@@ -431,13 +431,10 @@ def get_scheduler_metadata(batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, 
                                          "(batch_size)")
     interface.check_mask_args(causal, window_size, 0.0, attention_chunk)
     splits = interface._int_option("num_splits", num_splits, "it")
-    if not 0 <= splits <= _MAX_SPLITS:
-        raise interface.invalid_argument(f"num_splits: is {num_splits}; must be in [0, {_MAX_SPLITS}] (0: chosen "
-                                         "from the shapes)")
+    if not 0 <= splits <= interface.MAX_SPLITS:
+        raise interface.invalid_argument(f"num_splits: is {num_splits}; must be in [0, {interface.MAX_SPLITS}] "
+                                         "(0: chosen from the shapes)")
     return torch.tensor([splits], dtype=torch.int32)
-
-
-_MAX_SPLITS = 256  # the C ABI's bound (include/flashhopper/flashhopper.h)
 
 
 def _planned_splits(scheduler_metadata, num_splits: int) -> int:

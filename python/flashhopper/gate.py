@@ -207,7 +207,7 @@ def main(argv=None) -> int:
     parser.add_argument("--update", action="store_true", help="write the better figures back to the baseline")
     parser.add_argument("--out", default=None, help="also write this run's figures to this CSV")
     parser.add_argument("--commit", default=None,
-                        help="the commit the figures are recorded under (default: git's HEAD of the package's checkout)")
+                        help="the commit the figures are recorded under (default: the checkout's HEAD)")
     args = parser.parse_args(argv)
 
     import torch

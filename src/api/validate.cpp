@@ -31,8 +31,8 @@
 namespace flashhopper::detail {
 namespace {
 
-constexpr int64_t kMaxHeadDim = 256;        // largest compiled head dim (docs/conventions.md, layouts)
-constexpr int64_t kMaxSplits = 256;         // split-KV partials the combine kernel merges
+constexpr int64_t kMaxHeadDim = FH_MAX_HEAD_DIM;  // largest compiled head dim (docs/conventions.md, layouts)
+constexpr int64_t kMaxSplits = FH_MAX_SPLITS;     // split-KV partials the combine kernel merges
 constexpr int64_t kTileRows = 64;           // smallest query tile: bounds the scheduler's tile index
 constexpr int64_t kTmaAlignment = 16;       // bytes: TMA's granularity for base addresses and strides
 constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();

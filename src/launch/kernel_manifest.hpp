@@ -9,7 +9,8 @@ namespace flashhopper::launch {
 inline constexpr const char* kKernelSets[] = {"dev", "full"};
 
 // The forward's compiled feature sets, in the order the dispatch tries them.
-inline constexpr hopper::ForwardFeatures kForwardFeatureSets[] = {hopper::ForwardFeatures::kNone, hopper::ForwardFeatures::kAll};
+inline constexpr hopper::ForwardFeatures kForwardFeatureSets[] = {
+    hopper::ForwardFeatures::kNone, hopper::ForwardFeatures::kAll};
 
 // (pass, dtype, head dim, value head dim, the first kernel set that compiles it)
 inline constexpr KernelFamily kKernelFamilies[] = {

@@ -1519,6 +1519,15 @@ def test_gate_verdicts_and_baseline_files(tmp_path):
     assert gate.default_baseline("NVIDIA A100") is None
 
 
+def test_limits_mirror_the_c_header():
+    """The Python layer's limits are the C ABI's (include/flashhopper/flashhopper.h)."""
+    from flashhopper import interface
+    header = (ROOT / "include" / "flashhopper" / "flashhopper.h").read_text()
+    limits = dict(re.findall(r"#define (FH_MAX_\w+) (\d+)", header))
+    assert int(limits["FH_MAX_HEAD_DIM"]) == interface.MAX_HEAD_DIM
+    assert int(limits["FH_MAX_SPLITS"]) == interface.MAX_SPLITS
+
+
 def test_kernel_resources_reads_cuobjdump_output():
     """scripts/kernel_resources.py's parsers on cuobjdump's formats: REG and STACK per kernel, and
     local loads/stores counted in all and between the first and last warpgroup MMA (with the R2UR

@@ -12,6 +12,7 @@
 #include <cutlass/cutlass.h>
 #include <cutlass/numeric_conversion.h>
 
+#include "flashhopper/flashhopper.h"
 #include "hopper/common/nan_max.hpp"
 
 namespace flashhopper::hopper {
@@ -20,7 +21,7 @@ template <class OutElement>
 struct SplitCombineKernel {
   static constexpr int kWarps = 8;
   static constexpr int kThreads = kWarps * 32;
-  static constexpr int kMaxSplits = 256;  // the C ABI's bound on num_splits
+  static constexpr int kMaxSplits = FH_MAX_SPLITS;  // the C ABI's bound on num_splits
 
   // Every tensor as (split, batch, head, row, column) element strides; a packed (varlen) call
   // is one batch of total_q rows. lse may be null.
