@@ -6,7 +6,7 @@ own call without the feature, forward and backward, bf16, GQA 32/8, head dim 128
 Rows: sliding window (4095, 0) at 16k and (1023, 0) at 128k tokens, softcap 30 causal at 16k
 (and the same call without softcap), learnable sinks at 16k, non-causal and causal (and the same
 calls without). TFLOP/s count the visible (query, key) pairs: 4 * heads * d * pairs forward,
-2.5x that backward. Median of interleaved rounds (flashhopper.bench.time_all_ms).
+2.5x that backward. Median of interleaved rounds (flashhopper.bench_timing.time_all_ms).
 
     PYTHONPATH=python FLASHHOPPER_LIBRARY=build/libflashhopper.so python3 bench/bench_features.py --out DIR
 """
@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "python"))
 import flashhopper  # noqa: E402
-from flashhopper.bench import time_all_ms  # noqa: E402
+from flashhopper.bench_timing import time_all_ms  # noqa: E402
 
 try:
     from flash_attn.cute import flash_attn_func as fa4_func

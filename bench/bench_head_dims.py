@@ -8,7 +8,7 @@ run on the next compiled family) and MLA's 192/128.
 TFLOP/s: FlashAttention's count, 2 * B * H * sq * sk * (d + dv) forward (half of it causal), 2.5
 times that backward. Backward is timed through autograd (the forward runs once with requires_grad
 inputs; each timed call is torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)). Each
-number is the median of interleaved rounds of flashhopper.bench.time_all_ms (CUDA events around
+number is the median of interleaved rounds of flashhopper.bench_timing.time_all_ms (CUDA events around
 back-to-back calls). A backend that cannot run a row leaves it empty ('-', NaN in the CSV) and
 prints why. max_diff_vs_fa4 is the largest absolute difference of our out (fwd) or dq/dk/dv (bwd)
 from FA4's. A row whose (d, dv) has no family of its own for the pass also times FlashHopper on
@@ -60,7 +60,8 @@ def _fmt(value, spec=".0f"):
 
 def main(argv=None):
     import flashhopper
-    from flashhopper.bench import pass_setup, time_all_ms
+    from flashhopper.bench import pass_setup
+    from flashhopper.bench_timing import time_all_ms
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seqlens", type=int, nargs="+", default=[2048, 8192])

@@ -15,7 +15,7 @@ TFLOP/s count the visible (query, key) pairs, summed over the sequences: 4 * Hq 
 2.5x that backward. Backward is timed through autograd: the forward runs once with requires_grad
 inputs, each timed call is torch.autograd.grad(out, (q, k, v), dout, retain_graph=True) (FA3: jax.vjp
 once, each timed call a jitted call of the returned function). Each number is the median of
-interleaved rounds: every round times each PyTorch backend with flashhopper.bench.time_all_ms (CUDA
+interleaved rounds: every round times each PyTorch backend with flashhopper.bench_timing.time_all_ms (CUDA
 events around `calls` back-to-back calls), then FA3 (wall clock around `calls` back-to-back jitted
 calls and one jax.block_until_ready). A backend that fails to run a row leaves its columns empty
 (NaN in the CSV, '-' in the table, no bar) and its error is printed. max_diff_vs_* is the largest
@@ -203,7 +203,8 @@ def _max_diff(ours, theirs):
 
 def measure_row(name, lengths, causal, dense, args, peers, date, gpu, started):
     import flashhopper
-    from flashhopper.bench import from_jax, pass_setup, time_interleaved, to_jax
+    from flashhopper.bench import pass_setup
+    from flashhopper.bench_timing import from_jax, time_interleaved, to_jax
 
     fa4_varlen, fa3 = peers
     total, max_seqlen, seqs = sum(lengths), max(lengths), len(lengths)

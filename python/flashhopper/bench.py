@@ -28,7 +28,6 @@ import csv
 import datetime
 import math
 import os
-import statistics
 import sys
 import time
 
@@ -37,6 +36,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from . import interface as flashhopper  # forward / backward, no autograd
+from .bench_timing import can_time_here, time_all_ms
 
 BACKENDS = ("flashhopper", "cudnn", "flash", "flashhopper_det")  # _det: deterministic=True (backward only)
 FIELDS = ["date", "gpu", "pass", "hdim", "causal", "seqlen", "batch", "heads",
@@ -68,95 +68,6 @@ def pass_setup(pass_, call, inputs, dout):
     def fn():
         return torch.autograd.grad(out, leaves, dout, retain_graph=True)
     return fn, list(fn())
-
-
-def time_all_ms(fns, warmup=10, rounds=15, calls=10):
-    """Median per backend of `rounds` timings, each the mean of `calls` back-to-back calls, after
-    `warmup` calls. Rounds interleave the backends (A, B, C, A, B, C, ...) so that clock and power
-    drift during the run falls on all of them alike; back-to-back calls let each backend's host
-    launch cost overlap its previous call's GPU work, as in a model's forward."""
-    for fn in fns.values():
-        for _ in range(warmup):
-            fn()
-    torch.cuda.synchronize()
-    times = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(calls):
-                fn()
-            stop.record()
-            stop.synchronize()
-            times[name].append(start.elapsed_time(stop) / calls)
-    return {name: statistics.median(t) for name, t in times.items()}
-
-
-def time_interleaved(torch_fns, jax_fns, block, warmup, rounds, calls):
-    """Median per backend over `rounds` rounds; each round times every PyTorch backend once with
-    time_all_ms (rounds=1: CUDA events around `calls` back-to-back calls) and then
-    every JAX backend (wall clock around `calls` back-to-back calls and one block_until_ready)."""
-    for fn in torch_fns.values():
-        for _ in range(warmup):
-            fn()
-    for fn in jax_fns.values():
-        for _ in range(warmup):
-            block(fn())
-    torch.cuda.synchronize()
-    samples = {name: [] for name in (*torch_fns, *jax_fns)}
-    for _ in range(rounds):
-        if torch_fns:
-            for name, ms in time_all_ms(torch_fns, warmup=0, rounds=1, calls=calls).items():
-                samples[name].append(ms)
-        for name, fn in jax_fns.items():
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            for _ in range(calls):
-                result = fn()
-            block(result)
-            samples[name].append((time.perf_counter() - start) * 1e3 / calls)
-            del result
-    return {name: statistics.median(s) for name, s in samples.items()}
-
-
-# JAX peers (FlashAttention-3 through flash-attn3-jax): tensors across, by DLPack where it works.
-
-def to_jax(fa3, t):
-    """A torch CUDA tensor as a JAX array (fa3: the peer tuple whose first two items are jax and
-    jax.numpy): through DLPack (zero copy), else through the host."""
-    jax, jnp, _ = fa3
-    t = t.detach().contiguous()
-    torch.cuda.synchronize()
-    try:
-        return jax.dlpack.from_dlpack(t)
-    except Exception:
-        if t.dtype == torch.bfloat16:
-            bits = jnp.asarray(t.view(torch.int16).cpu().numpy())
-            return jax.lax.bitcast_convert_type(bits, jnp.bfloat16)
-        return jnp.asarray(t.cpu().numpy())
-
-
-def from_jax(fa3, x):
-    """A JAX array as a torch CUDA tensor: through DLPack, else through the host."""
-    jax, jnp, _ = fa3
-    try:
-        return torch.from_dlpack(x)
-    except Exception:
-        import numpy as np
-        if x.dtype == jnp.bfloat16:
-            bits = np.asarray(jax.lax.bitcast_convert_type(x, jnp.int16))
-            return torch.from_numpy(bits).view(torch.bfloat16).cuda()
-        return torch.from_numpy(np.asarray(x)).cuda()
-
-
-def can_time_here(prog: str) -> bool:
-    """Whether the kernels can run here; if not, one line on stderr saying why."""
-    if flashhopper.is_available():
-        return True
-    reason = ("PyTorch sees no CUDA GPU" if not torch.cuda.is_available() else
-              "the library has no CUDA kernels or the GPU is not an sm_90 (H100/H200)")
-    print(f"{prog}: nothing to time here: {reason}.", file=sys.stderr)
-    return False
 
 
 def main(argv=None):

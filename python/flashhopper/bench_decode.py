@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from . import flash_attn_interface as fh
-from .bench import can_time_here, from_jax, time_all_ms, time_interleaved, to_jax
+from .bench_timing import can_time_here, from_jax, time_all_ms, time_interleaved, to_jax
 
 BACKENDS = ("flashhopper", "flashhopper_graph", "flashhopper_paged", "fa3", "fa3_paged", "cudnn", "flash2")
 FIELDS = ["date", "gpu", "batch", "cache_len", "heads_q", "heads_kv", "hdim", "kv_gib",

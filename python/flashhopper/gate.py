@@ -211,7 +211,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     import torch
-    from .bench import can_time_here, time_all_ms
+    from .bench_timing import can_time_here, time_all_ms
     if not can_time_here("flashhopper.bench --gate"):
         return 1
     gpu = torch.cuda.get_device_name()

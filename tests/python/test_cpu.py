@@ -1551,3 +1551,23 @@ def test_kernel_resources_reads_cuobjdump_output():
         "        /*0040*/                   LDL.64 R4, [R1+0x8] ;",
         "        /*0050*/                   EXIT ;"])
     assert kernel_resources.local_traffic(sass) == {"_Z20forward_kernel_entryA": (3, 1, 1)}
+
+
+def test_benchmark_modules_import_no_cycle():
+    """The benchmark modules (python -m flashhopper.bench, its --decode and --gate) take their shared
+    helpers from bench_timing; none imports another that imports it back."""
+    import ast
+    package = ROOT / "python" / "flashhopper"
+    names = ("bench", "bench_decode", "gate", "bench_timing")
+    imports = {}
+    for name in names:
+        tree = ast.parse((package / f"{name}.py").read_text())
+        found = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module in names:
+                found.add(node.module)
+        imports[name] = found
+    for a in names:
+        for b in imports[a]:
+            assert a not in imports[b], f"{a} and {b} import each other"
+    assert imports["bench_timing"] == set()
