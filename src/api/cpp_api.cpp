@@ -2,7 +2,7 @@
 // device and workspace, then launch. Every refusal happens here, before anything is enqueued.
 #include <string>
 
-#include "api/problem_shape.hpp"
+#include "plan/problem_shape.hpp"
 #include "api/validate.hpp"
 #include "flashhopper/flashhopper.hpp"
 

@@ -19,7 +19,7 @@
 #include <utility>
 #include <vector>
 
-#include "api/problem_shape.hpp"
+#include "plan/problem_shape.hpp"
 
 // Returns the Status of `expr` from the enclosing function when it is a failure.
 #define FLASHHOPPER_RETURN_IF_INVALID(expr) \

@@ -5,7 +5,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "api/problem_shape.hpp"
+#include "plan/problem_shape.hpp"
 #include "hopper/common/tile_size.hpp"
 #include "hopper/common/workspace_rows.hpp"
 #include "launch/varlen_plan.hpp"

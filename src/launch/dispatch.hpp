@@ -10,7 +10,7 @@
 #include <type_traits>
 #include <utility>
 
-#include "api/problem_shape.hpp"
+#include "plan/problem_shape.hpp"
 #include "hopper/common/mask_kind.hpp"
 #include "launch/compiled_families.hpp"
 

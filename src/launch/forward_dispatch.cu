@@ -5,8 +5,8 @@
 #include <cstdint>
 #include <string>
 
-#include "api/packed_decode.hpp"
-#include "api/split_plan.hpp"
+#include "plan/packed_decode.hpp"
+#include "plan/split_plan.hpp"
 #include "hopper/common/tile_size.hpp"
 #include "launch/device_info.hpp"
 #include "launch/dispatch.hpp"

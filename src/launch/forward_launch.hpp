@@ -5,7 +5,7 @@
 
 #include <cuda_runtime_api.h>
 
-#include "api/problem_shape.hpp"
+#include "plan/problem_shape.hpp"
 #include "hopper/common/forward_features.hpp"
 #include "hopper/common/mask_kind.hpp"
 

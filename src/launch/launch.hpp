@@ -5,8 +5,8 @@
 #include <cstddef>
 #include <string>
 
-#include "api/packed_decode.hpp"
-#include "api/problem_shape.hpp"
+#include "plan/packed_decode.hpp"
+#include "plan/problem_shape.hpp"
 
 namespace flashhopper::launch {
 

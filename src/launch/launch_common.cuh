@@ -8,7 +8,7 @@
 #include <atomic>
 #include <cstdint>
 
-#include "api/problem_shape.hpp"
+#include "plan/problem_shape.hpp"
 #include "hopper/common/mask.hpp"
 #include "launch/device_info.hpp"
 

@@ -7,7 +7,7 @@
 
 #include <cuda_runtime_api.h>
 
-#include "api/problem_shape.hpp"
+#include "plan/problem_shape.hpp"
 #include "hopper/kernel/varlen_tile_planner.hpp"
 
 namespace flashhopper::launch {

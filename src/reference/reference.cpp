@@ -21,7 +21,7 @@
 #include <thread>
 #include <vector>
 
-#include "api/problem_shape.hpp"
+#include "plan/problem_shape.hpp"
 #include "reference/host_dtype.hpp"
 #include "reference/tensor_access.hpp"
 

@@ -18,7 +18,7 @@
 #include <vector>
 
 #include "flashhopper/flashhopper.hpp"
-#include "api/packed_decode.hpp"
+#include "plan/packed_decode.hpp"
 #include "reference/reference.hpp"
 #include "test_util.hpp"
 
@@ -1872,7 +1872,7 @@ TEST(ReferenceSpeed, Forward2kBy2k16HeadsHeadDim128) {
   (void)dims;
 }
 
-// ---- Decoding with GQA as the kernels run it (api/packed_decode.hpp) ---------------------------
+// ---- Decoding with GQA as the kernels run it (plan/packed_decode.hpp) ---------------------------
 
 // One query token per sequence: the query heads of a KV head read as the rows of one head (strided
 // views of q, out and lse) give the same attention, over a KV cache with its extras, causal or

@@ -14,7 +14,7 @@
 #include <utility>
 #include <vector>
 
-#include "api/split_plan.hpp"
+#include "plan/split_plan.hpp"
 #include "api/validate.hpp"
 #include "launch/compiled_families.hpp"
 #include "flashhopper/flashhopper.h"
@@ -1612,7 +1612,7 @@ TEST(Threads, LastErrorIsPerThread) {
 
 }  // namespace
 
-// ---- The split-KV count of num_splits = 0 (api/split_plan.hpp) ------------------------------
+// ---- The split-KV count of num_splits = 0 (plan/split_plan.hpp) ------------------------------
 
 TEST(SplitPlan, NoSplitWhenTheTilesFillTheGpu) {
   EXPECT_EQ(fh::detail::choose_num_splits(/*tiles=*/132, /*key_blocks=*/800, /*num_sms=*/132, 1000), 1);

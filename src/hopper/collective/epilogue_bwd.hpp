@@ -6,7 +6,7 @@
 #include <cute/tensor.hpp>
 #include <cutlass/cutlass.h>
 
-#include "hopper/collective/mainloop_bwd.hpp"
+#include "hopper/common/backward_block.hpp"
 #include "hopper/common/utils.hpp"
 
 namespace flashhopper::hopper {

@@ -22,6 +22,7 @@
 #include <cutlass/gemm/collective/builders/sm90_common.inl>
 #include <cutlass/pipeline/pipeline.hpp>
 
+#include "hopper/common/backward_block.hpp"
 #include "hopper/common/mask.hpp"
 #include "hopper/common/named_barrier.hpp"
 #include "hopper/common/score_transform.hpp"
@@ -33,24 +34,6 @@
 namespace flashhopper::hopper {
 
 using namespace cute;
-
-// What a (key block, key head, sequence) CTA works on: it owns one key head's K and V and
-// walks every query head of its group (GQA), so dK and dV sum the group in registers.
-struct BackwardBlock {
-  int n_block;
-  int head_kv;
-  SeqlenInfo seq;
-  int m_block_min;
-  int m_block_max;
-};
-
-// dQaccum tiles are stored in the order the MMA warpgroups hold them, so registers -> shared or
-// global memory is one conflict-free float4 per thread per step: warpgroup w owns the tile's
-// half w; in it, the thread's values v = 4r .. 4r + 3 sit at r * 512 + thread * 4.
-template <int kTileFloats>
-CUTLASS_HOST_DEVICE constexpr int dq_accum_offset(int warp_group, int thread_in_group, int r) {
-  return warp_group * (kTileFloats / 2) + r * 512 + thread_in_group * 4;
-}
 
 CUTLASS_DEVICE void bulk_reduce_add_f32(float* gmem, float const* smem, int bytes) {
   const uint32_t smem_addr = cute::cast_smem_ptr_to_uint(smem);

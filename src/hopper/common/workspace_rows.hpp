@@ -14,6 +14,14 @@
 
 namespace flashhopper::hopper {
 
+// dQaccum tiles are stored in the order the MMA warpgroups hold them, so registers -> shared or
+// global memory is one conflict-free float4 per thread per step: warpgroup w owns the tile's
+// half w; in it, the thread's values v = 4r .. 4r + 3 sit at r * 512 + thread * 4.
+template <int kTileFloats>
+CUTLASS_HOST_DEVICE constexpr int dq_accum_offset(int warp_group, int thread_in_group, int r) {
+  return warp_group * (kTileFloats / 2) + r * 512 + thread_in_group * 4;
+}
+
 struct BackwardWorkspacePointers {
   // A multiple of every backward kBlockM.
   static constexpr int kRowAlign = 128;

@@ -13,8 +13,9 @@
 #include <cutlass/cutlass.h>
 #include <cutlass/numeric_types.h>
 
-#include "hopper/collective/mainloop_bwd.hpp"
+#include "hopper/common/seqlen.hpp"
 #include "hopper/common/utils.hpp"
+#include "hopper/common/workspace_rows.hpp"
 
 namespace flashhopper::hopper {
 

@@ -2,7 +2,7 @@
 // that the CPU tests can check that it computes the same attention.
 #pragma once
 
-#include "api/problem_shape.hpp"
+#include "plan/problem_shape.hpp"
 
 namespace flashhopper::detail {
 
