@@ -15,6 +15,7 @@
 #include <cutlass/gemm/collective/builders/sm90_common.inl>
 #include <cutlass/pipeline/pipeline.hpp>
 
+#include "hopper/collective/paged_kv_loads.hpp"
 #include "hopper/common/forward_features.hpp"
 #include "hopper/common/mask.hpp"
 #include "hopper/common/named_barrier.hpp"
@@ -90,72 +91,12 @@ struct ForwardMainloop {
       SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), ShapeQKV{}, StrideVt{}),
       take<0, 2>(SmemLayoutVt{}), Shape<Int<kHeadDimV>, Int<kBlockN>>{}, _1{}));
 
-  // A paged KV cache: K and Vt viewed per page, (page_size, d, heads, pages) and (dv, page_size,
-  // heads, pages). Where the pages hold whole chunks of 32 keys (else of 16), a stage loads as such
-  // chunks, one TMA box each, each from its own page. Other page sizes are gathered: the producer
-  // warpgroup's threads copy the stage 16 bytes at a time (cp.async), each key from its page.
-  // Fewer keys a box load slower; the gather slower still (bench/RESULTS.md).
-  static constexpr int kPageRowsLarge = 32;
-  static constexpr int kPageRowsSmall = 16;
-  static constexpr bool kLargeChunks = kBlockN % kPageRowsLarge == 0;
-  static_assert(kBlockN % kPageRowsSmall == 0, "a key block is a whole number of 16-key chunks");
-  static constexpr int kGatherThreads = cutlass::NumThreadsPerWarpGroup;
-  template <int kRows>
-  using PageChunkK = Shape<Int<kRows>, Int<kHeadDim>>;
-  template <int kRows>
-  using PageChunkVt = Shape<Int<kHeadDimV>, Int<kRows>>;
-  // The TMA loads of one chunk of kRows keys, K's and Vt's.
-  template <int kRows_>
-  struct PageChunkTmas {
-    static constexpr int kRows = kRows_;
-    using SmemLayoutK1 = decltype(layout<0>(zipped_divide(take<0, 2>(SmemLayoutK{}), PageChunkK<kRows>{})));
-    using SmemLayoutVt1 = decltype(layout<0>(zipped_divide(take<0, 2>(SmemLayoutVt{}), PageChunkVt<kRows>{})));
-    using TmaK1 = decltype(make_tma_copy(
-        SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), ShapeQKV{}, StrideQK{}),
-        SmemLayoutK1{}, PageChunkK<kRows>{}, _1{}));
-    using TmaVt1 = decltype(make_tma_copy(
-        SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), ShapeQKV{}, StrideVt{}),
-        SmemLayoutVt1{}, PageChunkVt<kRows>{}, _1{}));
-    TmaK1 k;
-    TmaVt1 vt;
-
-    template <class TensorK, class TensorVt>
-    static PageChunkTmas make(TensorK const& mK, TensorVt const& mVt) {
-      return {make_tma_copy(SM90_TMA_LOAD{}, mK, SmemLayoutK1{}, PageChunkK<kRows>{}, _1{}),
-              make_tma_copy(SM90_TMA_LOAD{}, mVt, SmemLayoutVt1{}, PageChunkVt<kRows>{}, _1{})};
-    }
-    CUTLASS_DEVICE void prefetch() const {
-      cute::prefetch_tma_descriptor(k.get_tma_descriptor());
-      cute::prefetch_tma_descriptor(vt.get_tma_descriptor());
-    }
-  };
-  struct NoPageChunkTmas {
-    static constexpr int kRows = 0;
-    template <class TensorK, class TensorVt>
-    static NoPageChunkTmas make(TensorK const&, TensorVt const&) {
-      return {};
-    }
-    CUTLASS_DEVICE void prefetch() const {}
-  };
-  // Where the gather reads K (or V): key `row` of page `page` for KV head h at
-  // ptr + page * page_stride + row * row_stride + h * head_stride.
-  struct GatherSource {
-    Element const* ptr = nullptr;
-    int64_t page_stride = 0, row_stride = 0, head_stride = 0;
-    int dim = 0;  // the call's head dim: columns past it are zero-filled
-  };
-  enum class PagedMode : int { kNone, kLargeChunks, kSmallChunks, kGather };
-  // A paged call's loads: only the chunk loads its page size takes are encoded (each descriptor
-  // costs host time per call).
-  struct PagedLoads {
-    cute::conditional_t<kLargeChunks, PageChunkTmas<kPageRowsLarge>, NoPageChunkTmas> large;
-    PageChunkTmas<kPageRowsSmall> small;
-    GatherSource k, v;
-    PagedMode mode = PagedMode::kNone;
-  };
-
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
   using PipelineState = cutlass::PipelineState<kStages>;
+  // A paged KV cache's loads (kPagedKv only).
+  using Paged = PagedKvLoads<Element, kBlockN, kHeadDim, kHeadDimV, SmemLayoutK, SmemLayoutVt, ShapeQKV, StrideQK,
+                             StrideVt, Pipeline, PipelineState>;
+  using PagedMode = typename Paged::PagedMode;
 
   static constexpr uint32_t kTmaBytesQ = cosize_v<SmemLayoutQ> * sizeof(Element);
   static constexpr uint32_t kTmaBytesK = size(take<0, 2>(SmemLayoutK{})) * sizeof(Element);
@@ -202,20 +143,13 @@ struct ForwardMainloop {
     float const* learnable_sink;
     cutlass::FastDivmod heads_per_kv_head;
     SeqlenParams seqlen;
-    PagedLoads paged;  // paged only
-    int const* page_table;
-    int64_t page_table_stride;
-    int page_size;
-    cutlass::FastDivmod page_size_divmod;
+    typename Paged::Params paged;  // paged only
   };
 
-  // The producer's threads: the warpgroup when it gathers a paged cache, a warp when it loads one
-  // in TMA chunks (each lane its own), else one thread.
+  // The producer's threads: one, or a warp or the warpgroup for a paged cache.
   CUTLASS_HOST_DEVICE static int producer_threads(Params const& params) {
     if constexpr (!kPagedKv) return 1;
-    return params.paged.mode == PagedMode::kGather ? kGatherThreads
-           : params.paged.mode == PagedMode::kNone ? 1
-                                                   : cutlass::NumThreadsPerWarp;
+    return Paged::producer_threads(params.paged);
   }
 
   // What completes a K or V stage: TMA bytes and thread 0's arrival; when the warpgroup gathers,
@@ -224,7 +158,7 @@ struct ForwardMainloop {
     uint32_t bytes_k, bytes_v, arrivals;
   };
   CUTLASS_HOST_DEVICE static KvStageCompletion kv_stage_completion(Params const& params) {
-    if (kPagedKv && params.paged.mode == PagedMode::kGather) return {0, 0, 1 + kGatherThreads};
+    if (kPagedKv && params.paged.mode == PagedMode::kGather) return {0, 0, 1 + Paged::kGatherThreads};
     return {kTmaBytesK, kTmaBytesV, 1};
   }
 
@@ -239,21 +173,10 @@ struct ForwardMainloop {
                                  Shape<Int<kHeadDimV>, Int<kBlockN>>{}, _1{});
     const int heads_per_kv_head = get<2>(args.shape_q) / get<2>(args.shape_k);
     const float scale = Transform::softmax_scale(args.softmax_scale, args.softcap);
-    PagedLoads paged;
+    typename Paged::Params paged;
     if (kPagedKv && args.page_table != nullptr) {
-      if (kLargeChunks && args.page_size % kPageRowsLarge == 0) {
-        paged.mode = PagedMode::kLargeChunks;
-        paged.large = decltype(paged.large)::make(mK, mVt);
-      } else if (args.page_size % kPageRowsSmall == 0) {
-        paged.mode = PagedMode::kSmallChunks;
-        paged.small = PageChunkTmas<kPageRowsSmall>::make(mK, mVt);
-      } else {
-        paged.mode = PagedMode::kGather;
-        paged.k = {args.ptr_k, get<3>(args.stride_k), get<0>(args.stride_k), get<2>(args.stride_k),
-                   get<1>(args.shape_k)};
-        paged.v = {args.ptr_v, get<3>(args.stride_vt), get<1>(args.stride_vt), get<2>(args.stride_vt),
-                   get<0>(args.shape_vt)};
-      }
+      paged = Paged::make(mK, mVt, args.ptr_k, args.stride_k, args.ptr_v, args.stride_vt, args.page_table,
+                          args.page_table_stride, args.page_size);
     }
     return {args.shape_q,
             args.shape_k,
@@ -268,157 +191,14 @@ struct ForwardMainloop {
             args.learnable_sink,
             cutlass::FastDivmod(heads_per_kv_head),
             args.seqlen,
-            paged,
-            args.page_table,
-            args.page_table_stride,
-            args.page_size,
-            cutlass::FastDivmod(args.page_table != nullptr ? args.page_size : 1)};
+            paged};
   }
 
   CUTLASS_DEVICE static void prefetch_tma_descriptors(Params const& params) {
     cute::prefetch_tma_descriptor(params.tma_q.get_tma_descriptor());
     cute::prefetch_tma_descriptor(params.tma_k.get_tma_descriptor());
     cute::prefetch_tma_descriptor(params.tma_vt.get_tma_descriptor());
-    if constexpr (kPagedKv) {
-      if (params.paged.mode == PagedMode::kLargeChunks) params.paged.large.prefetch();
-      if (params.paged.mode == PagedMode::kSmallChunks) params.paged.small.prefetch();
-    }
-  }
-
-  // Paged, TMA chunks: one stage of key block n_block as kBlockN / kRows chunk loads on the
-  // stage's barrier (their bytes add up to the stage's), issued by the producer warp, lane l taking
-  // chunks l, l + 32, ... Each lane reads its chunks' page numbers before the stage is free, so the
-  // page table's latency hides behind that wait. A chunk past the sequence's keys reads rows beyond
-  // its page's extent, which the TMA fills with zeros: the page table is read only within the
-  // sequence and no stale value reaches P V.
-  template <bool kIsV, int kRows, class Tma, class TensorStages>
-  CUTLASS_DEVICE static void load_paged_stage(Params const& params, Pipeline& pipeline, PipelineState& state,
-                                              Tma const& tma, TensorStages const& stages, SeqlenInfo const& seq,
-                                              int head_kv, int n_block) {
-    constexpr int kChunks = kBlockN / kRows;
-    constexpr int kChunksPerLane = (kChunks + 31) / 32;
-    const int lane = cutlass::canonical_lane_idx();
-    int const* table = params.page_table + seq.batch * params.page_table_stride;
-    // Each chunk's first key as its row in the cache seen as one column of pages (page *
-    // page_size + row in the page), or -1 past the sequence.
-    int cache_row[kChunksPerLane];
-    CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < kChunksPerLane; ++i) {
-      const int key = n_block * kBlockN + (lane + 32 * i) * kRows;
-      int page_index, row_in_page;
-      params.page_size_divmod(page_index, row_in_page, key);
-      cache_row[i] = key < seq.seqlen_k ? __ldg(table + page_index) * params.page_size + row_in_page : -1;
-    }
-    pipeline.producer_acquire(state);  // every lane waits; thread 0 arms the barrier
-    __syncwarp();
-    auto& barrier = *pipeline.producer_get_barrier(state);
-    Tensor pages = tma.get_tma_tensor(kIsV ? params.shape_vt : params.shape_k);
-    CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < kChunksPerLane; ++i) {
-      const int chunk = lane + 32 * i;
-      if (kChunks % 32 == 0 || chunk < kChunks) {
-        int page = 0, row = params.page_size;  // past the page: zeros
-        if (cache_row[i] >= 0) params.page_size_divmod(page, row, cache_row[i]);
-        Tensor g = key_chunk<kIsV, kRows>(pages(_, _, head_kv, page), row / kRows);
-        Tensor s = key_chunk<kIsV, kRows>(stages(_, _, state.index()), chunk);
-        auto [src, dst] = tma_partition(tma, _0{}, Layout<_1>{}, group_modes<0, 2>(s), group_modes<0, 2>(g));
-        copy(tma.with(barrier), src, dst);
-      }
-    }
-    ++state;
-  }
-
-  // Paged, gathered: the producer warpgroup copies key block n_block into the stage, warp w the
-  // keys [w, w + 1) * kBlockN / 4, 16 bytes a lane and copy; keys past the sequence and columns
-  // past the call's head dim as zeros. A warp's copy covers 8 keys x 64 bytes (4 lanes a key), so
-  // that a lane's keys are 8 apart: one swizzle atom's rows, at a fixed distance in the stage, so
-  // its addresses are one add apart. Lane l finds where its warp's keys l, l + 32 lie in the cache
-  // (page table and strides) before the stage is free, so the page table's latency hides behind
-  // that wait, and hands those element offsets to the lanes that copy the keys: a copy then costs
-  // a shuffle, a few adds and the cp.async to a 32-bit shared address, with no page-table read,
-  // division or generic pointer in the loop (what the producer's 24 registers afford without
-  // spilling there). The stage's barrier counts thread 0's arrival (producer_acquire) and one of
-  // each thread, made when its copies land (kv_stage_completion): the phase completes with the
-  // last copy. The counting form of cp.async.mbarrier.arrive under a single expected arrival and
-  // a cancelled byte count is as correct, but synccheck reports it
-  // (scripts/probes/cp_async_barrier_probe.cu).
-  template <bool kIsV, class TensorStages>
-  CUTLASS_DEVICE static void gather_stage(Params const& params, Pipeline& pipeline, PipelineState& state,
-                                          TensorStages const& stages, SeqlenInfo const& seq, int head_kv,
-                                          int n_block) {
-    constexpr int kWarps = kGatherThreads / cutlass::NumThreadsPerWarp;
-    constexpr int kKeysPerWarp = kBlockN / kWarps;
-    constexpr int kLookups = (kKeysPerWarp + 31) / 32;
-    constexpr int kPieceElements = 16 / int(sizeof(Element));
-    constexpr int kPiecesPerKey = (kIsV ? kHeadDimV : kHeadDim) / kPieceElements;
-    constexpr int kLanesPerKey = 4;
-    constexpr int kKeysPerCopy = cutlass::NumThreadsPerWarp / kLanesPerKey;  // 8: a swizzle atom's rows
-    constexpr int kKeyGroups = (kKeysPerWarp + kKeysPerCopy - 1) / kKeysPerCopy;
-    static_assert(kBlockN % kWarps == 0 && kLookups <= 2 && kPiecesPerKey % kLanesPerKey == 0);
-    GatherSource const& source = kIsV ? params.paged.v : params.paged.k;
-    const int lane = cutlass::canonical_lane_idx();
-    const int first_row = cutlass::canonical_warp_idx() * kKeysPerWarp;  // in the stage
-    const int first_key = n_block * kBlockN + first_row;
-    int const* table = params.page_table + seq.batch * params.page_table_stride;
-    // Key first_key + lane + 32 r's first element, counted from the KV head's, or -1 past the
-    // sequence.
-    int64_t key_offset[kLookups];
-    CUTLASS_PRAGMA_UNROLL
-    for (int r = 0; r < kLookups; ++r) {
-      const int key = first_key + lane + 32 * r;
-      int page_index, row_in_page;
-      params.page_size_divmod(page_index, row_in_page, key);
-      key_offset[r] = lane + 32 * r < kKeysPerWarp && key < seq.seqlen_k
-                          ? __ldg(table + page_index) * source.page_stride + row_in_page * source.row_stride
-                          : int64_t(-1);
-    }
-    Element const* head = source.ptr + head_kv * source.head_stride;
-    // The stages' layout over their base's shared-space address, so that an element's "pointer"
-    // is its 32-bit shared address, swizzle included: the swizzle acts on address bits below the
-    // base's 1024-byte alignment, the same in the generic and the shared space. Its elements are
-    // only ever addressed, never read or written.
-    using StageLayout = cute::conditional_t<kIsV, SmemLayoutVt, SmemLayoutK>;
-    const uint32_t stage_base = cute::cast_smem_ptr_to_uint(raw_pointer_cast(stages.data()));
-    Tensor shared_addresses =
-        make_tensor(make_smem_ptr(reinterpret_cast<Element*>(uintptr_t(stage_base))), StageLayout{});
-    const int stage = state.index();
-    auto shared_address = [&](int key, int col) {
-      Element const& e = kIsV ? shared_addresses(col, key, stage) : shared_addresses(key, col, stage);
-      return uint32_t(reinterpret_cast<uintptr_t>(&e));
-    };
-    const uint32_t key_group_bytes = shared_address(kKeysPerCopy, 0) - shared_address(0, 0);
-    const int lane_key = lane / kLanesPerKey;  // keys lane_key + 8 m of the warp's
-    pipeline.producer_acquire(state);
-    uint64_t* barrier = pipeline.producer_get_barrier(state);
-    CUTLASS_PRAGMA_NO_UNROLL
-    for (int step = 0; step < kPiecesPerKey / kLanesPerKey; ++step) {
-      const int col = (lane % kLanesPerKey + kLanesPerKey * step) * kPieceElements;
-      const bool col_valid = col < source.dim;
-      const uint32_t to = shared_address(first_row + lane_key, col);
-      CUTLASS_PRAGMA_UNROLL
-      for (int m = 0; m < kKeyGroups; ++m) {
-        const int key = lane_key + kKeysPerCopy * m;
-        // Keys 0..31 of the warp are held in key_offset[0], 32.. in [1]: the same for the whole warp.
-        const int64_t held = kLookups == 1 || kKeysPerCopy * m < 32 ? key_offset[0] : key_offset[kLookups - 1];
-        const int64_t offset = __shfl_sync(0xffffffff, held, key % 32);
-        if (kKeysPerWarp % kKeysPerCopy == 0 || key < kKeysPerWarp) {
-          const bool valid = offset >= 0 && col_valid;
-          cp_async_16_zfill(to + m * key_group_bytes, head + (valid ? offset + col : 0), valid);
-        }
-      }
-    }
-    cutlass::arch::cpasync_barrier_arrive_noinc(barrier);  // once this thread's copies have landed
-    ++state;
-  }
-
-  // Chunk c of kRows keys of a K tile (keys, d) or a Vt tile (dv, keys).
-  template <bool kIsV, int kRows, class Tensor2>
-  CUTLASS_DEVICE static auto key_chunk(Tensor2 const& tile, int c) {
-    if constexpr (kIsV) {
-      return local_tile(tile, PageChunkVt<kRows>{}, make_coord(_0{}, c));
-    } else {
-      return local_tile(tile, PageChunkK<kRows>{}, make_coord(c, _0{}));
-    }
+    if constexpr (kPagedKv) Paged::prefetch(params.paged);
   }
 
   CUTLASS_DEVICE static SeqlenInfo seqlen_info(Params const& params, WorkTile const& work) {
@@ -479,23 +259,10 @@ struct ForwardMainloop {
         if constexpr (kIsV) return sVt; else return sK;
       }();
       if (kPagedKv && params.paged.mode == PagedMode::kGather) {
-        gather_stage<kIsV>(params, pipeline, state, stages, seq, head_kv, n_block);
+        Paged::template gather_stage<kIsV>(params.paged, pipeline, state, stages, seq, head_kv, n_block);
       } else if (kPagedKv && params.paged.mode != PagedMode::kNone) {
-        auto load_chunks = [&](auto const& tmas) {
-          constexpr int kRows = cute::remove_cvref_t<decltype(tmas)>::kRows;
-          if constexpr (kRows > 0) {
-            if constexpr (kIsV) {
-              load_paged_stage<kIsV, kRows>(params, pipeline, state, tmas.vt, stages, seq, head_kv, n_block);
-            } else {
-              load_paged_stage<kIsV, kRows>(params, pipeline, state, tmas.k, stages, seq, head_kv, n_block);
-            }
-          }
-        };
-        if (params.paged.mode == PagedMode::kLargeChunks) {
-          load_chunks(params.paged.large);
-        } else {
-          load_chunks(params.paged.small);
-        }
+        Paged::template load_chunks_stage<kIsV>(params.paged, kIsV ? params.shape_vt : params.shape_k, pipeline,
+                                                state, stages, seq, head_kv, n_block);
       } else if constexpr (kIsV) {
         tma_load_stage(pipeline, state, params.tma_vt, tVgVt(_, n_block), tVsVt);
       } else {
