@@ -198,6 +198,27 @@ struct ForwardEpilogue {
     store_accumulator_rows(tOrO, tOcO, gO, seq.capacity_q - work.block * kBlockM, get<1>(params.shape_o));
   }
 
+  // A finished tile's O and LSE, by the path its call takes: a split's float32 partials; else one
+  // TMA store through shared memory (kOStaged: the kernel has O's buffer, smem_o) where the tile
+  // ends within its sequence (in a packed batch a whole-tile store could spill into the next
+  // sequence); else straight from registers.
+  template <bool kOStaged, int kRows, class TensorO>
+  CUTLASS_DEVICE static void store_tile(Params const& params, TensorO const& tOrO, float const (&lse)[kRows],
+                                        Element* smem_o, int thread_idx, WorkTile const& work,
+                                        SeqlenInfo const& seq) {
+    if (split_kv(params)) {
+      store_partial(params, tOrO, lse, thread_idx, work, seq);
+    } else if constexpr (kOStaged) {
+      if (tma_store_fits(params, work, seq)) {
+        store(params, tOrO, lse, smem_o, thread_idx, work, seq);
+      } else {
+        store_direct(params, tOrO, lse, thread_idx, work, seq);
+      }
+    } else {
+      store_direct(params, tOrO, lse, thread_idx, work, seq);
+    }
+  }
+
   // Split-KV: the split's normalised O and its LSE as float32 partials, from registers.
   template <int kRows, class TensorO>
   CUTLASS_DEVICE static void store_partial(Params const& params, TensorO const& tOrO, float const (&lse)[kRows],

@@ -80,6 +80,15 @@ struct ForwardKernel {
     typename Scheduler::Params scheduler;
   };
 
+  // O's shared-memory buffer, where the kernel has one (kOStagedInSmem), else null.
+  CUTLASS_DEVICE static Element* o_buffer(SharedStorage& storage) {
+    if constexpr (kOStagedInSmem) {
+      return storage.smem_o.data();
+    } else {
+      return nullptr;
+    }
+  }
+
   // The key blocks a tile walks: its query block's, or its split's part of them.
   CUTLASS_DEVICE static auto key_blocks(Params const& params, SeqlenInfo const& seq, WorkTile const& work) {
     const auto blocks = Mainloop::make_mask(params.mainloop, seq).key_blocks(work.block);
@@ -170,20 +179,11 @@ struct ForwardKernel {
         Tensor o_rowcol = make_tensor(tOrO.data(), accumulator_rowcol(tOrO.layout()));
         scale_rows(o_rowcol, o_scale);
         // Rows past seqused_q: O = 0, LSE = -inf.
-        if (Mainloop::kPacked && seq.seqlen_q < seq.capacity_q) Epilogue::clear_unused_rows(o_rowcol, lse, thread_idx, work, seq);
-        if (Epilogue::split_kv(params.epilogue)) {
-          Epilogue::store_partial(params.epilogue, tOrO, lse, thread_idx, work, seq);
-        } else if constexpr (kOStagedInSmem) {
-          // The TMA store writes whole tiles: in a packed batch only those that end within their
-          // sequence (the others would spill into the next one).
-          if (Epilogue::tma_store_fits(params.epilogue, work, seq)) {
-            Epilogue::store(params.epilogue, tOrO, lse, storage.smem_o.data(), thread_idx, work, seq);
-          } else {
-            Epilogue::store_direct(params.epilogue, tOrO, lse, thread_idx, work, seq);
-          }
-        } else {
-          Epilogue::store_direct(params.epilogue, tOrO, lse, thread_idx, work, seq);
+        if (Mainloop::kPacked && seq.seqlen_q < seq.capacity_q) {
+          Epilogue::clear_unused_rows(o_rowcol, lse, thread_idx, work, seq);
         }
+        Epilogue::template store_tile<kOStagedInSmem>(params.epilogue, tOrO, lse, o_buffer(storage), thread_idx,
+                                                      work, seq);
       }
       // Shared memory must outlive the last TMA store.
       if constexpr (kOStagedInSmem) {
