@@ -1,8 +1,8 @@
 # Which kernel instantiations this build compiles: the families of the chosen kernel set in the
 # manifest (scripts/kernel_manifest.py, generated into cmake/kernel_manifest.cmake), each with
-# every mask kind and softcap (and, forward, each feature set). FLASHHOPPER_KERNEL_SET (the set's index) reaches the dispatch
-# (src/launch/compiled_families.hpp), so a call for a family left out is refused by name rather
-# than failing to link.
+# every mask kind and softcap (and, forward, each feature set). FLASHHOPPER_KERNEL_SET (the set's
+# index) reaches the dispatch (src/launch/compiled_families.hpp), so a call for a family left out
+# is refused by name rather than failing to link.
 include(${CMAKE_CURRENT_LIST_DIR}/kernel_manifest.cmake)
 list(FIND FLASHHOPPER_KERNEL_SETS "${FLASHHOPPER_KERNELS}" _set_index)
 if(_set_index LESS 0)
