@@ -29,8 +29,9 @@ Differences from FlashAttention-3 worth knowing:
 - Inputs are not copied to make them contiguous: a last dim with stride != 1 (or other strides not
   a multiple of 16 bytes) raises ValueError; call .contiguous() yourself.
 - window_size also takes None for an unbounded side (FlashAttention-4's spelling, as -1); its
-  bounds must be ints >= -1 (FA3 converts with int()). learnable_sink is a keyword after FA3's
-  parameters, so FA3's positional calls keep their meaning.
+  bounds must be ints >= -1 (FA3 converts with int()), given as ints or, as FA3 allows, a CPU
+  integer tensor (a tensor on the GPU is refused: reading it would wait for the device).
+  learnable_sink is a keyword after FA3's parameters, so FA3's positional calls keep their meaning.
 - pack_gqa is a tuning hint in FA3 and is accepted and ignored here (the library packs a decode's
   query heads itself). num_splits > 1 splits the keys (split-KV; flash_attn_varlen_func raises
   FlashHopperNotSupported for it), and 0 lets the library choose from the shapes, as FA3; packed
