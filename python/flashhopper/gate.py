@@ -39,7 +39,7 @@ class Row:
     name: str
     pass_: str       # "fwd", "bwd" or "decode"
     tokens: int      # the sequence length that decides the noise allowance
-    make: Callable   # make(pass_) -> (fn, amount of work per call); needs torch and a GPU
+    make: Callable   # make() -> (fn, work per call: FLOP or bytes); needs torch and a GPU
     unit: str = "TFLOP/s"
 
     @property
@@ -129,7 +129,7 @@ def visible_pairs(seqlen: int, window=(-1, -1), causal: bool = False) -> int:
 
 def _attention_row(name, pass_, batch, seqlen, heads_q, heads_kv, hdim, causal=False, window=(-1, -1),
                    softcap=0.0, sink=False, lengths=None):
-    def make(pass_=pass_):
+    def make():
         import torch
         from . import interface as fh
         if lengths is None:
@@ -156,7 +156,7 @@ def _attention_row(name, pass_, batch, seqlen, heads_q, heads_kv, hdim, causal=F
 
 
 def _decode_row(name, batch, cache_len, page_size=0):
-    def make(pass_="decode"):
+    def make():
         import torch
         from . import flash_attn_interface as fai
         q = torch.randn(batch, 1, HEADS_Q, FEATURE_HDIM, device="cuda", dtype=torch.bfloat16)

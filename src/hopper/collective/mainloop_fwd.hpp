@@ -175,8 +175,7 @@ struct ForwardMainloop {
     const float scale = Transform::softmax_scale(args.softmax_scale, args.softcap);
     typename Paged::Params paged;
     if (kPagedKv && args.page_table != nullptr) {
-      paged = Paged::make(mK, mVt, args.ptr_k, args.stride_k, args.ptr_v, args.stride_vt, args.page_table,
-                          args.page_table_stride, args.page_size);
+      paged = Paged::make(mK, mVt, args.page_table, args.page_table_stride, args.page_size);
     }
     return {args.shape_q,
             args.shape_k,

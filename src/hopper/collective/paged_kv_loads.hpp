@@ -85,11 +85,10 @@ struct PagedKvLoads {
     cutlass::FastDivmod page_size_divmod{1};
   };
 
-  // mK, mVt: the per-page views of K and Vt, over ptr_k and ptr_v with strides stride_k, stride_vt.
+  // mK, mVt: the per-page views of K and Vt (the gather reads their pointers and strides).
   template <class TensorK, class TensorVt>
-  static Params make(TensorK const& mK, TensorVt const& mVt, Element const* ptr_k, StrideQK const& stride_k,
-                     Element const* ptr_v, StrideVt const& stride_vt, int const* page_table,
-                     int64_t page_table_stride, int page_size) {
+  static Params make(TensorK const& mK, TensorVt const& mVt, int const* page_table, int64_t page_table_stride,
+                     int page_size) {
     Params params;
     if (kLargeChunks && page_size % kPageRowsLarge == 0) {
       params.mode = PagedMode::kLargeChunks;
@@ -99,8 +98,10 @@ struct PagedKvLoads {
       params.small = PageChunkTmas<kPageRowsSmall>::make(mK, mVt);
     } else {
       params.mode = PagedMode::kGather;
-      params.k = {ptr_k, get<3>(stride_k), get<0>(stride_k), get<2>(stride_k), int(get<1>(mK.shape()))};
-      params.v = {ptr_v, get<3>(stride_vt), get<1>(stride_vt), get<2>(stride_vt), int(get<0>(mVt.shape()))};
+      params.k = {raw_pointer_cast(mK.data()), get<3>(mK.stride()), get<0>(mK.stride()), get<2>(mK.stride()),
+                  int(get<1>(mK.shape()))};
+      params.v = {raw_pointer_cast(mVt.data()), get<3>(mVt.stride()), get<1>(mVt.stride()), get<2>(mVt.stride()),
+                  int(get<0>(mVt.shape()))};
     }
     params.page_table = page_table;
     params.page_table_stride = page_table_stride;
