@@ -68,8 +68,13 @@ def main(argv=None):
     parser.add_argument("--causal", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--calls", type=int, default=5)
+    parser.add_argument("--hdims", type=int, nargs="+", default=None,
+                        help="only the rows of these head dims d (default: every row)")
     parser.add_argument("--out", default="bench")
     args = parser.parse_args(argv)
+    rows_dv = [(d, dv) for d, dv in ROWS if args.hdims is None or d in args.hdims]
+    if not rows_dv:
+        parser.error(f"--hdims {args.hdims}: no row has these head dims (rows: {ROWS})")
     os.makedirs(args.out, exist_ok=True)
     try:
         from flash_attn.cute import flash_attn_func as fa4_func
@@ -80,9 +85,9 @@ def main(argv=None):
     gpu, date = torch.cuda.get_device_name(), datetime.date.today().isoformat()
     csv_path = os.path.join(args.out, f"bench_head_dims_{date}.csv")
     rows, started = [], time.monotonic()
-    total = len(ROWS) * len(args.causal) * len(args.seqlens) * 2
+    total = len(rows_dv) * len(args.causal) * len(args.seqlens) * 2
     torch.manual_seed(0)
-    for d, dv in ROWS:
+    for d, dv in rows_dv:
         for causal in args.causal:
             for seqlen in args.seqlens:
                 batch, heads = TOTAL_TOKENS // seqlen, max(8, MODEL_DIM // d)
