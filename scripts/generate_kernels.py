@@ -28,12 +28,11 @@ LAUNCH = {  # header, function, its parameter types
 
 def instantiation(family: manifest.Family, kind: str, softcap: str, features) -> str:
     header, function, parameters = LAUNCH[family.pass_]
-    features = "" if features is None else f", hopper::ForwardFeatures::{features}"
     return f"""// {HEADER}
 #include "launch/{header}"
 
 namespace flashhopper::launch {{
-template cudaError_t {function}<{manifest.DTYPES[family.dtype]}, {family.head_dim}, {family.head_dim_v}, hopper::MaskKind::{kind}, {softcap}{features}>(
+template cudaError_t {function}<{manifest.DTYPES[family.dtype]}, {family.head_dim}, {family.head_dim_v}, hopper::MaskKind::{kind}, {softcap}, {features}>(
     {parameters});
 }}  // namespace flashhopper::launch
 """

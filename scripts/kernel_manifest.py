@@ -31,6 +31,11 @@ SOFTCAP = {"": "false", "_softcap": "true"}
 # kernel without any of their code, any other on the one with all of them.
 FORWARD_FEATURE_SETS = {"": "kNone", "_general": "kAll"}
 
+# And into every backward family: whether its kernels take packed batches (cu_seqlens, seqused),
+# file suffix -> kPacked. A call with packed batches runs on "true", any other on "false", which
+# carries none of their code (src/launch/backward_dispatch.cu).
+BACKWARD_FEATURE_SETS = {"": "false", "_packed": "true"}
+
 
 @dataclasses.dataclass(frozen=True)
 class HeadDims:
@@ -81,9 +86,12 @@ def families() -> list[Family]:
 
 
 def variants(pass_: str) -> list[tuple[str, str, str, str]]:
-    """(file suffix, MaskKind enumerator, softcap, ForwardFeatures enumerator or None) compiled for
-    every family of the pass."""
-    features = FORWARD_FEATURE_SETS if pass_ == "fwd" else {"": None}
+    """(file suffix, MaskKind enumerator, softcap, features) compiled for every family of the pass;
+    features: the launch's last template argument (a ForwardFeatures enumerator, or kPacked)."""
+    if pass_ == "fwd":
+        features = {suffix: f"hopper::ForwardFeatures::{v}" for suffix, v in FORWARD_FEATURE_SETS.items()}
+    else:
+        features = BACKWARD_FEATURE_SETS
     return [(f"{mask}{suffix}{features_suffix}", kind, softcap, feature_set)
             for features_suffix, feature_set in features.items()
             for mask, kind in MASKS.items() for suffix, softcap in SOFTCAP.items()]

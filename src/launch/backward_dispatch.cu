@@ -32,7 +32,12 @@ int run_backward(const BackwardParams& params, const detail::ProblemShape& shape
   return visit_instantiation<Pass::kBackward>(
       backward_family(params, shape), mask_kind(params), params.softcap > 0.f,
       [&](auto dtype, auto head_dim, auto head_dim_v, auto mask, auto softcap) {
-        return run_backward_hdim<dtype.value, head_dim.value, head_dim_v.value, mask.value, softcap.value>(
+        // Every backward variant is compiled with and without packed batches (the manifest's
+        // BACKWARD_FEATURE_SETS): a dense call takes the kernels without their code.
+        if (shape.varlen_q || shape.varlen_k)
+          return run_backward_hdim<dtype.value, head_dim.value, head_dim_v.value, mask.value, softcap.value, true>(
+              params, shape, workspace, stream);
+        return run_backward_hdim<dtype.value, head_dim.value, head_dim_v.value, mask.value, softcap.value, false>(
             params, shape, workspace, stream);
       });
 }

@@ -27,7 +27,7 @@
 namespace flashhopper::launch {
 
 // The dQ kernel, with the main kernel's arguments (Q, K, V, dO and the preprocess's buffers).
-template <class Element, int kHeadDim, hopper::MaskKind kMask, bool kSoftcap, class MainArguments>
+template <class Element, int kHeadDim, hopper::MaskKind kMask, bool kSoftcap, bool kPacked, class MainArguments>
 cudaError_t run_backward_dq_kernel(const BackwardParams& p, const detail::ProblemShape& s, MainArguments const& args,
                                    const TensorRows& dq_rows, char* ws, const BackwardWorkspaceLayout& layout,
                                    float scale, int num_sms, int l2_bytes, cudaStream_t stream) {
@@ -35,8 +35,8 @@ cudaError_t run_backward_dq_kernel(const BackwardParams& p, const detail::Proble
   using namespace flashhopper::hopper;
   using Tile = BackwardDqTileSize<kHeadDim>;
   using Mainloop = BackwardDqMainloop<Element, Tile::kBlockM, Tile::kBlockN, kHeadDim, Tile::kStagesK, Tile::kStagesV,
-                                      kMask, kSoftcap>;
-  using Scheduler = PersistentTileScheduler</*kLongestFirst=*/kMask == MaskKind::kCausal>;
+                                      kMask, kSoftcap, kPacked>;
+  using Scheduler = PersistentTileScheduler</*kLongestFirst=*/kMask == MaskKind::kCausal, kPacked, /*kSplit=*/false>;
   using Kernel = BackwardDqKernel<Mainloop, Scheduler>;
   static_assert(BackwardWorkspaceLayout::kRowAlign % Tile::kBlockM == 0);
 
@@ -82,7 +82,7 @@ cudaError_t run_backward_dq_kernel(const BackwardParams& p, const detail::Proble
                                params, stream);
 }
 
-template <fh_dtype kDType, int kHeadDim, int kHeadDimV, hopper::MaskKind kMask, bool kSoftcap>
+template <fh_dtype kDType, int kHeadDim, int kHeadDimV, hopper::MaskKind kMask, bool kSoftcap, bool kPacked>
 cudaError_t run_backward_hdim(const BackwardParams& p, const detail::ProblemShape& s, void* workspace,
                               cudaStream_t stream) {
   using namespace cute;
@@ -92,12 +92,14 @@ cudaError_t run_backward_hdim(const BackwardParams& p, const detail::ProblemShap
   using Tile = BackwardTileSize<kHeadDim>;
   constexpr bool kCausal = kMask == MaskKind::kCausal;
   using Mainloop = BackwardMainloop<Element, Tile::kBlockM, Tile::kBlockN, kHeadDim, Tile::kStages, Tile::kStagesDo,
-                                    kMask, kSoftcap, /*kComputeDq=*/!Tile::kDqKernel>;
+                                    kMask, kSoftcap, /*kComputeDq=*/!Tile::kDqKernel, kPacked>;
   using Epilogue = BackwardEpilogue<Element, Mainloop>;
   // Causal: longest first (the backward reverses its key blocks). Otherwise key blocks in
   // order, which the deterministic dQ order relies on.
-  using Scheduler = PersistentTileScheduler</*kLongestFirst=*/kCausal>;
+  using Scheduler = PersistentTileScheduler</*kLongestFirst=*/kCausal, kPacked, /*kSplit=*/false>;
   using Kernel = BackwardKernel<Mainloop, Epilogue, Scheduler>;
+  // A kernel without packed batches would read a packed one as dense; the dispatch never asks.
+  if (!kPacked && (s.varlen_q || s.varlen_k)) return cudaErrorInvalidValue;
   using Preprocess = BackwardPreprocess<Element, kHeadDimV>;
   using Postprocess = BackwardPostprocess<Mainloop>;
   static_assert(BackwardWorkspaceLayout::kRowAlign % Tile::kBlockM == 0);
@@ -213,7 +215,7 @@ cudaError_t run_backward_hdim(const BackwardParams& p, const detail::ProblemShap
   if ((err = launch_kernel<Kernel>(backward_kernel_entry<Kernel>, grid, params, stream)) != cudaSuccess) return err;
 
   if constexpr (Tile::kDqKernel) {
-    err = run_backward_dq_kernel<Element, kHeadDim, kMask, kSoftcap>(p, s, mainloop_args, q_rows(p.dq), ws, layout,
+    err = run_backward_dq_kernel<Element, kHeadDim, kMask, kSoftcap, kPacked>(p, s, mainloop_args, q_rows(p.dq), ws, layout,
                                                                      scale, num_sms, l2_bytes, stream);
   } else {
     const TensorRows dqr = q_rows(p.dq);

@@ -43,7 +43,7 @@ CUTLASS_DEVICE void bulk_reduce_add_f32(float* gmem, float const* smem, int byte
 }
 
 template <class Element_, int kBlockM_, int kBlockN_, int kHeadDim_, int kStages_, int kStagesDo_, MaskKind kMask_,
-          bool kSoftcap_, bool kComputeDq_>
+          bool kSoftcap_, bool kComputeDq_, bool kPacked_>
 struct BackwardMainloop {
   using Element = Element_;
   static constexpr int kBlockM = kBlockM_;
@@ -59,6 +59,9 @@ struct BackwardMainloop {
   // dQ writer warp's TMA bulk reduce-add. false: dK and dV only; dQ comes from the dQ kernel
   // (BackwardDqMainloop).
   static constexpr bool kComputeDq = kComputeDq_;
+  // Packed batches (cu_seqlens, seqused) and their planned tiles; compiled out of the dense
+  // kernels, to which they cost spills (bench/RESULTS.md, "The backward against 11-30").
+  static constexpr bool kPacked = kPacked_;
   static constexpr int kNumMmaWarpGroups = 2;
   static constexpr int kNumMmaThreads = kNumMmaWarpGroups * cutlass::NumThreadsPerWarpGroup;
   // dK/dV split by key rows while each warpgroup still gets a 64-row WGMMA; else the
@@ -257,7 +260,7 @@ struct BackwardMainloop {
   }
 
   CUTLASS_DEVICE static SeqlenInfo seqlen_info(Params const& params, int batch) {
-    return SeqlenInfo::make(params.seqlen, batch);
+    return SeqlenInfo::make</*kKvCache=*/false, kPacked>(params.seqlen, batch);
   }
   CUTLASS_DEVICE static Mask make_mask(Params const& params, SeqlenInfo const& seq) {
     return Mask(seq, params.local);

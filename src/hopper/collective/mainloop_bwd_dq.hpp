@@ -31,7 +31,7 @@ namespace flashhopper::hopper {
 using namespace cute;
 
 template <class Element_, int kBlockM_, int kBlockN_, int kHeadDim_, int kStagesK_, int kStagesV_, MaskKind kMask_,
-          bool kSoftcap_>
+          bool kSoftcap_, bool kPacked_>
 struct BackwardDqMainloop {
   using Element = Element_;
   static constexpr int kBlockM = kBlockM_;
@@ -40,6 +40,7 @@ struct BackwardDqMainloop {
   static constexpr int kStagesK = kStagesK_;
   static constexpr int kStagesV = kStagesV_;
   static constexpr MaskKind kMask = kMask_;
+  static constexpr bool kPacked = kPacked_;  // as BackwardMainloop's
   using Mask = AttentionMask<kBlockM_, kBlockN_, kMask_>;
   using Transform = ScoreTransform<kSoftcap_>;
   static constexpr int kNumMmaWarpGroups = kBlockM / 64;
@@ -181,7 +182,7 @@ struct BackwardDqMainloop {
   }
 
   CUTLASS_DEVICE static SeqlenInfo seqlen_info(Params const& params, WorkTile const& work) {
-    return SeqlenInfo::make(params.seqlen, work.batch);
+    return SeqlenInfo::make</*kKvCache=*/false, kPacked>(params.seqlen, work.batch);
   }
   CUTLASS_DEVICE static Mask make_mask(Params const& params, SeqlenInfo const& seq) { return Mask(seq, params.local); }
 

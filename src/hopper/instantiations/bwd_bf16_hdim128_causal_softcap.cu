@@ -2,6 +2,6 @@
 #include "launch/backward_launch.cuh"
 
 namespace flashhopper::launch {
-template cudaError_t run_backward_hdim<FH_DTYPE_BF16, 128, 128, hopper::MaskKind::kCausal, true>(
+template cudaError_t run_backward_hdim<FH_DTYPE_BF16, 128, 128, hopper::MaskKind::kCausal, true, false>(
     const BackwardParams&, const detail::ProblemShape&, void*, cudaStream_t);
 }  // namespace flashhopper::launch

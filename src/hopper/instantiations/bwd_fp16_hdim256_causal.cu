@@ -2,6 +2,6 @@
 #include "launch/backward_launch.cuh"
 
 namespace flashhopper::launch {
-template cudaError_t run_backward_hdim<FH_DTYPE_FP16, 256, 256, hopper::MaskKind::kCausal, false>(
+template cudaError_t run_backward_hdim<FH_DTYPE_FP16, 256, 256, hopper::MaskKind::kCausal, false, false>(
     const BackwardParams&, const detail::ProblemShape&, void*, cudaStream_t);
 }  // namespace flashhopper::launch
