@@ -36,6 +36,9 @@ Differences from FlashAttention-3 worth knowing:
   query heads itself). num_splits > 1 splits the keys (split-KV; flash_attn_varlen_func raises
   FlashHopperNotSupported for it), and 0 lets the library choose from the shapes, as FA3; packed
   (varlen) queries always run unsplit with 0.
+
+FA3's private _flash_attn_forward and _flash_attn_backward are here too (end of the module), and
+flashhopper.fa3_ops registers FA3's operator names (torch.ops.flash_attn_3.*) on request.
 """
 from typing import Optional, Union
 
@@ -449,3 +452,99 @@ def _planned_splits(scheduler_metadata, num_splits: int) -> int:
         raise interface.invalid_argument(f"num_splits: {num_splits} differs from scheduler_metadata's {planned}; "
                                          "give one of them")
     return planned
+
+
+# ---------------------------------------------------------------------------------------------------
+# FA3's private entry points (hopper/flash_attn_interface.py: _flash_attn_forward, _flash_attn_backward),
+# which ring-attention libraries and FA3's own tests call directly: FA3's parameter names (its
+# `sequed_q` spelling included), defaults and returns, over the public functions above. They build
+# no autograd graph: their callers write their own backward.
+
+def _cache_call(k_new, v_new, page_table, kv_batch_idx, leftpad_k, rotary_cos, rotary_sin, cu_seqlens_k_new,
+                seqused_k, cu_seqlens_k) -> bool:
+    """FA3's fwd is one entry for both: a call with any KV-cache argument (or seqused_k over dense
+    keys, FA3's cache_seqlens) is flash_attn_with_kvcache's."""
+    cache_args = (k_new, v_new, page_table, kv_batch_idx, leftpad_k, rotary_cos, rotary_sin, cu_seqlens_k_new)
+    return any(t is not None for t in cache_args) or (seqused_k is not None and cu_seqlens_k is None)
+
+
+def _flash_attn_forward(q, k, v, k_new=None, v_new=None, qv=None, out_=None, cu_seqlens_q=None, cu_seqlens_k=None,
+                        cu_seqlens_k_new=None, seqused_q=None, seqused_k=None, max_seqlen_q=None, max_seqlen_k=None,
+                        page_table=None, kv_batch_idx=None, leftpad_k=None, rotary_cos=None, rotary_sin=None,
+                        seqlens_rotary=None, q_descale=None, k_descale=None, v_descale=None, softmax_scale=None,
+                        causal=False, window_size_left=-1, window_size_right=-1, attention_chunk=0, softcap=0.0,
+                        rotary_interleaved=True, scheduler_metadata=None, num_splits=1, pack_gqa=None, sm_margin=0):
+    """FlashAttention-3's _flash_attn_forward: returns (out, softmax_lse, out_accum, softmax_lse_accum).
+
+    out and softmax_lse as flash_attn_func / flash_attn_varlen_func / flash_attn_with_kvcache
+    return them (which of the three runs: a call with k_new, v_new, page_table, kv_batch_idx,
+    leftpad_k, rotary tables, cu_seqlens_k_new, or seqused_k without cu_seqlens_k is a KV-cache
+    call, with seqused_k as cache_seqlens; else cu_seqlens_q/k make it packed, else dense). out_,
+    when given, receives out (a copy) and is returned. out_accum and softmax_lse_accum, FA3's
+    split-KV partials, are empty float32 tensors: FlashHopper combines the splits inside the call
+    and keeps no partials. Arguments FlashHopper cannot honour raise as the public functions do."""
+    window = (window_size_left, window_size_right)
+    with torch.no_grad():
+        if _cache_call(k_new, v_new, page_table, kv_batch_idx, leftpad_k, rotary_cos, rotary_sin, cu_seqlens_k_new,
+                       seqused_k, cu_seqlens_k):
+            for name, value in (("cu_seqlens_k", cu_seqlens_k), ("seqused_q", seqused_q)):
+                if value is not None:
+                    _not_yet(name, "<tensor>", "a KV-cache call with " + name)
+            out, softmax_lse = flash_attn_with_kvcache(
+                q, k, v, k=k_new, v=v_new, qv=qv, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+                cache_seqlens=seqused_k, cache_batch_idx=kv_batch_idx, cache_leftpad=leftpad_k, page_table=page_table,
+                cu_seqlens_q=cu_seqlens_q, cu_seqlens_k_new=cu_seqlens_k_new, max_seqlen_q=max_seqlen_q,
+                rotary_seqlens=seqlens_rotary, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+                softmax_scale=softmax_scale, causal=causal, window_size=window, attention_chunk=attention_chunk,
+                softcap=softcap, rotary_interleaved=rotary_interleaved, scheduler_metadata=scheduler_metadata,
+                num_splits=num_splits, pack_gqa=pack_gqa, sm_margin=sm_margin, return_softmax_lse=True)
+        else:
+            if scheduler_metadata is not None:
+                num_splits = _planned_splits(scheduler_metadata, num_splits)
+            options = dict(softmax_scale=softmax_scale, causal=causal, qv=qv, q_descale=q_descale,
+                           k_descale=k_descale, v_descale=v_descale, window_size=window,
+                           attention_chunk=attention_chunk, softcap=softcap, num_splits=num_splits,
+                           pack_gqa=pack_gqa, sm_margin=sm_margin, return_attn_probs=True)
+            if any(t is not None for t in (cu_seqlens_q, cu_seqlens_k, seqused_q, max_seqlen_q, max_seqlen_k)):
+                out, softmax_lse = flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                          max_seqlen_k, seqused_q=seqused_q, seqused_k=seqused_k,
+                                                          **options)
+            else:
+                out, softmax_lse = flash_attn_func(q, k, v, **options)
+        if out_ is not None:
+            if not isinstance(out_, torch.Tensor) or out_.shape != out.shape or out_.dtype != out.dtype or \
+                    out_.device != out.device:
+                raise interface.invalid_argument(
+                    f"out_: expected a {out.dtype} tensor of shape {tuple(out.shape)} on {out.device}, got "
+                    + (f"{out_.dtype} {tuple(out_.shape)} on {out_.device}" if isinstance(out_, torch.Tensor)
+                       else type(out_).__name__))
+            out = out_.copy_(out)
+    no_partials = torch.empty(0, dtype=torch.float32, device=out.device)
+    return out, softmax_lse, no_partials, no_partials.clone()
+
+
+def _flash_attn_backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q=None, cu_seqlens_k=None, sequed_q=None,
+                         sequed_k=None, max_seqlen_q=None, max_seqlen_k=None, dq=None, dk=None, dv=None,
+                         softmax_scale=None, is_causal=False, window_size_left=-1, window_size_right=-1, softcap=0.0,
+                         deterministic=False, sm_margin=0):
+    """FlashAttention-3's _flash_attn_backward: writes dq, dk, dv (allocated here when None, as FA3
+    does, though the caller then never sees them) and returns softmax_d, float32, the rows' sums
+    of dout * out: [B, Hq, sq], packed [Hq, total_q]. (FA3's rounds the row axis up to its tile:
+    read the first sq rows of its softmax_d, which are these.) sequed_q/sequed_k are FA3's
+    spelling of seqused_q/k; the packed layout follows from cu_seqlens_q/k as in
+    flash_attn_varlen_func."""
+    if sm_margin != 0:
+        _not_yet("sm_margin", sm_margin, "leaving SMs free")
+    causal, window_left, window_right, softcap, _ = interface.check_mask_args(
+        is_causal, (window_size_left, window_size_right), softcap, 0)
+    varlen = interface.as_varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sequed_q, sequed_k)
+    if isinstance(dout, torch.Tensor) and dout.dim() > 0 and dout.stride(-1) != 1:
+        dout = dout.contiguous()  # as FA3: the kernels read rows of d contiguous values
+    with torch.no_grad():
+        dq = torch.empty_like(q) if dq is None else dq
+        dk = torch.empty_like(k) if dk is None else dk
+        dv = torch.empty_like(v) if dv is None else dv
+        interface.backward(dout, q, k, v, out, softmax_lse, causal, softmax_scale, bool(deterministic), dq, dk, dv,
+                           window_size=(window_left, window_right), softcap=softcap, varlen=varlen)
+        softmax_d = (dout.float() * out.float()).sum(-1)  # [B, sq, Hq] or [total_q, Hq]
+    return softmax_d.transpose(-1, -2).contiguous()

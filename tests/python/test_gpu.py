@@ -979,3 +979,81 @@ def test_model_through_aot_inductor_package_runs_as_eager(tmp_path):
                             text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "package == eager: True True" in result.stdout, result.stdout[-3000:]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@requires_gpu
+def test_fa3_private_entry_points_against_reference(causal):
+    """FA3's _flash_attn_forward / _flash_attn_backward (as ring-attention libraries call them):
+    the same bits as flash_attn_func and its autograd, the backward written into the caller's dq,
+    dk, dv (poisoned first), softmax_d the rows' sums of dout * out, and the pass rule against the
+    float64 reference."""
+    q, k, v = make_inputs(2, 200, 333, 8, 2, 128, torch.bfloat16, seed=71)
+    out_ref, lse_ref = run_or_skip(flash_attn_func, q, k, v, causal=causal, deterministic=True, return_attn_probs=True)
+    dout = torch.randn_like(out_ref)
+    grads_ref = torch.autograd.grad(out_ref, (q, k, v), dout)
+    qd, kd, vd = (t.detach() for t in (q, k, v))
+    out_ = torch.full_like(out_ref, float("nan"))
+    out, lse, out_accum, lse_accum = fa3._flash_attn_forward(qd, kd, vd, out_=out_, causal=causal)
+    assert out.data_ptr() == out_.data_ptr() and torch.equal(out, out_ref) and torch.equal(lse, lse_ref)
+    assert out_accum.numel() == 0 and lse_accum.numel() == 0
+    dq, dk, dv = (torch.full_like(t, float("nan")) for t in (qd, kd, vd))
+    softmax_d = fa3._flash_attn_backward(dout, qd, kd, vd, out, lse, dq=dq, dk=dk, dv=dv, is_causal=causal,
+                                         deterministic=True)
+    for ours, theirs in zip((dq, dk, dv), grads_ref):
+        assert torch.equal(ours, theirs)
+    expected_d = (dout.double() * out.double()).sum(-1).transpose(1, 2)
+    assert softmax_d.shape == (2, 8, 200) and softmax_d.dtype == torch.float32
+    assert max_error(softmax_d, expected_d) < 1e-3 * expected_d.abs().max().item() + 1e-4
+    assert_matches_reference(out, lse, (dq, dk, dv), (q, k, v), dout, torch.bfloat16,
+                             lambda leaves, in_dtype: attention_reference(*leaves, causal=causal, dtype=in_dtype))
+
+
+@requires_gpu
+def test_fa3_private_forward_varlen_and_kvcache_forms():
+    """_flash_attn_forward picks the packed form from cu_seqlens and the KV-cache form from
+    seqused_k over dense keys (FA3's cache_seqlens): the same bits as the public functions."""
+    lengths = [37, 0, 200, 65]
+    cu = torch.tensor([0] + list(itertools.accumulate(lengths)), dtype=torch.int32, device="cuda")
+    total = int(cu[-1])
+    q, k, v = (torch.randn(total, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    expected = run_or_skip(fa3.flash_attn_varlen_func, q, k, v, cu, cu, max(lengths), max(lengths), causal=True,
+                           return_attn_probs=True)
+    got = fa3._flash_attn_forward(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lengths),
+                                  max_seqlen_k=max(lengths), causal=True)
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+    qc = torch.randn(4, 3, 8, 128, device="cuda", dtype=torch.bfloat16)
+    kc, vc = (torch.randn(4, 512, 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    cache_seqlens = torch.tensor([1, 100, 512, 300], dtype=torch.int32, device="cuda")
+    expected = run_or_skip(fa3.flash_attn_with_kvcache, qc, kc, vc, cache_seqlens=cache_seqlens, causal=True,
+                           num_splits=1, return_softmax_lse=True)
+    got = fa3._flash_attn_forward(qc, kc, vc, seqused_k=cache_seqlens, causal=True, num_splits=1)
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+
+
+@requires_gpu
+def test_fa3_named_ops_export_and_run():
+    """After register_fa3_ops(), torch.ops.flash_attn_3.fwd/bwd run on FlashHopper with FA3's
+    argument order, and a module exported through the FA3-named fwd op runs with eager's bits."""
+    import flashhopper.fa3_ops as fa3_ops
+    try:
+        fa3_ops.register_fa3_ops()
+    except RuntimeError as error:
+        pytest.skip(str(error))
+    q, k, v = make_inputs(2, 256, 320, 8, 2, 128, torch.bfloat16, seed=29, requires_grad=False)
+    eager, eager_lse = run_or_skip(flash_attn_func, q, k, v, causal=True, return_attn_probs=True)
+    out, lse, _, _ = torch.ops.flash_attn_3.fwd(q, k, v, is_causal=True, num_splits=1)
+    assert torch.equal(out, eager) and torch.equal(lse, eager_lse)
+    dout = torch.randn_like(out)
+    dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, v))
+    softmax_d, lse_log2, *_ = torch.ops.flash_attn_3.bwd(dout, q, k, v, out, lse, dq, dk, dv, is_causal=True)
+    assert not any(torch.isnan(t).any() for t in (dq, dk, dv, softmax_d))
+    assert torch.allclose(lse_log2, lse * math.log2(math.e))
+
+    class Attention(torch.nn.Module):
+        def forward(self, q, k, v):
+            return torch.ops.flash_attn_3.fwd(q, k, v, is_causal=True, num_splits=1)[0]
+
+    exported = torch.export.export(Attention(), (q, k, v))
+    assert [n for n in exported.graph.nodes if n.target is torch.ops.flash_attn_3.fwd.default]
+    assert torch.equal(exported.module()(q, k, v), eager)
