@@ -532,8 +532,7 @@ struct BackwardMainloop {
         scores_to_probabilities(scores, lse_log2, params.softmax_scale_log2);
         warpgroup_wait<0>();  // dP is ready
         cute::Tensor dS = make_tensor(tdPrdP.data(), scores.layout());
-        if constexpr (Transform::kSoftcap) dp_to_ds_softcap(dS, scores, dpsum, lse_log2, params.softmax_scale_log2);
-        else dp_to_ds(dS, scores, dpsum);
+        Transform::dp_to_ds(dS, scores, dpsum, lse_log2, params.softmax_scale_log2);
         cute::Tensor rP = make_tensor_like<Element>(tSrS);
         cute::Tensor rdS = make_tensor_like<Element>(tdPrdP);
         convert_into(tSrS, rP);

@@ -303,8 +303,7 @@ struct BackwardDqMainloop {
       // Q and dO are free once the tile's last S and dP are done: the next tile's load overlaps
       // the last dQ GEMM and the epilogue.
       if (i == num_blocks - 1) storage.qdo_empty.arrive();
-      if constexpr (Transform::kSoftcap) dp_to_ds_softcap(dS, scores, dpsum, lse_log2, params.softmax_scale_log2);
-      else dp_to_ds(dS, scores, dpsum);
+      Transform::dp_to_ds(dS, scores, dpsum, lse_log2, params.softmax_scale_log2);
       convert_into(tdPrdP, tdQrdS);
       warpgroup_gemm<false, -1>(tiled_mma_dq, tdQrdS, tdQrKt(_, _, _, pipe_k_read.index()), tdQrdQ);
       pipe_k_previous = pipe_k_read;

@@ -1,5 +1,7 @@
 // What happens to a raw score s = q.k before the softmax, as a policy the mainloops call at one
-// place each: nothing, or softcapping, S = cap * tanh(scale * s / cap).
+// place each: nothing, or softcapping, S = cap * tanh(scale * s / cap). Both halves live here:
+// the forward value (apply, and what it costs the softmax: kFmaExpEvery) and the backward's
+// factor in dS (dp_to_ds). A new transform is a new specialisation and a manifest axis.
 // Softcap folds the scales so that the softmax still takes one FFMA per exponent: the transform
 // leaves t = tanh(s * scale / cap) in place of s, and the mainloop's softmax scale becomes cap
 // (exponent: t * cap * log2 e). The backward's dS takes the chain rule's factor 1 - t^2, with t
@@ -35,6 +37,10 @@ struct ScoreTransform {
     return t;
   }
 
+  // Softcap's tanh doubles the forward's SFU work: every second exponent of a row goes to the FMA
+  // pipe instead (OnlineSoftmax's kFmaExpEvery).
+  static constexpr int kFmaExpEvery = kSoftcap ? 2 : 0;
+
   // s (any register tensor of raw scores) -> the transformed scores, in place.
   template <class TensorS>
   CUTLASS_DEVICE void apply(TensorS& s) const {
@@ -44,6 +50,32 @@ struct ScoreTransform {
     }
   }
 
+  // Backward: dP (rows, cols) becomes dS in place: P * (dP - D[row]) times the transform's
+  // derivative. With softcap that is 1 - t^2, t = tanh(scale * s / cap) recovered from
+  // P = exp2(t * scale_log2 - LSE2) as t = (log2 P + LSE2) / scale_log2 (scale_log2 = cap * log2 e),
+  // which keeps no t in registers. Clamping t to [-1, 1] also maps P = 0 (t = -inf, or NaN for a
+  // row with LSE2 = +inf) to a factor 0.
+  template <int kRows, class TensordP, class TensorP>
+  static CUTLASS_DEVICE void dp_to_ds(TensordP& dp, TensorP const& p, float const (&dpsum)[kRows],
+                                      float const (&lse_log2)[kRows], float scale_log2) {
+    if constexpr (kSoftcap) {
+      const float inv_scale_log2 = 1.f / scale_log2;
+      CUTLASS_PRAGMA_UNROLL
+      for (int m = 0; m < kRows; ++m) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int n = 0; n < size<1>(dp); ++n) {
+          const float t = fmaxf(fminf((__log2f(p(m, n)) + lse_log2[m]) * inv_scale_log2, 1.f), -1.f);
+          dp(m, n) = p(m, n) * (dp(m, n) - dpsum[m]) * (1.f - t * t);
+        }
+      }
+    } else {
+      CUTLASS_PRAGMA_UNROLL
+      for (int m = 0; m < kRows; ++m) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int n = 0; n < size<1>(dp); ++n) dp(m, n) = p(m, n) * (dp(m, n) - dpsum[m]);
+      }
+    }
+  }
 };
 
 }  // namespace flashhopper::hopper

@@ -129,31 +129,4 @@ CUTLASS_DEVICE void scores_to_probabilities(TensorS& s, float const (&lse_log2)[
   }
 }
 
-// Backward: dP (rows, cols) becomes dS = P * (dP - D[row]) in place.
-template <int kRows, class TensordP, class TensorP>
-CUTLASS_DEVICE void dp_to_ds(TensordP& dp, TensorP const& p, float const (&dpsum)[kRows]) {
-  CUTLASS_PRAGMA_UNROLL
-  for (int m = 0; m < kRows; ++m) {
-    CUTLASS_PRAGMA_UNROLL
-    for (int n = 0; n < size<1>(dp); ++n) dp(m, n) = p(m, n) * (dp(m, n) - dpsum[m]);
-  }
-}
-// Backward with softcap: dS = P * (dP - D) * (1 - t^2), where t = tanh(scale * s / cap) is
-// recovered from P = exp2(t * scale_log2 - LSE2) as t = (log2 P + LSE2) / scale_log2 (scale_log2 =
-// cap * log2 e). Clamping t to [-1, 1] also maps P = 0 (t = -inf, or NaN for a row with
-// LSE2 = +inf) to a factor 0.
-template <int kRows, class TensordP, class TensorP>
-CUTLASS_DEVICE void dp_to_ds_softcap(TensordP& dp, TensorP const& p, float const (&dpsum)[kRows],
-                                     float const (&lse_log2)[kRows], float scale_log2) {
-  const float inv_scale_log2 = 1.f / scale_log2;
-  CUTLASS_PRAGMA_UNROLL
-  for (int m = 0; m < kRows; ++m) {
-    CUTLASS_PRAGMA_UNROLL
-    for (int n = 0; n < size<1>(dp); ++n) {
-      const float t = fmaxf(fminf((__log2f(p(m, n)) + lse_log2[m]) * inv_scale_log2, 1.f), -1.f);
-      dp(m, n) = p(m, n) * (dp(m, n) - dpsum[m]) * (1.f - t * t);
-    }
-  }
-}
-
 }  // namespace flashhopper::hopper

@@ -169,8 +169,7 @@ struct ForwardKernel {
         }
         Tensor tOrO = partition_fragment_C(tiled_mma_pv, select<0, 1>(typename Mainloop::TileShapePV{}));
         constexpr int kRows = 2;  // rows of the accumulator a thread holds
-        // Softcap's tanh doubles the SFU work: half the exponents go to the FMA pipe instead.
-        OnlineSoftmax<kRows, Mainloop::Transform::kSoftcap ? 2 : 0> softmax(params.mainloop.softmax_scale_log2);
+        OnlineSoftmax<kRows, Mainloop::Transform::kFmaExpEvery> softmax(params.mainloop.softmax_scale_log2);
         Mainloop::mma(params.mainloop, pipeline_k, pipeline_v, pipe_k_read, pipe_v_read, storage.barriers.q_full,
                       q_full_phase, storage.barriers.q_empty, storage.smem_q.data(), storage.kv, tOrO, softmax,
                       thread_idx, work, seq, blocks);
