@@ -186,6 +186,11 @@ fh_status fh_combine(const fh_combine_params* params, fh_stream_t stream);
  * calls in flight at the same time. */
 const char* fh_last_error(void);
 
+/* A status's name as the library's layers print it in messages ("invalid argument", "not
+ * supported", "no device", "CUDA error", "workspace"; "success" for FH_SUCCESS), "unknown status"
+ * for a value outside fh_status. The C++ ops and the Python package take their names from here. */
+const char* fh_status_name(fh_status status);
+
 /* 1 when the library was built with its CUDA kernels. */
 int32_t fh_built_with_cuda(void);
 

@@ -11,6 +11,8 @@ MAX_DIMS = 5
 
 DTYPE_BF16, DTYPE_FP16, DTYPE_FP8_E4M3, DTYPE_FP32, DTYPE_INT32, DTYPE_FP64 = range(6)
 
+# The library's fh_status_name for each status (tests/python/test_library.py compares them): the
+# Python layer names its own refusals before any library is loaded.
 STATUS_NAMES = {
     0: "success",
     1: "invalid argument",

@@ -72,18 +72,8 @@ _SINK_INPUT = 10  # learnable_sink's position among fwd's inputs
 
 _log = logging.getLogger(__name__)
 
-# The schemas, also in src/torch/ops.cpp (the C++ registration must own them where it runs).
-FWD_SCHEMA = ("fwd(Tensor q, Tensor k, Tensor v, float? softmax_scale=None, bool causal=False, "
-              "bool deterministic=False, SymInt window_left=-1, SymInt window_right=-1, float softcap=0., "
-              "SymInt attention_chunk=0, Tensor? learnable_sink=None, Tensor? cu_seqlens_q=None, "
-              "Tensor? cu_seqlens_k=None, SymInt? max_seqlen_q=None, SymInt? max_seqlen_k=None, "
-              "Tensor? seqused_q=None, Tensor? seqused_k=None, SymInt num_splits=1) -> (Tensor, Tensor)")
-BWD_SCHEMA = ("bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, float? softmax_scale=None, "
-              "bool causal=False, bool deterministic=False, SymInt window_left=-1, SymInt window_right=-1, "
-              "float softcap=0., SymInt attention_chunk=0, Tensor? learnable_sink=None, "
-              "Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, SymInt? max_seqlen_q=None, "
-              "SymInt? max_seqlen_k=None, Tensor? seqused_q=None, Tensor? seqused_k=None) "
-              "-> (Tensor, Tensor, Tensor, Tensor)")
+# The schemas' one home is op_schemas.py (the C++ registration, where it runs, owns the ops).
+from .op_schemas import BWD_SCHEMA, FWD_SCHEMA  # noqa: E402
 
 
 def _fwd_python(q: Tensor, k: Tensor, v: Tensor, softmax_scale: Optional[float] = None, causal: bool = False,

@@ -72,6 +72,18 @@ FLASHHOPPER_EXPORT fh_status fh_combine(const fh_combine_params* params, fh_stre
 
 FLASHHOPPER_EXPORT const char* fh_last_error(void) { return last_error.c_str(); }
 
+FLASHHOPPER_EXPORT const char* fh_status_name(fh_status status) {
+  switch (status) {
+    case FH_SUCCESS: return "success";
+    case FH_ERROR_INVALID_ARGUMENT: return "invalid argument";
+    case FH_ERROR_NOT_SUPPORTED: return "not supported";
+    case FH_ERROR_NO_DEVICE: return "no device";
+    case FH_ERROR_CUDA: return "CUDA error";
+    case FH_ERROR_WORKSPACE: return "workspace";
+  }
+  return "unknown status";
+}
+
 FLASHHOPPER_EXPORT int32_t fh_built_with_cuda(void) {
 #ifdef FLASHHOPPER_WITH_CUDA
   return 1;

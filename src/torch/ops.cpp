@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "flashhopper/flashhopper.h"
+#include "op_schemas.inc"
 
 namespace {
 
@@ -30,25 +31,21 @@ using torch::stable::Tensor;
 
 // Messages start as the Python layer's do ("flashhopper (<status>): ..."), so that it can raise
 // its own exception classes from them (ops.py: _raised_as).
-[[noreturn]] void refuse(const char* status, const std::string& message) {
-  throw std::runtime_error(std::string("flashhopper (") + status + "): " + message);
+[[noreturn]] void refuse(fh_status status, const std::string& message) {
+  throw std::runtime_error(std::string("flashhopper (") + fh_status_name(status) + "): " + message);
 }
 
 void check(fh_status status) {
-  if (status == FH_SUCCESS) return;
-  static const char* const kNames[] = {"success", "invalid argument", "not supported", "no device", "CUDA error",
-                                       "workspace"};
-  const char* name = (status >= 0 && status <= FH_ERROR_WORKSPACE) ? kNames[status] : "error";
-  refuse(name, fh_last_error());
+  if (status != FH_SUCCESS) refuse(status, fh_last_error());
 }
 
 void check_aoti(AOTITorchError error, const char* what) {
-  if (error != AOTI_TORCH_SUCCESS) refuse("CUDA error", std::string("PyTorch could not ") + what);
+  if (error != AOTI_TORCH_SUCCESS) refuse(FH_ERROR_CUDA, std::string("PyTorch could not ") + what);
 }
 
 int32_t as_int32(const char* name, int64_t value) {
   if (value < std::numeric_limits<int32_t>::min() || value > std::numeric_limits<int32_t>::max()) {
-    refuse("invalid argument", std::string(name) + ": " + std::to_string(value) + " does not fit in int32");
+    refuse(FH_ERROR_INVALID_ARGUMENT, std::string(name) + ": " + std::to_string(value) + " does not fit in int32");
   }
   return static_cast<int32_t>(value);
 }
@@ -60,11 +57,12 @@ fh_tensor view(const char* name, const Tensor& t) {
     case ScalarType::Half: v.dtype = FH_DTYPE_FP16; break;
     case ScalarType::Float: v.dtype = FH_DTYPE_FP32; break;
     case ScalarType::Int: v.dtype = FH_DTYPE_INT32; break;
-    default: refuse("invalid argument", std::string(name) + ": dtype is not supported (bf16, fp16, float32, int32)");
+    default:
+      refuse(FH_ERROR_INVALID_ARGUMENT, std::string(name) + ": dtype is not supported (bf16, fp16, float32, int32)");
   }
   const int64_t ndim = t.dim();
   if (ndim > FH_MAX_DIMS) {
-    refuse("invalid argument", std::string(name) + ": " + std::to_string(ndim) + " dims, at most 5");
+    refuse(FH_ERROR_INVALID_ARGUMENT, std::string(name) + ": " + std::to_string(ndim) + " dims, at most 5");
   }
   v.data = t.data_ptr();
   v.ndim = static_cast<int32_t>(ndim);
@@ -133,9 +131,9 @@ float library_scale(const std::optional<double>& softmax_scale) {
   if (!softmax_scale.has_value()) return 0.0f;  // the C ABI's 0: 1/sqrt(head_dim)
   const double s = *softmax_scale;
   if (!std::isfinite(s) || s < 0) {
-    refuse("invalid argument", "softmax_scale: " + std::to_string(s) + " must be finite and > 0");
+    refuse(FH_ERROR_INVALID_ARGUMENT, "softmax_scale: " + std::to_string(s) + " must be finite and > 0");
   }
-  if (s == 0) refuse("not supported", "softmax_scale: 0.0 is not supported; pass None for the default");
+  if (s == 0) refuse(FH_ERROR_NOT_SUPPORTED, "softmax_scale: 0.0 is not supported; pass None for the default");
   return static_cast<float>(s);
 }
 
@@ -150,7 +148,7 @@ void set_mask(Params& p, bool causal, int64_t left, int64_t right, double softca
   int64_t seqlen_q = 0, seqlen_k = 0;
   if (varlen) {
     if (!max_seqlen_q || !max_seqlen_k) {
-      refuse("invalid argument", "max_seqlen_q, max_seqlen_k: needed with cu_seqlens");
+      refuse(FH_ERROR_INVALID_ARGUMENT, "max_seqlen_q, max_seqlen_k: needed with cu_seqlens");
     }
     seqlen_q = *max_seqlen_q;
     seqlen_k = *max_seqlen_k;
@@ -188,7 +186,7 @@ std::vector<int64_t> lse_shape(const Tensor& q) {
 void check_ranks(const Tensor& q, const Tensor& v, bool varlen) {
   const int64_t rank = varlen ? 3 : 4;
   if (q.dim() != rank || v.dim() != rank) {
-    refuse("invalid argument", std::string(varlen ? "q, v: expected 3 dims [total, heads, head_dim]"
+    refuse(FH_ERROR_INVALID_ARGUMENT, std::string(varlen ? "q, v: expected 3 dims [total, heads, head_dim]"
                                                    : "q, v: expected 4 dims [batch, seqlen, heads, head_dim]") +
                                    " (the packed layout goes with cu_seqlens_q/k)");
   }
@@ -241,7 +239,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> backward(
     std::optional<Tensor> seqused_q, std::optional<Tensor> seqused_k) {
   const bool varlen = cu_seqlens_q.has_value() || cu_seqlens_k.has_value();
   check_ranks(q, v, varlen);
-  if (dout.dim() < 1) refuse("invalid argument", "dout: expected the shape of out");
+  if (dout.dim() < 1) refuse(FH_ERROR_INVALID_ARGUMENT, "dout: expected the shape of out");
   dout = kernel_ready(dout);
   Tensor dq = torch::stable::empty_like(q);
   Tensor dk = torch::stable::empty_like(k);
@@ -267,20 +265,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> backward(
 
 }  // namespace
 
-// The schemas ops.py's Python definitions have (tests/python/test_cpu.py: test_ops_registered).
+// The schemas' one home is python/flashhopper/op_schemas.py (ops.py defines the Python ops from it
+// where these are not loaded); op_schemas.inc is generated from it.
 STABLE_TORCH_LIBRARY(flashhopper, m) {
-  m.def(
-      "fwd(Tensor q, Tensor k, Tensor v, float? softmax_scale=None, bool causal=False, bool deterministic=False, "
-      "SymInt window_left=-1, SymInt window_right=-1, float softcap=0., SymInt attention_chunk=0, "
-      "Tensor? learnable_sink=None, Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, "
-      "SymInt? max_seqlen_q=None, SymInt? max_seqlen_k=None, Tensor? seqused_q=None, Tensor? seqused_k=None, "
-      "SymInt num_splits=1) -> (Tensor, Tensor)");
-  m.def(
-      "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, float? softmax_scale=None, "
-      "bool causal=False, bool deterministic=False, SymInt window_left=-1, SymInt window_right=-1, "
-      "float softcap=0., SymInt attention_chunk=0, Tensor? learnable_sink=None, Tensor? cu_seqlens_q=None, "
-      "Tensor? cu_seqlens_k=None, SymInt? max_seqlen_q=None, SymInt? max_seqlen_k=None, "
-      "Tensor? seqused_q=None, Tensor? seqused_k=None) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def(kFwdSchema);
+  m.def(kBwdSchema);
 }
 
 STABLE_TORCH_LIBRARY_IMPL(flashhopper, CUDA, m) {

@@ -1,4 +1,5 @@
 """Tests that load the library but need no GPU: what the build says it compiled."""
+import ctypes
 import pathlib
 import sys
 
@@ -68,3 +69,17 @@ def test_import_without_torch_says_how_to_install():
     env = {"PYTHONPATH": str(ROOT / "python"), "PATH": "/usr/bin:/bin"}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert "pip install torch" in result.stdout, result.stdout + result.stderr
+
+
+def test_status_names_are_the_library_s():
+    """The Python layer's status names (its messages, and how it reads the C++ ops' errors) are
+    the C library's fh_status_name, the names' one home."""
+    try:
+        lib = _ffi.lib()
+    except OSError as error:
+        pytest.skip(f"no library to compare with: {error}")
+    lib.fh_status_name.restype = ctypes.c_char_p
+    lib.fh_status_name.argtypes = [ctypes.c_int]
+    for status, name in _ffi.STATUS_NAMES.items():
+        assert lib.fh_status_name(status).decode() == name
+    assert lib.fh_status_name(99).decode() == "unknown status"
