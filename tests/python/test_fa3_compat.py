@@ -130,3 +130,21 @@ def test_private_entry_points_refuse_by_name():
     with pytest.raises(NotImplementedError, match="seqused_q"):
         fa3_ops._get_scheduler_metadata(1, 1, 8, 2, 2, 64, 64, torch.bfloat16, torch.zeros(1, dtype=torch.int32),
                                         seqused_q=torch.zeros(1, dtype=torch.int32))
+
+
+def test_export_traces_the_fa3_named_op():
+    """torch.export of a module written against FA3's op sees one flash_attn_3::fwd node (the
+    fake function gives the shapes; nothing runs), as a program exported with FA3 holds it."""
+    fa3_ops.register_fa3_ops()
+
+    class Attention(torch.nn.Module):
+        def forward(self, q, k, v):
+            return torch.ops.flash_attn_3.fwd(q, k, v, is_causal=True, num_splits=1)[0]
+
+    q = torch.randn(2, 64, 4, 64, dtype=torch.bfloat16)
+    k = torch.randn(2, 80, 2, 64, dtype=torch.bfloat16)
+    exported = torch.export.export(Attention(), (q, k, k))
+    calls = [n for n in exported.graph.nodes if n.target is torch.ops.flash_attn_3.fwd.default]
+    assert len(calls) == 1
+    out_meta = calls[0].meta["val"]
+    assert tuple(out_meta[0].shape) == (2, 64, 4, 64) and tuple(out_meta[1].shape) == (2, 4, 64)
