@@ -211,19 +211,31 @@ struct ForwardMainloop {
     return params.learnable_sink ? params.learnable_sink[work.head] * float(M_LOG2E) : -INFINITY;
   }
 
+  // What the producer and the consumers share besides the parameters, as one role sees it: the K
+  // and V pipelines with its place in each (write states for the producer, read states for the
+  // consumers), Q's buffer with its barriers and the phase of the one it waits on (q_empty for
+  // the producer, q_full for the consumers), and the K/V stages. The kernel binds one per role.
+  struct SharedState {
+    Pipeline& pipeline_k;
+    Pipeline& pipeline_v;
+    PipelineState& k_state;
+    PipelineState& v_state;
+    cutlass::arch::ClusterTransactionBarrier& q_full;
+    cutlass::arch::ClusterBarrier& q_empty;
+    int& q_phase;
+    Element* smem_q;
+    SharedStorageKV& kv;
+  };
+
   // Producer: called by producer_threads threads. Loads K/V
   // blocks in the walk's order (the last block, which may need masking, first), interleaved as K
   // of one block and V of the one before, as the consumers use them, and Q once its buffer is free
   // (every consumer is done with the previous tile's Q K^T).
-  CUTLASS_DEVICE static void load(Params const& params, Pipeline& pipeline_k, Pipeline& pipeline_v,
-                                  PipelineState& pipe_k_write, PipelineState& pipe_v_write,
-                                  cutlass::arch::ClusterTransactionBarrier& barrier_q_full,
-                                  cutlass::arch::ClusterBarrier& barrier_q_empty, int& q_empty_phase,
-                                  Element* smem_q, SharedStorageKV& storage, WorkTile const& work,
+  CUTLASS_DEVICE static void load(Params const& params, SharedState const& shared, WorkTile const& work,
                                   SeqlenInfo const& seq, typename Mask::KeyBlocks const& blocks) {
-    Tensor sQ = make_tensor(make_smem_ptr(smem_q), SmemLayoutQ{});
-    Tensor sK = make_tensor(make_smem_ptr(storage.smem_k.data()), SmemLayoutK{});
-    Tensor sVt = make_tensor(make_smem_ptr(storage.smem_v.data()), SmemLayoutVt{});
+    Tensor sQ = make_tensor(make_smem_ptr(shared.smem_q), SmemLayoutQ{});
+    Tensor sK = make_tensor(make_smem_ptr(shared.kv.smem_k.data()), SmemLayoutK{});
+    Tensor sVt = make_tensor(make_smem_ptr(shared.kv.smem_v.data()), SmemLayoutVt{});
     const int head_kv = params.heads_per_kv_head.divide(work.head);
 
     Tensor mQ = domain_offset(make_coord(seq.offset_q, _0{}),
@@ -252,8 +264,8 @@ struct ForwardMainloop {
     const bool leader = threadIdx.x == 0;
     auto load_stage = [&](auto is_v, int n_block) {
       constexpr bool kIsV = decltype(is_v)::value;
-      Pipeline& pipeline = kIsV ? pipeline_v : pipeline_k;
-      PipelineState& state = kIsV ? pipe_v_write : pipe_k_write;
+      Pipeline& pipeline = kIsV ? shared.pipeline_v : shared.pipeline_k;
+      PipelineState& state = kIsV ? shared.v_state : shared.k_state;
       auto const& stages = [&]() -> auto const& {
         if constexpr (kIsV) return sVt; else return sK;
       }();
@@ -273,11 +285,11 @@ struct ForwardMainloop {
     // The first K block goes out while the previous tile's last GEMMs may still read Q.
     const int num_blocks = blocks.count();
     load_k(blocks.at(0));
-    barrier_q_empty.wait(q_empty_phase);
-    q_empty_phase ^= 1;
+    shared.q_empty.wait(shared.q_phase);
+    shared.q_phase ^= 1;
     if (leader) {
-      barrier_q_full.arrive_and_expect_tx(kTmaBytesQ);
-      copy(params.tma_q.with(reinterpret_cast<uint64_t&>(barrier_q_full)), tQgQ, tQsQ);
+      shared.q_full.arrive_and_expect_tx(kTmaBytesQ);
+      copy(params.tma_q.with(reinterpret_cast<uint64_t&>(shared.q_full)), tQgQ, tQsQ);
     }
     for (int i = 1; i < num_blocks; ++i) {
       load_k(blocks.at(i));
@@ -289,16 +301,12 @@ struct ForwardMainloop {
   // Consumer: one 64-row slice per warpgroup. On return tOrO holds the unnormalised O and
   // `softmax` the row statistics.
   template <class TensorO, class Softmax>
-  CUTLASS_DEVICE static void mma(Params const& params, Pipeline& pipeline_k, Pipeline& pipeline_v,
-                                 PipelineState& pipe_k_read, PipelineState& pipe_v_read,
-                                 cutlass::arch::ClusterTransactionBarrier& barrier_q_full, int& q_full_phase,
-                                 cutlass::arch::ClusterBarrier& barrier_q_empty, Element* smem_q,
-                                 SharedStorageKV& storage, TensorO& tOrO, Softmax& softmax,
+  CUTLASS_DEVICE static void mma(Params const& params, SharedState const& shared, TensorO& tOrO, Softmax& softmax,
                                  int thread_idx, WorkTile const& work, SeqlenInfo const& seq,
                                  typename Mask::KeyBlocks const& blocks) {
-    Tensor sQ = make_tensor(make_smem_ptr(smem_q), SmemLayoutQ{});
-    Tensor sK = make_tensor(make_smem_ptr(storage.smem_k.data()), SmemLayoutK{});
-    Tensor sVt = make_tensor(make_smem_ptr(storage.smem_v.data()), SmemLayoutVt{});
+    Tensor sQ = make_tensor(make_smem_ptr(shared.smem_q), SmemLayoutQ{});
+    Tensor sK = make_tensor(make_smem_ptr(shared.kv.smem_k.data()), SmemLayoutK{});
+    Tensor sVt = make_tensor(make_smem_ptr(shared.kv.smem_v.data()), SmemLayoutVt{});
 
     TiledMmaQK tiled_mma_qk;
     TiledMmaPV tiled_mma_pv;
@@ -344,20 +352,20 @@ struct ForwardMainloop {
       if (gathered) cutlass::arch::fence_view_async_shared();
     };
 
-    barrier_q_full.wait(q_full_phase);
-    q_full_phase ^= 1;
+    shared.q_full.wait(shared.q_phase);
+    shared.q_phase ^= 1;
 
     // First block: S only.
     int n_block = blocks.at(0);
-    wait_stage(pipeline_k, pipe_k_read);
+    wait_stage(shared.pipeline_k, shared.k_state);
     take_turn();
-    warpgroup_gemm</*kZeroInit=*/true, /*kWait=*/-1>(tiled_mma_qk, tSrQ, tSrK(_, _, _, pipe_k_read.index()), tSrS);
+    warpgroup_gemm</*kZeroInit=*/true, /*kWait=*/-1>(tiled_mma_qk, tSrQ, tSrK(_, _, _, shared.k_state.index()), tSrS);
     pass_turn();
     warpgroup_wait<0>();
-    pipeline_k.consumer_release(pipe_k_read);
-    ++pipe_k_read;
+    shared.pipeline_k.consumer_release(shared.k_state);
+    ++shared.k_state;
     // Q is free once the tile's last Q K^T is done: the next tile's Q loads during the rest.
-    if (num_blocks == 1) barrier_q_empty.arrive();
+    if (num_blocks == 1) shared.q_empty.arrive();
     mask_scores(n_block);
     softmax.template update</*kFirst=*/true>(scores, o_scale);
     clear(tOrO);
@@ -372,26 +380,26 @@ struct ForwardMainloop {
     auto write_p = [&](bool pv_in_flight) {
       warpgroup_wait<0>();
       if (pv_in_flight) {
-        pipeline_v.consumer_release(pipe_v_read);
-        ++pipe_v_read;
+        shared.pipeline_v.consumer_release(shared.v_state);
+        ++shared.v_state;
       }
       convert_into(tSrS, tOrP);
     };
     for (int i = 1; i < num_blocks; ++i) {
       n_block = blocks.at(i);
-      wait_stage(pipeline_k, pipe_k_read);
+      wait_stage(shared.pipeline_k, shared.k_state);
       write_p(i > 1);
       take_turn();
-      warpgroup_gemm<true, -1>(tiled_mma_qk, tSrQ, tSrK(_, _, _, pipe_k_read.index()), tSrS);
+      warpgroup_gemm<true, -1>(tiled_mma_qk, tSrQ, tSrK(_, _, _, shared.k_state.index()), tSrS);
       // O shrinks for the previous block's maximum while Q K^T runs, before P V adds to it.
       scale_rows(o_rowcol, o_scale);
-      wait_stage(pipeline_v, pipe_v_read);
-      warpgroup_gemm<false, -1>(tiled_mma_pv, tOrP, tOrVt(_, _, _, pipe_v_read.index()), tOrO);
+      wait_stage(shared.pipeline_v, shared.v_state);
+      warpgroup_gemm<false, -1>(tiled_mma_pv, tOrP, tOrVt(_, _, _, shared.v_state.index()), tOrO);
       pass_turn();
       warpgroup_wait<1>();  // S is ready; P V may still run
-      pipeline_k.consumer_release(pipe_k_read);
-      ++pipe_k_read;
-      if (i == num_blocks - 1) barrier_q_empty.arrive();
+      shared.pipeline_k.consumer_release(shared.k_state);
+      ++shared.k_state;
+      if (i == num_blocks - 1) shared.q_empty.arrive();
       mask_scores(n_block);
       softmax.template update</*kFirst=*/false>(scores, o_scale);
     }
@@ -399,13 +407,13 @@ struct ForwardMainloop {
     // Last block: P V only.
     write_p(num_blocks > 1);
     scale_rows(o_rowcol, o_scale);
-    wait_stage(pipeline_v, pipe_v_read);
+    wait_stage(shared.pipeline_v, shared.v_state);
     take_turn();
-    warpgroup_gemm<false, -1>(tiled_mma_pv, tOrP, tOrVt(_, _, _, pipe_v_read.index()), tOrO);
+    warpgroup_gemm<false, -1>(tiled_mma_pv, tOrP, tOrVt(_, _, _, shared.v_state.index()), tOrO);
     pass_turn();
     warpgroup_wait<0>();
-    pipeline_v.consumer_release(pipe_v_read);
-    ++pipe_v_read;
+    shared.pipeline_v.consumer_release(shared.v_state);
+    ++shared.v_state;
   }
 };
 

@@ -131,6 +131,9 @@ struct ForwardKernel {
       auto pipe_k_write = cutlass::make_producer_start_state<Pipeline>();
       auto pipe_v_write = cutlass::make_producer_start_state<Pipeline>();
       int q_empty_phase = 1;  // the buffer starts empty: the first wait passes
+      const typename Mainloop::SharedState shared{pipeline_k, pipeline_v, pipe_k_write, pipe_v_write,
+                                                  storage.barriers.q_full, storage.barriers.q_empty,
+                                                  q_empty_phase, storage.smem_q.data(), storage.kv};
       const bool lane0 = cutlass::canonical_lane_idx() == 0;
       for (int k = 0;; ++k) {
         int tile = lane0 ? Scheduler::tile_at(params.scheduler, storage.barriers.tiles, k, false) : 0;
@@ -140,8 +143,7 @@ struct ForwardKernel {
         const SeqlenInfo seq = Mainloop::seqlen_info(params.mainloop, work);
         const auto blocks = key_blocks(params, seq, work);
         if (blocks.count() == 0) continue;  // consumers write zeros; nothing to load
-        Mainloop::load(params.mainloop, pipeline_k, pipeline_v, pipe_k_write, pipe_v_write, storage.barriers.q_full,
-                       storage.barriers.q_empty, q_empty_phase, storage.smem_q.data(), storage.kv, work, seq, blocks);
+        Mainloop::load(params.mainloop, shared, work, seq, blocks);
       }
     } else {  // consumers
       cutlass::arch::warpgroup_reg_alloc<kConsumerRegisters>();
@@ -153,6 +155,9 @@ struct ForwardKernel {
 
       typename Mainloop::PipelineState pipe_k_read, pipe_v_read;
       int q_full_phase = 0;
+      const typename Mainloop::SharedState shared{pipeline_k, pipeline_v, pipe_k_read, pipe_v_read,
+                                                  storage.barriers.q_full, storage.barriers.q_empty,
+                                                  q_full_phase, storage.smem_q.data(), storage.kv};
       typename Mainloop::TiledMmaPV tiled_mma_pv;
       for (int k = 0;; ++k) {
         const int tile = Scheduler::tile_at(params.scheduler, storage.barriers.tiles, k, thread_idx == 0);
@@ -170,9 +175,7 @@ struct ForwardKernel {
         Tensor tOrO = partition_fragment_C(tiled_mma_pv, select<0, 1>(typename Mainloop::TileShapePV{}));
         constexpr int kRows = 2;  // rows of the accumulator a thread holds
         OnlineSoftmax<kRows, Mainloop::Transform::kFmaExpEvery> softmax(params.mainloop.softmax_scale_log2);
-        Mainloop::mma(params.mainloop, pipeline_k, pipeline_v, pipe_k_read, pipe_v_read, storage.barriers.q_full,
-                      q_full_phase, storage.barriers.q_empty, storage.smem_q.data(), storage.kv, tOrO, softmax,
-                      thread_idx, work, seq, blocks);
+        Mainloop::mma(params.mainloop, shared, tOrO, softmax, thread_idx, work, seq, blocks);
         float o_scale[kRows], lse[kRows];
         softmax.finalize(params.mainloop.softmax_scale, o_scale, lse, sink_log2);
         Tensor o_rowcol = make_tensor(tOrO.data(), accumulator_rowcol(tOrO.layout()));
