@@ -436,6 +436,144 @@ std::vector<VarlenCase> repeat_cases() {
 INSTANTIATE_TEST_SUITE_P(Varlen, VarlenBackwardRepeatTest, ::testing::ValuesIn(repeat_cases()),
                          [](const ::testing::TestParamInfo<VarlenCase>& info) { return info.param.name(); });
 
+// ---- a dense batch with seqused ---------------------------------------------------------------
+
+// seqused without cu_seqlens: a dense [B, S, H, d] batch whose rows past seqused take no part
+// (out 0, lse -inf, zero gradients). Both passes must run it on the kernels for packed batches:
+// the dense ones are compiled without seqused and would attend the unused rows.
+TEST(DenseSequsedGpuTest, BothPassesMatchReference) {
+  const fh_dtype dtype = FH_DTYPE_BF16;
+  const int batch = 3, seqlen = 300, heads_q = 4, heads_kv = 2, head_dim = 128;
+  const HostTensor q = random_tensor(dtype, {batch, seqlen, heads_q, head_dim}, 91);
+  const HostTensor k = random_tensor(dtype, {batch, seqlen, heads_kv, head_dim}, 92);
+  const HostTensor v = random_tensor(dtype, {batch, seqlen, heads_kv, head_dim}, 93);
+  const HostTensor dout = random_tensor(dtype, {batch, seqlen, heads_q, head_dim}, 94);
+  const HostTensor used_q = int32_tensor({300, 17, 0}), used_k = int32_tensor({120, 300, 5});
+  DeviceTensor d_q(q), d_k(k), d_v(v), d_dout(dout), d_used_q(used_q), d_used_k(used_k);
+  for (DeviceTensor* t : {&d_q, &d_k, &d_v, &d_dout, &d_used_q, &d_used_k}) ASSERT_TRUE(t->ok()) << "cudaMalloc failed";
+  CUDA_CHECK(d_q.upload(q));
+  CUDA_CHECK(d_k.upload(k));
+  CUDA_CHECK(d_v.upload(v));
+  CUDA_CHECK(d_dout.upload(dout));
+  CUDA_CHECK(d_used_q.upload(used_q));
+  CUDA_CHECK(d_used_k.upload(used_k));
+  const std::vector<int64_t> q_shape{batch, seqlen, heads_q, head_dim}, kv_shape{batch, seqlen, heads_kv, head_dim};
+  const std::vector<int64_t> lse_shape{batch, heads_q, seqlen};
+
+  // Forward: ours against the exact and the plain reference.
+  auto forward_params = [&](bool device) {
+    ForwardParams p = default_forward_params();
+    p.q = device ? d_q.view() : q.view();
+    p.k = device ? d_k.view() : k.view();
+    p.v = device ? d_v.view() : v.view();
+    p.seqused_q = device ? d_used_q.view() : used_q.view();
+    p.seqused_k = device ? d_used_k.view() : used_k.view();
+    p.causal = 1;
+    return p;
+  };
+  HostTensor out(dtype, q_shape), lse(FH_DTYPE_FP32, lse_shape);
+  DeviceTensor d_out(out), d_lse(lse);
+  ASSERT_TRUE(d_out.ok() && d_lse.ok());
+  CUDA_CHECK(d_out.poison());
+  CUDA_CHECK(d_lse.poison());
+  ForwardParams fp = forward_params(/*device=*/true);
+  fp.out = d_out.view();
+  fp.lse = d_lse.view();
+  size_t bytes = 0;
+  Status status = workspace_size(fp, &bytes);
+  ASSERT_TRUE(status.ok()) << status.message;
+  DeviceBuffer workspace;
+  if (bytes > 0) CUDA_CHECK(workspace.allocate(bytes));
+  status = forward(fp, workspace.data(), bytes, nullptr);
+  if (status.code == FH_ERROR_NOT_SUPPORTED) GTEST_SKIP() << "not in this build: " << status.message;
+  ASSERT_TRUE(status.ok()) << status.message;
+  CUDA_CHECK(cudaDeviceSynchronize());
+  CUDA_CHECK(d_out.download(out));
+  CUDA_CHECK(d_lse.download(lse));
+  HostTensor out_exact(FH_DTYPE_FP64, q_shape), lse_exact(FH_DTYPE_FP64, lse_shape);
+  HostTensor out_plain(dtype, q_shape), lse_plain(FH_DTYPE_FP32, lse_shape);
+  reference::Options plain;
+  plain.emulate_low_precision = true;
+  ForwardParams hp = forward_params(/*device=*/false);
+  hp.out = out_exact.view();
+  hp.lse = lse_exact.view();
+  status = reference::forward(hp);
+  ASSERT_TRUE(status.ok()) << status.message;
+  hp.out = out_plain.view();
+  hp.lse = lse_plain.view();
+  status = reference::forward(hp, plain);
+  ASSERT_TRUE(status.ok()) << status.message;
+  EXPECT_FALSE(has_nan(out.view()) || has_nan(lse.view())) << "unwritten (poisoned) or NaN out/lse";
+  const double out_err = max_abs_diff(out.view(), out_exact.view());
+  const double out_plain_err = max_abs_diff(out_plain.view(), out_exact.view());
+  const double lse_err = max_abs_diff(lse.view(), lse_exact.view());
+  const double lse_plain_err = max_abs_diff(lse_plain.view(), lse_exact.view());
+  EXPECT_LE(out_err, 2 * out_plain_err + kOutSlack) << "out: ours " << out_err << ", plain " << out_plain_err;
+  EXPECT_LE(lse_err, 2 * lse_plain_err + kOutSlack) << "lse: ours " << lse_err << ", plain " << lse_plain_err;
+
+  // Backward from the exact forward's out (rounded to the dtype) and lse, as a real forward hands them over.
+  HostTensor out_in(dtype, q_shape), lse_in(FH_DTYPE_FP32, lse_shape);
+  hp.out = out_in.view();
+  hp.lse = lse_in.view();
+  status = reference::forward(hp);
+  ASSERT_TRUE(status.ok()) << status.message;
+  DeviceTensor d_out_in(out_in), d_lse_in(lse_in);
+  HostTensor dq(dtype, q_shape), dk(dtype, kv_shape), dv(dtype, kv_shape);
+  DeviceTensor d_dq(dq), d_dk(dk), d_dv(dv);
+  for (DeviceTensor* t : {&d_out_in, &d_lse_in, &d_dq, &d_dk, &d_dv}) ASSERT_TRUE(t->ok()) << "cudaMalloc failed";
+  CUDA_CHECK(d_out_in.upload(out_in));
+  CUDA_CHECK(d_lse_in.upload(lse_in));
+  for (DeviceTensor* t : {&d_dq, &d_dk, &d_dv}) CUDA_CHECK(t->poison());
+  struct Grads {
+    HostTensor dq, dk, dv;
+  };
+  auto backward_params = [&](bool device, Grads* host) {
+    BackwardParams p = default_backward_params();
+    p.q = device ? d_q.view() : q.view();
+    p.k = device ? d_k.view() : k.view();
+    p.v = device ? d_v.view() : v.view();
+    p.dout = device ? d_dout.view() : dout.view();
+    p.out = device ? d_out_in.view() : out_in.view();
+    p.lse = device ? d_lse_in.view() : lse_in.view();
+    p.dq = device ? d_dq.view() : host->dq.view();
+    p.dk = device ? d_dk.view() : host->dk.view();
+    p.dv = device ? d_dv.view() : host->dv.view();
+    p.seqused_q = device ? d_used_q.view() : used_q.view();
+    p.seqused_k = device ? d_used_k.view() : used_k.view();
+    p.causal = 1;
+    return p;
+  };
+  BackwardParams bp = backward_params(/*device=*/true, nullptr);
+  status = workspace_size(bp, &bytes);
+  ASSERT_TRUE(status.ok()) << status.message;
+  DeviceBuffer bwd_workspace;
+  if (bytes > 0) CUDA_CHECK(bwd_workspace.allocate(bytes));
+  CUDA_CHECK(bwd_workspace.poison());
+  status = backward(bp, bwd_workspace.data(), bytes, nullptr);
+  if (status.code == FH_ERROR_NOT_SUPPORTED) GTEST_SKIP() << "not in this build: " << status.message;
+  ASSERT_TRUE(status.ok()) << status.message;
+  CUDA_CHECK(cudaDeviceSynchronize());
+  CUDA_CHECK(d_dq.download(dq));
+  CUDA_CHECK(d_dk.download(dk));
+  CUDA_CHECK(d_dv.download(dv));
+  Grads exact{HostTensor(FH_DTYPE_FP64, q_shape), HostTensor(FH_DTYPE_FP64, kv_shape),
+              HostTensor(FH_DTYPE_FP64, kv_shape)};
+  Grads plain_grads{HostTensor(dtype, q_shape), HostTensor(dtype, kv_shape), HostTensor(dtype, kv_shape)};
+  status = reference::backward(backward_params(false, &exact));
+  ASSERT_TRUE(status.ok()) << status.message;
+  status = reference::backward(backward_params(false, &plain_grads), plain);
+  ASSERT_TRUE(status.ok()) << status.message;
+  const std::array<std::pair<const char*, const HostTensor*>, 3> ours{{{"dq", &dq}, {"dk", &dk}, {"dv", &dv}}};
+  const std::array<const HostTensor*, 3> exacts{&exact.dq, &exact.dk, &exact.dv};
+  const std::array<const HostTensor*, 3> plains{&plain_grads.dq, &plain_grads.dk, &plain_grads.dv};
+  for (size_t i = 0; i < ours.size(); ++i) {
+    const double err = max_abs_diff(ours[i].second->view(), exacts[i]->view());
+    const double plain_err = max_abs_diff(plains[i]->view(), exacts[i]->view());
+    EXPECT_FALSE(has_nan(ours[i].second->view())) << ours[i].first << ": unwritten (poisoned) or NaN elements";
+    EXPECT_LE(err, 2 * plain_err + kGradSlack) << ours[i].first << ": ours " << err << ", plain " << plain_err;
+  }
+}
+
 }  // namespace
 }  // namespace flashhopper::test
 
