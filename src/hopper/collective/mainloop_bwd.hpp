@@ -277,12 +277,24 @@ struct BackwardMainloop {
   }
 
 
+  // What the producer and the MMA warpgroups share besides the parameters, as one role sees it:
+  // the Q and dO pipelines with its place in each (write states for the producer, read states
+  // for the MMA warpgroups), the shared storage, and the phase of the K/V barrier it waits on
+  // (kv_empty for the producer, kv_full for the MMA warpgroups). The kernel binds one per role.
+  struct SharedState {
+    Pipeline& pipeline_q;
+    PipelineDo& pipeline_do;
+    PipelineState& q_state;
+    PipelineStateDo& do_state;
+    SharedStorage& storage;
+    int& kv_phase;
+  };
+
   // Producer (one thread): K and V once, after the previous block's consumers let go of them;
   // then Q and dO of each query block of each query head of the group, in the consumers' order,
   // with the block's LSE and D rows.
-  CUTLASS_DEVICE static void load(Params const& params, Pipeline& pipeline_q, PipelineDo& pipeline_do,
-                                  PipelineState& pipe_q_write, PipelineStateDo& pipe_do_write, SharedStorage& storage,
-                                  int& kv_empty_phase, BackwardBlock const& blk) {
+  CUTLASS_DEVICE static void load(Params const& params, SharedState const& shared, BackwardBlock const& blk) {
+    SharedStorage& storage = shared.storage;
     Tensor sQ = make_tensor(make_smem_ptr(storage.smem_q.data()), SmemLayoutQ{});
     Tensor sdO = make_tensor(make_smem_ptr(storage.smem_do.data()), SmemLayoutdO{});
     Tensor sK = make_tensor(make_smem_ptr(storage.smem_k.data()), SmemLayoutK{});
@@ -297,8 +309,8 @@ struct BackwardMainloop {
                                       group_modes<0, 2>(key_tile(params.tma_k, params.shape_k)));
     auto [tVgV, tVsV] = tma_partition(params.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV),
                                       group_modes<0, 2>(key_tile(params.tma_v, params.shape_v)));
-    storage.kv_empty.wait(kv_empty_phase);
-    kv_empty_phase ^= 1;
+    storage.kv_empty.wait(shared.kv_phase);
+    shared.kv_phase ^= 1;
     storage.kv_full.arrive_and_expect_tx(kTmaBytesKV);
     copy(params.tma_k.with(reinterpret_cast<uint64_t&>(storage.kv_full)), tKgK, tKsK);
     copy(params.tma_v.with(reinterpret_cast<uint64_t&>(storage.kv_full)), tVgV, tVsV);
@@ -328,9 +340,9 @@ struct BackwardMainloop {
       for (int i = 0; i < blk.m_block_max - blk.m_block_min; ++i) {
         const int m_block = query_block_at(blk, i);
         const int64_t row0 = row0_head + int64_t(m_block) * kBlockM;  // padded rows: always in bounds
-        load_stage(pipeline_q, pipe_q_write, params.tma_q, tQgQ, tQsQ, params.workspace.lse_log2 + row0,
+        load_stage(shared.pipeline_q, shared.q_state, params.tma_q, tQgQ, tQsQ, params.workspace.lse_log2 + row0,
                    storage.smem_lse_log2.data(), m_block);
-        load_stage(pipeline_do, pipe_do_write, params.tma_do, tdOgdO, tdOsdO, params.workspace.dpsum + row0,
+        load_stage(shared.pipeline_do, shared.do_state, params.tma_do, tdOgdO, tdOsdO, params.workspace.dpsum + row0,
                    storage.smem_dpsum.data(), m_block);
       }
     }
@@ -414,10 +426,9 @@ struct BackwardMainloop {
   // dS (and P where kPBuffers = 2) alternates between two shared buffers (`buffer`, kept across
   // key blocks), so one warpgroup may write block m + 1's while the other still reads block m's.
   template <class TensordKV>
-  CUTLASS_DEVICE static void mma(Params const& params, Pipeline& pipeline_q, PipelineDo& pipeline_do,
-                                 PipelineState& pipe_q_read, PipelineStateDo& pipe_do_read, SharedStorage& storage,
-                                 int& kv_full_phase, int& buffer, TensordKV& tdKrdK, TensordKV& tdVrdV,
-                                 int thread_idx, BackwardBlock const& blk) {
+  CUTLASS_DEVICE static void mma(Params const& params, SharedState const& shared, int& buffer, TensordKV& tdKrdK,
+                                 TensordKV& tdVrdV, int thread_idx, BackwardBlock const& blk) {
+    SharedStorage& storage = shared.storage;
     Tensor sQ = make_tensor(make_smem_ptr(storage.smem_q.data()), SmemLayoutQ{});
     Tensor sQt = make_tensor(make_smem_ptr(storage.smem_q.data()), SmemLayoutQt{});
     Tensor sdO = make_tensor(make_smem_ptr(storage.smem_do.data()), SmemLayoutdO{});
@@ -480,8 +491,8 @@ struct BackwardMainloop {
 
     clear(tdKrdK);
     clear(tdVrdV);
-    storage.kv_full.wait(kv_full_phase);
-    kv_full_phase ^= 1;
+    storage.kv_full.wait(shared.kv_phase);
+    shared.kv_phase ^= 1;
 
     for (int g = 0; g < params.heads_per_kv_head; ++g) {
       const int head = blk.head_kv * params.heads_per_kv_head + g;
@@ -508,17 +519,17 @@ struct BackwardMainloop {
       auto step = [&](int m_block, auto masked) {
         cute::Tensor tSrS = partition_fragment_C(tiled_mma_sdp, select<0, 1>(TileShapeSdP{}));
         cute::Tensor tdPrdP = partition_fragment_C(tiled_mma_sdp, select<0, 1>(TileShapeSdP{}));
-        pipeline_q.consumer_wait(pipe_q_read);
-        warpgroup_gemm</*kZeroInit=*/true, /*kWait=*/-1>(tiled_mma_sdp, tSrQ(_, _, _, pipe_q_read.index()),
+        shared.pipeline_q.consumer_wait(shared.q_state);
+        warpgroup_gemm</*kZeroInit=*/true, /*kWait=*/-1>(tiled_mma_sdp, tSrQ(_, _, _, shared.q_state.index()),
                                                          descriptors_per_use(tSrK), tSrS);
         float lse_log2[kRows], dpsum[kRows];
-        float const* smem_lse_log2 = storage.smem_lse_log2.data() + pipe_q_read.index() * kBlockM;
+        float const* smem_lse_log2 = storage.smem_lse_log2.data() + shared.q_state.index() * kBlockM;
         CUTLASS_PRAGMA_UNROLL
         for (int i = 0; i < kRows; ++i) lse_log2[i] = smem_lse_log2[get<0>(coords(i, 0))];
-        pipeline_do.consumer_wait(pipe_do_read);
-        warpgroup_gemm<true, -1>(tiled_mma_sdp, tdPrdO(_, _, _, pipe_do_read.index()), descriptors_per_use(tdPrV),
+        shared.pipeline_do.consumer_wait(shared.do_state);
+        warpgroup_gemm<true, -1>(tiled_mma_sdp, tdPrdO(_, _, _, shared.do_state.index()), descriptors_per_use(tdPrV),
                                  tdPrdP);
-        float const* smem_dpsum = storage.smem_dpsum.data() + pipe_do_read.index() * kBlockM;
+        float const* smem_dpsum = storage.smem_dpsum.data() + shared.do_state.index() * kBlockM;
         CUTLASS_PRAGMA_UNROLL
         for (int i = 0; i < kRows; ++i) dpsum[i] = smem_dpsum[get<0>(coords(i, 0))];
         warpgroup_wait<1>();  // S is ready
@@ -546,28 +557,28 @@ struct BackwardMainloop {
 
         // dV first, so that the dO stage is freed as early as possible; then dQ and dK.
         // warpgroup_wait<n> waits for all but the last n.
-        gemm_dkv(tdVrPt(_, _, _, p_buffer), tdVrdOt(_, _, _, pipe_do_read.index()), tdVrdV);
+        gemm_dkv(tdVrPt(_, _, _, p_buffer), tdVrdOt(_, _, _, shared.do_state.index()), tdVrdV);
         if constexpr (!kComputeDq) {
-          gemm_dkv(tdKrdSt(_, _, _, buffer), tdKrQt(_, _, _, pipe_q_read.index()), tdKrdK);
+          gemm_dkv(tdKrdSt(_, _, _, buffer), tdKrQt(_, _, _, shared.q_state.index()), tdKrdK);
           warpgroup_wait<1>();  // dV is done with dO
-          pipeline_do.consumer_release(pipe_do_read);
-          ++pipe_do_read;
+          shared.pipeline_do.consumer_release(shared.do_state);
+          ++shared.do_state;
           warpgroup_wait<0>();  // dK is done with Q
-          pipeline_q.consumer_release(pipe_q_read);
+          shared.pipeline_q.consumer_release(shared.q_state);
         } else {
           cute::Tensor tdQrdQ = partition_fragment_C(tiled_mma_dq, select<0, 1>(TileShapedQ{}));
           warpgroup_gemm<true, -1>(tiled_mma_dq, get<0>(dq_operands)(_, _, _, buffer),
                                    descriptors_per_use(get<1>(dq_operands)), tdQrdQ);
-          gemm_dkv(tdKrdSt(_, _, _, buffer), tdKrQt(_, _, _, pipe_q_read.index()), tdKrdK);
+          gemm_dkv(tdKrdSt(_, _, _, buffer), tdKrQt(_, _, _, shared.q_state.index()), tdKrdK);
           warpgroup_wait<2>();  // dV is done with dO
-          pipeline_do.consumer_release(pipe_do_read);
-          ++pipe_do_read;
+          shared.pipeline_do.consumer_release(shared.do_state);
+          ++shared.do_state;
           warpgroup_wait<1>();  // dQ
           add_dq(tdQrdQ);
           warpgroup_wait<0>();  // dK is done with Q
-          pipeline_q.consumer_release(pipe_q_read);
+          shared.pipeline_q.consumer_release(shared.q_state);
         }
-        ++pipe_q_read;
+        ++shared.q_state;
         buffer ^= 1;
       };
       if constexpr (kCausal) {

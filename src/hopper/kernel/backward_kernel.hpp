@@ -81,14 +81,15 @@ struct BackwardKernel {
         auto pipe_q_write = cutlass::make_producer_start_state<Pipeline>();
         auto pipe_do_write = cutlass::make_producer_start_state<typename Mainloop::PipelineDo>();
         int kv_empty_phase = 1;  // K and V start free: the first wait passes
+        const typename Mainloop::SharedState shared{pipeline_q, pipeline_do, pipe_q_write, pipe_do_write, storage,
+                                                    kv_empty_phase};
         for (int k = 0;; ++k) {
           const int tile = Scheduler::tile_at(params.scheduler, storage.tiles, k, false);
           const WorkTile work = Scheduler::decode(params.scheduler, tile);
           if (!work.valid) break;
           const BackwardBlock blk = block_of(params, work);
           if (blk.m_block_min >= blk.m_block_max) continue;  // the MMA warpgroups write zeros
-          Mainloop::load(params.mainloop, pipeline_q, pipeline_do, pipe_q_write, pipe_do_write, storage,
-                         kv_empty_phase, blk);
+          Mainloop::load(params.mainloop, shared, blk);
         }
       } else if (warp_in_group == 1) {  // dQ writer
         Mainloop::store_dq_start();
@@ -106,6 +107,8 @@ struct BackwardKernel {
       typename Mainloop::PipelineState pipe_q_read;
       typename Mainloop::PipelineStateDo pipe_do_read;
       int kv_full_phase = 0;
+      const typename Mainloop::SharedState shared{pipeline_q, pipeline_do, pipe_q_read, pipe_do_read, storage,
+                                                  kv_full_phase};
       int pds_buffer = 0;
       typename Mainloop::TiledMmadKV tiled_mma_dkv;
       for (int k = 0;; ++k) {
@@ -116,8 +119,7 @@ struct BackwardKernel {
         Tensor tdKrdK = partition_fragment_C(tiled_mma_dkv, select<0, 1>(typename Mainloop::TileShapedKV{}));
         Tensor tdVrdV = partition_fragment_C(tiled_mma_dkv, select<0, 1>(typename Mainloop::TileShapedKV{}));
         if (blk.m_block_min < blk.m_block_max) {
-          Mainloop::mma(params.mainloop, pipeline_q, pipeline_do, pipe_q_read, pipe_do_read, storage, kv_full_phase,
-                        pds_buffer, tdKrdK, tdVrdV, thread_idx, blk);
+          Mainloop::mma(params.mainloop, shared, pds_buffer, tdKrdK, tdVrdV, thread_idx, blk);
         } else {
           clear(tdKrdK);
           clear(tdVrdV);
