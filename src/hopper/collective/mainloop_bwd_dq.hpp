@@ -186,13 +186,24 @@ struct BackwardDqMainloop {
   }
   CUTLASS_DEVICE static Mask make_mask(Params const& params, SeqlenInfo const& seq) { return Mask(seq, params.local); }
 
+  // What the producer and the MMA warpgroups share besides the parameters, as one role sees it
+  // (BackwardMainloop's, with the roles of K/V and Q/dO swapped): the K and V pipelines with its
+  // place in each, the shared storage, and the phase of the Q/dO barrier it waits on.
+  struct SharedState {
+    PipelineK& pipeline_k;
+    PipelineV& pipeline_v;
+    PipelineStateK& k_state;
+    PipelineStateV& v_state;
+    SharedStorage& storage;
+    int& qdo_phase;
+  };
+
   // Producer (one thread): the first K block, then Q and dO once the previous tile is done with
   // theirs, then K and V in the walk's order (the last key block, which may need masking,
   // first), K one block ahead of V in the order the warpgroups use them.
-  CUTLASS_DEVICE static void load(Params const& params, PipelineK& pipeline_k, PipelineV& pipeline_v,
-                                  PipelineStateK& pipe_k_write, PipelineStateV& pipe_v_write, SharedStorage& storage,
-                                  int& qdo_empty_phase, WorkTile const& work, SeqlenInfo const& seq,
-                                  typename Mask::KeyBlocks const& blocks) {
+  CUTLASS_DEVICE static void load(Params const& params, SharedState const& shared, WorkTile const& work,
+                                  SeqlenInfo const& seq, typename Mask::KeyBlocks const& blocks) {
+    SharedStorage& storage = shared.storage;
     Tensor sQ = make_tensor(make_smem_ptr(storage.smem_q.data()), SmemLayoutQ{});
     Tensor sdO = make_tensor(make_smem_ptr(storage.smem_do.data()), SmemLayoutQ{});
     Tensor sK = make_tensor(make_smem_ptr(storage.smem_k.data()), SmemLayoutK{});
@@ -223,12 +234,16 @@ struct BackwardDqMainloop {
     Tensor tVgV = get<0>(v_parts);
     Tensor tVsV = get<1>(v_parts);
 
-    auto load_k = [&](int n_block) { tma_load_stage(pipeline_k, pipe_k_write, params.tma_k, tKgK(_, n_block), tKsK); };
-    auto load_v = [&](int n_block) { tma_load_stage(pipeline_v, pipe_v_write, params.tma_v, tVgV(_, n_block), tVsV); };
+    auto load_k = [&](int n_block) {
+      tma_load_stage(shared.pipeline_k, shared.k_state, params.tma_k, tKgK(_, n_block), tKsK);
+    };
+    auto load_v = [&](int n_block) {
+      tma_load_stage(shared.pipeline_v, shared.v_state, params.tma_v, tVgV(_, n_block), tVsV);
+    };
     const int num_blocks = blocks.count();
     load_k(blocks.at(0));
-    storage.qdo_empty.wait(qdo_empty_phase);
-    qdo_empty_phase ^= 1;
+    storage.qdo_empty.wait(shared.qdo_phase);
+    shared.qdo_phase ^= 1;
     storage.qdo_full.arrive_and_expect_tx(kTmaBytesQdO);
     copy(params.tma_q.with(reinterpret_cast<uint64_t&>(storage.qdo_full)), tQgQ, tQsQ);
     copy(params.tma_do.with(reinterpret_cast<uint64_t&>(storage.qdo_full)), tdOgdO, tdOsdO);
@@ -240,10 +255,9 @@ struct BackwardDqMainloop {
 
   // MMA warpgroups: the whole query block. On return tdQrdQ holds dQ / scale, every GEMM done.
   template <class TensordQ>
-  CUTLASS_DEVICE static void mma(Params const& params, PipelineK& pipeline_k, PipelineV& pipeline_v,
-                                 PipelineStateK& pipe_k_read, PipelineStateV& pipe_v_read, SharedStorage& storage,
-                                 int& qdo_full_phase, TensordQ& tdQrdQ, int thread_idx, WorkTile const& work,
-                                 SeqlenInfo const& seq, typename Mask::KeyBlocks const& blocks) {
+  CUTLASS_DEVICE static void mma(Params const& params, SharedState const& shared, TensordQ& tdQrdQ, int thread_idx,
+                                 WorkTile const& work, SeqlenInfo const& seq, typename Mask::KeyBlocks const& blocks) {
+    SharedStorage& storage = shared.storage;
     Tensor sQ = make_tensor(make_smem_ptr(storage.smem_q.data()), SmemLayoutQ{});
     Tensor sdO = make_tensor(make_smem_ptr(storage.smem_do.data()), SmemLayoutQ{});
     Tensor sK = make_tensor(make_smem_ptr(storage.smem_k.data()), SmemLayoutK{});
@@ -280,37 +294,38 @@ struct BackwardDqMainloop {
     const Mask mask = make_mask(params, seq);
     const int num_blocks = blocks.count();
 
-    storage.qdo_full.wait(qdo_full_phase);
-    qdo_full_phase ^= 1;
+    storage.qdo_full.wait(shared.qdo_phase);
+    shared.qdo_phase ^= 1;
     clear(tdQrdQ);
 
     PipelineStateK pipe_k_previous;  // the previous block's K stage, read by its dQ GEMM
     CUTLASS_PRAGMA_NO_UNROLL
     for (int i = 0; i < num_blocks; ++i) {
       const int n_block = blocks.at(i);
-      pipeline_k.consumer_wait(pipe_k_read);
-      warpgroup_gemm</*kZeroInit=*/true, /*kWait=*/-1>(tiled_mma_sdp, tSrQ, tSrK(_, _, _, pipe_k_read.index()), tSrS);
-      pipeline_v.consumer_wait(pipe_v_read);
-      warpgroup_gemm<true, -1>(tiled_mma_sdp, tdPrdO, tdPrV(_, _, _, pipe_v_read.index()), tdPrdP);
+      shared.pipeline_k.consumer_wait(shared.k_state);
+      warpgroup_gemm</*kZeroInit=*/true, /*kWait=*/-1>(tiled_mma_sdp, tSrQ, tSrK(_, _, _, shared.k_state.index()),
+                                                       tSrS);
+      shared.pipeline_v.consumer_wait(shared.v_state);
+      warpgroup_gemm<true, -1>(tiled_mma_sdp, tdPrdO, tdPrV(_, _, _, shared.v_state.index()), tdPrdP);
       warpgroup_wait<1>();  // S is ready, and the previous block's dQ GEMM is done with its K
-      if (i > 0) pipeline_k.consumer_release(pipe_k_previous);
+      if (i > 0) shared.pipeline_k.consumer_release(pipe_k_previous);
       params.transform.apply(scores);
       if (mask.crosses_boundary(work.block, n_block)) mask.apply(scores, coords, work.block, n_block);
       scores_to_probabilities(scores, lse_log2, params.softmax_scale_log2);
       warpgroup_wait<0>();  // dP is ready
-      pipeline_v.consumer_release(pipe_v_read);
-      ++pipe_v_read;
+      shared.pipeline_v.consumer_release(shared.v_state);
+      ++shared.v_state;
       // Q and dO are free once the tile's last S and dP are done: the next tile's load overlaps
       // the last dQ GEMM and the epilogue.
       if (i == num_blocks - 1) storage.qdo_empty.arrive();
       Transform::dp_to_ds(dS, scores, dpsum, lse_log2, params.softmax_scale_log2);
       convert_into(tdPrdP, tdQrdS);
-      warpgroup_gemm<false, -1>(tiled_mma_dq, tdQrdS, tdQrKt(_, _, _, pipe_k_read.index()), tdQrdQ);
-      pipe_k_previous = pipe_k_read;
-      ++pipe_k_read;
+      warpgroup_gemm<false, -1>(tiled_mma_dq, tdQrdS, tdQrKt(_, _, _, shared.k_state.index()), tdQrdQ);
+      pipe_k_previous = shared.k_state;
+      ++shared.k_state;
     }
     warpgroup_wait<0>();
-    pipeline_k.consumer_release(pipe_k_previous);
+    shared.pipeline_k.consumer_release(pipe_k_previous);
   }
 };
 

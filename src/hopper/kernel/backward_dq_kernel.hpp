@@ -62,6 +62,8 @@ struct BackwardDqKernel {
       auto pipe_k_write = cutlass::make_producer_start_state<typename Mainloop::PipelineK>();
       auto pipe_v_write = cutlass::make_producer_start_state<typename Mainloop::PipelineV>();
       int qdo_empty_phase = 1;  // the buffers start empty: the first wait passes
+      const typename Mainloop::SharedState shared{pipeline_k, pipeline_v, pipe_k_write, pipe_v_write, storage,
+                                                  qdo_empty_phase};
       for (int k = 0;; ++k) {
         const int tile = Scheduler::tile_at(params.scheduler, storage.tiles, k, false);
         const WorkTile work = Scheduler::decode(params.scheduler, tile);
@@ -69,8 +71,7 @@ struct BackwardDqKernel {
         const SeqlenInfo seq = Mainloop::seqlen_info(params.mainloop, work);
         const auto blocks = Mainloop::make_mask(params.mainloop, seq).key_blocks(work.block);
         if (blocks.count() == 0) continue;  // the MMA warpgroups write zeros
-        Mainloop::load(params.mainloop, pipeline_k, pipeline_v, pipe_k_write, pipe_v_write, storage, qdo_empty_phase,
-                       work, seq, blocks);
+        Mainloop::load(params.mainloop, shared, work, seq, blocks);
       }
     } else {
       cutlass::arch::warpgroup_reg_alloc<kConsumerRegisters>();
@@ -78,6 +79,8 @@ struct BackwardDqKernel {
       typename Mainloop::PipelineStateK pipe_k_read;
       typename Mainloop::PipelineStateV pipe_v_read;
       int qdo_full_phase = 0;
+      const typename Mainloop::SharedState shared{pipeline_k, pipeline_v, pipe_k_read, pipe_v_read, storage,
+                                                  qdo_full_phase};
       typename Mainloop::TiledMmadQ tiled_mma_dq;
       using TileShape = decltype(select<0, 1>(typename Mainloop::TileShapedQ{}));  // (M, d)
       Tensor tdQcdQ = tiled_mma_dq.get_thread_slice(thread_idx).partition_C(make_identity_tensor(TileShape{}));
@@ -89,8 +92,7 @@ struct BackwardDqKernel {
         const auto blocks = Mainloop::make_mask(params.mainloop, seq).key_blocks(work.block);
         Tensor tdQrdQ = partition_fragment_C(tiled_mma_dq, TileShape{});
         if (blocks.count() > 0) {
-          Mainloop::mma(params.mainloop, pipeline_k, pipeline_v, pipe_k_read, pipe_v_read, storage, qdo_full_phase,
-                        tdQrdQ, thread_idx, work, seq, blocks);
+          Mainloop::mma(params.mainloop, shared, tdQrdQ, thread_idx, work, seq, blocks);
           CUTLASS_PRAGMA_UNROLL
           for (int i = 0; i < size(tdQrdQ); ++i) tdQrdQ(i) *= params.mainloop.softmax_scale;
         } else {
