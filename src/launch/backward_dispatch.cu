@@ -34,7 +34,7 @@ int run_backward(const BackwardParams& params, const detail::ProblemShape& shape
       [&](auto dtype, auto head_dim, auto head_dim_v, auto mask, auto softcap) {
         // Every backward variant is compiled with and without packed batches (the manifest's
         // BACKWARD_FEATURE_SETS): a dense call takes the kernels without their code.
-        if (backward_packed(params, shape))
+        if (detail::uses_packed_batches(params, shape))
           return run_backward_hdim<dtype.value, head_dim.value, head_dim_v.value, mask.value, softcap.value, true>(
               params, shape, workspace, stream);
         return run_backward_hdim<dtype.value, head_dim.value, head_dim_v.value, mask.value, softcap.value, false>(

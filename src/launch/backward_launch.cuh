@@ -99,7 +99,7 @@ cudaError_t run_backward_hdim(const BackwardParams& p, const detail::ProblemShap
   using Scheduler = PersistentTileScheduler</*kLongestFirst=*/kCausal, kPacked, /*kSplit=*/false>;
   using Kernel = BackwardKernel<Mainloop, Epilogue, Scheduler>;
   // A kernel without packed batches would read a packed one as dense; the dispatch never asks.
-  if (!kPacked && backward_packed(p, s)) return cudaErrorInvalidValue;
+  if (!kPacked && detail::uses_packed_batches(p, s)) return cudaErrorInvalidValue;
   using Preprocess = BackwardPreprocess<Element, kHeadDimV>;
   using Postprocess = BackwardPostprocess<Mainloop>;
   static_assert(BackwardWorkspaceLayout::kRowAlign % Tile::kBlockM == 0);

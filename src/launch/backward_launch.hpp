@@ -10,12 +10,6 @@
 
 namespace flashhopper::launch {
 
-// Whether a backward call needs the kernels for packed batches: cu_seqlens, or seqused (which a
-// dense layout may have too: rows past it get zero gradients).
-inline bool backward_packed(const BackwardParams& p, const detail::ProblemShape& s) {
-  return s.varlen_q || s.varlen_k || detail::present(p.seqused_q) || detail::present(p.seqused_k);
-}
-
 // kHeadDim, kHeadDimV: the compiled sizes; the call's own (shape.head_dim) may be smaller.
 // kPacked: the kernels take packed batches (cu_seqlens, seqused); a dense call runs on the ones
 // without (the manifest's BACKWARD_FEATURE_SETS compiles both).

@@ -24,8 +24,7 @@ inline hopper::ForwardFeatures forward_features(const ForwardParams& p, const de
                                                 int num_splits) {
   using hopper::ForwardFeatures;
   ForwardFeatures f = ForwardFeatures::kNone;
-  if (s.varlen_q || s.varlen_k || detail::present(p.seqused_q) || detail::present(p.seqused_k))
-    f = f | ForwardFeatures::kPacked;
+  if (detail::uses_packed_batches(p, s)) f = f | ForwardFeatures::kPacked;
   if (num_splits > 1) f = f | ForwardFeatures::kSplitKv;
   if (detail::present(p.cache_seqlens) || detail::present(p.cache_leftpad) || detail::present(p.cache_batch_idx))
     f = f | ForwardFeatures::kKvCache;

@@ -47,6 +47,13 @@ struct MaskSpec {
 
 inline bool present(const Tensor& t) { return t.data != nullptr; }
 
+// Whether a call (either pass) needs the kernels for packed batches: cu_seqlens, or seqused,
+// which a dense layout may carry too (rows past it take no part).
+template <class Params>
+bool uses_packed_batches(const Params& p, const ProblemShape& s) {
+  return s.varlen_q || s.varlen_k || present(p.seqused_q) || present(p.seqused_k);
+}
+
 // a * b for extents read before they are checked: saturates at INT64_MAX (a huge product is then
 // refused by the shape checks) instead of overflowing.
 inline int64_t saturating_product(int64_t a, int64_t b) {
