@@ -142,10 +142,12 @@ for step in "${steps[@]}"; do
       sanitize kv_cache test_forward_gpu \
         'KvCache/KvCacheGpuTest.*/b4_sq3_h8_hkv2_rows6_S1000_causal_leftpad_batchidx_new3_rotary64i:Combine/*/packed_bf16_splits7:Combine/*/dense_fp32_splits256'
       # A paged cache: pages loaded key by key (1, 24 keys, an append with rotary into pages of 4)
-      # and in chunks of 16 keys.
+      # and in chunks of 16 and 32 keys; rows of the page table picked by cache_batch_idx, keys
+      # from mid-page (cache_leftpad).
       sanitize paged test_forward_gpu "$(printf 'KvCache/*/%s:' b6_sq1_h32_hkv8_rows0_S2048_splits0_page1 \
         b6_sq1_h32_hkv8_rows0_S2040_splits0_page24 b4_sq3_h8_hkv2_rows0_S1024_causal_new3_rotary64i_page4 \
-        b6_sq1_h32_hkv8_rows0_S2048_causal_splits0_page16)"
+        b6_sq1_h32_hkv8_rows0_S2048_causal_splits0_page16 b6_sq1_h32_hkv8_rows9_S1920_batchidx_splits0_page128 \
+        b4_sq3_h8_hkv2_rows6_S1024_causal_leftpad_batchidx_new3_rotary64i_page16)"
       # Split-KV: the partials and the combine after the attention (sinks, empty splits, an append).
       sanitize split_kv test_forward_gpu "$(printf 'SplitKv/*/bf16_d128_%s:' full_b1_sq200_sk300_h2_hkv2_lsink_splits256 \
         causal_b1_sq300_sk2000_h4_hkv1_splits3 full_b2_sq130_sk1500_h4_hkv2_w128x0_sinks4_splits5)$(printf \

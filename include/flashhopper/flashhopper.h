@@ -70,11 +70,13 @@ typedef struct fh_tensor {
  *         must hold finite values (any garbage but Inf/NaN).
  * Paged KV (page_table present): k [num_pages, page_size, Hkv, d], v likewise with dv,
  *         page_table [B, max_pages], cache_seqlens [B]; k_new/v_new [B, s_new, Hkv, d|dv]
- *         are written into the cache at cache_seqlens before attending.
- * KV cache extras (FA3's flash_attn_with_kvcache), all optional:
- *   cache_batch_idx [B] int32 (dense cache only): sequence b's cache is k[cache_batch_idx[b]];
- *         k and v then hold any number of cache rows.
- *   cache_leftpad [B] int32 (dense cache only): sequence b's keys start at cache position
+ *         are written into the cache at cache_seqlens before attending. Position i of
+ *         sequence b is row i % page_size of page page_table[b, i / page_size].
+ * KV cache extras (FA3's flash_attn_with_kvcache), all optional, dense or paged cache:
+ *   cache_batch_idx [B] int32: sequence b's cache is k[cache_batch_idx[b]], or with page_table
+ *         the pages of row cache_batch_idx[b] of the table; k and v (or page_table) then hold
+ *         any number of cache rows.
+ *   cache_leftpad [B] int32: sequence b's keys start at cache position
  *         cache_leftpad[b] (the slots before it are padding); its keys are the positions
  *         [cache_leftpad[b], cache_seqlens[b] + s_new), and the masks align to them.
  *   rotary_cos/rotary_sin [seqlen_ro, rotary_dim / 2] (with k_new): rotary embedding on the

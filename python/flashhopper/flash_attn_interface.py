@@ -310,14 +310,14 @@ def flash_attn_with_kvcache(
     """FlashAttention-3's KV-cache attention: q [B, sq, H, d] (or packed [total_q, H, d] with
     cu_seqlens_q and max_seqlen_q) against k_cache/v_cache, dense [B_cache, S, Hkv, d] (rows picked
     by cache_batch_idx, keys starting at cache_leftpad) or paged [num_pages, page_size, Hkv, d] with
-    page_table [B, max_pages]; cache_seqlens (int or int32 [B]) keys cached per sequence; k/v
+    page_table [B, max_pages] (or [B_cache, max_pages], rows picked by cache_batch_idx); cache_seqlens (int or int32 [B]) keys cached per sequence; k/v
     [B, s_new, Hkv, d] appended in place at cache_seqlens first, with rotary (rotary_cos/sin
     [seqlen_ro, rotary_dim / 2], rotary_seqlens, rotary_interleaved) on them and on q, as FA3 (the
     rules are in include/flashhopper/flashhopper.h). Returns out, or (out, softmax_lse) with
     return_softmax_lse.
 
-    The arguments are checked (ValueError naming the argument). The kernels run a dense cache
-    (cache_seqlens, cache_batch_idx, cache_leftpad) or a paged one (any page_size) with the append
+    The arguments are checked (ValueError naming the argument). The kernels run a dense cache or a
+    paged one (any page_size), both with cache_seqlens, cache_batch_idx and cache_leftpad, with the append
     and rotary, split over the keys (num_splits; 0 chooses from the shapes); fp8 descales,
     cu_seqlens_k_new, num_splits > 1 with cu_seqlens_q, and sm_margin raise FlashHopperNotSupported
     (a NotImplementedError). scheduler_metadata (from

@@ -622,12 +622,11 @@ Status check_forward_presence(const ForwardParams& p, const AttentionArgs& a) {
   if (present(p.k_new) && !present(p.cache_seqlens)) {
     return invalid("cache_seqlens", "is required with k_new/v_new (where to append them in the cache)");
   }
-  const bool dense_cache = !a.paged() && !a.varlen_k();
   for (const auto& [tensor, name] :
        NamedTensors{{&p.cache_batch_idx, "cache_batch_idx"}, {&p.cache_leftpad, "cache_leftpad"}}) {
-    if (present(*tensor) && !dense_cache) {
-      return invalid(name, "is given with ", a.paged() ? "page_table" : "cu_seqlens_k",
-                     "; it indexes a dense cache k [B_cache, sk, Hkv, d] (as in FlashAttention-3)");
+    if (present(*tensor) && a.varlen_k()) {
+      return invalid(name, "is given with cu_seqlens_k; it indexes a cache, dense k [B_cache, sk, Hkv, d] or "
+                           "paged through page_table (as in FlashAttention-3)");
     }
   }
   if (present(p.cache_leftpad) && !present(p.cache_seqlens)) {
@@ -710,7 +709,10 @@ Status check_forward_shapes(const ForwardParams& p, const AttentionArgs& a, cons
   FLASHHOPPER_RETURN_IF_INVALID(check_attention_shapes(a, s));
   const Extent batch{s.batch, "batch size", a.batch_source()};
   const Extent heads_kv{s.heads_kv, "number of key/value heads", "k"};
-  if (a.paged()) FLASHHOPPER_RETURN_IF_INVALID(check_shape(p.page_table, "page_table", {batch, kFree}));
+  if (a.paged()) {  // with cache_batch_idx, any number of rows (it picks each sequence's row)
+    FLASHHOPPER_RETURN_IF_INVALID(
+        check_shape(p.page_table, "page_table", {present(p.cache_batch_idx) ? kFree : batch, kFree}));
+  }
   if (present(p.cache_seqlens)) FLASHHOPPER_RETURN_IF_INVALID(check_shape(p.cache_seqlens, "cache_seqlens", {batch}));
   if (present(p.k_new)) {
     FLASHHOPPER_RETURN_IF_INVALID(

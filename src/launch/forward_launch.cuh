@@ -68,6 +68,7 @@ cudaError_t run_forward_hdim(const ForwardParams& p, const detail::ProblemShape&
       seqlen,
       static_cast<int const*>(p.page_table.data),
       s.paged ? p.page_table.stride[0] : 0,
+      s.paged ? int(p.page_table.shape[0]) : 0,
       int(s.page_size)};
   // lse: dense [B, Hq, sq], packed [Hq, total_q].
   const bool has_lse = p.lse.data != nullptr;

@@ -39,6 +39,7 @@ int run_as(const ForwardParams& p, const detail::ProblemShape& s, void* q_rotate
   if (s.paged) {
     k.page_table = static_cast<int const*>(p.page_table.data);
     k.page_table_stride = p.page_table.stride[0];
+    k.page_table_rows = int(p.page_table.shape[0]);
     k.max_pages = int(s.max_pages);
   }
   if (detail::present(p.rotary_cos)) {

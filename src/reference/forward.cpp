@@ -287,8 +287,10 @@ Status forward(const ForwardParams& p, const Options& options, const Tensor* out
   }
   if (varlen_q) FLASHHOPPER_REFERENCE_CHECK(check_shape(p.cu_seqlens_q, "cu_seqlens_q", {B + 1}));
   if (varlen_k) FLASHHOPPER_REFERENCE_CHECK(check_shape(p.cu_seqlens_k, "cu_seqlens_k", {B + 1}));
-  if (paged)
-    FLASHHOPPER_REFERENCE_CHECK(check_shape(p.page_table, "page_table", {B, shape.max_pages}));
+  if (paged) {  // with cache_batch_idx, any number of rows (it picks each sequence's row)
+    const int64_t rows = present(p.cache_batch_idx) ? p.page_table.shape[0] : B;
+    FLASHHOPPER_REFERENCE_CHECK(check_shape(p.page_table, "page_table", {rows, shape.max_pages}));
+  }
   const Tensor* lengths_1d[] = {&p.seqused_q, &p.seqused_k, &p.cache_seqlens};
   const char* lengths_names[] = {"seqused_q", "seqused_k", "cache_seqlens"};
   for (int i = 0; i < 3; ++i) {
@@ -338,7 +340,7 @@ Status forward(const ForwardParams& p, const Options& options, const Tensor* out
   const char* cache_index_names[] = {"cache_batch_idx", "cache_leftpad"};
   for (int i = 0; i < 2; ++i) {
     if (!present(*cache_indices[i])) continue;
-    if (paged || varlen_k) return invalid(std::string(cache_index_names[i]) + " needs a dense cache");
+    if (varlen_k && !paged) return invalid(std::string(cache_index_names[i]) + " needs a dense or paged cache");
     FLASHHOPPER_REFERENCE_CHECK(check_int32(*cache_indices[i], cache_index_names[i], 1));
     FLASHHOPPER_REFERENCE_CHECK(check_shape(*cache_indices[i], cache_index_names[i], {B}));
   }
@@ -346,7 +348,7 @@ Status forward(const ForwardParams& p, const Options& options, const Tensor* out
 
   LengthSources lengths{p.cu_seqlens_q,  p.cu_seqlens_k, p.seqused_q,       p.seqused_k,
                         p.cache_seqlens, p.page_table,   shape.seqlen_new, p.cache_batch_idx,
-                        p.cache_leftpad, p.k.shape[0]};
+                        p.cache_leftpad, paged ? p.page_table.shape[0] : p.k.shape[0]};
   FLASHHOPPER_REFERENCE_CHECK(sequence_lengths(shape, lengths, &plan.sequences));
   FLASHHOPPER_REFERENCE_CHECK(rotary_plan(p, shape, plan.sequences, &plan.rotary));
   FLASHHOPPER_REFERENCE_CHECK(read_descale(p, p.q_descale, "q_descale", shape, &plan.descale[0]));
@@ -369,6 +371,8 @@ Status forward(const ForwardParams& p, const Options& options, const Tensor* out
   } else {
     plan.k = TokenLayout::dense(p.k);
     plan.v = TokenLayout::dense(p.v);
+  }
+  if (!varlen_k || paged) {
     for (TokenLayout* layout : {&plan.k, &plan.v}) {
       layout->cache_row = p.cache_batch_idx;
       layout->first_token = p.cache_leftpad;

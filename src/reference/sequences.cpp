@@ -49,12 +49,10 @@ Status sequence_lengths(const ProblemShape& shape, const LengthSources& src,
     s.keys = k_packed;
     s.key_capacity = shape.paged || present(src.cache_seqlens) ? 0 : k_packed;
     if (present(src.seqused_k)) s.keys = int_at(src.seqused_k, b);
-    if (present(src.cache_batch_idx)) {
-      const int64_t row = int_at(src.cache_batch_idx, b);
-      if (row < 0 || row >= src.cache_rows) {
-        return invalid(seq + "cache_batch_idx[" + std::to_string(b) + "] = " + std::to_string(row) +
-                       " is not a row of k (" + std::to_string(src.cache_rows) + " rows)");
-      }
+    const int64_t row = present(src.cache_batch_idx) ? int_at(src.cache_batch_idx, b) : b;
+    if (present(src.cache_batch_idx) && (row < 0 || row >= src.cache_rows)) {
+      return invalid(seq + "cache_batch_idx[" + std::to_string(b) + "] = " + std::to_string(row) + " is not a row of " +
+                     (shape.paged ? "page_table" : "k") + " (" + std::to_string(src.cache_rows) + " rows)");
     }
     int64_t first = 0;  // the cache position of the sequence's first key (cache_leftpad)
     if (present(src.cache_seqlens)) {
@@ -77,12 +75,11 @@ Status sequence_lengths(const ProblemShape& shape, const LengthSources& src,
       return invalid(seq + std::to_string(first + s.keys) + " cache positions used (after any append), but the " +
                      "key tensor holds " + std::to_string(k_capacity) + " for it");
     }
-    if (shape.paged) {
-      const int64_t pages = (s.keys + shape.page_size - 1) / shape.page_size;
-      for (int64_t p = 0; p < pages; ++p) {
-        const int64_t page = int_at(src.page_table, b, p);
+    if (shape.paged && s.keys > 0) {  // the pages that hold positions [first, first + keys) of its row
+      for (int64_t p = first / shape.page_size; p <= (first + s.keys - 1) / shape.page_size; ++p) {
+        const int64_t page = int_at(src.page_table, row, p);
         if (page < 0 || page >= shape.num_pages) {
-          return invalid(seq + "page_table[" + std::to_string(b) + ", " + std::to_string(p) +
+          return invalid(seq + "page_table[" + std::to_string(row) + ", " + std::to_string(p) +
                          "] = " + std::to_string(page) + " is not a page of k (" +
                          std::to_string(shape.num_pages) + " pages)");
         }

@@ -28,8 +28,10 @@ struct TokenLayout {
   Tensor tensor{};
   Tensor cu_seqlens{};
   Tensor page_table{};
-  Tensor cache_row{};      // dense: sequence b lives in row cache_row[b] (cache_batch_idx)
-  Tensor first_token{};    // dense: token i of sequence b is stored at first_token[b] + i (cache_leftpad)
+  Tensor cache_row{};      // dense or paged: sequence b lives in row cache_row[b] of the cache or
+                           // the page table (cache_batch_idx)
+  Tensor first_token{};    // dense or paged: token i of sequence b is at position first_token[b] + i
+                           // of that row (cache_leftpad)
 
   static TokenLayout dense(const Tensor& t) { return {Kind::dense, t, {}, {}}; }
   static TokenLayout packed(const Tensor& t, const Tensor& cu) { return {Kind::packed, t, cu, {}}; }
@@ -40,17 +42,15 @@ struct TokenLayout {
   // Element offset of tensor[.., token, head, 0].
   int64_t offset(int64_t b, int64_t i, int64_t head) const {
     const int64_t* st = tensor.stride;
+    const int64_t row = present(cache_row) ? int_at(cache_row, b) : b;
+    const int64_t token = i + (present(first_token) ? int_at(first_token, b) : 0);
     switch (kind) {
-      case Kind::dense: {
-        const int64_t row = present(cache_row) ? int_at(cache_row, b) : b;
-        const int64_t token = i + (present(first_token) ? int_at(first_token, b) : 0);
-        return row * st[0] + token * st[1] + head * st[2];
-      }
+      case Kind::dense: return row * st[0] + token * st[1] + head * st[2];
       case Kind::packed: return (int_at(cu_seqlens, b) + i) * st[0] + head * st[1];
       case Kind::paged: {
         const int64_t page_size = tensor.shape[1];
-        const int64_t page = int_at(page_table, b, i / page_size);
-        return page * st[0] + (i % page_size) * st[1] + head * st[2];
+        const int64_t page = int_at(page_table, row, token / page_size);
+        return page * st[0] + (token % page_size) * st[1] + head * st[2];
       }
     }
     return 0;
@@ -100,7 +100,7 @@ struct LengthSources {
   Tensor cache_seqlens{}, page_table{};
   int64_t seqlen_new = 0;
   Tensor cache_batch_idx{}, cache_leftpad{};
-  int64_t cache_rows = 0;  // k.shape[0] of a dense cache with cache_batch_idx
+  int64_t cache_rows = 0;  // with cache_batch_idx: k.shape[0] of a dense cache, page_table.shape[0] of a paged one
 };
 
 // Each sequence's rows and keys, checked against what the tensors hold. Keys: the packed

@@ -317,8 +317,9 @@ struct KvCacheCase {
 // Decoding against a dense cache k/v [cache_rows, S, Hkv, 128] bf16: each sequence's keys are the
 // positions [cache_leftpad, cache_seqlens + s_new) of its row (cache_batch_idx), lengths of 0, 1
 // and the whole cache among them, after appending s_new keys (rotated, with rotary, as q is). Or
-// a paged cache [pages, page_size, Hkv, 128]: S / page_size pages a sequence, in shuffled order,
-// and a few pages no sequence uses.
+// a paged cache [pages, page_size, Hkv, 128]: S / page_size pages a row of the page table (one a
+// sequence, or cache_rows picked by cache_batch_idx), in shuffled order, and a few pages no row
+// uses.
 // Against the CPU reference with the pass rule, out and lse poisoned; the cache afterwards: the
 // appended keys as the reference's (rotated ones within a bf16 rounding), the rest bit-unchanged.
 class KvCacheGpuTest : public ::testing::TestWithParam<KvCacheCase> {};
@@ -328,15 +329,16 @@ TEST_P(KvCacheGpuTest, MatchesReference) {
   const int d = 128;
   HostTensor q = random_tensor(FH_DTYPE_BF16, {c.batch, c.seqlen_q, c.heads_q, d}, 5101);
   const bool paged = c.page_size > 0;
-  const int max_pages = paged ? c.cache_len / c.page_size : 0, num_pages = c.batch * max_pages + 3;
+  const int table_rows = c.batch_idx ? c.cache_rows : c.batch;  // paged: cache_batch_idx picks a table row
+  const int max_pages = paged ? c.cache_len / c.page_size : 0, num_pages = table_rows * max_pages + 3;
   const std::vector<int64_t> cache_shape = paged ? std::vector<int64_t>{num_pages, c.page_size, c.heads_kv, d}
                                                  : std::vector<int64_t>{c.cache_rows, c.cache_len, c.heads_kv, d};
   HostTensor k = random_tensor(FH_DTYPE_BF16, cache_shape, 5102);
   HostTensor v = random_tensor(FH_DTYPE_BF16, cache_shape, 5103);
   std::vector<int32_t> page_ids(size_t(std::max(num_pages, 1)));
   for (int i = 0; i < num_pages; ++i) page_ids[i] = (i * 7919 + 11) % num_pages;  // a shuffle (7919 is prime)
-  page_ids.resize(size_t(std::max(c.batch * max_pages, 1)));
-  const HostTensor page_table = int32_tensor(page_ids, {paged ? c.batch : 1, std::max(max_pages, 1)});
+  page_ids.resize(size_t(std::max(table_rows * max_pages, 1)));
+  const HostTensor page_table = int32_tensor(page_ids, {paged ? table_rows : 1, std::max(max_pages, 1)});
   std::vector<int32_t> lengths(c.batch), firsts(c.batch, 0), rows(c.batch);
   for (int b = 0; b < c.batch; ++b) {
     lengths[b] = b == 0 ? c.cache_len : b == 1 ? 0 : b == 2 ? 1 : (b * 977) % c.cache_len;
@@ -515,6 +517,21 @@ std::vector<KvCacheCase> kv_cache_cases() {
     c.page_size = page_size;
     cases.push_back(c);
   }
+  // Paged with cache_batch_idx (a table of more rows than sequences) and cache_leftpad (keys from
+  // mid-page: gathered whatever the page size): decoding with splits chosen and forced, an append
+  // with rotary into the picked rows, a window.
+  for (int page_size : {16, 24, 64, 128}) {
+    KvCacheCase c{6, 1, 32, 8, 9, page_size * (2064 / page_size), false, page_size != 128, true};
+    c.num_splits = page_size == 64 ? 3 : 0;
+    c.page_size = page_size;
+    cases.push_back(c);
+    c = KvCacheCase{4, 3, 8, 2, 6, page_size * (1032 / page_size), true, true, page_size != 24, -1, 3, 64, true};
+    c.page_size = page_size;
+    cases.push_back(c);
+  }
+  KvCacheCase windowed{5, 4, 4, 4, 7, 704, false, true, true, 100};
+  windowed.page_size = 16;
+  cases.push_back(windowed);
   return cases;
 }
 

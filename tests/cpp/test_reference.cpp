@@ -1545,6 +1545,69 @@ TEST(ReferenceIdentities, LeftpadIsShiftedCache) {
   }
 }
 
+// A paged cache addressed as a dense one: sequence b reads (and appends to) row
+// cache_batch_idx[b] of the page table from position cache_leftpad[b] on, as it would row
+// cache_batch_idx[b] of a dense cache, bit for bit; the pages of the rows no sequence names keep
+// their keys. A table row out of range is refused by name.
+TEST(ReferenceIdentities, PagedCacheIndexAndLeftpadAreDenseOnes) {
+  const Dims dims{2, 3, 12, 4, 2, 8, 6};
+  const int64_t cache_rows = 3, s_new = 2, page_size = 4;
+  const HostTensor batch_idx = int32_tensor({2, 0}), leftpad = int32_tensor({3, 1});
+  const HostTensor cache_seqlens = int32_tensor({7, 9});
+  const HostTensor k_new = random_tensor(FH_DTYPE_FP64, {dims.batch, s_new, dims.hkv, dims.d}, 2401);
+  const HostTensor v_new = random_tensor(FH_DTYPE_FP64, {dims.batch, s_new, dims.hkv, dims.dv}, 2402);
+  const HostTensor k_before = random_tensor(FH_DTYPE_FP64, {cache_rows, dims.sk, dims.hkv, dims.d}, 2403);
+  const HostTensor v_before = random_tensor(FH_DTYPE_FP64, {cache_rows, dims.sk, dims.hkv, dims.dv}, 2404);
+  const std::vector<int32_t> row_lengths(cache_rows, int32_t(dims.sk));  // every row paged whole
+  for (const Mask& mask : {Mask{}, Mask{1}, Mask{0, 2, 0, 1, 4.0f}}) {
+    SCOPED_TRACE(testing::Message() << "causal " << mask.causal << " window " << mask.window_left);
+    auto with_cache_extras = [&](fh::ForwardParams p) {
+      p.cache_batch_idx = batch_idx.view();
+      p.cache_leftpad = leftpad.view();
+      p.cache_seqlens = cache_seqlens.view();
+      p.k_new = k_new.view();
+      p.v_new = v_new.view();
+      return p;
+    };
+    DenseCase dense(dims, 2405), paged(dims, 2405);
+    HostTensor k_rows = k_before, v_rows = v_before;  // fresh copies: the calls append into them
+    fh::ForwardParams d = with_cache_extras(dense.forward(mask));
+    d.k = k_rows.view();
+    d.v = v_rows.view();
+    ASSERT_OK(ref::forward(d));
+
+    PagedCache cache(k_before, v_before, row_lengths, page_size, /*num_pages=*/11, 2406);
+    fh::ForwardParams p = with_cache_extras(paged.forward(mask));
+    p.k = cache.k.view();
+    p.v = cache.v.view();
+    p.page_table = cache.page_table.view();
+    ASSERT_OK(ref::forward(p));
+    EXPECT_EQ(max_abs_diff(paged.out.view(), dense.out.view()), 0);
+    EXPECT_EQ(max_abs_diff(paged.lse.view(), dense.lse.view()), 0);
+    for (int64_t r = 0; r < cache_rows; ++r)  // the pages hold the dense rows after the append
+      for (int64_t j = 0; j < dims.sk; ++j) {
+        const int64_t page = int64_t(cache.page_table.get({r, j / page_size}));
+        for (int64_t x = 0; x < dims.d; ++x)
+          ASSERT_EQ(cache.k.get({page, j % page_size, 1, x}), k_rows.get({r, j, 1, x})) << r << " " << j;
+        for (int64_t x = 0; x < dims.dv; ++x)
+          ASSERT_EQ(cache.v.get({page, j % page_size, 0, x}), v_rows.get({r, j, 0, x})) << r << " " << j;
+      }
+  }
+  DenseCase paged(dims, 2405);
+  PagedCache cache(k_before, v_before, row_lengths, page_size, 11, 2406);
+  const HostTensor past_the_table = int32_tensor({0, 3});
+  fh::ForwardParams p = paged.forward();
+  p.k = cache.k.view();
+  p.v = cache.v.view();
+  p.page_table = cache.page_table.view();
+  p.cache_seqlens = cache_seqlens.view();
+  p.cache_batch_idx = past_the_table.view();
+  const fh::Status status = ref::forward(p);
+  EXPECT_EQ(status.code, FH_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(status.message.find("cache_batch_idx[1] = 3 is not a row of page_table"), std::string::npos)
+      << status.message;
+}
+
 // Rotary, by its definition: x' = x cos - y sin, y' = x sin + y cos for the pairs (x, y) = (2i,
 // 2i + 1) (interleaved) or (i, i + r/2), at position p of the tables.
 void rotate_by_hand(HostTensor* t, int64_t b, int64_t token, int64_t head, int64_t position, const HostTensor& cos,

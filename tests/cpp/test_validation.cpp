@@ -285,12 +285,20 @@ TEST(ForwardKvCache, ExtrasPass) {
   EXPECT_PASSES(check_for_reference(dense_cache_forward()));
 }
 
-TEST(ForwardKvCache, BatchIdxAndLeftpadNeedADenseCache) {
+// A dense cache or a paged one (FlashAttention-3 picks the page table's row and offsets the
+// positions the same way), never packed keys.
+TEST(ForwardKvCache, BatchIdxAndLeftpadIndexADenseOrPagedCache) {
   for (const char* name : {"cache_batch_idx", "cache_leftpad"}) {
     fh::ForwardParams p = paged_forward();
     (std::string(name) == "cache_batch_idx" ? p.cache_batch_idx : p.cache_leftpad) =
         fh::make_tensor(fake_pointer(21), FH_DTYPE_INT32, {kBatch});
-    EXPECT_REFUSED(fh::check(p), name, "page_table");
+    EXPECT_PASSES(fh::check(p));
+    EXPECT_PASSES(check_for_reference(p));
+    fh::ForwardParams v = varlen_forward();
+    (std::string(name) == "cache_batch_idx" ? v.cache_batch_idx : v.cache_leftpad) =
+        fh::make_tensor(fake_pointer(21), FH_DTYPE_INT32, {kBatch});
+    v.cache_seqlens = fh::make_tensor(fake_pointer(20), FH_DTYPE_INT32, {kBatch});
+    EXPECT_REFUSED(fh::check(v), name, "cu_seqlens_k");
   }
   fh::ForwardParams p = dense_cache_forward();
   p.k_new = p.v_new = p.rotary_cos = p.rotary_sin = p.rotary_seqlens = {};
@@ -834,6 +842,8 @@ TEST(ForwardPaged, PageTableRowsAreTheBatch) {
   fh::ForwardParams p = paged_forward();
   p.page_table = fh::make_tensor(p.page_table.data, FH_DTYPE_INT32, {kBatch + 1, kMaxPages});
   EXPECT_REFUSED(fh::check(p), "page_table", "batch size");
+  p.cache_batch_idx = fh::make_tensor(fake_pointer(21), FH_DTYPE_INT32, {kBatch});  // it picks the rows
+  EXPECT_PASSES(fh::check(p));
 }
 
 TEST(ForwardPaged, KAndVShareTheirPages) {

@@ -235,6 +235,10 @@ void run_one(Choices& rng, Arena& arena, Findings& findings, long iteration) {
       f.cache_seqlens = arena.ints_of({3, 10});
       f.k_new = arena.floats_of({batch, s_new, hkv, d});
       f.v_new = arena.floats_of({batch, s_new, hkv, d});
+      if (rng() % 2) {  // the table's rows by cache_batch_idx, left padding
+        f.cache_batch_idx = arena.ints_of({1, 0});
+        f.cache_leftpad = arena.ints_of({1, 0});
+      }
     } else {
       f.k = arena.floats_of({batch, sk, hkv, d});
       f.v = arena.floats_of({batch, sk, hkv, d});

@@ -782,6 +782,21 @@ def test_flash_attn_with_kvcache_torch_compile_fullgraph():
         assert torch.equal(k_cache[b, length + 1:], before_k[b, length + 1:])
 
 
+def paged_copy(dense_k, dense_v, page_size):
+    """A dense cache [rows, capacity, Hkv, d] as pages of page_size keys in shuffled order, two
+    pages of noise that no row uses among them: (paged_k, paged_v, page_table [rows, pages a row])."""
+    rows, capacity = dense_k.shape[:2]
+    pages_per_row = capacity // page_size
+    order = torch.randperm(rows * pages_per_row + 2, device=dense_k.device)
+    table = order[:rows * pages_per_row].view(rows, pages_per_row).to(torch.int32)
+    paged = []
+    for dense in (dense_k, dense_v):
+        pages = torch.randn(order.numel(), page_size, *dense.shape[2:], device=dense.device, dtype=dense.dtype)
+        pages[table.long()] = dense.view(rows, pages_per_row, page_size, *dense.shape[2:])
+        paged.append(pages)
+    return paged[0], paged[1], table
+
+
 @pytest.mark.parametrize("page_size", [1, 4, 16, 48, 256])
 @requires_gpu
 def test_flash_attn_with_kvcache_paged_is_the_dense_cache_paged(page_size):
@@ -794,13 +809,7 @@ def test_flash_attn_with_kvcache_paged_is_the_dense_cache_paged(page_size):
     dense_k = torch.randn(batch, capacity, heads_kv, 128, device="cuda", dtype=torch.bfloat16)
     dense_v = torch.randn_like(dense_k)
     k_new, v_new = torch.randn_like(dense_k[:, :1]), torch.randn_like(dense_v[:, :1])
-    pages_per_sequence = capacity // page_size
-    order = torch.randperm(batch * pages_per_sequence + 2, device="cuda")  # two pages no one uses
-    table = order[:batch * pages_per_sequence].view(batch, pages_per_sequence).to(torch.int32)
-    paged_k = torch.randn(order.numel(), page_size, heads_kv, 128, device="cuda", dtype=torch.bfloat16)
-    paged_v = torch.randn_like(paged_k)
-    paged_k[table.long()] = dense_k.view(batch, pages_per_sequence, page_size, heads_kv, 128)
-    paged_v[table.long()] = dense_v.view(batch, pages_per_sequence, page_size, heads_kv, 128)
+    paged_k, paged_v, table = paged_copy(dense_k, dense_v, page_size)
     lengths = torch.tensor([capacity - 1, 0, 300], dtype=torch.int32, device="cuda")
     dense = fa3.flash_attn_with_kvcache(q, dense_k, dense_v, k=k_new, v=v_new, cache_seqlens=lengths, causal=True,
                                         return_softmax_lse=True)
@@ -809,6 +818,33 @@ def test_flash_attn_with_kvcache_paged_is_the_dense_cache_paged(page_size):
     assert not torch.isnan(paged[0]).any()
     assert torch.equal(paged[0], dense[0]) and torch.equal(paged[1], dense[1])
     shape = (batch, capacity, heads_kv, 128)
+    assert torch.equal(paged_k[table.long()].view(shape), dense_k)
+    assert torch.equal(paged_v[table.long()].view(shape), dense_v)
+
+
+@pytest.mark.parametrize("page_size", [16, 24, 128])
+@requires_gpu
+def test_flash_attn_with_kvcache_paged_batch_idx_and_leftpad_are_the_dense_ones(page_size):
+    """cache_batch_idx picks each sequence's row of the page table and cache_leftpad its first
+    position, as they do in a dense cache: the same out and lse bit for bit as the dense cache that
+    holds the same keys, and the appended keys land in the pages of the picked rows (FA3's
+    semantics for these arguments with page_table)."""
+    torch.manual_seed(page_size + 1)
+    rows, capacity, heads_kv = 4, 768, 2
+    q = torch.randn(3, 2, 8, 128, device="cuda", dtype=torch.bfloat16)
+    dense_k = torch.randn(rows, capacity, heads_kv, 128, device="cuda", dtype=torch.bfloat16)
+    dense_v = torch.randn_like(dense_k)
+    k_new = torch.randn(3, 1, heads_kv, 128, device="cuda", dtype=torch.bfloat16)
+    v_new = torch.randn_like(k_new)
+    paged_k, paged_v, table = paged_copy(dense_k, dense_v, page_size)
+    to_int32 = lambda values: torch.tensor(values, dtype=torch.int32, device="cuda")  # noqa: E731
+    extras = dict(k=k_new, v=v_new, cache_seqlens=to_int32([700, 5, 300]), cache_batch_idx=to_int32([3, 0, 2]),
+                  cache_leftpad=to_int32([17, 5, 0]), causal=True, return_softmax_lse=True)
+    dense = fa3.flash_attn_with_kvcache(q, dense_k, dense_v, **extras)
+    paged = fa3.flash_attn_with_kvcache(q, paged_k, paged_v, page_table=table, **extras)
+    assert not torch.isnan(paged[0]).any()
+    assert torch.equal(paged[0], dense[0]) and torch.equal(paged[1], dense[1])
+    shape = (rows, capacity, heads_kv, 128)
     assert torch.equal(paged_k[table.long()].view(shape), dense_k)
     assert torch.equal(paged_v[table.long()].view(shape), dense_v)
 

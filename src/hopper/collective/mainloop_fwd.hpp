@@ -123,9 +123,12 @@ struct ForwardMainloop {
     float const* learnable_sink;   // [heads_q] or null
     SeqlenParams seqlen;
     // Paged: shape_k/shape_vt are the per-page views above, and sequence b's key i lies in page
-    // page_table[b * page_table_stride + i / page_size]. Null: K and V as shape_k/shape_vt say.
+    // page_table[r * page_table_stride + (leftpad + i) / page_size] with r = cache_batch_idx[b] (b
+    // without it; r < page_table_rows) and leftpad = cache_leftpad[b] (0 without it). Null: K and
+    // V as shape_k/shape_vt say.
     int const* page_table = nullptr;
     int64_t page_table_stride = 0;
+    int page_table_rows = 0;
     int page_size = 0;
   };
 
@@ -175,7 +178,8 @@ struct ForwardMainloop {
     const float scale = Transform::softmax_scale(args.softmax_scale, args.softcap);
     typename Paged::Params paged;
     if (kPagedKv && args.page_table != nullptr) {
-      paged = Paged::make(mK, mVt, args.page_table, args.page_table_stride, args.page_size);
+      paged = Paged::make(mK, mVt, args.page_table, args.page_table_stride, args.page_table_rows, args.page_size,
+                          /*keys_start_mid_page=*/args.seqlen.cache_leftpad != nullptr);
     }
     return {args.shape_q,
             args.shape_k,

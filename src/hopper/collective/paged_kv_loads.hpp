@@ -2,8 +2,11 @@
 // (page_size, d, heads, pages) and (dv, page_size, heads, pages). Where the pages hold whole
 // chunks of 32 keys (else of 16), a stage loads as such chunks, one TMA box each, each from its own
 // page. Other page sizes are gathered: the producer warpgroup's threads copy the stage 16 bytes at
-// a time (cp.async), each key from its page. Fewer keys a box load slower; the gather slower still
-// (bench/RESULTS.md). ForwardMainloop compiles this in only with ForwardFeatures::kPagedKv.
+// a time (cp.async), each key from its page; so are keys that start mid-page (cache_leftpad), whose
+// chunks would straddle pages. Fewer keys a box load slower; the gather slower still
+// (bench/RESULTS.md). A sequence's row of the page table is its batch_k (cache_batch_idx picks it)
+// and its key i the position offset_k + i (cache_leftpad) of that row. ForwardMainloop compiles
+// this in only with ForwardFeatures::kPagedKv.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -72,8 +75,8 @@ struct PagedKvLoads {
   };
   enum class PagedMode : int { kNone, kLargeChunks, kSmallChunks, kGather };
   // A paged call's loads (only the chunk loads its page size takes are encoded: each descriptor
-  // costs host time per call) and its page table: sequence b's key i lies in page
-  // page_table[b * page_table_stride + i / page_size].
+  // costs host time per call) and its page table: position i of table row r lies in page
+  // page_table[r * page_table_stride + i / page_size], r < page_table_rows.
   struct Params {
     cute::conditional_t<kLargeChunks, PageChunkTmas<kPageRowsLarge>, NoPageChunkTmas> large;
     PageChunkTmas<kPageRowsSmall> small;
@@ -81,19 +84,21 @@ struct PagedKvLoads {
     PagedMode mode = PagedMode::kNone;
     int const* page_table = nullptr;
     int64_t page_table_stride = 0;
+    int page_table_rows = 0;
     int page_size = 0;
     cutlass::FastDivmod page_size_divmod{1};
   };
 
   // mK, mVt: the per-page views of K and Vt (the gather reads their pointers and strides).
+  // keys_start_mid_page: sequences may start anywhere in a page (cache_leftpad), so gather.
   template <class TensorK, class TensorVt>
   static Params make(TensorK const& mK, TensorVt const& mVt, int const* page_table, int64_t page_table_stride,
-                     int page_size) {
+                     int page_table_rows, int page_size, bool keys_start_mid_page) {
     Params params;
-    if (kLargeChunks && page_size % kPageRowsLarge == 0) {
+    if (kLargeChunks && !keys_start_mid_page && page_size % kPageRowsLarge == 0) {
       params.mode = PagedMode::kLargeChunks;
       params.large = decltype(params.large)::make(mK, mVt);
-    } else if (page_size % kPageRowsSmall == 0) {
+    } else if (!keys_start_mid_page && page_size % kPageRowsSmall == 0) {
       params.mode = PagedMode::kSmallChunks;
       params.small = PageChunkTmas<kPageRowsSmall>::make(mK, mVt);
     } else {
@@ -105,6 +110,7 @@ struct PagedKvLoads {
     }
     params.page_table = page_table;
     params.page_table_stride = page_table_stride;
+    params.page_table_rows = page_table_rows;
     params.page_size = page_size;
     params.page_size_divmod = cutlass::FastDivmod(page_size);
     return params;
@@ -116,6 +122,12 @@ struct PagedKvLoads {
     return params.mode == PagedMode::kGather ? kGatherThreads
            : params.mode == PagedMode::kNone ? 1
                                              : cutlass::NumThreadsPerWarp;
+  }
+  // Sequence seq's row of the page table, or null where its batch_k is no row of it (a
+  // cache_batch_idx out of range: the caller's contract; its keys then load as zeros).
+  CUTLASS_DEVICE static int const* table_row(Params const& params, SeqlenInfo const& seq) {
+    const bool valid = seq.batch_k >= 0 && seq.batch_k < params.page_table_rows;
+    return valid ? params.page_table + seq.batch_k * params.page_table_stride : nullptr;
   }
   CUTLASS_DEVICE static void prefetch(Params const& params) {
     if (params.mode == PagedMode::kLargeChunks) params.large.prefetch();
@@ -158,16 +170,19 @@ struct PagedKvLoads {
     constexpr int kChunks = kBlockN / kRows;
     constexpr int kChunksPerLane = (kChunks + 31) / 32;
     const int lane = cutlass::canonical_lane_idx();
-    int const* table = params.page_table + seq.batch * params.page_table_stride;
+    int const* table = table_row(params, seq);
     // Each chunk's first key as its row in the cache seen as one column of pages (page *
-    // page_size + row in the page), or -1 past the sequence.
+    // page_size + row in the page), or -1 past the sequence. (Chunk modes only run with
+    // offset_k = 0: make() gathers keys that start mid-page.)
     int cache_row[kChunksPerLane];
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < kChunksPerLane; ++i) {
       const int key = n_block * kBlockN + (lane + 32 * i) * kRows;
       int page_index, row_in_page;
       params.page_size_divmod(page_index, row_in_page, key);
-      cache_row[i] = key < seq.seqlen_k ? __ldg(table + page_index) * params.page_size + row_in_page : -1;
+      cache_row[i] = key < seq.seqlen_k && table != nullptr
+                         ? __ldg(table + page_index) * params.page_size + row_in_page
+                         : -1;
     }
     pipeline.producer_acquire(state);  // every lane waits; thread 0 arms the barrier
     __syncwarp();
@@ -219,16 +234,16 @@ struct PagedKvLoads {
     const int lane = cutlass::canonical_lane_idx();
     const int first_row = cutlass::canonical_warp_idx() * kKeysPerWarp;  // in the stage
     const int first_key = n_block * kBlockN + first_row;
-    int const* table = params.page_table + seq.batch * params.page_table_stride;
+    int const* table = table_row(params, seq);
     // Key first_key + lane + 32 r's first element, counted from the KV head's, or -1 past the
-    // sequence.
+    // sequence. The key is at position offset_k + key of the table row (cache_leftpad).
     int64_t key_offset[kLookups];
     CUTLASS_PRAGMA_UNROLL
     for (int r = 0; r < kLookups; ++r) {
       const int key = first_key + lane + 32 * r;
       int page_index, row_in_page;
-      params.page_size_divmod(page_index, row_in_page, key);
-      key_offset[r] = lane + 32 * r < kKeysPerWarp && key < seq.seqlen_k
+      params.page_size_divmod(page_index, row_in_page, seq.offset_k + key);
+      key_offset[r] = lane + 32 * r < kKeysPerWarp && key < seq.seqlen_k && table != nullptr
                           ? __ldg(table + page_index) * source.page_stride + row_in_page * source.row_stride
                           : int64_t(-1);
     }

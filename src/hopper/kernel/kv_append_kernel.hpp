@@ -1,6 +1,6 @@
 // The KV cache's append, before the attention reads the cache: k_new/v_new [B, s_new, Hkv, d|dv]
 // into a dense cache at positions cache_seqlens[b] + t of row cache_batch_idx[b] (b without it),
-// or into a paged one at those positions through the page table,
+// or into a paged one at those positions through that row of the page table,
 // with the rotary embedding on the new keys' first rotary_dim dims; and, with rotary, q rotated
 // into a copy the attention then reads (q itself is not written). Positions and rows outside the
 // cache or the rotary tables are the caller's contract: such a row is not written (cache) or not
@@ -43,10 +43,11 @@ struct KvAppendKernel {
     int const* cu_seqlens_q;  // packed q, or null
     int batch, seqlen_new, heads_kv, heads_q, seqlen_q, head_dim, head_dim_v, cache_rows, cache_len;
     // Paged: the cache is [pages = cache_rows, page_size = cache_len, Hkv, d] and position i of
-    // sequence b is in page page_table[b * page_table_stride + i / cache_len]. Null: dense.
+    // sequence b is in page page_table[r * page_table_stride + i / cache_len], r = cache_batch_idx[b]
+    // (b without it), one of page_table_rows. Null: dense.
     int const* page_table;
     int64_t page_table_stride;
-    int max_pages;
+    int page_table_rows, max_pages;
   };
 
   // Rows: the keys (k and v) of every (b, t, hk), then with rotary q's (b, i, h).
@@ -84,8 +85,8 @@ struct KvAppendKernel {
       int row = p.cache_batch_idx != nullptr ? __ldg(p.cache_batch_idx + b) : b;
       int at = __ldg(p.cache_seqlens + b) + t;
       if (p.page_table != nullptr) {  // the page that holds position `at`, and the row in it
-        if (at < 0 || at >= p.max_pages * p.cache_len) return;
-        row = __ldg(p.page_table + b * p.page_table_stride + at / p.cache_len);
+        if (row < 0 || row >= p.page_table_rows || at < 0 || at >= p.max_pages * p.cache_len) return;
+        row = __ldg(p.page_table + row * p.page_table_stride + at / p.cache_len);
         at %= p.cache_len;
       }
       if (row < 0 || row >= p.cache_rows || at < 0 || at >= p.cache_len) return;  // outside the cache
