@@ -133,14 +133,16 @@ for step in "${steps[@]}"; do
         256 'causal_b1_sq500_sk300_h2_hkv1_lsink')"
       sanitize forward_features test_forward_gpu "$features_filter"
       sanitize backward_features test_backward_gpu "$features_filter"
-      # Packed batches with zero-length sequences, seqused, both passes, head dims 128 and 256.
+      # Packed batches with zero-length sequences, seqused, both passes, head dims 128 and 256; and
+      # split-KV over packed queries (empty splits among them).
       varlen_filter="$(printf 'Varlen/VarlenForwardGpuTest.*/bf16_d%s_%s:Varlen/VarlenBackwardGpuTest.*/bf16_d%s_%s:' \
         128 'causal_q1_7_113_0_1000_300_0_*' 128 'causal_q1_7_113_0_1000_300_0_*' \
         256 'causal_q200_513_64_0_*' 256 'causal_q200_513_64_0_*')"
-      sanitize varlen test_varlen_gpu "$varlen_filter"
-      # The KV cache (append with rotary, leftpad, cache rows) and the split-KV combine.
+      sanitize varlen test_varlen_gpu "${varlen_filter}VarlenSplitKv/VarlenForwardGpuTest.*/bf16_d128_causal_q1_7_113_*_splits7"
+      # The KV cache (append with rotary, leftpad, cache rows; new keys packed into pages, split)
+      # and the split-KV combine.
       sanitize kv_cache test_forward_gpu \
-        'KvCache/KvCacheGpuTest.*/b4_sq3_h8_hkv2_rows6_S1000_causal_leftpad_batchidx_new3_rotary64i:Combine/*/packed_bf16_splits7:Combine/*/dense_fp32_splits256'
+        'KvCache/KvCacheGpuTest.*/b4_sq3_h8_hkv2_rows6_S1000_causal_leftpad_batchidx_new3_rotary64i:KvCache/KvCacheGpuTest.*/b6_sq3_h8_hkv2_rows6_S1024_causal_leftpad_batchidx_new3_rotary64i_splits3_page16_packednew:Combine/*/packed_bf16_splits7:Combine/*/dense_fp32_splits256'
       # A paged cache: pages loaded key by key (1, 24 keys, an append with rotary into pages of 4)
       # and in chunks of 16 and 32 keys; rows of the page table picked by cache_batch_idx, keys
       # from mid-page (cache_leftpad).

@@ -79,6 +79,9 @@ typedef struct fh_tensor {
  *   cache_leftpad [B] int32: sequence b's keys start at cache position
  *         cache_leftpad[b] (the slots before it are padding); its keys are the positions
  *         [cache_leftpad[b], cache_seqlens[b] + s_new), and the masks align to them.
+ *   cu_seqlens_k_new [B+1] int32 (with k_new): the new keys packed, k_new [total_new, Hkv, d]
+ *         and v_new [total_new, Hkv, dv]; sequence b appends the rows
+ *         [cu_seqlens_k_new[b], cu_seqlens_k_new[b+1]) (continuous batching's append).
  *   rotary_cos/rotary_sin [seqlen_ro, rotary_dim / 2] (with k_new): rotary embedding on the
  *         first rotary_dim dims of the new keys, at positions r + t (t = 0 .. s_new-1), before
  *         they are written into the cache, and of q: row i at r + i with a mask (causal,
@@ -86,10 +89,11 @@ typedef struct fh_tensor {
  *         cache_seqlens[b]. rotary_interleaved 1 rotates the pairs (2i, 2i+1) (GPT-J), 0 the
  *         pairs (i, i + rotary_dim/2) (GPT-NeoX). q itself is not written.
  * Split-KV (num_splits > 1): partials out_partial [num_splits, B, Hq, sq, dv] and
- *         lse_partial [num_splits, B, Hq, sq] in float32 live in the workspace, then combined.
+ *         lse_partial [num_splits, B, Hq, sq] (packed queries: [num_splits, Hq, total_q, dv]
+ *         and [num_splits, Hq, total_q]) in float32 live in the workspace, then combined.
  *         num_splits 0 lets the library choose the count from the shapes alone (never the
  *         lengths in device memory, so a captured CUDA graph stays valid): more than one when
- *         the query tiles would leave most SMs idle. Not with cu_seqlens_q yet.
+ *         the query tiles would leave most SMs idle (packed: the most tiles the batch can have).
  * qv (optional, forward only; FA3's argument for absorbed MLA decode): like out, [B, sq, Hq, dv]
  *         or [total_q, Hq, dv], q's dtype; the scores become S = Q K^T + Qv V^T (before scale,
  *         softcap and mask) and the default scale 1/sqrt(d + dv). There is no backward with qv. */
@@ -127,6 +131,7 @@ typedef struct fh_forward_params {
   fh_tensor rotary_sin;
   fh_tensor rotary_seqlens;       /* optional int32 [B]: rotary positions start here */
   int32_t rotary_interleaved;     /* 1: pairs (2i, 2i+1); 0: (i, i + rotary_dim / 2) */
+  fh_tensor cu_seqlens_k_new;     /* optional int32 [B+1]: k_new/v_new packed (see above) */
 } fh_forward_params;
 
 /* Backward pass. Layouts as the forward; dq like q, dk like k, dv like v; lse from the

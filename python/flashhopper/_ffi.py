@@ -45,7 +45,7 @@ class ForwardParams(ctypes.Structure):
         ("num_sink_tokens", ctypes.c_int32), ("num_splits", ctypes.c_int32),
         ("attention_chunk", ctypes.c_int32), ("learnable_sink", Tensor), ("qv", Tensor),
         ("cache_batch_idx", Tensor), ("cache_leftpad", Tensor), ("rotary_cos", Tensor), ("rotary_sin", Tensor),
-        ("rotary_seqlens", Tensor), ("rotary_interleaved", ctypes.c_int32),
+        ("rotary_seqlens", Tensor), ("rotary_interleaved", ctypes.c_int32), ("cu_seqlens_k_new", Tensor),
     ]
 
 

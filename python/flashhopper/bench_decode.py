@@ -21,8 +21,13 @@ Prefill rows (--prefill-lens): seqlen_q new tokens a sequence against a cache, c
 flash_attn_with_kvcache and through flash_attn_varlen_func on the same memory, TFLOP/s and their
 ratio.
 
-Writes bench_decode_<date>.csv (after every row), .png and bench_prefill_<date>.csv into --out;
-prints the tables last.
+Packed decode rows (--packed-cache-lens): a batch of --packed-batch sequences of 1 to 8 query
+tokens (b % 8 + 1), packed (cu_seqlens_q), against a dense cache: flash_attn_with_kvcache split
+as the library chooses (0) and unsplit (1), beside the dense-query call of 4 tokens a sequence
+(split, 0), TFLOP/s (FlashAttention's count, 4 * rows * keys * Hq * d, no mask) and K+V TB/s.
+
+Writes bench_decode_<date>.csv (after every row), .png, bench_prefill_<date>.csv and
+bench_packed_decode_<date>.csv into --out; prints the tables last.
 
     python -m flashhopper.bench --decode [--batches 1 8 ...] [--cache-lens 4096 ...] [--page-size 64] [--out DIR]
     (bench/bench_decode.py is the same script; scripts/device_check.sh decode_bench runs it)
@@ -193,6 +198,10 @@ def main(argv=None):
     parser.add_argument("--prefill-cache", type=int, default=16384,
                         help="prefill rows: keys cached a sequence, the new ones included (default: %(default)s)")
     parser.add_argument("--prefill-batch", type=int, default=4, help="prefill rows: sequences (default: %(default)s)")
+    parser.add_argument("--packed-cache-lens", type=int, nargs="*", default=[8192, 65536],
+                        help="packed decode rows: keys cached a sequence (default: %(default)s; none: no such rows)")
+    parser.add_argument("--packed-batch", type=int, default=64,
+                        help="packed decode rows: sequences (default: %(default)s)")
     parser.add_argument("--out", default="flashhopper-bench",
                         help="folder for the CSVs and plot, created when the run starts (default: %(default)s)")
     args = parser.parse_args(argv)
@@ -216,22 +225,29 @@ def main(argv=None):
             rows.append(row)
             print(f"batch {batch:4d} cache {cache_len:6d}: ours {row['flashhopper_us']:8.1f} us "
                   f"{row['flashhopper_tbps']:.2f} TB/s, FA3 {_fmt(row['fa3_us'], '8.1f')} us", flush=True)
-            with open(csv_path, "w", newline="") as f:
-                writer = csv.DictWriter(f, fieldnames=FIELDS)
-                writer.writeheader()
-                writer.writerows(rows)
+            _write_csv(csv_path, rows, FIELDS)
             torch.cuda.empty_cache()
     _plot(rows, os.path.join(args.out, f"bench_decode_{date}.png"), gpu, date, copy)
     prefill = [{"date": date, "gpu": gpu, **measure_prefill_row(args.prefill_batch, seqlen_q, args.prefill_cache,
                                                                 heads_q, heads_kv, 128, args)}
                for seqlen_q in args.prefill_lens]
     if prefill:
-        with open(os.path.join(args.out, f"bench_prefill_{date}.csv"), "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(prefill[0]))
-            writer.writeheader()
-            writer.writerows(prefill)
+        _write_csv(os.path.join(args.out, f"bench_prefill_{date}.csv"), prefill, list(prefill[0]))
+    packed = [{"date": date, "gpu": gpu, **measure_packed_row(args.packed_batch, cache_len, heads_q, heads_kv, 128,
+                                                              args)}
+              for cache_len in args.packed_cache_lens]
+    if packed:
+        _write_csv(os.path.join(args.out, f"bench_packed_decode_{date}.csv"), packed, list(packed[0]))
     print_tables(rows, prefill, gpu, copy)
+    print_packed_table(packed, gpu)
     return 0
+
+
+def _write_csv(path, rows, fields):
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(rows)
 
 
 def print_tables(rows, prefill, gpu, copy):
@@ -254,6 +270,56 @@ def print_tables(rows, prefill, gpu, copy):
     for r in prefill:
         print(f"{r['seqlen_q']:5d} {_fmt(r['kvcache_tflops'], '8.0f')} {_fmt(r['varlen_tflops'], '8.0f')} "
               f"{_fmt(r['kvcache_vs_varlen'], '15.3f')} {_fmt(r['max_diff'], '9.2g')}")
+
+
+PACKED_CALLS = ("packed", "packed_unsplit", "dense_q")
+
+
+def measure_packed_row(batch, cache_len, heads_q, heads_kv, d, args):
+    """Sequences of b % 8 + 1 query tokens, packed, against cache_len cached keys each (no mask):
+    the packed call split as the library chooses and unsplit, and the dense-query call of 4 tokens
+    a sequence; TFLOP/s, K+V TB/s, and the packed call's largest difference from the unsplit one."""
+    counts = [b % 8 + 1 for b in range(batch)]
+    cu_q = torch.tensor([0] + [sum(counts[:b + 1]) for b in range(batch)], dtype=torch.int32, device="cuda")
+    total = sum(counts)
+    q_packed = torch.randn(total, heads_q, d, device="cuda", dtype=torch.bfloat16)
+    q_dense = torch.randn(batch, 4, heads_q, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(batch, cache_len, heads_kv, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    lengths = torch.full((batch,), cache_len, dtype=torch.int32, device="cuda")
+
+    def packed(num_splits):
+        return lambda: fh.flash_attn_with_kvcache(q_packed, k, v, cache_seqlens=lengths, cu_seqlens_q=cu_q,
+                                                  max_seqlen_q=max(counts), num_splits=num_splits)
+    fns = {"packed": packed(0), "packed_unsplit": packed(1),
+           "dense_q": lambda: fh.flash_attn_with_kvcache(q_dense, k, v, cache_seqlens=lengths, num_splits=0)}
+    diff = (fns["packed"]().float() - fns["packed_unsplit"]().float()).abs().max().item()
+    ms = time_all_ms(fns, warmup=5, rounds=args.rounds, calls=args.calls)
+    kv_bytes = 2 * batch * cache_len * heads_kv * d * k.element_size()
+    row = {"batch": batch, "query_rows": total, "cache_len": cache_len, "heads_q": heads_q, "heads_kv": heads_kv,
+           "hdim": d}
+    for name in PACKED_CALLS:
+        rows = 4 * batch if name == "dense_q" else total
+        row[f"{name}_us"] = ms[name] * 1e3
+        row[f"{name}_tflops"] = 4 * rows * cache_len * heads_q * d / (ms[name] * 1e-3) / 1e12
+        row[f"{name}_tbps"] = kv_bytes / (ms[name] * 1e-3) / 1e12
+    row["packed_vs_dense_q"] = row["packed_tflops"] / row["dense_q_tflops"]
+    row["max_diff_split"] = diff
+    print(f"packed decode cache {cache_len:6d}: packed {row['packed_tflops']:.0f}, unsplit "
+          f"{row['packed_unsplit_tflops']:.0f}, dense q {row['dense_q_tflops']:.0f} TFLOP/s", flush=True)
+    return row
+
+
+def print_packed_table(packed, gpu):
+    if not packed:
+        return
+    r = packed[0]
+    print(f"\npacked decode: {r['batch']} sequences of 1-8 query tokens ({r['query_rows']} rows), GQA "
+          f"{r['heads_q']}/{r['heads_kv']}, hdim {r['hdim']}, bf16, {gpu}; TFLOP/s (K+V TB/s)")
+    print(f"{'cache':>7} {'packed':>14} {'unsplit':>14} {'dense q (4)':>14} {'packed/dense':>13} {'split diff':>11}")
+    for r in packed:
+        cells = " ".join(f"{_fmt(r[f'{c}_tflops'], '6.0f')} ({_fmt(r[f'{c}_tbps'], '5.2f')})" for c in PACKED_CALLS)
+        print(f"{r['cache_len']:7d} {cells} {_fmt(r['packed_vs_dense_q'], '13.2f')} {_fmt(r['max_diff_split'], '11.2g')}")
 
 
 def measure_prefill_row(batch, seqlen_q, cache_len, heads_q, heads_kv, d, args):

@@ -33,9 +33,8 @@ Differences from FlashAttention-3 worth knowing:
   integer tensor (a tensor on the GPU is refused: reading it would wait for the device).
   learnable_sink is a keyword after FA3's parameters, so FA3's positional calls keep their meaning.
 - pack_gqa is a tuning hint in FA3 and is accepted and ignored here (the library packs a decode's
-  query heads itself). num_splits > 1 splits the keys (split-KV; flash_attn_varlen_func raises
-  FlashHopperNotSupported for it), and 0 lets the library choose from the shapes, as FA3; packed
-  (varlen) queries always run unsplit with 0.
+  query heads itself). num_splits > 1 splits the keys (split-KV), packed (varlen) queries too, and 0
+  lets the library choose from the shapes, as FA3.
 
 FA3's private _flash_attn_forward and _flash_attn_backward are here too (end of the module), and
 flashhopper.fa3_ops registers FA3's operator names (torch.ops.flash_attn_3.*) on request.
@@ -308,27 +307,23 @@ def flash_attn_with_kvcache(
     return_softmax_lse=False,
 ):
     """FlashAttention-3's KV-cache attention: q [B, sq, H, d] (or packed [total_q, H, d] with
-    cu_seqlens_q and max_seqlen_q) against k_cache/v_cache, dense [B_cache, S, Hkv, d] (rows picked
-    by cache_batch_idx, keys starting at cache_leftpad) or paged [num_pages, page_size, Hkv, d] with
-    page_table [B, max_pages] (or [B_cache, max_pages], rows picked by cache_batch_idx); cache_seqlens (int or int32 [B]) keys cached per sequence; k/v
-    [B, s_new, Hkv, d] appended in place at cache_seqlens first, with rotary (rotary_cos/sin
-    [seqlen_ro, rotary_dim / 2], rotary_seqlens, rotary_interleaved) on them and on q, as FA3 (the
-    rules are in include/flashhopper/flashhopper.h). Returns out, or (out, softmax_lse) with
-    return_softmax_lse.
+    cu_seqlens_q and max_seqlen_q) against k_cache/v_cache, dense [B_cache, S, Hkv, d] or paged
+    [num_pages, page_size, Hkv, d] with page_table [B, max_pages] (rows of either picked by
+    cache_batch_idx, keys starting at cache_leftpad); cache_seqlens (int or int32 [B]) keys cached
+    per sequence; k/v [B, s_new, Hkv, d] (or packed [total_new, Hkv, d] with cu_seqlens_k_new)
+    appended in place at cache_seqlens first, with rotary (rotary_cos/sin [seqlen_ro, rotary_dim /
+    2], rotary_seqlens, rotary_interleaved) on them and on q, as FA3 (the rules are in
+    include/flashhopper/flashhopper.h). Returns out, or (out, softmax_lse) with return_softmax_lse.
 
-    The arguments are checked (ValueError naming the argument). The kernels run a dense cache or a
-    paged one (any page_size), both with cache_seqlens, cache_batch_idx and cache_leftpad, with the append
-    and rotary, split over the keys (num_splits; 0 chooses from the shapes); fp8 descales,
-    cu_seqlens_k_new, num_splits > 1 with cu_seqlens_q, and sm_margin raise FlashHopperNotSupported
-    (a NotImplementedError). scheduler_metadata (from
-    get_scheduler_metadata) gives the split-KV count. Under torch.compile or torch.export (fake
-    tensors) it runs as the flashhopper::fwd_kvcache op, whose schema marks k_cache and v_cache as
-    written."""
+    The arguments are checked (ValueError naming the argument). The kernels run all of that, split
+    over the keys (num_splits; 0 chooses from the shapes), packed queries too; fp8 descales and
+    sm_margin raise FlashHopperNotSupported (a NotImplementedError).
+    scheduler_metadata (from get_scheduler_metadata) gives the split-KV count. Under torch.compile
+    or torch.export (fake tensors) it runs as the flashhopper::fwd_kvcache op, whose schema marks
+    k_cache and v_cache as written."""
     for name, descale in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
         if descale is not None:
             _not_yet(name, "<tensor>", "fp8 attention (descale factors)")
-    if cu_seqlens_k_new is not None:
-        _not_yet("cu_seqlens_k_new", "<tensor>", "packed new keys (k and v are [B, s_new, Hkv, d])")
     if scheduler_metadata is not None:
         num_splits = _planned_splits(scheduler_metadata, num_splits)
     if sm_margin != 0:
@@ -347,14 +342,14 @@ def flash_attn_with_kvcache(
         out, softmax_lse = ops.fwd_kvcache(
             q, k_cache, v_cache, k, v, qv, rotary_cos, rotary_sin, rotary_seqlens, bool(rotary_interleaved),
             cache_seqlens, cache_batch_idx, cache_leftpad, page_table, cu_seqlens_q, max_seqlen_q, softmax_scale,
-            causal, window_left, window_right, softcap, attention_chunk, num_splits)
+            causal, window_left, window_right, softcap, attention_chunk, num_splits, cu_seqlens_k_new)
         return (out, softmax_lse) if return_softmax_lse else out
     return interface.forward_with_kvcache(
         q, k_cache, v_cache, k_new=k, v_new=v, qv=qv, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
         rotary_seqlens=rotary_seqlens, rotary_interleaved=rotary_interleaved, cache_seqlens=cache_seqlens,
         cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, page_table=page_table, cu_seqlens_q=cu_seqlens_q,
         max_seqlen_q=max_seqlen_q, softmax_scale=softmax_scale, mask=mask, num_splits=num_splits,
-        return_lse=return_softmax_lse)
+        return_lse=return_softmax_lse, cu_seqlens_k_new=cu_seqlens_k_new)
 
 
 _COMBINE_OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -404,8 +399,7 @@ def get_scheduler_metadata(batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, 
     nothing to precompute on the GPU: the plan is the split-KV count, num_splits (0: the library's
     choice, which is the same for every call of these shapes), as an int32 CPU tensor of shape [1].
     The arguments are checked as flash_attn_with_kvcache checks them (ValueError naming the
-    argument; NotImplementedError for what FlashHopper cannot run: fp8, cu_seqlens_k_new,
-    sm_margin). pack_gqa is a hint and is ignored."""
+    argument; NotImplementedError for what FlashHopper cannot run: fp8, sm_margin). pack_gqa is a hint and is ignored."""
     sizes = {"batch_size": batch_size, "max_seqlen_q": max_seqlen_q, "num_heads_q": num_heads_q,
              "num_heads_kv": num_heads_kv, "headdim": headdim}
     for name, value in sizes.items():
@@ -423,8 +417,6 @@ def get_scheduler_metadata(batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, 
         _not_yet("qkv_dtype", qkv_dtype, "fp8 attention")
     if qkv_dtype not in interface.INPUT_DTYPES:
         raise interface.invalid_argument(f"qkv_dtype: {qkv_dtype} is not supported (torch.bfloat16 or torch.float16)")
-    if cu_seqlens_k_new is not None:
-        _not_yet("cu_seqlens_k_new", "<tensor>", "packed new keys (k and v are [B, s_new, Hkv, d])")
     if page_size is not None and interface._int_option("page_size", page_size, "it") < 1:
         raise interface.invalid_argument(f"page_size: is {page_size}; must be at least 1")
     if sm_margin != 0:

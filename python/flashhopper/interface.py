@@ -626,7 +626,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = Fa
     see key j only within its chunk (floor(p / c) * c <= j < floor(p / c) * c + c, p = i + sk - sq),
     on top of the window; learnable_sink float32 [Hq] adds exp(sink[h]) to every row's softmax
     denominator (lse includes it). num_splits > 1 splits the keys into that many parts whose
-    partials are combined (split-KV; dense queries only), 0 lets the library choose from the shapes
+    partials are combined (split-KV; dense or packed queries), 0 lets the library choose from the shapes
     (more than one only where the query tiles leave most SMs idle), 1 does not split."""
     key = _plan_key("forward", (q, k, v, out, learnable_sink, *_varlen_fields(varlen)),
                     (causal, softmax_scale, return_lse, window_size, softcap, attention_chunk, num_splits,
@@ -750,22 +750,26 @@ def forward_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                          qv=None, rotary_cos=None, rotary_sin=None, rotary_seqlens=None, rotary_interleaved=True,
                          cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, page_table=None,
                          cu_seqlens_q=None, max_seqlen_q=None, softmax_scale=None, mask=(False, -1, -1, 0.0, 0),
-                         num_splits=0, return_lse=False):
+                         num_splits=0, return_lse=False, cu_seqlens_k_new=None):
     """Attention against a KV cache, in FA3's flash_attn_with_kvcache's terms (k_new/v_new are its k
-    and v): the C ABI's fields of include/flashhopper/flashhopper.h ("KV cache extras"). mask is
+    and v; packed [total_new, Hkv, d] with cu_seqlens_k_new, which is ignored without them): the C
+    ABI's fields of include/flashhopper/flashhopper.h ("KV cache extras"). mask is
     check_mask_args's tuple; num_splits 0 lets the library choose the split-KV count from the shapes.
     Returns out, or (out, lse) with return_lse. The library checks what is
     not checked here and names the argument as the caller does."""
+    if k_new is None and v_new is None:
+        cu_seqlens_k_new = None  # nothing appended (as FA3, which ignores it then)
     inputs = (("q", q), ("k", k_cache), ("v", v_cache), ("k_new", k_new), ("v_new", v_new), ("qv", qv),
               ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin), ("cache_seqlens", cache_seqlens),
               ("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad), ("page_table", page_table),
-              ("cu_seqlens_q", cu_seqlens_q), ("rotary_seqlens", rotary_seqlens))  # the C ABI's names
+              ("cu_seqlens_q", cu_seqlens_q), ("rotary_seqlens", rotary_seqlens),
+              ("cu_seqlens_k_new", cu_seqlens_k_new))  # the C ABI's names
     key = _plan_key("forward_with_kvcache", [t for _, t in inputs],
                     (max_seqlen_q, rotary_interleaved, softmax_scale, mask, num_splits, return_lse))
     plan = _PLANS.get(key) if key is not None else None
     if plan is None:
         check_kvcache_args(q, k_cache, v_cache, k_new, v_new, qv, rotary_seqlens, cache_seqlens, cache_batch_idx,
-                           cache_leftpad, cu_seqlens_q, max_seqlen_q, num_splits)
+                           cache_leftpad, cu_seqlens_q, max_seqlen_q, num_splits, cu_seqlens_k_new)
         check_devices([(_KVCACHE_NAMES.get(name, name), t) for name, t in inputs])
     varlen_q = cu_seqlens_q is not None
     out = torch.empty((*q.shape[:-1], v_cache.shape[-1]), dtype=q.dtype, device=q.device)
@@ -797,7 +801,7 @@ def forward_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
 
 
 def check_kvcache_args(q, k_cache, v_cache, k_new, v_new, qv, rotary_seqlens, cache_seqlens, cache_batch_idx,
-                       cache_leftpad, cu_seqlens_q, max_seqlen_q, num_splits) -> None:
+                       cache_leftpad, cu_seqlens_q, max_seqlen_q, num_splits, cu_seqlens_k_new=None) -> None:
     """forward_with_kvcache's metadata checks here (the library checks the rest): types, ranks,
     dtypes, the int32 vectors' lengths."""
     check_num_splits(num_splits)
@@ -808,12 +812,17 @@ def check_kvcache_args(q, k_cache, v_cache, k_new, v_new, qv, rotary_seqlens, ca
         _check_input(name, t, 4, "[B_cache, S, Hkv, d] or [num_pages, page_size, Hkv, d] (page_table given)")
         if t.dtype != q.dtype:
             raise invalid_argument(f"{name}: dtype {t.dtype} differs from q's {q.dtype}")
+    packed_new = cu_seqlens_k_new is not None and (k_new is not None or v_new is not None)
+    new_rank, new_layout = (3, "[total_new, Hkv, d] (cu_seqlens_k_new given)") if packed_new else \
+        (4, "[B, s_new, Hkv, d]")
     for name, t in (("k", k_new), ("v", v_new), ("qv", qv)):
         if t is not None:
-            _check_input(name, t, 4 if name != "qv" else rank, "[B, s_new, Hkv, d]" if name != "qv" else layout)
+            _check_input(name, t, new_rank if name != "qv" else rank, new_layout if name != "qv" else layout)
     if (k_new is None) != (v_new is None):
         raise invalid_argument("k: k and v (the new keys and values) go together")
     batch = cu_seqlens_q.shape[0] - 1 if varlen_q else q.shape[0]
+    if packed_new:
+        _check_int32_vector("cu_seqlens_k_new", cu_seqlens_k_new, batch + 1, f"[{batch + 1}] (the batch size + 1)")
     for name, t in (("cache_seqlens", cache_seqlens), ("cache_batch_idx", cache_batch_idx),
                     ("cache_leftpad", cache_leftpad), ("rotary_seqlens", rotary_seqlens)):
         if t is not None:

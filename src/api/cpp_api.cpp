@@ -240,7 +240,8 @@ Status forward(const ForwardParams& call, void* workspace, size_t workspace_byte
       {&params.cache_seqlens, "cache_seqlens"}, {&params.cache_batch_idx, "cache_batch_idx"},
       {&params.cache_leftpad, "cache_leftpad"}, {&params.k_new, "k_new"}, {&params.v_new, "v_new"},
       {&params.rotary_cos, "rotary_cos"}, {&params.rotary_sin, "rotary_sin"},
-      {&params.rotary_seqlens, "rotary_seqlens"}, {&params.page_table, "page_table"}};
+      {&params.rotary_seqlens, "rotary_seqlens"}, {&params.page_table, "page_table"},
+      {&params.cu_seqlens_k_new, "cu_seqlens_k_new"}};
   for (const auto& [tensor, name] : pointers) {
     if (!(status = check_device_pointer(*tensor, name)).ok()) return status;
   }

@@ -641,7 +641,8 @@ Status check_forward_presence(const ForwardParams& p, const AttentionArgs& a) {
     return invalid("rotary_cos", "is given without k_new/v_new; the rotary embedding applies to the appended "
                                  "keys and q (apply it yourself to a cache without an append)");
   }
-  return {};  // (rotary_seqlens without the tables is ignored: without_ignored_arguments)
+  return {};  // (rotary_seqlens without the tables and cu_seqlens_k_new without an append are
+              // ignored: without_ignored_arguments)
 }
 
 Status check_forward_ranks(const ForwardParams& p, const AttentionArgs& a) {
@@ -650,7 +651,13 @@ Status check_forward_ranks(const ForwardParams& p, const AttentionArgs& a) {
   if (present(p.cache_seqlens)) {
     FLASHHOPPER_RETURN_IF_INVALID(check_rank(p.cache_seqlens, "cache_seqlens", kSequenceLengths));
   }
-  if (present(p.k_new)) {
+  if (present(p.cu_seqlens_k_new)) {
+    FLASHHOPPER_RETURN_IF_INVALID(check_rank(p.cu_seqlens_k_new, "cu_seqlens_k_new", kPrefixSums));
+    FLASHHOPPER_RETURN_IF_INVALID(
+        check_rank(p.k_new, "k_new", {3, "packed (cu_seqlens_k_new given)", "[total_new, Hkv, d]"}));
+    FLASHHOPPER_RETURN_IF_INVALID(
+        check_rank(p.v_new, "v_new", {3, "packed (cu_seqlens_k_new given)", "[total_new, Hkv, dv]"}));
+  } else if (present(p.k_new)) {
     FLASHHOPPER_RETURN_IF_INVALID(check_rank(p.k_new, "k_new", {4, "", "[B, s_new, Hkv, d]"}));
     FLASHHOPPER_RETURN_IF_INVALID(check_rank(p.v_new, "v_new", {4, "", "[B, s_new, Hkv, dv]"}));
   }
@@ -673,6 +680,7 @@ Status check_forward_dtypes(const ForwardParams& p, const AttentionArgs& a, Targ
   FLASHHOPPER_RETURN_IF_INVALID(check_attention_dtypes(a, target, /*fp8_allowed=*/true));
   FLASHHOPPER_RETURN_IF_INVALID(check_int32_index(p.page_table, "page_table"));
   FLASHHOPPER_RETURN_IF_INVALID(check_int32_index(p.cache_seqlens, "cache_seqlens"));
+  FLASHHOPPER_RETURN_IF_INVALID(check_int32_index(p.cu_seqlens_k_new, "cu_seqlens_k_new"));
   for (const auto& [tensor, name] : NamedTensors{{&p.k_new, "k_new"}, {&p.v_new, "v_new"}}) {
     if (present(*tensor) && tensor->dtype != p.k.dtype) {
       return invalid(name, "dtype is ", dtype_name(tensor->dtype), " but k's is ", dtype_name(p.k.dtype),
@@ -714,7 +722,17 @@ Status check_forward_shapes(const ForwardParams& p, const AttentionArgs& a, cons
         check_shape(p.page_table, "page_table", {present(p.cache_batch_idx) ? kFree : batch, kFree}));
   }
   if (present(p.cache_seqlens)) FLASHHOPPER_RETURN_IF_INVALID(check_shape(p.cache_seqlens, "cache_seqlens", {batch}));
-  if (present(p.k_new)) {
+  if (s.varlen_k_new) {
+    if (p.cu_seqlens_k_new.shape[0] - 1 != s.batch) {
+      return invalid("cu_seqlens_k_new", "shape[0] is ", p.cu_seqlens_k_new.shape[0],
+                     " but must be batch size + 1 = ", s.batch + 1, " (batch size ", s.batch, " from ",
+                     a.batch_source(), ")");
+    }
+    FLASHHOPPER_RETURN_IF_INVALID(check_shape(p.k_new, "k_new", {kFree, heads_kv, {s.head_dim, "head dim", "q"}}));
+    FLASHHOPPER_RETURN_IF_INVALID(check_shape(p.v_new, "v_new",
+                                              {{s.seqlen_new, "total new tokens", "k_new"}, heads_kv,
+                                               {s.head_dim_v, "value head dim", "v"}}));
+  } else if (present(p.k_new)) {
     FLASHHOPPER_RETURN_IF_INVALID(
         check_shape(p.k_new, "k_new", {batch, kFree, heads_kv, {s.head_dim, "head dim", "q"}}));
     FLASHHOPPER_RETURN_IF_INVALID(check_shape(
@@ -863,6 +881,7 @@ Status check_backward_scalars(const BackwardParams& p, const AttentionArgs& a) {
 ForwardParams without_ignored_arguments(const ForwardParams& params) {
   ForwardParams p = params;
   if (!present(p.rotary_cos) && !present(p.rotary_sin)) p.rotary_seqlens = {};
+  if (!present(p.k_new) && !present(p.v_new)) p.cu_seqlens_k_new = {};  // (FA3 ignores both too)
   return p;
 }
 
@@ -886,6 +905,7 @@ Status validate(const ForwardParams& params, Target target) {
       {&p.cache_seqlens, "cache_seqlens", Access::kRows},
       {&p.k_new, "k_new", Access::kTma},
       {&p.v_new, "v_new", Access::kTma},
+      {&p.cu_seqlens_k_new, "cu_seqlens_k_new", Access::kRows},
       {&p.q_descale, "q_descale", Access::kStrided},
       {&p.k_descale, "k_descale", Access::kStrided},
       {&p.v_descale, "v_descale", Access::kStrided},

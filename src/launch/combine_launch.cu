@@ -64,10 +64,16 @@ int run_combine_as(const CombineParams& p, cudaStream_t stream) {
 int run_split_kv_combine(const ForwardParams& params, const detail::ProblemShape& shape, float* out_partial,
                          float* lse_partial, int num_splits, fh_stream_t stream) {
   CombineParams combine{};
-  combine.out_partial = make_tensor(out_partial, FH_DTYPE_FP32,
-                                    {num_splits, shape.batch, shape.heads_q, shape.seqlen_q, shape.head_dim_v});
-  combine.lse_partial =
-      make_tensor(lse_partial, FH_DTYPE_FP32, {num_splits, shape.batch, shape.heads_q, shape.seqlen_q});
+  if (shape.varlen_q) {  // [S, Hq, total_q, (dv)], as fh_combine takes packed partials
+    combine.out_partial =
+        make_tensor(out_partial, FH_DTYPE_FP32, {num_splits, shape.heads_q, shape.total_q, shape.head_dim_v});
+    combine.lse_partial = make_tensor(lse_partial, FH_DTYPE_FP32, {num_splits, shape.heads_q, shape.total_q});
+  } else {
+    combine.out_partial = make_tensor(out_partial, FH_DTYPE_FP32,
+                                      {num_splits, shape.batch, shape.heads_q, shape.seqlen_q, shape.head_dim_v});
+    combine.lse_partial =
+        make_tensor(lse_partial, FH_DTYPE_FP32, {num_splits, shape.batch, shape.heads_q, shape.seqlen_q});
+  }
   combine.out = params.out;
   combine.lse = params.lse;
   return run_combine(combine, stream);

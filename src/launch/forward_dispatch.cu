@@ -36,16 +36,24 @@ TileExtent forward_tile(const ForwardParams& p, const detail::ProblemShape& s) {
   });
 }
 
+// The rows of one split's partials, as out holds them (times its heads): [B, Hq, sq] dense,
+// [Hq, total_q] packed.
+int64_t partial_rows(const detail::ProblemShape& s) {
+  return s.heads_q * (s.varlen_q ? s.total_q : s.batch * s.seqlen_q);
+}
+
 int forward_num_splits(const ForwardParams& p, const detail::ProblemShape& s) {
   if (p.num_splits != 0) return p.num_splits;
   const TileExtent tile = forward_tile(p, s);
   int num_sms = 0, l2_bytes = 0;
-  if (s.varlen_q || tile.block_m == 0 || device_sms_and_l2(&num_sms, &l2_bytes) != cudaSuccess) return 1;
-  const int64_t tiles = (s.seqlen_q + tile.block_m - 1) / tile.block_m * s.heads_q * s.batch;
+  if (tile.block_m == 0 || device_sms_and_l2(&num_sms, &l2_bytes) != cudaSuccess) return 1;
+  // Packed queries: the most tiles the sequences can have (their lengths are in device memory).
+  const int64_t tiles = s.varlen_q ? max_planned_tiles(s.total_q, s.seqlen_q, s.batch, s.heads_q, tile.block_m)
+                                   : (s.seqlen_q + tile.block_m - 1) / tile.block_m * s.heads_q * s.batch;
   // The partials (float32 O and LSE a split) stay within 1% of the K and V bytes the call reads.
   const double kv_bytes = double(s.batch) * s.seqlen_k * s.heads_kv * (s.head_dim + s.head_dim_v) *
                           dtype_size(static_cast<fh_dtype>(p.k.dtype));
-  const double split_bytes = double(s.batch) * s.heads_q * s.seqlen_q * (s.head_dim_v + 1) * sizeof(float);
+  const double split_bytes = double(partial_rows(s)) * (s.head_dim_v + 1) * sizeof(float);
   return detail::choose_num_splits(tiles, (s.seqlen_k + tile.block_n - 1) / tile.block_n, num_sms,
                                    detail::most_splits_for_workspace(kv_bytes, split_bytes));
 }
@@ -66,7 +74,6 @@ std::string forward_unsupported_reason(const ForwardParams& p, const detail::Pro
   if (p.q.dtype == FH_DTYPE_FP8_E4M3) return "fp8 e4m3 inputs are not supported yet";
   if (mask.num_sink_tokens > 0 && mask.attention_chunk > 0)
     return "num_sink_tokens together with attention_chunk is not supported by the kernels";
-  if (p.num_splits > 1 && s.varlen_q) return "split-KV (num_splits > 1) with cu_seqlens_q is not supported yet";
   if (detail::present(p.qv)) return "qv (scores Q K^T + Qv V^T) is not supported by the kernels yet";
   return family_unsupported_reason(Pass::kForward, static_cast<fh_dtype>(p.q.dtype), s.head_dim, s.head_dim_v);
 }
@@ -77,12 +84,14 @@ ForwardPlan plan_forward(const ForwardParams& p, const detail::ProblemShape& s) 
   plan.shape = &s;
   plan.call = detail::kernel_call(p, s);
   const int block_m = forward_tile(p, s).block_m;  // 0: a family this build lacks (refused before)
-  if (s.varlen_q && block_m > 0)
-    plan.planned_tiles = planned_tiles_bytes(max_planned_tiles(s.total_q, s.seqlen_q, s.batch, s.heads_q, block_m));
-  plan.rotated_q = rotated_q_bytes(p, s);
   plan.num_splits = forward_num_splits(plan.call.params, plan.call.shape);
-  if (plan.num_splits > 1) {  // as many rows as out has: the same for a packed call
-    const size_t rows = size_t(plan.num_splits) * s.batch * s.heads_q * s.seqlen_q;
+  if (s.varlen_q && block_m > 0) {  // a tile a split
+    plan.planned_tiles = planned_tiles_bytes(
+        max_planned_tiles(s.total_q, s.seqlen_q, s.batch, s.heads_q, block_m) * plan.num_splits);
+  }
+  plan.rotated_q = rotated_q_bytes(p, s);
+  if (plan.num_splits > 1) {
+    const size_t rows = size_t(plan.num_splits) * partial_rows(s);
     plan.out_partial = round_up_256(rows * s.head_dim_v * sizeof(float));
     plan.lse_partial = round_up_256(rows * sizeof(float));
   }

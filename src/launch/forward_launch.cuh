@@ -91,16 +91,17 @@ cudaError_t run_forward_hdim(const ForwardParams& p, const detail::ProblemShape&
   const int64_t kv_bytes_per_row = int64_t(d + dv) * sizeof(Element);  // a key's K and V, one head
   typename Scheduler::Params scheduler;
   if (s.varlen_q) {
-    // The sequences' tiles, planned on the device (the workspace holds the list).
-    const int64_t max_tiles = max_planned_tiles(s.total_q, s.seqlen_q, batch, heads_q, Tile::kBlockM);
+    // The sequences' tiles, planned on the device (the workspace holds the list), a tile a split.
+    const int64_t max_tiles =
+        max_planned_tiles(s.total_q, s.seqlen_q, batch, heads_q, Tile::kBlockM) * workspace.num_splits;
     auto* tiles = static_cast<hopper::PlannedTile*>(workspace.planned_tiles);
     auto* counters = reinterpret_cast<int*>(tiles + max_tiles);
     hopper::VarlenTilePlanner::Params plan{seqlen, batch, heads_q, Tile::kBlockM, /*key_blocks=*/false,
                                            /*highest_first=*/kMask == MaskKind::kCausal,
                                            planner_section_tiles(num_sms, l2_bytes, Tile::kBlockM, kv_bytes_per_row),
-                                           int(max_tiles), tiles, counters};
+                                           int(max_tiles), tiles, counters, workspace.num_splits};
     if ((err = plan_varlen_tiles(plan, stream)) != cudaSuccess) return err;
-    scheduler = Scheduler::planned_params(tiles, counters, int(max_tiles));
+    scheduler = Scheduler::planned_params(tiles, counters, int(max_tiles), workspace.num_splits);
   } else {
     const int num_m_blocks = (seqlen.seqlen_q + Tile::kBlockM - 1) / Tile::kBlockM;
     scheduler = Scheduler::make_params(num_m_blocks, heads_q, batch, int64_t(seqlen.seqlen_k) * kv_bytes_per_row,

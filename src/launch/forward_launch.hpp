@@ -15,8 +15,8 @@ namespace flashhopper::launch {
 struct ForwardWorkspace {
   void* planned_tiles = nullptr;  // packed queries: the tile list (launch/varlen_plan.hpp)
   int num_splits = 1;             // > 1: split-KV, the float32 partials below, then the combine
-  float* out_partial = nullptr;   // [num_splits, B, Hq, sq, dv]
-  float* lse_partial = nullptr;   // [num_splits, B, Hq, sq]
+  float* out_partial = nullptr;   // [num_splits, B, Hq, sq, dv], packed [num_splits, Hq, total_q, dv]
+  float* lse_partial = nullptr;   // [num_splits, B, Hq, sq], packed [num_splits, Hq, total_q]
 };
 
 // The features a forward call uses beyond a dense batch (hopper/common/forward_features.hpp).

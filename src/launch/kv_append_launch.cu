@@ -21,8 +21,9 @@ template <class Element>
 int run_as(const ForwardParams& p, const detail::ProblemShape& s, void* q_rotated, cudaStream_t stream) {
   using Kernel = hopper::KvAppendKernel<Element>;
   typename Kernel::Params k{};
-  k.k_new = rows_of<Element>(p.k_new, false);
-  k.v_new = rows_of<Element>(p.v_new, false);
+  k.k_new = rows_of<Element>(p.k_new, s.varlen_k_new);
+  k.v_new = rows_of<Element>(p.v_new, s.varlen_k_new);
+  k.cu_seqlens_new = static_cast<int const*>(p.cu_seqlens_k_new.data);
   k.k_cache = rows_of<Element>(p.k, false);
   k.v_cache = rows_of<Element>(p.v, false);
   k.cache_seqlens = static_cast<int const*>(p.cache_seqlens.data);

@@ -53,8 +53,8 @@ Tensor rotated_q_view(const ForwardParams& params, void* data);  // q's shape, c
 
 // Enqueues the split-KV combine (checked params). Returns the CUDA error of the launch.
 int run_combine(const CombineParams& params, fh_stream_t stream);
-// The combine after a dense split-KV forward: its num_splits partials (ForwardWorkspace's layout)
-// into params.out and params.lse.
+// The combine after a split-KV forward: its num_splits partials (ForwardWorkspace's layout, dense
+// or packed as the queries are) into params.out and params.lse.
 int run_split_kv_combine(const ForwardParams& params, const detail::ProblemShape& shape, float* out_partial,
                          float* lse_partial, int num_splits, fh_stream_t stream);
 

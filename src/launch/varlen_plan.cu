@@ -13,7 +13,8 @@ CUTLASS_DEVICE void VarlenTilePlanner::operator()(Params const& p, char* smem) c
   const int tid = threadIdx.x;
 
   // Every CTA sorts the sequences (cheap next to the tiles it places). The key sorts the most
-  // blocks first, then by index, and holds both.
+  // blocks first, then by index, and holds both. With split-KV a "block" here is a (block,
+  // split) pair, a block's splits at consecutive ranks.
   for (int b = tid; b < capacity; b += kThreads) {
     if (b >= p.batch) {
       keys[b] = ~uint64_t(0);
@@ -21,7 +22,7 @@ CUTLASS_DEVICE void VarlenTilePlanner::operator()(Params const& p, char* smem) c
     }
     const SeqlenInfo seq = SeqlenInfo::make(p.seqlen, b);
     const int rows = p.key_blocks ? seq.capacity_k : seq.capacity_q;  // unused rows get zeros
-    const int blocks = (rows + p.block_rows - 1) / p.block_rows;
+    const int blocks = (rows + p.block_rows - 1) / p.block_rows * p.num_splits;
     keys[b] = (uint64_t(0x7fffffff - blocks) << 32) | uint32_t(b);
   }
   __syncthreads();
@@ -101,9 +102,11 @@ CUTLASS_DEVICE void VarlenTilePlanner::operator()(Params const& p, char* smem) c
     const long long t = pair_start(first) + (long long)rank * (longer - first) +
                         (pair_start(end) - pair_start(longer)) + (pair - first);
     if (t >= total) continue;  // past the workspace's capacity (cu_seqlens beyond the contract)
-    const int blocks = pair_blocks(pair);
-    const int block = p.highest_first ? blocks - 1 - rank : rank;
-    p.tiles[t] = PlannedTile{block, pair % p.heads, int(uint32_t(keys[pair / p.heads])), 0};
+    // Block and split as block * num_splits + split (the scheduler decodes it as a dense index).
+    const int blocks = pair_blocks(pair) / p.num_splits, block_rank = rank / p.num_splits;
+    const int block = p.highest_first ? blocks - 1 - block_rank : block_rank;
+    p.tiles[t] = PlannedTile{block * p.num_splits + rank % p.num_splits, pair % p.heads,
+                             int(uint32_t(keys[pair / p.heads])), 0};
   }
 }
 

@@ -42,6 +42,7 @@ hopper::SeqlenParams seqlen_params(const Params& p, const detail::ProblemShape& 
     q.cache_leftpad = static_cast<int const*>(p.cache_leftpad.data);
     q.cache_batch_idx = static_cast<int const*>(p.cache_batch_idx.data);
     q.seqlen_new = int(s.seqlen_new);
+    q.cu_seqlens_new = static_cast<int const*>(p.cu_seqlens_k_new.data);
   }
   return q;
 }

@@ -22,9 +22,11 @@ struct ProblemShape {
   int64_t page_size = 0;      // paged only
   int64_t num_pages = 0;      // paged only
   int64_t max_pages = 0;      // paged only: page_table.shape[1]
-  int64_t seqlen_new = 0;     // k_new.shape[1] when appending
+  int64_t seqlen_new = 0;     // appending: k_new.shape[1]; packed (cu_seqlens_k_new): total_new,
+                              // a bound of every sequence's new keys
   bool varlen_q = false;
   bool varlen_k = false;
+  bool varlen_k_new = false;  // k_new/v_new packed [total_new, Hkv, d] (cu_seqlens_k_new)
   bool paged = false;
   bool append_kv = false;
 };
@@ -89,7 +91,8 @@ inline ProblemShape forward_shape(const ForwardParams& p) {
     s.seqlen_k = p.k.shape[1];
     s.total_k = saturating_product(s.batch, s.seqlen_k);
   }
-  if (s.append_kv) s.seqlen_new = p.k_new.shape[1];
+  s.varlen_k_new = s.append_kv && present(p.cu_seqlens_k_new);
+  if (s.append_kv) s.seqlen_new = p.k_new.shape[s.varlen_k_new ? 0 : 1];
   return s;
 }
 

@@ -113,7 +113,7 @@ Status rotary_plan(const ForwardParams& p, const ProblemShape& shape, const std:
     const int64_t offset = int_at(offsets, b);
     const int64_t capacity = sequences[b].row_capacity;  // q's rows (all are rotated)
     const int64_t rows = rotary->rows_advance ? capacity : std::min<int64_t>(1, capacity);
-    const int64_t last = offset + std::max(shape.seqlen_new, rows) - 1;
+    const int64_t last = offset + std::max(sequences[b].new_keys, rows) - 1;
     if (offset < 0 || last >= positions) {
       return invalid("sequence " + std::to_string(b) + ": rotary positions " + std::to_string(offset) + ".." +
                      std::to_string(last) + " (from " + offsets_name + ") are not rows of rotary_cos (" +
@@ -215,16 +215,20 @@ void run_forward(const ForwardPlan& plan, int num_threads) {
   });
 }
 
-// Writes k_new/v_new into the cache at positions cache_seqlens[b].. of each sequence.
+// Writes k_new/v_new (dense, or packed by cu_seqlens_k_new) into the cache at positions
+// cache_seqlens[b].. of each sequence.
 void append_new_keys(const ForwardPlan& plan, const ForwardParams& p) {
   const ProblemShape& shape = plan.shape;
-  const TokenLayout k_new = TokenLayout::dense(p.k_new);
-  const TokenLayout v_new = TokenLayout::dense(p.v_new);
+  const auto layout = [&](const Tensor& t) {
+    return shape.varlen_k_new ? TokenLayout::packed(t, p.cu_seqlens_k_new) : TokenLayout::dense(t);
+  };
+  const TokenLayout k_new = layout(p.k_new), v_new = layout(p.v_new);
   std::vector<double> row(std::max(shape.head_dim, shape.head_dim_v));
   for (int64_t b = 0; b < shape.batch; ++b) {
+    const Sequence& seq = plan.sequences[b];
     // The layout counts tokens from the sequence's first key, cache_leftpad[b].
     const int64_t start = int_at(p.cache_seqlens, b) - (present(p.cache_leftpad) ? int_at(p.cache_leftpad, b) : 0);
-    for (int64_t t = 0; t < shape.seqlen_new; ++t) {
+    for (int64_t t = 0; t < seq.new_keys; ++t) {
       for (int64_t hk = 0; hk < shape.heads_kv; ++hk) {
         k_new.load_row(b, t, hk, shape.head_dim, row.data());
         plan.rotary.apply(row.data(), plan.rotary.key_position(b, t), [](double x) { return x; });
@@ -300,10 +304,19 @@ Status forward(const ForwardParams& p, const Options& options, const Tensor* out
   }
   if (append) {
     if (!present(p.cache_seqlens)) return invalid("k_new needs cache_seqlens (where to append)");
-    FLASHHOPPER_REFERENCE_CHECK(check_input(p.k_new, "k_new", 4));
-    FLASHHOPPER_REFERENCE_CHECK(check_input(p.v_new, "v_new", 4));
-    FLASHHOPPER_REFERENCE_CHECK(check_shape(p.k_new, "k_new", {B, shape.seqlen_new, Hkv, d}));
-    FLASHHOPPER_REFERENCE_CHECK(check_shape(p.v_new, "v_new", {B, shape.seqlen_new, Hkv, dv}));
+    const bool packed = shape.varlen_k_new;  // [total_new, Hkv, d], rows by cu_seqlens_k_new
+    FLASHHOPPER_REFERENCE_CHECK(check_input(p.k_new, "k_new", packed ? 3 : 4));
+    FLASHHOPPER_REFERENCE_CHECK(check_input(p.v_new, "v_new", packed ? 3 : 4));
+    const auto new_shape = [&](int64_t dim) {
+      return packed ? std::vector<int64_t>{shape.seqlen_new, Hkv, dim}
+                    : std::vector<int64_t>{B, shape.seqlen_new, Hkv, dim};
+    };
+    FLASHHOPPER_REFERENCE_CHECK(check_shape(p.k_new, "k_new", new_shape(d)));
+    FLASHHOPPER_REFERENCE_CHECK(check_shape(p.v_new, "v_new", new_shape(dv)));
+    if (packed) {
+      FLASHHOPPER_REFERENCE_CHECK(check_int32(p.cu_seqlens_k_new, "cu_seqlens_k_new", 1));
+      FLASHHOPPER_REFERENCE_CHECK(check_shape(p.cu_seqlens_k_new, "cu_seqlens_k_new", {B + 1}));
+    }
   }
 
   plan.num_splits = std::max<int64_t>(1, p.num_splits);
@@ -348,7 +361,8 @@ Status forward(const ForwardParams& p, const Options& options, const Tensor* out
 
   LengthSources lengths{p.cu_seqlens_q,  p.cu_seqlens_k, p.seqused_q,       p.seqused_k,
                         p.cache_seqlens, p.page_table,   shape.seqlen_new, p.cache_batch_idx,
-                        p.cache_leftpad, paged ? p.page_table.shape[0] : p.k.shape[0]};
+                        p.cache_leftpad, paged ? p.page_table.shape[0] : p.k.shape[0],
+                        shape.varlen_k_new ? p.cu_seqlens_k_new : Tensor{}};
   FLASHHOPPER_REFERENCE_CHECK(sequence_lengths(shape, lengths, &plan.sequences));
   FLASHHOPPER_REFERENCE_CHECK(rotary_plan(p, shape, plan.sequences, &plan.rotary));
   FLASHHOPPER_REFERENCE_CHECK(read_descale(p, p.q_descale, "q_descale", shape, &plan.descale[0]));

@@ -30,6 +30,10 @@ Status sequence_lengths(const ProblemShape& shape, const LengthSources& src,
   if (shape.varlen_k && !shape.paged) {
     FLASHHOPPER_REFERENCE_CHECK(check_prefix_sums(src.cu_seqlens_k, "cu_seqlens_k", shape.total_k));
   }
+  const bool packed_new = present(src.cu_seqlens_k_new);
+  if (packed_new) {
+    FLASHHOPPER_REFERENCE_CHECK(check_prefix_sums(src.cu_seqlens_k_new, "cu_seqlens_k_new", src.seqlen_new));
+  }
   for (int64_t b = 0; b < shape.batch; ++b) {
     const std::string seq = "sequence " + std::to_string(b) + ": ";
     Sequence& s = (*sequences)[b];
@@ -69,7 +73,9 @@ Status sequence_lengths(const ProblemShape& shape, const LengthSources& src,
                          "]");
         }
       }
-      s.keys = cached + src.seqlen_new - first;
+      s.new_keys = packed_new ? int_at(src.cu_seqlens_k_new, b + 1) - int_at(src.cu_seqlens_k_new, b)
+                              : src.seqlen_new;
+      s.keys = cached + s.new_keys - first;
     }
     if (s.keys < 0 || first + s.keys > k_capacity) {
       return invalid(seq + std::to_string(first + s.keys) + " cache positions used (after any append), but the " +

@@ -92,6 +92,7 @@ struct Sequence {
   int64_t keys = 0;
   int64_t row_capacity = 0;
   int64_t key_capacity = 0;  // 0 for a paged or appended cache: its unused keys are not written
+  int64_t new_keys = 0;      // keys it appends to the cache (k_new): s_new, or its packed rows
 };
 
 // Metadata that sets each sequence's length (absent tensors are ignored).
@@ -101,11 +102,13 @@ struct LengthSources {
   int64_t seqlen_new = 0;
   Tensor cache_batch_idx{}, cache_leftpad{};
   int64_t cache_rows = 0;  // with cache_batch_idx: k.shape[0] of a dense cache, page_table.shape[0] of a paged one
+  Tensor cu_seqlens_k_new{};  // with an append: k_new packed [total_new = seqlen_new, Hkv, d]
 };
 
 // Each sequence's rows and keys, checked against what the tensors hold. Keys: the packed
 // length (cu_seqlens_k) or the dense/paged capacity, replaced by seqused_k when given, and by
-// cache_seqlens + s_new when a KV cache length is given (cache_seqlens wins over seqused_k).
+// cache_seqlens + s_new when a KV cache length is given (cache_seqlens wins over seqused_k), s_new
+// the append's length or the sequence's packed new rows (cu_seqlens_k_new).
 Status sequence_lengths(const ProblemShape& shape, const LengthSources& src,
                         std::vector<Sequence>* sequences);
 

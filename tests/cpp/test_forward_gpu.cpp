@@ -302,6 +302,7 @@ struct KvCacheCase {
   bool interleaved = true;
   int num_splits = 1;
   int page_size = 0;  // > 0: a paged cache, cache_len keys a sequence in shuffled pages
+  bool packed_new = false;  // the new keys packed (cu_seqlens_k_new): sequences append 0..seqlen_new
   std::string name() const {
     return "b" + std::to_string(batch) + "_sq" + std::to_string(seqlen_q) + "_h" + std::to_string(heads_q) + "_hkv" +
            std::to_string(heads_kv) + "_rows" + std::to_string(cache_rows) + "_S" + std::to_string(cache_len) +
@@ -310,7 +311,7 @@ struct KvCacheCase {
            (seqlen_new > 0 ? "_new" + std::to_string(seqlen_new) : "") +
            (rotary_dim > 0 ? "_rotary" + std::to_string(rotary_dim) + (interleaved ? "i" : "h") : "") +
            (num_splits != 1 ? "_splits" + std::to_string(num_splits) : "") +
-           (page_size > 0 ? "_page" + std::to_string(page_size) : "");
+           (page_size > 0 ? "_page" + std::to_string(page_size) : "") + (packed_new ? "_packednew" : "");
   }
 };
 
@@ -361,8 +362,14 @@ TEST_P(KvCacheGpuTest, MatchesReference) {
   CUDA_CHECK(d_out.poison());
   CUDA_CHECK(d_lse.poison());
   const int s_new = std::max(c.seqlen_new, 1);  // tensors of at least one token (unused without an append)
-  HostTensor k_new = random_tensor(FH_DTYPE_BF16, {c.batch, s_new, c.heads_kv, d}, 5104);
-  HostTensor v_new = random_tensor(FH_DTYPE_BF16, {c.batch, s_new, c.heads_kv, d}, 5105);
+  // Packed new keys: sequence b appends seqlen_new, seqlen_new - 1 or none of them.
+  std::vector<int32_t> cu_new(c.batch + 1, 0);
+  for (int b = 0; b < c.batch; ++b) cu_new[b + 1] = cu_new[b] + (b % 3 == 1 ? 0 : c.seqlen_new - b % 2);
+  const std::vector<int64_t> new_shape = c.packed_new ? std::vector<int64_t>{std::max(cu_new.back(), 1), c.heads_kv, d}
+                                                      : std::vector<int64_t>{c.batch, s_new, c.heads_kv, d};
+  HostTensor k_new = random_tensor(FH_DTYPE_BF16, new_shape, 5104);
+  HostTensor v_new = random_tensor(FH_DTYPE_BF16, new_shape, 5105);
+  const HostTensor cu_seqlens_new = int32_tensor(cu_new);
   const int positions = c.cache_len + c.seqlen_q, half = std::max(c.rotary_dim / 2, 1);
   HostTensor angle = random_tensor(FH_DTYPE_FP64, {positions, half}, 5106);
   HostTensor cos(FH_DTYPE_BF16, {positions, half}), sin(FH_DTYPE_BF16, {positions, half});
@@ -370,9 +377,9 @@ TEST_P(KvCacheGpuTest, MatchesReference) {
     cos.set(i, std::cos(3 * angle.get(i)));
     sin.set(i, std::sin(3 * angle.get(i)));
   });
-  DeviceTensor d_k_new(k_new), d_v_new(v_new), d_cos(cos), d_sin(sin);
+  DeviceTensor d_k_new(k_new), d_v_new(v_new), d_cos(cos), d_sin(sin), d_cu_new(cu_seqlens_new);
   for (auto [device, host] : {std::pair<DeviceTensor*, const HostTensor*>{&d_k_new, &k_new}, {&d_v_new, &v_new},
-                              {&d_cos, &cos}, {&d_sin, &sin}}) {
+                              {&d_cos, &cos}, {&d_sin, &sin}, {&d_cu_new, &cu_seqlens_new}}) {
     ASSERT_TRUE(device->ok());
     CUDA_CHECK(device->upload(*host));
   }
@@ -393,6 +400,7 @@ TEST_P(KvCacheGpuTest, MatchesReference) {
   if (c.seqlen_new > 0) {
     p.k_new = d_k_new.view();
     p.v_new = d_v_new.view();
+    if (c.packed_new) p.cu_seqlens_k_new = d_cu_new.view();
   }
   if (c.rotary_dim > 0) {
     p.rotary_cos = d_cos.view();
@@ -422,6 +430,7 @@ TEST_P(KvCacheGpuTest, MatchesReference) {
   host.v = v.view();
   host.k_new = c.seqlen_new > 0 ? k_new.view() : Tensor{};
   host.v_new = c.seqlen_new > 0 ? v_new.view() : Tensor{};
+  host.cu_seqlens_k_new = c.seqlen_new > 0 && c.packed_new ? cu_seqlens_new.view() : Tensor{};
   host.rotary_cos = c.rotary_dim > 0 ? cos.view() : Tensor{};
   host.rotary_sin = c.rotary_dim > 0 ? sin.view() : Tensor{};
   host.cache_seqlens = cache_seqlens.view();
@@ -527,6 +536,15 @@ std::vector<KvCacheCase> kv_cache_cases() {
     cases.push_back(c);
     c = KvCacheCase{4, 3, 8, 2, 6, page_size * (1032 / page_size), true, true, page_size != 24, -1, 3, 64, true};
     c.page_size = page_size;
+    cases.push_back(c);
+  }
+  // New keys packed (cu_seqlens_k_new): sequences appending 3, 2 or none, with rotary, into a dense
+  // cache with its extras and into pages, unsplit and split.
+  for (int page_size : {0, 16, 24}) {
+    KvCacheCase c{6, 3, 8, 2, 6, 1032 - 1032 % std::max(page_size, 1), true, true, true, -1, 3, 64, true};
+    c.page_size = page_size;
+    c.num_splits = page_size == 16 ? 3 : 1;
+    c.packed_new = true;
     cases.push_back(c);
   }
   KvCacheCase windowed{5, 4, 4, 4, 7, 704, false, true, true, 100};

@@ -1545,6 +1545,65 @@ TEST(ReferenceIdentities, LeftpadIsShiftedCache) {
   }
 }
 
+// New keys packed ([total_new, Hkv, d], sequence b's rows [cu[b], cu[b + 1])) append as each
+// sequence's own dense k_new would: 2, 0 and 3 new keys, rotary on them and on q, queries packed
+// too (continuous batching's step). Each sequence against a call of its own, bit for bit, and the
+// cache afterwards alike (the row of the sequence without new keys untouched).
+TEST(ReferenceIdentities, PackedNewKeysAreEachSequencesAppend) {
+  const Dims dims{3, 3, 12, 4, 2, 8, 6};
+  const std::vector<int32_t> cached = {4, 9, 0}, cu = {0, 2, 2, 5};  // new keys and query rows alike
+  const HostTensor cu_t = int32_tensor(cu), cache_seqlens = int32_tensor(cached);
+  const int64_t total = cu.back();
+  const HostTensor k_new = random_tensor(FH_DTYPE_FP64, {total, dims.hkv, dims.d}, 2501);
+  const HostTensor v_new = random_tensor(FH_DTYPE_FP64, {total, dims.hkv, dims.dv}, 2502);
+  const HostTensor q = random_tensor(FH_DTYPE_FP64, {total, dims.hq, dims.d}, 2503);
+  HostTensor cos(FH_DTYPE_FP64, {16, 2}), sin(FH_DTYPE_FP64, {16, 2});
+  fh::test::for_each_index({16, 2}, [&](const std::vector<int64_t>& i) {
+    cos.set(i, std::cos(0.3 * double(i[0] + 1) * double(i[1] + 1)));
+    sin.set(i, std::sin(0.3 * double(i[0] + 1) * double(i[1] + 1)));
+  });
+  Mask mask;
+  mask.causal = 1;
+  DenseCase packed(dims, 2504), alone(dims, 2504);  // the same cache: one for each side to append into
+  HostTensor out(FH_DTYPE_FP64, {total, dims.hq, dims.dv}), lse(FH_DTYPE_FP64, {dims.hq, total});
+  fh::ForwardParams p = packed.forward(mask);
+  p.q = q.view();
+  p.out = out.view();
+  p.lse = lse.view();
+  p.cu_seqlens_q = cu_t.view();
+  p.max_seqlen_q = 3;
+  p.k_new = k_new.view();
+  p.v_new = v_new.view();
+  p.cu_seqlens_k_new = cu_t.view();
+  p.cache_seqlens = cache_seqlens.view();
+  p.rotary_cos = cos.view();
+  p.rotary_sin = sin.view();
+  ASSERT_OK(ref::forward(p));
+  for (int64_t b : {0, 2}) {
+    SCOPED_TRACE(b);
+    const int64_t n = cu[b + 1] - cu[b];
+    HostTensor out_b(FH_DTYPE_FP64, {1, n, dims.hq, dims.dv}), lse_b(FH_DTYPE_FP64, {1, dims.hq, n});
+    const HostTensor cached_b = int32_tensor({cached[b]});
+    fh::ForwardParams s = alone.forward(mask);
+    s.q = sequence_view(q.view(), cu[b], n);
+    s.k = narrow(alone.k.view(), 0, b, 1);
+    s.v = narrow(alone.v.view(), 0, b, 1);
+    s.out = out_b.view();
+    s.lse = lse_b.view();
+    s.k_new = sequence_view(k_new.view(), cu[b], n);
+    s.v_new = sequence_view(v_new.view(), cu[b], n);
+    s.cache_seqlens = cached_b.view();
+    s.rotary_cos = cos.view();
+    s.rotary_sin = sin.view();
+    ASSERT_OK(ref::forward(s));
+    EXPECT_EQ(max_abs_diff(sequence_view(out.view(), cu[b], n), out_b.view()), 0);
+    EXPECT_EQ(max_abs_diff(unsqueeze(narrow(lse.view(), 1, cu[b], n), 0), lse_b.view()), 0);
+  }
+  EXPECT_EQ(max_abs_diff(packed.k.view(), alone.k.view()), 0) << "the cache after the appends";
+  EXPECT_EQ(max_abs_diff(packed.v.view(), alone.v.view()), 0);
+  EXPECT_EQ(max_abs_diff(narrow(packed.k.view(), 0, 1, 1), narrow(DenseCase(dims, 2504).k.view(), 0, 1, 1)), 0);
+}
+
 // A paged cache addressed as a dense one: sequence b reads (and appends to) row
 // cache_batch_idx[b] of the page table from position cache_leftpad[b] on, as it would row
 // cache_batch_idx[b] of a dense cache, bit for bit; the pages of the rows no sequence names keep

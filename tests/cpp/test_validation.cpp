@@ -285,6 +285,43 @@ TEST(ForwardKvCache, ExtrasPass) {
   EXPECT_PASSES(check_for_reference(dense_cache_forward()));
 }
 
+// New keys packed for a packed batch (cu_seqlens_k_new): k_new/v_new [total_new, Hkv, d|dv] and
+// batch + 1 prefix sums; ignored without an append, as FlashAttention-3 ignores it.
+fh::ForwardParams packed_append_forward() {
+  fh::ForwardParams p = dense_cache_forward();
+  p.q = fh::make_tensor(fake_pointer(0), FH_DTYPE_BF16, {7, kHeadsQ, kDim});
+  p.out = fh::make_tensor(fake_pointer(3), FH_DTYPE_BF16, {7, kHeadsQ, kDimV});
+  p.lse = fh::make_tensor(fake_pointer(4), FH_DTYPE_FP32, {kHeadsQ, 7});
+  p.cu_seqlens_q = fh::make_tensor(fake_pointer(5), FH_DTYPE_INT32, {kBatch + 1});
+  p.max_seqlen_q = 4;
+  p.k_new = fh::make_tensor(fake_pointer(23), FH_DTYPE_BF16, {7, kHeadsKV, kDim});
+  p.v_new = fh::make_tensor(fake_pointer(24), FH_DTYPE_BF16, {7, kHeadsKV, kDimV});
+  p.cu_seqlens_k_new = fh::make_tensor(fake_pointer(28), FH_DTYPE_INT32, {kBatch + 1});
+  return p;
+}
+
+TEST(ForwardKvCache, PackedNewKeys) {
+  EXPECT_PASSES(fh::check(packed_append_forward()));
+  EXPECT_PASSES(check_for_reference(packed_append_forward()));
+  fh::ForwardParams p = packed_append_forward();
+  p.cu_seqlens_k_new.shape[0] = kBatch + 2;
+  EXPECT_REFUSED(fh::check(p), "cu_seqlens_k_new", "batch size + 1");
+  p = packed_append_forward();
+  p.cu_seqlens_k_new.dtype = FH_DTYPE_FP32;
+  EXPECT_REFUSED(fh::check(p), "cu_seqlens_k_new", "int32");
+  p = packed_append_forward();
+  p.k_new = fh::make_tensor(fake_pointer(23), FH_DTYPE_BF16, {kBatch, 1, kHeadsKV, kDim});
+  EXPECT_REFUSED(fh::check(p), "k_new", "[total_new, Hkv, d]");
+  p = packed_append_forward();
+  p.v_new.shape[0] = 6;
+  EXPECT_REFUSED(fh::check(p), "v_new", "total new tokens");
+  p = packed_append_forward();
+  p.k_new = p.v_new = p.rotary_cos = p.rotary_sin = {};  // nothing to append: cu_seqlens_k_new ignored
+  EXPECT_PASSES(fh::check(p));
+  p.cu_seqlens_k_new.dtype = FH_DTYPE_FP32;
+  EXPECT_PASSES(fh::check(p));
+}
+
 // A dense cache or a paged one (FlashAttention-3 picks the page table's row and offsets the
 // positions the same way), never packed keys.
 TEST(ForwardKvCache, BatchIdxAndLeftpadIndexADenseOrPagedCache) {

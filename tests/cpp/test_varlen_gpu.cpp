@@ -39,6 +39,7 @@ struct VarlenCase {
   std::vector<int> used_q, used_k;  // empty: no seqused
   int heads_q, heads_kv;
   Features features{};
+  int num_splits = 1;  // the forward's split-KV (the reference runs unsplit)
 
   std::string name() const {
     auto list = [](const std::vector<int>& v) {
@@ -52,6 +53,7 @@ struct VarlenCase {
     if (!used_q.empty()) s << "_usedq" << list(used_q);
     if (!used_k.empty()) s << "_usedk" << list(used_k);
     s << "_h" << heads_q << "_hkv" << heads_kv << features.tag();
+    if (num_splits != 1) s << "_splits" << num_splits;
     return s.str();
   }
   int batch() const { return int(lengths_q.size()); }
@@ -142,6 +144,7 @@ struct PackedProblem {
     p.v = device ? d_v->view() : v.view();
     set_sequences(p, device);
     if (c.features.learnable_sink) p.learnable_sink = device ? d_sink->view() : sink.view();
+    if (device) p.num_splits = c.num_splits;
     return p;
   }
 
@@ -251,6 +254,30 @@ TEST_P(VarlenForwardGpuTest, MatchesReference) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Varlen, VarlenForwardGpuTest, ::testing::ValuesIn(varlen_cases()),
+                         [](const ::testing::TestParamInfo<VarlenCase>& info) { return info.param.name(); });
+
+// Split-KV over packed queries: each planned tile a split, the partials [S, Hq, total_q, dv] and
+// their combine over packed rows. Splits forced (3, 7, more than any sequence has key blocks:
+// empty splits) and chosen (0), decode-like rows of one query token beside long ones, empty
+// sequences, seqused, a window, softcap with the learnable sink (counted once).
+std::vector<VarlenCase> varlen_split_cases() {
+  std::vector<VarlenCase> cases;
+  for (const auto& [dtype, head_dim] : compiled_families(/*backward=*/false)) {
+    if (head_dim != 128 && head_dim != 256) continue;
+    cases.push_back({dtype, head_dim, false, {1, 1, 0, 3, 1}, {3000, 17, 500, 0, 1024}, {}, {}, 8, 2, {}, 3});
+    cases.push_back({dtype, head_dim, true, {1, 7, 113, 0, 1000, 300, 0}, {1, 7, 113, 0, 1000, 300, 0}, {}, {},
+                     4, 2, {}, 7});
+    cases.push_back({dtype, head_dim, true, {200, 513, 64, 0}, {2000, 513, 64, 0}, {150, 513, 0, 0},
+                     {2000, 100, 64, 0}, 2, 2, {}, 0});
+    cases.push_back({dtype, head_dim, false, {300, 129, 0, 700}, {500, 129, 3, 600}, {}, {}, 4, 2,
+                     {100, 0, 2, 0, 0.f, true}, 5});
+    cases.push_back({dtype, head_dim, true, {4, 1, 2}, {800, 3000, 40}, {}, {}, 16, 2,
+                     {-1, -1, 0, 0, 30.f, true}, 256});
+  }
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(VarlenSplitKv, VarlenForwardGpuTest, ::testing::ValuesIn(varlen_split_cases()),
                          [](const ::testing::TestParamInfo<VarlenCase>& info) { return info.param.name(); });
 
 // ---- backward ---------------------------------------------------------------------------------

@@ -246,8 +246,14 @@ void run_one(Choices& rng, Arena& arena, Findings& findings, long iteration) {
         f.cache_seqlens = arena.ints_of({3, 6});
         f.cache_batch_idx = arena.ints_of({1, 0});
         f.cache_leftpad = arena.ints_of({1, 0});
-        f.k_new = arena.floats_of({batch, s_new, hkv, d});
-        f.v_new = arena.floats_of({batch, s_new, hkv, d});
+        if (rng() % 3 == 0) {  // the new keys packed: 2 and 1 of them
+          f.k_new = arena.floats_of({3, hkv, d});
+          f.v_new = arena.floats_of({3, hkv, d});
+          f.cu_seqlens_k_new = arena.ints_of({0, 2, 3});
+        } else {
+          f.k_new = arena.floats_of({batch, s_new, hkv, d});
+          f.v_new = arena.floats_of({batch, s_new, hkv, d});
+        }
         f.rotary_cos = arena.floats_of({sk + 8, d / 4});
         f.rotary_sin = arena.floats_of({sk + 8, d / 4});
         f.rotary_seqlens = arena.ints_of({0, 2});
@@ -286,16 +292,16 @@ void run_one(Choices& rng, Arena& arena, Findings& findings, long iteration) {
   }
   fh::Tensor* tensors[] = {&f.q, &f.k, &f.v, &f.out, &f.lse, &f.cu_seqlens_q, &f.cu_seqlens_k, &f.seqused_k,
                            &f.page_table, &f.cache_seqlens, &f.k_new, &f.v_new, &f.qv, &f.cache_batch_idx,
-                           &f.cache_leftpad, &f.rotary_cos, &f.rotary_sin, &f.rotary_seqlens};
-  const int int_tensors[] = {5, 6, 7, 8, 9, 13, 14, 17};  // the int32 metadata among them
+                           &f.cache_leftpad, &f.rotary_cos, &f.rotary_sin, &f.rotary_seqlens, &f.cu_seqlens_k_new};
+  const int int_tensors[] = {5, 6, 7, 8, 9, 13, 14, 17, 18};  // the int32 metadata among them
   int32_t* ints[] = {&f.causal, &f.window_left, &f.window_right, &f.num_sink_tokens, &f.attention_chunk,
                      &f.num_splits, &f.max_seqlen_q, &f.max_seqlen_k, &f.rotary_interleaved};
   float* floats[] = {&f.softmax_scale, &f.softcap};
   for (int m = 0, n = 1 + int(rng() % 3); m < n; ++m) {
     const uint64_t what = rng() % 4;
     if (what == 0) mutate_scalars(rng, ints, 9, floats, 2);
-    else if (what == 1) mutate_ints(rng, *tensors[int_tensors[rng() % 8]]);
-    else mutate_tensor(rng, *tensors[rng() % 18]);
+    else if (what == 1) mutate_ints(rng, *tensors[int_tensors[rng() % 9]]);
+    else mutate_tensor(rng, *tensors[rng() % 19]);
   }
   expect_answer(fh_forward_check(&f), findings, iteration, "fh_forward_check");
   if (f.num_splits > 1) return;  // the reference then writes partials it is given: not driven here

@@ -236,7 +236,11 @@ def test_flash_attn_with_kvcache_checks_its_arguments():
         (dict(q=q[:, 0], cu_seqlens_q=torch.tensor([0, 1, 2], dtype=torch.int32)), ValueError, "max_seqlen_q"),
         (dict(window_size=(-2, 0)), ValueError, "window_size"),
         (dict(k_descale=torch.ones(2, 2)), NotImplementedError, "k_descale"),
-        (dict(cu_seqlens_k_new=lengths), NotImplementedError, "cu_seqlens_k_new"),
+        (dict(k=new, v=new, cu_seqlens_k_new=lengths), ValueError,
+         "k: expected 3 dims [total_new, Hkv, d] (cu_seqlens_k_new given)"),
+        (dict(k=new[:, 0], v=new[:, 0], cu_seqlens_k_new=lengths), ValueError,
+         "cu_seqlens_k_new: expected an int32 tensor of shape [3]"),
+        (dict(cu_seqlens_k_new=lengths), ValueError, "q: must be a CUDA tensor"),  # ignored without k and v
         (dict(num_splits=2.0), ValueError, "num_splits: expected an int, got float"),
         (dict(scheduler_metadata=lengths), ValueError, "scheduler_metadata: expected the plan"),
         (dict(scheduler_metadata=fa3.get_scheduler_metadata(2, 1, 128, 8, 2, 64, lengths, num_splits=3),
@@ -266,7 +270,6 @@ def test_get_scheduler_metadata_is_the_split_count(monkeypatch):
         (dict(window_size=(-2, 0)), ValueError, "window_size"),
         (dict(qkv_dtype=torch.float32), ValueError, "qkv_dtype: torch.float32 is not supported"),
         (dict(page_size=0), ValueError, "page_size: is 0; must be at least 1"),
-        (dict(cu_seqlens_k_new=lengths), NotImplementedError, "cu_seqlens_k_new"),
         (dict(sm_margin=4), NotImplementedError, "sm_margin"),
     ]
     for kwargs, error, message in refusals:
@@ -340,8 +343,7 @@ def test_flash_attn_combine_checks_its_arguments():
 ])
 def test_supported_options_reach_the_device_check(kwargs):
     """Local windows, causal with a window, chunks, softcap and learnable_sink are accepted, as are
-    num_splits (the library refuses > 1 with packed queries on the GPU) and the pack_gqa hint, dense
-    and varlen: the next refusal is the CPU device."""
+    num_splits and the pack_gqa hint, dense and varlen: the next refusal is the CPU device."""
     q, k, v = qkv()  # seqlen_q 64, seqlen_k 96
     with pytest.raises(ValueError, match="q: must be a CUDA tensor"):
         flash_attn_func(q, k, v, **kwargs)
@@ -924,8 +926,9 @@ def test_ffi_struct_sizes_and_new_fields():
     assert ctypes.sizeof(_ffi.Tensor) == 96
     fwd_fields = [name for name, _ in _ffi.ForwardParams._fields_]
     bwd_fields = [name for name, _ in _ffi.BackwardParams._fields_]
-    assert fwd_fields[-10:] == ["num_splits", "attention_chunk", "learnable_sink", "qv", "cache_batch_idx",
-                                "cache_leftpad", "rotary_cos", "rotary_sin", "rotary_seqlens", "rotary_interleaved"]
+    assert fwd_fields[-11:] == ["num_splits", "attention_chunk", "learnable_sink", "qv", "cache_batch_idx",
+                                "cache_leftpad", "rotary_cos", "rotary_sin", "rotary_seqlens", "rotary_interleaved",
+                                "cu_seqlens_k_new"]
     assert bwd_fields[-4:] == ["deterministic", "attention_chunk", "learnable_sink", "dsink"]
     # forward: 9 tensors, max_seqlen_q/k (2 x 4), 7 more tensors, softmax_scale .. num_splits (7 x 4),
     # attention_chunk (4; ends at a multiple of 8, so no padding before the tensor), learnable_sink, qv
@@ -933,7 +936,8 @@ def test_ffi_struct_sizes_and_new_fields():
     assert _ffi.ForwardParams.learnable_sink.offset == 1576
     assert _ffi.ForwardParams.qv.offset == 1576 + 96
     assert _ffi.ForwardParams.rotary_interleaved.offset == 1576 + 7 * 96
-    assert ctypes.sizeof(_ffi.ForwardParams) == 1576 + 7 * 96 + 8  # the int32 padded to 8
+    assert _ffi.ForwardParams.cu_seqlens_k_new.offset == 1576 + 7 * 96 + 8  # the int32 padded to 8
+    assert ctypes.sizeof(_ffi.ForwardParams) == 1576 + 8 * 96 + 8
     # backward: 13 tensors, max_seqlen_q/k, softmax_scale .. deterministic (7 x 4), attention_chunk, 2 tensors
     assert _ffi.BackwardParams.attention_chunk.offset == 13 * 96 + 8 + 28 == 1284
     assert _ffi.BackwardParams.learnable_sink.offset == 1288
@@ -1419,9 +1423,16 @@ def test_bench_decode_tables_and_plot(tmp_path, capsys):
                 "heads_kv": 8, "hdim": 128, "kvcache_us": 10.0, "varlen_us": 10.0, "kvcache_tflops": 500.0,
                 "varlen_tflops": 510.0, "kvcache_vs_varlen": 0.98, "max_diff": 0.0}]
     bench_decode.print_tables(rows, prefill, "test", 4.2)
+    packed = {"batch": 64, "query_rows": 288, "cache_len": 8192, "heads_q": 32, "heads_kv": 8, "hdim": 128,
+              "packed_vs_dense_q": 1.05, "max_diff_split": 0.0039}
+    for name, tflops in zip(bench_decode.PACKED_CALLS, (300.0, 120.0, nan)):
+        packed.update({f"{name}_us": 50.0, f"{name}_tflops": tflops, f"{name}_tbps": 2.5})
+    bench_decode.print_packed_table([packed], "test")
     printed = capsys.readouterr().out
     assert "decode, GQA 32/8, hdim 128" in printed and "prefill against a cache of 16384 keys" in printed
     assert printed.count("\n   32    4096   3.50") == 1 and "  0.980" in printed
+    assert "packed decode: 64 sequences of 1-8 query tokens (288 rows)" in printed
+    assert "\n   8192    300 ( 2.50)    120 ( 2.50)      - ( 2.50)          1.05      0.0039" in printed
     pytest.importorskip("matplotlib")
     bench_decode._plot(rows, str(tmp_path / "decode.png"), "test", "2026-01-01", 4.2)
     assert (tmp_path / "decode.png").stat().st_size > 0

@@ -520,6 +520,33 @@ def test_varlen_against_reference(dtype, head_dim, seqlens_q, seqlens_k, heads_q
         assert torch.all(grads[1][unused] == 0) and torch.all(grads[2][unused] == 0)
 
 
+@pytest.mark.parametrize("num_splits, causal", [(3, False), (0, True), (7, True)])
+@requires_gpu
+def test_varlen_split_kv_against_reference(num_splits, causal):
+    """flash_attn_varlen_func with num_splits (split-KV over packed queries; 0: the library's choice):
+    decode-like sequences of 1-4 queries over thousands of keys beside an empty one and a long
+    one, out and lse against float64 within twice the error of plain bf16, and the unsplit call's
+    gradients (the backward never splits)."""
+    seqlens_q, seqlens_k = [1, 4, 0, 2, 300], [3000, 1500, 20, 0, 2048]
+    q, k, v, cu_q, cu_k = make_varlen_inputs(seqlens_q, seqlens_k, 16, 2, 128, torch.bfloat16, seed=num_splits)
+    call = dict(causal=causal, return_attn_probs=True)
+    out, lse = run_or_skip(fa3.flash_attn_varlen_func, q, k, v, cu_q, cu_k, max(seqlens_q), max(seqlens_k),
+                           num_splits=num_splits, **call)
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    ref64, lse64 = varlen_attention_reference(q.double(), k.double(), v.double(), seqlens_q, seqlens_k,
+                                              dtype=torch.float64, causal=causal)
+    plain, _ = varlen_attention_reference(q, k, v, seqlens_q, seqlens_k, causal=causal)
+    ours_err = (out.double() - ref64).abs().max().item()
+    plain_err = (plain.double() - ref64).abs().max().item()
+    assert ours_err <= 2 * plain_err + 1e-5, (ours_err, plain_err)
+    torch.testing.assert_close(lse.double(), lse64, rtol=1e-3, atol=1e-3)
+    dout = torch.randn_like(out)
+    split_grads = torch.autograd.grad(out, (q, k, v), dout)
+    unsplit, _ = fa3.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(seqlens_q), max(seqlens_k), **call)
+    for ours, theirs in zip(split_grads, torch.autograd.grad(unsplit, (q, k, v), dout)):
+        torch.testing.assert_close(ours, theirs, rtol=2e-2, atol=2e-2)
+
+
 @requires_gpu
 def test_varlen_deterministic_backward_is_bitwise_reproducible():
     q, k, v, cu_q, cu_k = make_varlen_inputs(MIX, MIX, 8, 2, 128, torch.bfloat16, seed=61)
@@ -847,6 +874,59 @@ def test_flash_attn_with_kvcache_paged_batch_idx_and_leftpad_are_the_dense_ones(
     shape = (rows, capacity, heads_kv, 128)
     assert torch.equal(paged_k[table.long()].view(shape), dense_k)
     assert torch.equal(paged_v[table.long()].view(shape), dense_v)
+
+
+@pytest.mark.parametrize("paged, num_splits", [(False, 0), (True, 3), (False, 5)])
+@requires_gpu
+def test_flash_attn_with_kvcache_packed_new_keys_continuous_batching(paged, num_splits):
+    """Continuous batching's step: queries packed (cu_seqlens_q) and their new keys packed too
+    (cu_seqlens_k_new, k/v [total_new, Hkv, d]), sequences of 3, 1, 0 and 5 new tokens appending
+    into a dense or paged cache, unsplit or split over the keys (5: planned by
+    get_scheduler_metadata): each sequence's new keys land at cache_seqlens in its row, the rest of
+    the cache unchanged, and its rows attend causally over its cached and new keys, against float64
+    within twice the error of the same attention in plain bf16."""
+    torch.manual_seed(5 + paged + num_splits)
+    counts, cached = [3, 1, 0, 5], [700, 0, 40, 1000]
+    batch, capacity, heads_kv = len(counts), 1024, 2
+    cu = torch.tensor([0] + list(itertools.accumulate(counts)), dtype=torch.int32, device="cuda")
+    total = int(cu[-1])
+    q = torch.randn(total, 8, 128, device="cuda", dtype=torch.bfloat16)
+    k_new = torch.randn(total, heads_kv, 128, device="cuda", dtype=torch.bfloat16)
+    v_new = torch.randn_like(k_new)
+    dense_k = torch.randn(batch, capacity, heads_kv, 128, device="cuda", dtype=torch.bfloat16)
+    dense_v = torch.randn_like(dense_k)
+    before_k = dense_k.clone()
+    lengths = torch.tensor(cached, dtype=torch.int32, device="cuda")
+    if paged:
+        k_cache, v_cache, table = paged_copy(dense_k, dense_v, 64)
+        extras = dict(page_table=table)
+    else:
+        k_cache, v_cache, extras = dense_k, dense_v, {}
+    if num_splits == 5:
+        extras["scheduler_metadata"] = fa3.get_scheduler_metadata(
+            batch, max(counts), capacity, 8, heads_kv, 128, lengths, cu_seqlens_q=cu, cu_seqlens_k_new=cu,
+            causal=True, num_splits=num_splits)
+    else:
+        extras["num_splits"] = num_splits
+    out, lse = fa3.flash_attn_with_kvcache(q, k_cache, v_cache, k=k_new, v=v_new, cache_seqlens=lengths,
+                                           cu_seqlens_q=cu, max_seqlen_q=max(counts), cu_seqlens_k_new=cu,
+                                           causal=True, return_softmax_lse=True, **extras)
+    cache_k = k_cache[table.long()].view(dense_k.shape) if paged else k_cache
+    cache_v = v_cache[table.long()].view(dense_v.shape) if paged else v_cache
+    for b in range(batch):
+        first, n, c = int(cu[b]), counts[b], cached[b]
+        assert torch.equal(cache_k[b, c:c + n], k_new[first:first + n]), b
+        assert torch.equal(cache_v[b, c:c + n], v_new[first:first + n]), b
+        assert torch.equal(cache_k[b, :c], before_k[b, :c]) and torch.equal(cache_k[b, c + n:], before_k[b, c + n:])
+        if n == 0:
+            continue
+        rows, keys, values = q[first:first + n][None], cache_k[b:b + 1, :c + n], cache_v[b:b + 1, :c + n]
+        ref64, lse64 = attention_reference(rows.double(), keys.double(), values.double(), causal=True)
+        plain, _ = attention_reference(rows, keys, values, causal=True)
+        ours_err = (out[first:first + n][None].double() - ref64).abs().max().item()
+        plain_err = (plain.double() - ref64).abs().max().item()
+        assert ours_err <= 2 * plain_err + 1e-5, (b, ours_err, plain_err)
+        torch.testing.assert_close(lse[:, first:first + n][None].double(), lse64, rtol=1e-3, atol=1e-3)
 
 
 @requires_gpu

@@ -9,7 +9,8 @@
 // or writes outside the tensors or the workspace. seqused (dense or packed) shortens a sequence:
 // only its first seqused[b] tokens take part (clamped likewise). A dense KV cache (cache_seqlens)
 // sets a sequence's keys instead: the cache positions [cache_leftpad[b], cache_seqlens[b] + s_new)
-// of cache row cache_batch_idx[b] (b without it), clamped to the cache.
+// of cache row cache_batch_idx[b] (b without it), clamped to the cache; s_new is the append's
+// length, or sequence b's with the new keys packed (cu_seqlens_k_new).
 #pragma once
 
 #include <cutlass/cutlass.h>
@@ -29,6 +30,7 @@ struct SeqlenParams {
   int const* cache_leftpad = nullptr;    // [batch], or null
   int const* cache_batch_idx = nullptr;  // [batch], or null
   int seqlen_new = 0;                    // keys appended after the cached ones
+  int const* cu_seqlens_new = nullptr;   // [batch + 1], or null: seqlen_new for every sequence
 
   CUTLASS_HOST_DEVICE bool packed_q() const { return cu_seqlens_q != nullptr; }
   CUTLASS_HOST_DEVICE bool packed_k() const { return cu_seqlens_k != nullptr; }
@@ -71,7 +73,10 @@ struct SeqlenInfo {
     if constexpr (kKvCache) {
       if (p.cache_seqlens != nullptr) {
         const int first = p.cache_leftpad != nullptr ? min(max(__ldg(p.cache_leftpad + batch), 0), p.seqlen_k) : 0;
-        const int used = __ldg(p.cache_seqlens + batch) + p.seqlen_new - first;
+        const int appended =
+            p.cu_seqlens_new != nullptr ? __ldg(p.cu_seqlens_new + batch + 1) - __ldg(p.cu_seqlens_new + batch)
+                                        : p.seqlen_new;
+        const int used = __ldg(p.cache_seqlens + batch) + appended - first;
         s.offset_k = first;
         s.capacity_k = s.seqlen_k = min(max(used, 0), p.seqlen_k - first);
       }

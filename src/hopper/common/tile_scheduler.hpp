@@ -35,7 +35,9 @@ struct WorkTile {
   int split = 0;  // split-KV: which part of the block's keys
 };
 
-// A planned tile: block, head, batch (w unused; 16 bytes, one load).
+// A planned tile: block, head, batch (w unused; 16 bytes, one load). With split-KV the block is
+// block * num_splits + split, as in a dense tile's index (a split in w cost the general kernels'
+// key-block loop spills: scripts/kernel_resources.py).
 using PlannedTile = int4;
 
 // The tiles a CTA's taker thread takes, handed to every other thread of the CTA's roles (each
@@ -71,7 +73,7 @@ struct PersistentTileScheduler {
     PlannedTile const* planned = nullptr;  // packed batches: the planner's tile list, else null
     int const* num_planned = nullptr;      // its length, written by the planner
     int* next_planned = nullptr;           // the counter CTAs take entries from (the planner zeroes it)
-    int num_splits = 1;                    // dense only
+    int num_splits = 1;
     cutlass::FastDivmod split_divmod{1};
   };
 
@@ -95,12 +97,14 @@ struct PersistentTileScheduler {
 
   // Packed batches: the planner's list of at most max_tiles tiles; counters[0] its length,
   // counters[1] the next entry to take.
-  static Params planned_params(PlannedTile const* planned, int* counters, int max_tiles) {
+  static Params planned_params(PlannedTile const* planned, int* counters, int max_tiles, int num_splits = 1) {
     Params params{};
     params.num_tiles = max_tiles;
     params.planned = planned;
     params.num_planned = counters;
     params.next_planned = counters + 1;
+    params.num_splits = num_splits;
+    params.split_divmod = cutlass::FastDivmod(num_splits);
     return params;
   }
 
@@ -117,6 +121,7 @@ struct PersistentTileScheduler {
       work.block = t.x;
       work.head = t.y;
       work.batch = t.z;
+      if (kSplit && params.num_splits > 1) params.split_divmod(work.block, work.split, t.x);
       return work;
     }
     work.valid = tile < params.num_tiles;

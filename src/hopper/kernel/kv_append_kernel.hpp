@@ -1,4 +1,5 @@
 // The KV cache's append, before the attention reads the cache: k_new/v_new [B, s_new, Hkv, d|dv]
+// (or packed [total_new, Hkv, d|dv], sequence b's rows [cu_seqlens_new[b], cu_seqlens_new[b + 1]))
 // into a dense cache at positions cache_seqlens[b] + t of row cache_batch_idx[b] (b without it),
 // or into a paged one at those positions through that row of the page table,
 // with the rotary embedding on the new keys' first rotary_dim dims; and, with rotary, q rotated
@@ -40,7 +41,8 @@ struct KvAppendKernel {
     int rotary_positions, rotary_half;
     int const* rotary_seqlens;  // or null: cache_seqlens
     bool interleaved, query_rows_advance;
-    int const* cu_seqlens_q;  // packed q, or null
+    int const* cu_seqlens_q;    // packed q, or null
+    int const* cu_seqlens_new;  // packed k_new/v_new [total_new, ..] (seqlen_new = total_new), or null
     int batch, seqlen_new, heads_kv, heads_q, seqlen_q, head_dim, head_dim_v, cache_rows, cache_len;
     // Paged: the cache is [pages = cache_rows, page_size = cache_len, Hkv, d] and position i of
     // sequence b is in page page_table[r * page_table_stride + i / cache_len], r = cache_batch_idx[b]
@@ -50,9 +52,24 @@ struct KvAppendKernel {
     int page_table_rows, max_pages;
   };
 
-  // Rows: the keys (k and v) of every (b, t, hk), then with rotary q's (b, i, h).
-  // (The launch sizes its grid with them, on the host.)
-  CUTLASS_HOST_DEVICE static int64_t key_rows(Params const& p) { return int64_t(p.batch) * p.seqlen_new * p.heads_kv; }
+  // Rows: the keys (k and v) of every (b, t, hk), or of every packed (token, hk), then with rotary
+  // q's (b, i, h). (The launch sizes its grid with them, on the host.)
+  CUTLASS_HOST_DEVICE static int64_t key_rows(Params const& p) {
+    return (p.cu_seqlens_new != nullptr ? 1 : int64_t(p.batch)) * p.seqlen_new * p.heads_kv;
+  }
+
+  // The sequence that holds packed row `token`: the last b with cu_seqlens_new[b] <= token (a
+  // binary search over the batch + 1 prefix sums), or -1 where none does or token lies past
+  // cu_seqlens_new[batch].
+  CUTLASS_DEVICE static int packed_sequence(Params const& p, int token) {
+    if (token < __ldg(p.cu_seqlens_new) || token >= __ldg(p.cu_seqlens_new + p.batch)) return -1;
+    int lo = 0, hi = p.batch - 1;  // cu_seqlens_new[lo] <= token < cu_seqlens_new[hi + 1]
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (__ldg(p.cu_seqlens_new + mid) <= token) lo = mid; else hi = mid - 1;
+    }
+    return lo;
+  }
   CUTLASS_HOST_DEVICE static int64_t query_rows(Params const& p) {
     return p.rotary_cos == nullptr ? 0 : int64_t(p.batch) * p.seqlen_q * p.heads_q;
   }
@@ -79,9 +96,19 @@ struct KvAppendKernel {
     const int lane = threadIdx.x % 32;
     const int64_t item = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32;
     const int64_t keys = key_rows(p);
-    if (item < keys) {  // (b, t, hk), hk fastest
-      const int hk = int(item % p.heads_kv), t = int(item / p.heads_kv % p.seqlen_new);
-      const int b = int(item / p.heads_kv / p.seqlen_new);
+    if (item < keys) {  // (b, t, hk) or packed (token, hk), hk fastest
+      const int hk = int(item % p.heads_kv);
+      int b, t, token;  // sequence b's new key t is row (b, t) of k_new, or packed row token
+      if (p.cu_seqlens_new != nullptr) {
+        token = int(item / p.heads_kv);
+        if ((b = packed_sequence(p, token)) < 0) return;
+        t = token - __ldg(p.cu_seqlens_new + b);
+      } else {
+        t = int(item / p.heads_kv % p.seqlen_new);
+        b = int(item / p.heads_kv / p.seqlen_new);
+        token = t;
+      }
+      const int new_row_batch = p.cu_seqlens_new != nullptr ? 0 : b;
       int row = p.cache_batch_idx != nullptr ? __ldg(p.cache_batch_idx + b) : b;
       int at = __ldg(p.cache_seqlens + b) + t;
       if (p.page_table != nullptr) {  // the page that holds position `at`, and the row in it
@@ -91,8 +118,8 @@ struct KvAppendKernel {
       }
       if (row < 0 || row >= p.cache_rows || at < 0 || at >= p.cache_len) return;  // outside the cache
       const int offset = p.rotary_seqlens != nullptr ? __ldg(p.rotary_seqlens + b) : __ldg(p.cache_seqlens + b);
-      copy_row(p, p.k_new.row(b, t, hk), p.k_cache.row(row, at, hk), p.head_dim, offset + t, lane);
-      copy_row(p, p.v_new.row(b, t, hk), p.v_cache.row(row, at, hk), p.head_dim_v, -1, lane);
+      copy_row(p, p.k_new.row(new_row_batch, token, hk), p.k_cache.row(row, at, hk), p.head_dim, offset + t, lane);
+      copy_row(p, p.v_new.row(new_row_batch, token, hk), p.v_cache.row(row, at, hk), p.head_dim_v, -1, lane);
       return;
     }
     const int64_t query = item - keys;

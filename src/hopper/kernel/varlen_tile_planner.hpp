@@ -14,7 +14,8 @@
 //   kernel a head's lower key blocks thus always come no later, which its deterministic dQ
 //   turns rely on.
 // PersistentTileScheduler's CTAs take the entries in order as they become free (a counter),
-// so the list needs no snake.
+// so the list needs no snake. A split-KV forward plans num_splits tiles a block, one a split: the
+// order above over (block, split) pairs, a block's splits at consecutive ranks.
 // At most max_tiles tiles (the workspace's capacity, from the tensors' sizes) are written; the
 // clamped SeqlenInfo keeps that bound whatever cu_seqlens hold.
 #pragma once
@@ -44,6 +45,7 @@ struct VarlenTilePlanner {
     int max_tiles;
     PlannedTile* tiles;
     int* counters;      // [2]: the list's length, and the kernel's next entry (zeroed here)
+    int num_splits = 1; // split-KV forward: tiles a block (max_tiles counts them)
   };
 
   static constexpr int batch_capacity(int batch) {
