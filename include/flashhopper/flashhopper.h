@@ -198,6 +198,17 @@ const char* fh_last_error(void);
  * for a value outside fh_status. The C++ ops and the Python package take their names from here. */
 const char* fh_status_name(fh_status status);
 
+/* FlashAttention's window arguments as the parameter structs take them (the one home of this
+ * rule, which the Python package and the PyTorch ops call): a bound that covers the whole
+ * sequence is no bound (window_left >= seqlen_k - 1, window_right >= seqlen_q - 1, then -1),
+ * causal forces window_right = 0, and the window (-1, 0) is causal: *causal 1 and the window
+ * (-1, -1); else *causal 0 and the window. seqlen_q/seqlen_k: the call's lengths (max_seqlen_q/k
+ * when packed, a cache's capacity for the keys). Bounds below -1 pass through, for the checks to
+ * refuse by name. */
+void fh_window_from_fa3(int32_t causal, int64_t window_left, int64_t window_right, int64_t seqlen_q,
+                        int64_t seqlen_k, int32_t* out_causal, int64_t* out_window_left,
+                        int64_t* out_window_right);
+
 /* 1 when the library was built with its CUDA kernels. */
 int32_t fh_built_with_cuda(void);
 

@@ -128,6 +128,10 @@ def lib() -> ctypes.CDLL:
         handle.fh_combine.restype = ctypes.c_int
         handle.fh_last_error.argtypes = []
         handle.fh_last_error.restype = ctypes.c_char_p
+        handle.fh_window_from_fa3.argtypes = [ctypes.c_int32, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                                              ctypes.c_int64, ctypes.POINTER(ctypes.c_int32),
+                                              ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_int64)]
+        handle.fh_window_from_fa3.restype = None
         handle.fh_built_with_cuda.argtypes = []
         handle.fh_built_with_cuda.restype = ctypes.c_int32
         handle.fh_compiled_families.argtypes = [ctypes.POINTER(KernelFamilyStruct), ctypes.c_int32]

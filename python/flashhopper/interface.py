@@ -398,18 +398,17 @@ def check_mask_args(causal, window_size, softcap, attention_chunk):
 
 def library_mask(causal: bool, window_left: int, window_right: int, seqlen_q: int, seqlen_k: int):
     """(causal, window_left, window_right) as the C ABI takes them, which refuses causal together
-    with a window: FlashAttention's rule first (a bound that covers the whole sequence is no bound:
-    left >= seqlen_k - 1, right >= seqlen_q - 1), then causal forces right = 0, then the window
-    (-1, 0) is passed as causal."""
-    if window_left >= seqlen_k - 1:
-        window_left = -1
-    if window_right >= seqlen_q - 1:
-        window_right = -1
-    if causal:
-        window_right = 0
-    if window_left < 0 and window_right == 0:
-        return 1, -1, -1
-    return 0, window_left, window_right
+    with a window: FlashAttention's rules, applied by the library (fh_window_from_fa3, their one
+    home: a bound that covers the whole sequence is no bound, causal forces right = 0, and the
+    window (-1, 0) is causal)."""
+    out_causal, out_left, out_right = ctypes.c_int32(), ctypes.c_int64(), ctypes.c_int64()
+    huge = 2 ** 62  # any bound past the sequence is none: this keeps Python's ints within int64
+    _ffi.lib().fh_window_from_fa3(int(bool(causal)), min(window_left, huge), min(window_right, huge), seqlen_q,
+                                  seqlen_k, ctypes.byref(out_causal), ctypes.byref(out_left), ctypes.byref(out_right))
+    for side, bound in (("left", out_left.value), ("right", out_right.value)):
+        if bound > 2 ** 31 - 1:  # within a sequence longer than that (the library refuses it later)
+            raise invalid_argument(f"window_size: the {side} bound {bound} exceeds INT32_MAX")
+    return out_causal.value, out_left.value, out_right.value
 
 
 def check_num_splits(num_splits) -> None:

@@ -4,6 +4,7 @@
 #include "flashhopper/flashhopper.h"
 #include "flashhopper/flashhopper.hpp"
 #include "launch/compiled_families.hpp"
+#include "plan/problem_shape.hpp"
 
 #define FLASHHOPPER_EXPORT extern "C" __attribute__((visibility("default")))
 
@@ -82,6 +83,16 @@ FLASHHOPPER_EXPORT const char* fh_status_name(fh_status status) {
     case FH_ERROR_WORKSPACE: return "workspace";
   }
   return "unknown status";
+}
+
+FLASHHOPPER_EXPORT void fh_window_from_fa3(int32_t causal, int64_t window_left, int64_t window_right,
+                                           int64_t seqlen_q, int64_t seqlen_k, int32_t* out_causal,
+                                           int64_t* out_window_left, int64_t* out_window_right) {
+  const flashhopper::detail::Fa3Window w =
+      flashhopper::detail::window_from_fa3(causal != 0, window_left, window_right, seqlen_q, seqlen_k);
+  if (out_causal) *out_causal = w.causal;
+  if (out_window_left) *out_window_left = w.window_left;
+  if (out_window_right) *out_window_right = w.window_right;
 }
 
 FLASHHOPPER_EXPORT int32_t fh_built_with_cuda(void) {

@@ -123,6 +123,19 @@ inline MaskSpec mask_spec(int32_t causal, int32_t window_left, int32_t window_ri
   return m;
 }
 
+// FlashAttention's window arguments in the parameter structs' terms (fh_window_from_fa3).
+struct Fa3Window {
+  int32_t causal;
+  int64_t window_left, window_right;
+};
+inline Fa3Window window_from_fa3(bool causal, int64_t left, int64_t right, int64_t seqlen_q, int64_t seqlen_k) {
+  if (left >= seqlen_k - 1) left = -1;
+  if (right >= seqlen_q - 1) right = -1;
+  if (causal) right = 0;
+  if (left == -1 && right == 0) return {1, -1, -1};
+  return {0, left, right};
+}
+
 template <class Params>
 inline MaskSpec mask_spec(const Params& p) {
   return mask_spec(p.causal, p.window_left, p.window_right, p.num_sink_tokens, p.attention_chunk);

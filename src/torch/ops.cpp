@@ -137,14 +137,13 @@ float library_scale(const std::optional<double>& softmax_scale) {
   return static_cast<float>(s);
 }
 
-// The mask fields both parameter structs share, by FlashAttention-3's rules (as ops.py's
-// interface.library_mask): causal forces the right bound to 0; a bound covering the whole
-// sequence (max_seqlen in the packed layout) is no bound; the window (-1, 0) is causal.
+// The mask fields both parameter structs share, by FlashAttention-3's rules (fh_window_from_fa3,
+// which the Python package calls too), judged against the call's lengths (max_seqlen in the
+// packed layout).
 template <typename Params>
 void set_mask(Params& p, bool causal, int64_t left, int64_t right, double softcap, int64_t chunk,
               const Tensor& q, const Tensor& k, bool varlen, const std::optional<int64_t>& max_seqlen_q,
               const std::optional<int64_t>& max_seqlen_k) {
-  if (causal) right = 0;
   int64_t seqlen_q = 0, seqlen_k = 0;
   if (varlen) {
     if (!max_seqlen_q || !max_seqlen_k) {
@@ -158,13 +157,11 @@ void set_mask(Params& p, bool causal, int64_t left, int64_t right, double softca
     seqlen_q = q.size(1);
     seqlen_k = k.size(1);
   }
-  if (left >= seqlen_k - 1) left = -1;
-  if (right >= seqlen_q - 1) right = -1;
-  if (causal) right = 0;
-  const bool is_causal = left < 0 && right == 0;
-  p.causal = is_causal ? 1 : 0;
-  p.window_left = is_causal ? -1 : as_int32("window_left", left);
-  p.window_right = is_causal ? -1 : as_int32("window_right", right);
+  int32_t resolved_causal = 0;
+  fh_window_from_fa3(causal ? 1 : 0, left, right, seqlen_q, seqlen_k, &resolved_causal, &left, &right);
+  p.causal = resolved_causal;
+  p.window_left = as_int32("window_left", left);
+  p.window_right = as_int32("window_right", right);
   p.softcap = static_cast<float>(softcap);
   p.attention_chunk = as_int32("attention_chunk", chunk);
 }

@@ -1705,3 +1705,42 @@ TEST(SplitPlan, PartialsStayWithinOnePercentOfTheKeysAndValues) {
   EXPECT_EQ(fh::detail::most_splits_for_workspace(1000.0, 1000.0), 1);
   EXPECT_EQ(fh::detail::choose_num_splits(8, 100, 132, 1), 1);
 }
+
+namespace {
+
+// FlashAttention's window convention in the parameter structs' terms, the one rule that the
+// Python package and the PyTorch ops call (fh_window_from_fa3): a bound covering the sequence is
+// none, causal forces the right bound to 0, the window (-1, 0) is causal.
+TEST(WindowFromFa3, FlashAttentionsConvention) {
+  struct Row {
+    int32_t causal;
+    int64_t left, right, seqlen_q, seqlen_k;
+    int32_t want_causal;
+    int64_t want_left, want_right;
+  };
+  const Row rows[] = {
+      {0, -1, -1, 64, 96, 0, -1, -1},
+      {1, -1, -1, 64, 96, 1, -1, -1},
+      {0, -1, 0, 64, 96, 1, -1, -1},     // the window (-1, 0) is causal
+      {0, 95, 0, 64, 96, 1, -1, -1},     // left covers every key: no bound
+      {0, 94, 0, 64, 96, 0, 94, 0},
+      {0, -1, 63, 64, 96, 0, -1, -1},    // right covers every row
+      {1, 16, 16, 64, 96, 0, 16, 0},     // causal forces right = 0 and leaves a window
+      {1, 200, 5, 64, 96, 1, -1, -1},
+      {1, -1, -1, 1, 96, 1, -1, -1},     // a single row stays causal
+      {0, 0, 0, 1, 1, 0, -1, -1},        // one row, one key: both bounds cover it
+      {0, -5, 3, 64, 96, 0, -5, 3},      // below -1 passes through, for the checks to refuse
+      {0, int64_t{1} << 40, -1, 64, 96, 0, -1, -1},
+  };
+  for (const Row& r : rows) {
+    int32_t causal = -7;
+    int64_t left = -7, right = -7;
+    fh_window_from_fa3(r.causal, r.left, r.right, r.seqlen_q, r.seqlen_k, &causal, &left, &right);
+    EXPECT_EQ(causal, r.want_causal) << r.causal << " (" << r.left << ", " << r.right << ")";
+    EXPECT_EQ(left, r.want_left) << r.causal << " (" << r.left << ", " << r.right << ")";
+    EXPECT_EQ(right, r.want_right) << r.causal << " (" << r.left << ", " << r.right << ")";
+  }
+  fh_window_from_fa3(1, -1, -1, 8, 8, nullptr, nullptr, nullptr);  // no outputs: nothing written, no crash
+}
+
+}  // namespace

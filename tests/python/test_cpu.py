@@ -30,10 +30,17 @@ from support import attention_reference, recording_backend, varlen_attention_ref
 
 @pytest.fixture(autouse=True)
 def library_must_not_be_called(monkeypatch):
-    """Every check under test happens in Python, before the library (and so before any launch)."""
-    def refuse():
-        raise AssertionError("the library was reached; the argument check should have refused first")
-    monkeypatch.setattr(_ffi, "lib", refuse)
+    """Every check under test happens in Python, before the library (and so before any launch).
+    Only the library's pure rule functions stay reachable: fh_window_from_fa3, FlashAttention's
+    window convention, which the Python layer takes from the library."""
+    real = _ffi.lib
+
+    class RulesOnly:
+        def __getattr__(self, name):
+            if name == "fh_window_from_fa3":
+                return getattr(real(), name)
+            raise AssertionError(f"the library was reached ({name}); the argument check should have refused first")
+    monkeypatch.setattr(_ffi, "lib", RulesOnly)
 
 
 def qkv(batch=2, seqlen_q=64, seqlen_k=96, heads_q=8, heads_kv=2, head_dim=128, dtype=torch.bfloat16, device="cpu",
@@ -696,11 +703,13 @@ def _captured_params(monkeypatch):
     of being run (CPU tensors, device check off)."""
     from flashhopper import interface
     captured = []
+    rules = _ffi.lib()  # the fixture's: the library's rule functions only
 
     class FakeLib:
         fh_forward_params_init = fh_backward_params_init = staticmethod(lambda params: None)
         fh_forward_workspace_size = fh_backward_workspace_size = staticmethod(lambda params, size: 0)
         fh_forward = fh_backward = None
+        fh_window_from_fa3 = rules.fh_window_from_fa3  # the mask rules stay the library's
 
     monkeypatch.setattr(_ffi, "lib", lambda: FakeLib)
     monkeypatch.setattr(interface, "check_devices", lambda named: None)
