@@ -38,7 +38,7 @@ MAX_SPLITS = 256
 _TMA_BYTES = 16  # TMA: base addresses and all strides but the last (which is 1) multiples of 16 bytes
 _INT32_MAX = 2**31 - 1
 _FLOAT32_MAX = 3.4028234663852886e38
-_FLOAT32_MIN_NORMAL = 1.1754943508222875e-38
+_FLOAT32_HALF_MIN_SUBNORMAL = 2.0 ** -150  # positive values at most this round to 0 in float32
 
 _STATUS_INVALID_ARGUMENT = 1
 _STATUS_NOT_SUPPORTED = 2
@@ -366,8 +366,13 @@ def check_softcap(softcap) -> float:
     # comparisons only (no math.isfinite, no float() of a float): Dynamo traces them as constants
     if softcap != softcap or softcap < 0 or softcap == math.inf:
         raise invalid_argument(f"softcap: {softcap} must be finite and >= 0 (0 disables it)")
-    if softcap > _FLOAT32_MAX or 0 < softcap < _FLOAT32_MIN_NORMAL:  # the C ABI takes a float32
-        raise invalid_argument(f"softcap: {softcap} is outside float32's normal range (the C ABI's type)")
+    # The C ABI takes a float32 and refuses what is not finite; what it cannot see is a positive
+    # value that rounds to 0 there, which would turn the cap off. (Subnormals it takes, as it does.)
+    if softcap > _FLOAT32_MAX:
+        raise invalid_argument(f"softcap: {softcap} exceeds float32's range (the C ABI's type)")
+    if 0 < softcap <= _FLOAT32_HALF_MIN_SUBNORMAL:
+        raise invalid_argument(f"softcap: {softcap} rounds to 0 in float32 (the C ABI's type), which would "
+                               "turn the cap off; pass 0.0 for no cap")
     return softcap if isinstance(softcap, float) else float(softcap)
 
 

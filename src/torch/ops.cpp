@@ -162,7 +162,14 @@ void set_mask(Params& p, bool causal, int64_t left, int64_t right, double softca
   p.causal = resolved_causal;
   p.window_left = as_int32("window_left", left);
   p.window_right = as_int32("window_right", right);
+  // The C ABI takes a float32 and refuses what is not finite; a positive softcap that rounds to 0
+  // there would turn the cap off (as interface.check_softcap refuses it).
   p.softcap = static_cast<float>(softcap);
+  if (softcap > 0 && p.softcap == 0.f) {
+    refuse(FH_ERROR_INVALID_ARGUMENT, "softcap: " + std::to_string(softcap) +
+                                          " rounds to 0 in float32 (the C ABI's type), which would turn the cap "
+                                          "off; pass 0.0 for no cap");
+  }
   p.attention_chunk = as_int32("attention_chunk", chunk);
 }
 
