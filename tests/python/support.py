@@ -183,3 +183,45 @@ def attention_block_and_input(seed):
     torch.manual_seed(seed)
     block = AttentionBlock().to("cuda", torch.bfloat16)
     return block, torch.randn(2, 300, 512, device="cuda", dtype=torch.bfloat16)
+
+
+# ---- the same calls through every layer ------------------------------------------------------------
+
+def cross_layer_cases(device="cpu"):
+    """Bad (and borderline) forward calls as flash_attn_func takes them, and the argument the C
+    ABI's check names for the same call (None: it accepts it): (id, call, name). Every call has q
+    [2, 64, 8, 128], k and v [2, 96, 2, 128] bf16 on `device` but for its changes."""
+    def tensor(*shape, dtype=torch.bfloat16):
+        return torch.randn(*shape, dtype=dtype, device=device)
+
+    def call(**changes):
+        base = dict(q=tensor(2, 64, 8, 128), k=tensor(2, 96, 2, 128), v=tensor(2, 96, 2, 128))
+        base.update(changes)
+        return base
+    return [
+        ("head dim", call(k=tensor(2, 96, 2, 64)), "k"),
+        ("heads", call(k=tensor(2, 96, 3, 128), v=tensor(2, 96, 3, 128)), "k"),
+        ("key length", call(v=tensor(2, 80, 2, 128)), "v"),
+        ("dtype", call(k=tensor(2, 96, 2, 128, dtype=torch.float16)), "k"),
+        ("float32 inputs", call(q=tensor(2, 64, 8, 128, dtype=torch.float32),
+                                k=tensor(2, 96, 2, 128, dtype=torch.float32),
+                                v=tensor(2, 96, 2, 128, dtype=torch.float32)), "q"),
+        ("sink heads", call(learnable_sink=tensor(4, dtype=torch.float32)), "learnable_sink"),
+        ("sink dtype", call(learnable_sink=tensor(8)), "learnable_sink"),
+        ("softcap", call(softcap=-1.0), "softcap"),
+        ("chunk", call(attention_chunk=-1), "attention_chunk"),
+        ("window", call(window_size=(-2, 0)), "window_left"),
+        ("splits", call(num_splits=300), "num_splits"),
+        ("scale", call(softmax_scale=float("nan")), "softmax_scale"),
+        ("subnormal softcap", call(softcap=1e-40), None),
+        ("causal window", call(window_size=(200, 5), causal=True), None),
+    ]
+
+
+# The Python API's names where they are FA3's rather than the C ABI's.
+FA3_NAMES = {"window_left": "window_size", "window_right": "window_size"}
+
+
+def refused_argument(error):
+    """The argument a refusal names: its message is "flashhopper (<status>): <argument>: ..."."""
+    return str(error).split("): ", 1)[1].split(":", 1)[0]

@@ -21,8 +21,8 @@ import flashhopper
 import flashhopper.flash_attn_interface as fa3
 from flashhopper import FlashHopperNotSupported, flash_attn_func
 
-from support import (attention_block_and_input, attention_reference, capture_graph, expect_replay_matches_eager,
-                     requires_gpu, varlen_attention_reference)
+from support import (FA3_NAMES, attention_block_and_input, attention_reference, capture_graph, cross_layer_cases,
+                     expect_replay_matches_eager, refused_argument, requires_gpu, varlen_attention_reference)
 
 OUT_SLACK = 1e-5
 GRAD_SLACK = 1e-4
@@ -927,6 +927,28 @@ def test_flash_attn_with_kvcache_packed_new_keys_continuous_batching(paged, num_
         plain_err = (plain.double() - ref64).abs().max().item()
         assert ours_err <= 2 * plain_err + 1e-5, (b, ours_err, plain_err)
         torch.testing.assert_close(lse[:, first:first + n][None].double(), lse64, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("index", range(len(cross_layer_cases())), ids=[case[0] for case in cross_layer_cases()])
+@requires_gpu
+def test_cpp_ops_refuse_as_the_c_abi(index):
+    """The C++ op torch.ops.flashhopper.fwd (where the build has it; else ops.py's) refuses each
+    call of support.cross_layer_cases naming the argument the C ABI's check names, or runs it where
+    the check accepts it (test_library.py compares the Python API with the C ABI)."""
+    _, call, c_name = cross_layer_cases("cuda")[index]
+    call = dict(call)
+    q, k, v = call.pop("q"), call.pop("k"), call.pop("v")
+    left, right = call.get("window_size", (-1, -1))
+    name = None
+    try:
+        torch.ops.flashhopper.fwd(q, k, v, call.get("softmax_scale"), call.get("causal", False), False, left, right,
+                                  call.get("softcap", 0.0), call.get("attention_chunk", 0),
+                                  call.get("learnable_sink"), None, None, None, None, None, None,
+                                  call.get("num_splits", 1))
+        torch.cuda.synchronize()
+    except (RuntimeError, ValueError, NotImplementedError) as error:
+        name = refused_argument(error)
+    assert name in (c_name, FA3_NAMES.get(c_name, c_name))  # (ops.py's implementation says window_size)
 
 
 @requires_gpu

@@ -9,6 +9,8 @@ import torch
 import flashhopper
 from flashhopper import _ffi
 
+from support import FA3_NAMES, cross_layer_cases, refused_argument
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
@@ -85,35 +87,7 @@ def test_status_names_are_the_library_s():
     assert lib.fh_status_name(99).decode() == "unknown status"
 
 
-def _tensor(*shape, dtype=torch.bfloat16):
-    return torch.randn(*shape, dtype=dtype)
-
-
-# Bad (and borderline) forward calls as flash_attn_func takes them, and the argument the C ABI
-# names for the same call: q [2, 64, 8, 128], k and v [2, 96, 2, 128] bf16 but for the changes.
-CROSS_LAYER_CASES = [
-    ("head dim", dict(k=_tensor(2, 96, 2, 64)), "k"),
-    ("heads", dict(k=_tensor(2, 96, 3, 128), v=_tensor(2, 96, 3, 128)), "k"),
-    ("key length", dict(v=_tensor(2, 80, 2, 128)), "v"),
-    ("dtype", dict(k=_tensor(2, 96, 2, 128, dtype=torch.float16)), "k"),
-    ("float32 inputs", dict(q=_tensor(2, 64, 8, 128, dtype=torch.float32),
-                            k=_tensor(2, 96, 2, 128, dtype=torch.float32),
-                            v=_tensor(2, 96, 2, 128, dtype=torch.float32)), "q"),
-    ("sink heads", dict(learnable_sink=_tensor(4, dtype=torch.float32)), "learnable_sink"),
-    ("sink dtype", dict(learnable_sink=_tensor(8)), "learnable_sink"),
-    ("softcap", dict(softcap=-1.0), "softcap"),
-    ("chunk", dict(attention_chunk=-1), "attention_chunk"),
-    ("window", dict(window_size=(-2, 0)), "window_left"),
-    ("splits", dict(num_splits=300), "num_splits"),
-    ("scale", dict(softmax_scale=float("nan")), "softmax_scale"),
-    ("subnormal softcap", dict(softcap=1e-40), None),  # None: both accept
-    ("causal window", dict(window_size=(200, 5), causal=True), None),
-]
-# The Python API's names where they are FA3's rather than the C ABI's.
-_PYTHON_NAMES = {"window_left": "window_size", "window_right": "window_size"}
-
-
-@pytest.mark.parametrize("kwargs, c_name", [pytest.param(*case[1:], id=case[0]) for case in CROSS_LAYER_CASES])
+@pytest.mark.parametrize("kwargs, c_name", [pytest.param(*case[1:], id=case[0]) for case in cross_layer_cases()])
 def test_python_api_and_c_abi_refuse_alike(monkeypatch, kwargs, c_name):
     """The same call through flash_attn_func and through the C ABI's check (fh_forward_check, the
     rules' one home) is refused by both, naming the same argument, or accepted by both: the Python
@@ -135,8 +109,7 @@ def test_python_api_and_c_abi_refuse_alike(monkeypatch, kwargs, c_name):
     monkeypatch.setattr(interface, "check_devices", lambda named: None)
     monkeypatch.setattr(interface, "_launch", accept)
     monkeypatch.setattr(interface, "_PLANS", {})
-    call = dict(q=_tensor(2, 64, 8, 128), k=_tensor(2, 96, 2, 128), v=_tensor(2, 96, 2, 128))
-    call.update(kwargs)
+    call = dict(kwargs)
     q, k, v = call.pop("q"), call.pop("k"), call.pop("v")
     python_name = None
     try:
@@ -144,7 +117,7 @@ def test_python_api_and_c_abi_refuse_alike(monkeypatch, kwargs, c_name):
     except Accepted:
         pass
     except _ffi.FlashHopperError as error:
-        python_name = str(error).split("): ", 1)[1].split(":", 1)[0]
+        python_name = refused_argument(error)
 
     params = _ffi.ForwardParams()
     lib.fh_forward_params_init(ctypes.byref(params))
@@ -166,4 +139,4 @@ def test_python_api_and_c_abi_refuse_alike(monkeypatch, kwargs, c_name):
     assert (status == 0) == (c_name is None), message
     if c_name is not None:
         assert message.split(":", 1)[0] == c_name, message
-    assert python_name == (None if c_name is None else _PYTHON_NAMES.get(c_name, c_name))
+    assert python_name == (None if c_name is None else FA3_NAMES.get(c_name, c_name))
