@@ -2,7 +2,8 @@
 # One call on the GPU machine: GPU tests, compute-sanitizer on small cases, the demo, and the
 # side-by-side benchmarks; prints a short summary last. Build here first (cmake --build build)
 # and carry the build folder, or build there (step `build`: the full kernel set, or KERNELS=dev or bench, with the
-# GoogleTest headers and archives carried in .gtest/). Usage:
+# GoogleTest headers and archives carried in .gtest/); scripts/device_job.sh runs a build and
+# several steps as one background job, for builds longer than a call. Usage:
 #   scripts/device_check.sh [build|tests|features|varlen|sanitize|demo|gate|bench|features_bench|varlen_bench|
 #                            kernel_times|head_dims_bench|decode_bench|kv_cache|python|
 #                            host_overhead|hostile|sweep|readme|resources]...

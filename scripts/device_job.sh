@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# A whole device session's checks as one background job on the GPU machine, so that no single
+# call has to outlive the build: it copies this tree to $JOB_DIR/src (each call replaces the
+# repository root), unpacks CUTLASS there from a carried tarball (the machine has no network),
+# builds KERNELS (default bench) with the torch ops, runs the device_check.sh STEPS (default
+# "resources gate tests varlen sanitize python") and, with BENCH_HDIMS set, bench_head_dims.py
+# beside FlashAttention-4 (the peers' env.sh, when $PEERS_ENV exists). One line a step goes to
+# $JOB_DIR/out/progress.log; each step's output to $JOB_DIR/out/step_<step>.txt. Usage, from the
+# repository root on the GPU machine (carry the tarball and .gtest/):
+#   CUTLASS_TARBALL=build-bisect/cutlass.tar.xz setsid nohup scripts/device_job.sh > /tmp/job.log 2>&1 < /dev/null &
+# then, within 30 s of each call's end (the machine's idle release), poll progress.log until it
+# says "ALL DONE", and copy $JOB_DIR/out into $OUT. Make the tarball here with
+#   tar cJf build-bisect/cutlass.tar.xz -C third_party cutlass/include cutlass/tools
+set -u
+root="$(cd "$(dirname "$0")/.." && pwd)"
+job="${JOB_DIR:-/tmp/fhjob}"
+src="$job/src" out="$job/out"
+mkdir -p "$out"
+log() { echo "$(date +%T) $*" >> "$out/progress.log"; }
+summary() { grep -A30 '==== summary' "$1" | tail -n +2 | tr '\n' ' '; }
+
+rm -rf "$src" && mkdir -p "$src" && cp -a "$root"/. "$src"/ && cd "$src" || exit 1
+if [ -n "${CUTLASS_TARBALL:-}" ]; then
+  mkdir -p third_party && tar xJf "$CUTLASS_TARBALL" -C third_party || { log "cannot unpack $CUTLASS_TARBALL"; exit 1; }
+fi
+export BUILD="$job/build" OUT="$out"
+log "build start (KERNELS=${KERNELS:-bench})"
+KERNELS="${KERNELS:-bench}" TORCH_OPS="${TORCH_OPS:-ON}" BUILD_TIMEOUT="${BUILD_TIMEOUT:-1500}" \
+  scripts/device_check.sh build > "$out/step_build.txt" 2>&1
+log "build done: $(summary "$out/step_build.txt")"
+for step in ${STEPS:-resources gate tests varlen sanitize python}; do
+  log "$step start"
+  scripts/device_check.sh "$step" > "$out/step_$step.txt" 2>&1
+  log "$step done: $(summary "$out/step_$step.txt")"
+done
+cp bench/baseline_*.csv "$out/" 2>/dev/null  # with GATE_ARGS=--update: the new baselines
+if [ -n "${BENCH_HDIMS:-}" ]; then
+  peers="${PEERS_ENV:-/tmp/peers/env.sh}"
+  # shellcheck disable=SC1090
+  [ -f "$peers" ] && source "$peers"
+  log "head_dims ${BENCH_HDIMS} at ${BENCH_SEQLENS:-1024 4096 16384}"
+  # shellcheck disable=SC2086
+  PYTHONUNBUFFERED=1 FLASHHOPPER_LIBRARY="$BUILD/libflashhopper.so" PYTHONPATH="$src/python:${PYTHONPATH:-}" \
+    timeout 500 python3 bench/bench_head_dims.py --hdims $BENCH_HDIMS --seqlens ${BENCH_SEQLENS:-1024 4096 16384} \
+    --out "$out/head_dims" > "$out/head_dims.txt" 2>&1
+  log "head_dims rc=$?: $(tail -1 "$out/head_dims.txt")"
+fi
+log "ALL DONE"
