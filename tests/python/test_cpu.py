@@ -37,9 +37,13 @@ def library_must_not_be_called(monkeypatch):
 
     class RulesOnly:
         def __getattr__(self, name):
-            if name == "fh_window_from_fa3":
+            if name != "fh_window_from_fa3":
+                raise AssertionError(f"the library was reached ({name}); the argument check should have refused "
+                                     "first")
+            try:
                 return getattr(real(), name)
-            raise AssertionError(f"the library was reached ({name}); the argument check should have refused first")
+            except OSError as error:  # no build here: the tests that need the rules skip, saying so
+                pytest.skip(f"needs the library's {name}: {error}")
     monkeypatch.setattr(_ffi, "lib", RulesOnly)
 
 
