@@ -149,7 +149,7 @@ for step in "${steps[@]}"; do
       # from mid-page (cache_leftpad).
       sanitize paged test_forward_gpu "$(printf 'KvCache/*/%s:' b6_sq1_h32_hkv8_rows0_S2048_splits0_page1 \
         b6_sq1_h32_hkv8_rows0_S2040_splits0_page24 b4_sq3_h8_hkv2_rows0_S1024_causal_new3_rotary64i_page4 \
-        b6_sq1_h32_hkv8_rows0_S2048_causal_splits0_page16 b6_sq1_h32_hkv8_rows9_S1920_batchidx_splits0_page128 \
+        b6_sq1_h32_hkv8_rows0_S2048_causal_splits0_page16 b6_sq1_h32_hkv8_rows9_S2048_batchidx_splits0_page128 \
         b4_sq3_h8_hkv2_rows6_S1024_causal_leftpad_batchidx_new3_rotary64i_page16)"
       # Split-KV: the partials and the combine after the attention (sinks, empty splits, an append).
       sanitize split_kv test_forward_gpu "$(printf 'SplitKv/*/bf16_d128_%s:' full_b1_sq200_sk300_h2_hkv2_lsink_splits256 \
