@@ -72,6 +72,12 @@ typedef struct fh_tensor {
  *         page_table [B, max_pages], cache_seqlens [B]; k_new/v_new [B, s_new, Hkv, d|dv]
  *         are written into the cache at cache_seqlens before attending. Position i of
  *         sequence b is row i % page_size of page page_table[b, i / page_size].
+ *         A packed batch over paged keys (chunked prefill over a paged cache) gives
+ *         cu_seqlens_k [B+1] and max_seqlen_k instead of cache_seqlens: sequence b's keys are
+ *         positions [0, cu_seqlens_k[b+1] - cu_seqlens_k[b]) of its row (only the differences
+ *         count), shortened by seqused_k when given; q may be dense or packed. At most
+ *         max_pages * page_size keys a sequence (the caller's contract, as the lengths above).
+ *         Forward only: no append (k_new needs cache_seqlens), no cache_batch_idx/leftpad.
  * KV cache extras (FA3's flash_attn_with_kvcache), all optional, dense or paged cache:
  *   cache_batch_idx [B] int32: sequence b's cache is k[cache_batch_idx[b]], or with page_table
  *         the pages of row cache_batch_idx[b] of the table; k and v (or page_table) then hold
@@ -109,7 +115,7 @@ typedef struct fh_forward_params {
   int32_t max_seqlen_k;
 
   fh_tensor page_table;           /* optional int32 [B, max_pages] */
-  fh_tensor cache_seqlens;        /* int32 [B], with page_table or k_new */
+  fh_tensor cache_seqlens;        /* int32 [B], with k_new, or page_table without cu_seqlens_k */
   fh_tensor k_new, v_new;         /* optional [B, s_new, Hkv, d], [B, s_new, Hkv, dv] */
 
   fh_tensor q_descale, k_descale, v_descale; /* fp8 only: float32 [B, Hkv] */

@@ -358,14 +358,6 @@ std::vector<fh_dtype> per_head_dtypes(Target target) {
   return allowed;
 }
 
-Status check_attention_combinations(const AttentionArgs& a) {
-  if (a.paged() && a.varlen_k()) {
-    return invalid("page_table", "cannot be combined with cu_seqlens_k; a paged KV cache is addressed through "
-                                 "the page table and cache_seqlens");
-  }
-  return {};
-}
-
 Status check_attention_ranks(const AttentionArgs& a) {
   FLASHHOPPER_RETURN_IF_INVALID(check_rank(a.q, "q", query_layout(a, "d")));
   FLASHHOPPER_RETURN_IF_INVALID(check_rank(a.k, "k", key_layout(a, "d")));
@@ -611,9 +603,11 @@ Status check_forward_presence(const ForwardParams& p, const AttentionArgs& a) {
   for (const auto& [tensor, name] : NamedTensors{{&p.q, "q"}, {&p.k, "k"}, {&p.v, "v"}, {&p.out, "out"}}) {
     FLASHHOPPER_RETURN_IF_INVALID(require_present(*tensor, name));
   }
-  FLASHHOPPER_RETURN_IF_INVALID(check_attention_combinations(a));
-  if (a.paged() && !present(p.cache_seqlens)) {
-    return invalid("cache_seqlens", "is required with page_table (the number of cached tokens per sequence)");
+  // A paged K/V's lengths: cache_seqlens (a KV cache) or cu_seqlens_k (a packed batch, whose
+  // sequence b holds the first cu_seqlens_k[b + 1] - cu_seqlens_k[b] keys of page-table row b).
+  if (a.paged() && !present(p.cache_seqlens) && !a.varlen_k()) {
+    return invalid("cache_seqlens", "is required with page_table (the number of cached tokens per sequence), "
+                                    "unless cu_seqlens_k gives each sequence's keys");
   }
   if (present(p.k_new) != present(p.v_new)) {
     return present(p.k_new) ? invalid("v_new", "is required together with k_new")
@@ -628,6 +622,10 @@ Status check_forward_presence(const ForwardParams& p, const AttentionArgs& a) {
       return invalid(name, "is given with cu_seqlens_k; it indexes a cache, dense k [B_cache, sk, Hkv, d] or "
                            "paged through page_table (as in FlashAttention-3)");
     }
+  }
+  if (present(p.cache_seqlens) && a.varlen_k()) {
+    return invalid("cache_seqlens", "is given with cu_seqlens_k; a sequence's keys are counted by one of them "
+                                    "(cache_seqlens for a KV cache, cu_seqlens_k for a packed or paged batch)");
   }
   if (present(p.cache_leftpad) && !present(p.cache_seqlens)) {
     return invalid("cache_leftpad", "needs cache_seqlens: a sequence's keys are the cache positions "
@@ -784,7 +782,7 @@ Status check_backward_presence(const BackwardParams& p, const AttentionArgs& a, 
     return invalid("dsink", "is given but learnable_sink is absent; dsink is the gradient of learnable_sink "
                             "and needs it");
   }
-  return check_attention_combinations(a);
+  return {};
 }
 
 Status check_backward_ranks(const BackwardParams& p, const AttentionArgs& a) {

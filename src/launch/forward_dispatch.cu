@@ -70,7 +70,6 @@ std::string forward_unsupported_reason(const ForwardParams& p, const detail::Pro
   if (s.paged && s.num_pages * s.page_size > INT32_MAX)
     return "a paged KV cache of " + std::to_string(s.num_pages) + " pages of " + std::to_string(s.page_size) +
            " tokens: the kernels take at most 2^31 - 1 cached tokens";
-  if (detail::present(p.cache_seqlens) && s.varlen_k) return "cache_seqlens with cu_seqlens_k is not supported";
   if (p.q.dtype == FH_DTYPE_FP8_E4M3) return "fp8 e4m3 inputs are not supported yet";
   if (mask.num_sink_tokens > 0 && mask.attention_chunk > 0)
     return "num_sink_tokens together with attention_chunk is not supported by the kernels";

@@ -46,10 +46,11 @@ cudaError_t run_forward_hdim(const ForwardParams& p, const detail::ProblemShape&
   const TensorRows q_rows = tensor_rows(p.q, s.varlen_q, seqlen.total_q, batch);
   // A dense K/V's own batch extent: a KV cache indexed by cache_batch_idx has any number of rows;
   // a paged one is (page_size, d, heads, pages), a page per batch index.
-  const int kv_batch = s.varlen_k ? 1 : int(p.k.shape[0]);
+  const bool packed_kv = s.varlen_k && !s.paged;
+  const int kv_batch = packed_kv ? 1 : int(p.k.shape[0]);
   const int kv_rows = s.paged ? int(s.page_size) : seqlen.total_k;
-  const TensorRows k_rows = tensor_rows(p.k, s.varlen_k, kv_rows, kv_batch);
-  const TensorRows v_rows = tensor_rows(p.v, s.varlen_k, kv_rows, kv_batch);
+  const TensorRows k_rows = tensor_rows(p.k, packed_kv, kv_rows, kv_batch);
+  const TensorRows v_rows = tensor_rows(p.v, packed_kv, kv_rows, kv_batch);
   const TensorRows o_rows = tensor_rows(p.out, s.varlen_q, seqlen.total_q, batch);
   typename Mainloop::Arguments mainloop_args{
       static_cast<Element const*>(p.q.data),

@@ -32,7 +32,9 @@ hopper::SeqlenParams seqlen_params(const Params& p, const detail::ProblemShape& 
   q.seqlen_q = int(s.seqlen_q);
   q.seqlen_k = int(s.seqlen_k);
   q.total_q = int(s.varlen_q ? s.total_q : s.seqlen_q);
-  q.total_k = int(s.varlen_k ? s.total_k : s.seqlen_k);
+  // Paged keys have no row axis for cu_seqlens_k to point into: only its differences count.
+  q.total_k = s.paged && s.varlen_k ? INT32_MAX : int(s.varlen_k ? s.total_k : s.seqlen_k);
+  q.keys_paged = s.paged;
   q.cu_seqlens_q = static_cast<int const*>(p.cu_seqlens_q.data);
   q.cu_seqlens_k = static_cast<int const*>(p.cu_seqlens_k.data);
   q.seqused_q = static_cast<int const*>(p.seqused_q.data);

@@ -27,8 +27,9 @@ Status sequence_lengths(const ProblemShape& shape, const LengthSources& src,
   if (shape.varlen_q) {
     FLASHHOPPER_REFERENCE_CHECK(check_prefix_sums(src.cu_seqlens_q, "cu_seqlens_q", shape.total_q));
   }
-  if (shape.varlen_k && !shape.paged) {
-    FLASHHOPPER_REFERENCE_CHECK(check_prefix_sums(src.cu_seqlens_k, "cu_seqlens_k", shape.total_k));
+  if (shape.varlen_k) {  // paged: only its differences count (each sequence's keys in its table row)
+    FLASHHOPPER_REFERENCE_CHECK(
+        check_prefix_sums(src.cu_seqlens_k, "cu_seqlens_k", shape.paged ? INT64_MAX : shape.total_k));
   }
   const bool packed_new = present(src.cu_seqlens_k_new);
   if (packed_new) {

@@ -1814,6 +1814,61 @@ TEST(ReferenceIdentities, VarlenQueriesAgainstPagedCacheArePerSequence) {
   }
 }
 
+// A packed batch over paged keys (page_table with cu_seqlens_k): sequence b's keys are the first
+// cu_seqlens_k[b + 1] - cu_seqlens_k[b] positions of table row b, so the call equals the packed
+// one whose sequence b holds those keys, bit for bit; only the prefix sums' differences count
+// (they start at 100 here), seqused_k shortens as in a packed batch, and unused pages are noise.
+TEST(ReferenceIdentities, PagedPackedBatchIsThePackedOne) {
+  VarlenCase packed({0, 4, 4, 11, 14}, {0, 6, 9, 12, 22}, 4, 2, 8, 6, 2601);
+  const int64_t batch = packed.batch(), max_keys = 12, page_size = 4;
+  std::vector<int32_t> lengths, shifted_cu;
+  for (int64_t b = 0; b < batch; ++b) lengths.push_back(packed.cu_k[b + 1] - packed.cu_k[b]);
+  for (int32_t at : packed.cu_k) shifted_cu.push_back(at + 100);
+  HostTensor dense_k(FH_DTYPE_FP64, {batch, max_keys, packed.hkv, packed.d});
+  HostTensor dense_v(FH_DTYPE_FP64, {batch, max_keys, packed.hkv, packed.dv_dim});
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t j = 0; j < lengths[b]; ++j)
+      for (int64_t h = 0; h < packed.hkv; ++h) {
+        for (int64_t x = 0; x < packed.d; ++x) dense_k.set({b, j, h, x}, packed.k.get({packed.cu_k[b] + j, h, x}));
+        for (int64_t x = 0; x < packed.dv_dim; ++x)
+          dense_v.set({b, j, h, x}, packed.v.get({packed.cu_k[b] + j, h, x}));
+      }
+  const PagedCache cache(dense_k, dense_v, lengths, page_size, /*num_pages=*/16, 2602);
+  const HostTensor cu_k = int32_tensor(shifted_cu), seqused_k = int32_tensor({5, 0, 3, 10});
+  for (const bool used : {false, true}) {
+    for (const Mask& mask : {Mask{}, Mask{1}, Mask{0, 3, 1, 1, 5.0f}}) {
+      SCOPED_TRACE(testing::Message() << "seqused_k " << used << " causal " << mask.causal);
+      fh::ForwardParams f = packed.forward(mask);
+      if (used) f.seqused_k = seqused_k.view();
+      ASSERT_OK(ref::forward(f));
+      HostTensor out(FH_DTYPE_FP64, packed.out.shape()), lse(FH_DTYPE_FP64, packed.lse.shape());
+      fh::ForwardParams p = f;
+      p.k = cache.k.view();
+      p.v = cache.v.view();
+      p.page_table = cache.page_table.view();
+      p.cu_seqlens_k = cu_k.view();
+      p.out = out.view();
+      p.lse = lse.view();
+      ASSERT_OK(ref::forward(p));
+      EXPECT_EQ(max_abs_diff(out.view(), packed.out.view()), 0);
+      EXPECT_EQ(max_abs_diff(lse.view(), packed.lse.view()), 0);
+    }
+  }
+  // A sequence longer than its table row holds is refused by name.
+  const HostTensor too_long = int32_tensor({100, 106, 109, 112, 125});
+  HostTensor out(FH_DTYPE_FP64, packed.out.shape());
+  fh::ForwardParams p = packed.forward();
+  p.k = cache.k.view();
+  p.v = cache.v.view();
+  p.page_table = cache.page_table.view();
+  p.cu_seqlens_k = too_long.view();
+  p.out = out.view();
+  p.lse = {};
+  const fh::Status status = ref::forward(p);
+  EXPECT_EQ(status.code, FH_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(status.message.find("sequence 3: 13 cache positions used"), std::string::npos) << status.message;
+}
+
 TEST(ReferenceRefusals, KvCacheExtrasOutOfRangeAreRefused) {
   const Dims dims{2, 3, 12, 4, 2, 8, 6};
   const HostTensor cache_seqlens = int32_tensor({4, 9});

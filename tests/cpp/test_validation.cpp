@@ -228,11 +228,37 @@ TEST(ForwardPresence, QKVAndOutAreRequired) {
   }
 }
 
-TEST(ForwardPresence, PageTableExcludesCuSeqlensK) {
+// A packed batch over paged keys: cu_seqlens_k counts each sequence's keys in its table row.
+fh::ForwardParams paged_varlen_forward() {
   fh::ForwardParams p = paged_forward();
+  p.k_new = p.v_new = p.cache_seqlens = {};
   p.cu_seqlens_k = fh::make_tensor(fake_pointer(20), FH_DTYPE_INT32, {kBatch + 1});
   p.max_seqlen_k = 64;
-  EXPECT_REFUSED(fh::check(p), "page_table", "cu_seqlens_k");
+  return p;
+}
+
+TEST(ForwardPresence, PageTableWithCuSeqlensKNeedsNoCacheSeqlens) {
+  EXPECT_PASSES(fh::check(paged_varlen_forward()));
+  EXPECT_PASSES(check_for_reference(paged_varlen_forward()));
+}
+
+TEST(ForwardPresence, CacheSeqlensExcludesCuSeqlensK) {
+  fh::ForwardParams p = paged_varlen_forward();
+  p.cache_seqlens = fh::make_tensor(fake_pointer(6), FH_DTYPE_INT32, {kBatch});
+  EXPECT_REFUSED(fh::check(p), "cache_seqlens", "cu_seqlens_k");
+  p.page_table = {};  // a packed K/V likewise
+  p.k = fh::make_tensor(fake_pointer(1), FH_DTYPE_BF16, {40, kHeadsKV, kDim});
+  p.v = fh::make_tensor(fake_pointer(2), FH_DTYPE_BF16, {40, kHeadsKV, kDimV});
+  EXPECT_REFUSED(fh::check(p), "cache_seqlens", "cu_seqlens_k");
+}
+
+TEST(ForwardPresence, PagedPackedBatchStillNeedsItsPrefixSums) {
+  fh::ForwardParams p = paged_varlen_forward();
+  p.cu_seqlens_k = fh::make_tensor(fake_pointer(20), FH_DTYPE_INT32, {kBatch});
+  EXPECT_REFUSED(fh::check(p), "cu_seqlens_k", "batch size + 1");
+  p = paged_varlen_forward();
+  p.max_seqlen_k = 0;
+  EXPECT_REFUSED(fh::check(p), "max_seqlen_k", ">= 1");
 }
 
 TEST(ForwardPresence, PageTableNeedsCacheSeqlens) {

@@ -40,6 +40,7 @@ struct VarlenCase {
   int heads_q, heads_kv;
   Features features{};
   int num_splits = 1;  // the forward's split-KV (the reference runs unsplit)
+  int page_size = 0;   // > 0: the forward reads K/V through a page table (the reference packed)
 
   std::string name() const {
     auto list = [](const std::vector<int>& v) {
@@ -54,6 +55,7 @@ struct VarlenCase {
     if (!used_k.empty()) s << "_usedk" << list(used_k);
     s << "_h" << heads_q << "_hkv" << heads_kv << features.tag();
     if (num_splits != 1) s << "_splits" << num_splits;
+    if (page_size > 0) s << "_page" << page_size;
     return s.str();
   }
   int batch() const { return int(lengths_q.size()); }
@@ -80,6 +82,11 @@ struct PackedProblem {
   int total_q = 0, total_k = 0;  // with the extra tokens
   HostTensor q, k, v, dout, cu_q, cu_k, used_q, used_k, sink;
   std::unique_ptr<DeviceTensor> d_q, d_k, d_v, d_dout, d_cu_q, d_cu_k, d_used_q, d_used_k, d_sink;
+  // page_size > 0: k and v in pages [num_pages, page_size, Hkv, d], sequence b's keys in row b of
+  // the table from position 0 (unused rows and noise pages random), and cu_seqlens_k shifted by
+  // 1000 on the device (only its differences count there).
+  HostTensor paged_k, paged_v, page_table, shifted_cu_k;
+  std::unique_ptr<DeviceTensor> d_paged_k, d_paged_v, d_page_table, d_shifted_cu_k;
 
   void init(const VarlenCase& vc) {
     c = vc;
@@ -119,6 +126,40 @@ struct PackedProblem {
     if (!c.used_q.empty()) CUDA_CHECK(d_used_q->upload(used_q));
     if (!c.used_k.empty()) CUDA_CHECK(d_used_k->upload(used_k));
     CUDA_CHECK(d_sink->upload(sink));
+    if (c.page_size > 0) ASSERT_NO_FATAL_FAILURE(init_pages(seed + 5));
+  }
+
+  void init_pages(uint32_t seed) {
+    const std::vector<int32_t> ck = prefix_sums(c.lengths_k);
+    const int page_size = c.page_size, max_pages = (max_seqlen_k() + page_size - 1) / page_size;
+    const int num_pages = c.batch() * max_pages + 3;
+    paged_k = random_tensor(c.dtype, {num_pages, page_size, c.heads_kv, c.head_dim}, seed);
+    paged_v = random_tensor(c.dtype, {num_pages, page_size, c.heads_kv, c.head_dim}, seed + 1);
+    std::vector<int32_t> table(size_t(c.batch()) * max_pages);
+    for (size_t i = 0; i < table.size(); ++i) table[i] = int32_t((i * 7919 + 5) % num_pages);  // a shuffle
+    for (int b = 0; b < c.batch(); ++b)
+      for (int j = 0; j < c.lengths_k[b]; ++j) {
+        const int page = table[size_t(b) * max_pages + j / page_size], row = j % page_size;
+        for (int h = 0; h < c.heads_kv; ++h)
+          for (int x = 0; x < c.head_dim; ++x) {
+            paged_k.set({page, row, h, x}, k.get({ck[b] + j, h, x}));
+            paged_v.set({page, row, h, x}, v.get({ck[b] + j, h, x}));
+          }
+      }
+    page_table = int32_tensor(table, {c.batch(), max_pages});
+    std::vector<int32_t> shifted = ck;
+    for (int32_t& at : shifted) at += 1000;
+    shifted_cu_k = int32_tensor(shifted);
+    d_paged_k = std::make_unique<DeviceTensor>(paged_k);
+    d_paged_v = std::make_unique<DeviceTensor>(paged_v);
+    d_page_table = std::make_unique<DeviceTensor>(page_table);
+    d_shifted_cu_k = std::make_unique<DeviceTensor>(shifted_cu_k);
+    for (auto* t : {d_paged_k.get(), d_paged_v.get(), d_page_table.get(), d_shifted_cu_k.get()})
+      ASSERT_TRUE(t->ok()) << "cudaMalloc failed";
+    CUDA_CHECK(d_paged_k->upload(paged_k));
+    CUDA_CHECK(d_paged_v->upload(paged_v));
+    CUDA_CHECK(d_page_table->upload(page_table));
+    CUDA_CHECK(d_shifted_cu_k->upload(shifted_cu_k));
   }
 
   int max_seqlen_q() const { return std::max(1, *std::max_element(c.lengths_q.begin(), c.lengths_q.end())); }
@@ -145,6 +186,12 @@ struct PackedProblem {
     set_sequences(p, device);
     if (c.features.learnable_sink) p.learnable_sink = device ? d_sink->view() : sink.view();
     if (device) p.num_splits = c.num_splits;
+    if (device && c.page_size > 0) {
+      p.k = d_paged_k->view();
+      p.v = d_paged_v->view();
+      p.page_table = d_page_table->view();
+      p.cu_seqlens_k = d_shifted_cu_k->view();
+    }
     return p;
   }
 
@@ -278,6 +325,39 @@ std::vector<VarlenCase> varlen_split_cases() {
 }
 
 INSTANTIATE_TEST_SUITE_P(VarlenSplitKv, VarlenForwardGpuTest, ::testing::ValuesIn(varlen_split_cases()),
+                         [](const ::testing::TestParamInfo<VarlenCase>& info) { return info.param.name(); });
+
+// A packed batch over paged keys (page_table with cu_seqlens_k: chunked prefill over a paged
+// cache): the reference reads the same keys packed. Pages loaded in TMA chunks (16, 64, 256) and
+// key by key (1, 24); empty sequences, seqused_k, a window with sink tokens, softcap with the
+// learnable sink, split-KV.
+std::vector<VarlenCase> varlen_paged_cases() {
+  std::vector<VarlenCase> cases;
+  for (const auto& [dtype, head_dim] : compiled_families(/*backward=*/false)) {
+    if (head_dim != 128 && head_dim != 64) continue;
+    for (int page_size : {1, 16, 24, 64, 256}) {
+      VarlenCase c{dtype, head_dim, true, {1, 7, 113, 0, 1000, 300, 0}, {1, 7, 113, 0, 1000, 300, 0}, {}, {},
+                   4, 2, {}};
+      c.page_size = page_size;
+      cases.push_back(c);
+    }
+    VarlenCase used{dtype, head_dim, true, {200, 513, 64, 0}, {200, 513, 64, 0}, {150, 513, 0, 0},
+                    {200, 100, 64, 0}, 2, 2, {}};
+    used.page_size = 16;
+    cases.push_back(used);
+    VarlenCase window{dtype, head_dim, false, {300, 129, 0, 700}, {500, 129, 3, 600}, {}, {}, 4, 2,
+                      {100, 0, 2, 0, 0.f, true}};
+    window.page_size = 64;
+    cases.push_back(window);
+    VarlenCase split{dtype, head_dim, true, {4, 1, 2}, {800, 3000, 40}, {}, {}, 16, 2, {-1, -1, 0, 0, 30.f, true},
+                     5};
+    split.page_size = 16;
+    cases.push_back(split);
+  }
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(VarlenPaged, VarlenForwardGpuTest, ::testing::ValuesIn(varlen_paged_cases()),
                          [](const ::testing::TestParamInfo<VarlenCase>& info) { return info.param.name(); });
 
 // ---- backward ---------------------------------------------------------------------------------

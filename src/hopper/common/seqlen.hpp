@@ -10,7 +10,9 @@
 // only its first seqused[b] tokens take part (clamped likewise). A dense KV cache (cache_seqlens)
 // sets a sequence's keys instead: the cache positions [cache_leftpad[b], cache_seqlens[b] + s_new)
 // of cache row cache_batch_idx[b] (b without it), clamped to the cache; s_new is the append's
-// length, or sequence b's with the new keys packed (cu_seqlens_k_new).
+// length, or sequence b's with the new keys packed (cu_seqlens_k_new). A paged K/V with
+// cu_seqlens_k (keys_paged) takes only the lengths from it: sequence b's keys are the positions
+// [0, cu_seqlens_k[b + 1] - cu_seqlens_k[b]) of row b of the page table.
 #pragma once
 
 #include <cutlass/cutlass.h>
@@ -31,6 +33,7 @@ struct SeqlenParams {
   int const* cache_batch_idx = nullptr;  // [batch], or null
   int seqlen_new = 0;                    // keys appended after the cached ones
   int const* cu_seqlens_new = nullptr;   // [batch + 1], or null: seqlen_new for every sequence
+  bool keys_paged = false;               // K/V are paged (the forward): cu_seqlens_k sets lengths only
 
   CUTLASS_HOST_DEVICE bool packed_q() const { return cu_seqlens_q != nullptr; }
   CUTLASS_HOST_DEVICE bool packed_k() const { return cu_seqlens_k != nullptr; }
@@ -62,6 +65,10 @@ struct SeqlenInfo {
       }
       if (p.packed_k()) {
         span(p.cu_seqlens_k, batch, p.total_k, p.seqlen_k, s.offset_k, s.capacity_k);
+        if (p.keys_paged) {
+          s.offset_k = 0;
+          s.batch_k = batch;
+        }
       } else {
         s.batch_k = batch;
       }
