@@ -110,14 +110,19 @@ def _needs_the_op(*tensors) -> bool:
 
 
 def _attention(q, k, v, varlen, softmax_scale, causal, qv, q_descale, k_descale, v_descale, window_size,
-               attention_chunk, softcap, num_splits, deterministic, sm_margin, return_attn_probs, learnable_sink):
+               attention_chunk, softcap, num_splits, deterministic, sm_margin, return_attn_probs, learnable_sink,
+               page_table=None):
     """flash_attn_func and flash_attn_varlen_func: the checks in the module docstring's order, then
     the fwd op (whose autograd runs bwd), or the library call alone when no gradient can flow;
-    varlen None is the dense layout."""
-    causal, window_left, window_right, softcap, attention_chunk = _resolve_options(
-        causal, qv, q_descale, k_descale, v_descale, window_size, attention_chunk, softcap, num_splits, sm_margin)
+    varlen None is the dense layout. With page_table (varlen only), k and v are pages."""
+    mask = _resolve_options(causal, qv, q_descale, k_descale, v_descale, window_size, attention_chunk, softcap,
+                            num_splits, sm_margin)
+    causal, window_left, window_right, softcap, attention_chunk = mask
     q, k, v, softmax_scale, unpadded_dim = _pad_head_dims(q, k, v, softmax_scale)
-    if _needs_the_op(q, k, v, learnable_sink):
+    if page_table is not None:
+        out, softmax_lse = _paged_varlen_attention(q, k, v, page_table, varlen, softmax_scale, mask, num_splits,
+                                                   bool(deterministic), learnable_sink)
+    elif _needs_the_op(q, k, v, learnable_sink):
         interface.check_forward_args(q, k, v, softmax_scale, learnable_sink, varlen)
         interface.check_devices([("q", q), ("k", k), ("v", v), ("learnable_sink", learnable_sink)]
                                 + interface.varlen_tensors(varlen))
@@ -134,6 +139,102 @@ def _attention(q, k, v, varlen, softmax_scale, causal, qv, q_descale, k_descale,
     if unpadded_dim is not None:
         out = out[..., :unpadded_dim].contiguous()
     return (out, softmax_lse) if return_attn_probs else out
+
+
+def _kvcache_forward(q, k_cache, v_cache, mask, softmax_scale, num_splits, *, k=None, v=None, qv=None,
+                     rotary_cos=None, rotary_sin=None, rotary_seqlens=None, rotary_interleaved=True,
+                     cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, page_table=None, cu_seqlens_q=None,
+                     max_seqlen_q=None, cu_seqlens_k_new=None, cu_seqlens_k=None, max_seqlen_k=None, seqused_q=None,
+                     seqused_k=None, learnable_sink=None, return_lse=True, names=interface._KVCACHE_NAMES):
+    """(out, lse) of the library's forward with the KV-cache fields: traced (torch.compile,
+    torch.export), the fwd_kvcache op, which tells the tracer that an append writes k_cache and
+    v_cache; eager, the library call without the dispatcher's host work (lse None unless
+    return_lse; names as interface.forward_with_kvcache's)."""
+    if torch.compiler.is_compiling() or _traced(q, k_cache, v_cache):
+        causal, window_left, window_right, softcap, attention_chunk = mask
+        return ops.fwd_kvcache(
+            q, k_cache, v_cache, k, v, qv, rotary_cos, rotary_sin, rotary_seqlens, bool(rotary_interleaved),
+            cache_seqlens, cache_batch_idx, cache_leftpad, page_table, cu_seqlens_q, max_seqlen_q, softmax_scale,
+            causal, window_left, window_right, softcap, attention_chunk, num_splits, cu_seqlens_k_new, cu_seqlens_k,
+            max_seqlen_k, seqused_q, seqused_k, learnable_sink)
+    result = interface.forward_with_kvcache(
+        q, k_cache, v_cache, k_new=k, v_new=v, qv=qv, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+        rotary_seqlens=rotary_seqlens, rotary_interleaved=rotary_interleaved, cache_seqlens=cache_seqlens,
+        cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, page_table=page_table, cu_seqlens_q=cu_seqlens_q,
+        max_seqlen_q=max_seqlen_q, softmax_scale=softmax_scale, mask=mask, num_splits=num_splits,
+        return_lse=return_lse, cu_seqlens_k_new=cu_seqlens_k_new, cu_seqlens_k=cu_seqlens_k, max_seqlen_k=max_seqlen_k,
+        seqused_q=seqused_q, seqused_k=seqused_k, learnable_sink=learnable_sink, names=names)
+    return result if return_lse else (result, None)
+
+
+def _paged_rows(page_table, num_pages, page_size, max_seqlen_k):
+    """[B * max_seqlen_k] int64: the row of k viewed as [num_pages * page_size, Hkv, d] that holds
+    position i of sequence b, at b * max_seqlen_k + i (past a row's pages clamped to some row:
+    the positions past a sequence's length are masked by whoever reads them)."""
+    positions = torch.arange(max_seqlen_k, device=page_table.device)
+    pages = page_table[:, (positions // page_size).clamp_(max=page_table.shape[1] - 1)].long()
+    return (pages * page_size + positions % page_size).clamp_(0, num_pages * page_size - 1).flatten()
+
+
+class _PagedVarlenAttention(torch.autograd.Function):
+    """flash_attn_varlen_func with page_table: the forward over the pages (the library's packed
+    batch over paged keys), the backward over a packed copy of each sequence's max_seqlen_k
+    positions (sequence b at rows b * max_seqlen_k .., zeros past its length: unused rows must be
+    finite), its dk/dv added back into the pages."""
+
+    @staticmethod
+    def forward(ctx, q, k_cache, v_cache, learnable_sink, page_table, varlen, softmax_scale, mask, num_splits,
+                deterministic):
+        out, lse = _kvcache_forward(q, k_cache, v_cache, mask, softmax_scale, num_splits, page_table=page_table,
+                                    cu_seqlens_q=varlen.cu_seqlens_q, max_seqlen_q=varlen.max_seqlen_q,
+                                    cu_seqlens_k=varlen.cu_seqlens_k, max_seqlen_k=varlen.max_seqlen_k,
+                                    seqused_q=varlen.seqused_q, seqused_k=varlen.seqused_k,
+                                    learnable_sink=learnable_sink, names={})
+        ctx.save_for_backward(q, k_cache, v_cache, learnable_sink, page_table, out, lse, varlen.cu_seqlens_q,
+                              varlen.cu_seqlens_k, varlen.seqused_q, varlen.seqused_k)
+        ctx.options = (varlen.max_seqlen_q, varlen.max_seqlen_k, softmax_scale, mask, deterministic)
+        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        if dout is None:
+            return (None,) * 10
+        q, k_cache, v_cache, sink, page_table, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k = \
+            ctx.saved_tensors
+        max_seqlen_q, max_seqlen_k, softmax_scale, mask, deterministic = ctx.options
+        batch = page_table.shape[0]
+        lengths = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).clamp_(min=0)
+        if seqused_k is not None:
+            lengths = torch.minimum(lengths, seqused_k)
+        lengths = lengths.to(torch.int32)
+        num_pages, page_size = k_cache.shape[:2]
+        rows = _paged_rows(page_table, num_pages, page_size, max_seqlen_k)
+        used = (torch.arange(max_seqlen_k, device=q.device) < lengths[:, None]).flatten()[:, None, None]
+        packed = [torch.where(used, cache.reshape(num_pages * page_size, *cache.shape[2:])[rows], 0)
+                  for cache in (k_cache, v_cache)]
+        cu_packed = torch.arange(0, (batch + 1) * max_seqlen_k, max_seqlen_k, device=q.device, dtype=torch.int32)
+        causal, window_left, window_right, softcap, attention_chunk = mask
+        deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
+        dq, dk, dv, dsink = ops.bwd(dout, q, packed[0], packed[1], out, lse, softmax_scale, causal, deterministic,
+                                    window_left, window_right, softcap, attention_chunk, sink, cu_seqlens_q,
+                                    cu_packed, max_seqlen_q, max_seqlen_k, seqused_q, lengths)
+        # index_put_ with accumulate: summed in a fixed order (deterministic), shared pages included.
+        grads = [torch.zeros((num_pages * page_size, *cache.shape[2:]), dtype=grad.dtype, device=grad.device)
+                 .index_put_((rows,), grad, accumulate=True).view(cache.shape)
+                 for cache, grad in ((k_cache, dk), (v_cache, dv))]
+        sink_grad = dsink if sink is not None and ctx.needs_input_grad[3] else None
+        return dq, grads[0], grads[1], sink_grad, None, None, None, None, None, None
+
+
+def _paged_varlen_attention(q, k, v, page_table, varlen, softmax_scale, mask, num_splits, deterministic,
+                            learnable_sink):
+    """flash_attn_varlen_func's page_table path: (out, softmax_lse)."""
+    if not isinstance(varlen.max_seqlen_k, int):
+        interface.check_varlen(varlen)  # names a max_seqlen_k that is not an int (the backward needs one)
+    return _PagedVarlenAttention.apply(q, k, v, learnable_sink, page_table, varlen, softmax_scale, mask, num_splits,
+                                       deterministic)
 
 
 def flash_attn_func(
@@ -243,6 +344,7 @@ def flash_attn_varlen_func(
     sm_margin=0,
     return_attn_probs=False,
     learnable_sink=None,
+    page_table=None,
 ):
     """Exact attention over packed variable-length sequences, FlashAttention-3's flash_attn_varlen_func.
 
@@ -266,12 +368,23 @@ def flash_attn_varlen_func(
     what is malformed. cu_seqlens, seqused and max_seqlen get no gradient. More than 8192
     sequences raise FlashHopperNotSupported (a NotImplementedError).
 
+    page_table (keyword, beyond FA3; int32 [batch_size, max_pages] on q's device): k and v are a
+    paged cache, (num_pages, page_size, nheads_k, headdim), and sequence b's keys are positions
+    0 .. cu_seqlens_k[b+1] - cu_seqlens_k[b] - 1 of its row (position i: row i % page_size of page
+    page_table[b, i // page_size]); only cu_seqlens_k's differences count, and each length is at
+    most max_seqlen_k and max_pages * page_size (the caller's contract). Chunked prefill and
+    training over a paged cache: the forward reads the pages; the backward gathers each
+    sequence's max_seqlen_k positions into a packed copy (memory as a dense K/V of that length),
+    runs the packed backward, and adds the gradients into tensors shaped as k and v, pages no
+    sequence reads getting zeros (a page shared by several sequences gets the sum).
+
     Returns out (total_q, nheads, headdim), or (out, softmax_lse) with softmax_lse
     (nheads, total_q) float32 (natural log) when return_attn_probs=True.
     """
     varlen = interface.Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k)
     return _attention(q, k, v, varlen, softmax_scale, causal, qv, q_descale, k_descale, v_descale, window_size,
-                      attention_chunk, softcap, num_splits, deterministic, sm_margin, return_attn_probs, learnable_sink)
+                      attention_chunk, softcap, num_splits, deterministic, sm_margin, return_attn_probs, learnable_sink,
+                      page_table)
 
 
 def flash_attn_with_kvcache(
@@ -335,21 +448,13 @@ def flash_attn_with_kvcache(
             raise interface.invalid_argument(f"q: expected a torch.Tensor, got {type(q).__name__}")
         batch = q.shape[0] if cu_seqlens_q is None else cu_seqlens_q.shape[0] - 1
         cache_seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=q.device)
-    if torch.compiler.is_compiling() or _traced(q, k_cache, v_cache):
-        # Traced (torch.compile, torch.export): the fwd_kvcache op, which tells the tracer that the
-        # append writes k_cache and v_cache. Eager calls skip the dispatcher's host work.
-        causal, window_left, window_right, softcap, attention_chunk = mask
-        out, softmax_lse = ops.fwd_kvcache(
-            q, k_cache, v_cache, k, v, qv, rotary_cos, rotary_sin, rotary_seqlens, bool(rotary_interleaved),
-            cache_seqlens, cache_batch_idx, cache_leftpad, page_table, cu_seqlens_q, max_seqlen_q, softmax_scale,
-            causal, window_left, window_right, softcap, attention_chunk, num_splits, cu_seqlens_k_new)
-        return (out, softmax_lse) if return_softmax_lse else out
-    return interface.forward_with_kvcache(
-        q, k_cache, v_cache, k_new=k, v_new=v, qv=qv, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
-        rotary_seqlens=rotary_seqlens, rotary_interleaved=rotary_interleaved, cache_seqlens=cache_seqlens,
-        cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, page_table=page_table, cu_seqlens_q=cu_seqlens_q,
-        max_seqlen_q=max_seqlen_q, softmax_scale=softmax_scale, mask=mask, num_splits=num_splits,
-        return_lse=return_softmax_lse, cu_seqlens_k_new=cu_seqlens_k_new)
+    out, softmax_lse = _kvcache_forward(
+        q, k_cache, v_cache, mask, softmax_scale, num_splits, k=k, v=v, qv=qv, rotary_cos=rotary_cos,
+        rotary_sin=rotary_sin, rotary_seqlens=rotary_seqlens, rotary_interleaved=rotary_interleaved,
+        cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
+        page_table=page_table, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q,
+        cu_seqlens_k_new=cu_seqlens_k_new, return_lse=bool(return_softmax_lse))
+    return (out, softmax_lse) if return_softmax_lse else out
 
 
 _COMBINE_OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -455,9 +560,12 @@ def _planned_splits(scheduler_metadata, num_splits: int) -> int:
 def _cache_call(k_new, v_new, page_table, kv_batch_idx, leftpad_k, rotary_cos, rotary_sin, cu_seqlens_k_new,
                 seqused_k, cu_seqlens_k) -> bool:
     """FA3's fwd is one entry for both: a call with any KV-cache argument (or seqused_k over dense
-    keys, FA3's cache_seqlens) is flash_attn_with_kvcache's."""
-    cache_args = (k_new, v_new, page_table, kv_batch_idx, leftpad_k, rotary_cos, rotary_sin, cu_seqlens_k_new)
-    return any(t is not None for t in cache_args) or (seqused_k is not None and cu_seqlens_k is None)
+    keys, FA3's cache_seqlens) is flash_attn_with_kvcache's; page_table with cu_seqlens_k (and no
+    other) is flash_attn_varlen_func's over paged keys."""
+    cache_args = (k_new, v_new, kv_batch_idx, leftpad_k, rotary_cos, rotary_sin, cu_seqlens_k_new)
+    if page_table is not None and cu_seqlens_k is not None and all(t is None for t in cache_args):
+        return False
+    return any(t is not None for t in cache_args + (page_table,)) or (seqused_k is not None and cu_seqlens_k is None)
 
 
 def _flash_attn_forward(q, k, v, k_new=None, v_new=None, qv=None, out_=None, cu_seqlens_q=None, cu_seqlens_k=None,
@@ -471,7 +579,8 @@ def _flash_attn_forward(q, k, v, k_new=None, v_new=None, qv=None, out_=None, cu_
     out and softmax_lse as flash_attn_func / flash_attn_varlen_func / flash_attn_with_kvcache
     return them (which of the three runs: a call with k_new, v_new, page_table, kv_batch_idx,
     leftpad_k, rotary tables, cu_seqlens_k_new, or seqused_k without cu_seqlens_k is a KV-cache
-    call, with seqused_k as cache_seqlens; else cu_seqlens_q/k make it packed, else dense). out_,
+    call, with seqused_k as cache_seqlens; else cu_seqlens_q/k make it packed, over paged keys with
+    page_table, else dense). out_,
     when given, receives out (a copy) and is returned. out_accum and softmax_lse_accum, FA3's
     split-KV partials, are empty float32 tensors: FlashHopper combines the splits inside the call
     and keeps no partials. Arguments FlashHopper cannot honour raise as the public functions do."""
@@ -500,7 +609,7 @@ def _flash_attn_forward(q, k, v, k_new=None, v_new=None, qv=None, out_=None, cu_
             if any(t is not None for t in (cu_seqlens_q, cu_seqlens_k, seqused_q, max_seqlen_q, max_seqlen_k)):
                 out, softmax_lse = flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                                           max_seqlen_k, seqused_q=seqused_q, seqused_k=seqused_k,
-                                                          **options)
+                                                          page_table=page_table, **options)
             else:
                 out, softmax_lse = flash_attn_func(q, k, v, **options)
         if out_ is not None:

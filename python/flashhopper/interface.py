@@ -754,27 +754,34 @@ def forward_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                          qv=None, rotary_cos=None, rotary_sin=None, rotary_seqlens=None, rotary_interleaved=True,
                          cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, page_table=None,
                          cu_seqlens_q=None, max_seqlen_q=None, softmax_scale=None, mask=(False, -1, -1, 0.0, 0),
-                         num_splits=0, return_lse=False, cu_seqlens_k_new=None):
+                         num_splits=0, return_lse=False, cu_seqlens_k_new=None, cu_seqlens_k=None,
+                         max_seqlen_k=None, seqused_q=None, seqused_k=None, learnable_sink=None,
+                         names=_KVCACHE_NAMES):
     """Attention against a KV cache, in FA3's flash_attn_with_kvcache's terms (k_new/v_new are its k
     and v; packed [total_new, Hkv, d] with cu_seqlens_k_new, which is ignored without them): the C
-    ABI's fields of include/flashhopper/flashhopper.h ("KV cache extras"). mask is
-    check_mask_args's tuple; num_splits 0 lets the library choose the split-KV count from the shapes.
-    Returns out, or (out, lse) with return_lse. The library checks what is
-    not checked here and names the argument as the caller does."""
+    ABI's fields of include/flashhopper/flashhopper.h ("KV cache extras"). With page_table,
+    cu_seqlens_k and max_seqlen_k instead of cache_seqlens make it a packed batch over paged keys
+    (flash_attn_varlen_func's page_table). mask is check_mask_args's tuple; num_splits 0 lets the
+    library choose the split-KV count from the shapes. Returns out, or (out, lse) with return_lse.
+    The library checks what is not checked here and names the argument as the caller does (names:
+    the C ABI's names to the caller's; flash_attn_varlen_func's are the C ABI's own)."""
     if k_new is None and v_new is None:
         cu_seqlens_k_new = None  # nothing appended (as FA3, which ignores it then)
     inputs = (("q", q), ("k", k_cache), ("v", v_cache), ("k_new", k_new), ("v_new", v_new), ("qv", qv),
               ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin), ("cache_seqlens", cache_seqlens),
               ("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad), ("page_table", page_table),
               ("cu_seqlens_q", cu_seqlens_q), ("rotary_seqlens", rotary_seqlens),
-              ("cu_seqlens_k_new", cu_seqlens_k_new))  # the C ABI's names
+              ("cu_seqlens_k_new", cu_seqlens_k_new), ("cu_seqlens_k", cu_seqlens_k), ("seqused_q", seqused_q),
+              ("seqused_k", seqused_k), ("learnable_sink", learnable_sink))  # the C ABI's names
     key = _plan_key("forward_with_kvcache", [t for _, t in inputs],
-                    (max_seqlen_q, rotary_interleaved, softmax_scale, mask, num_splits, return_lse))
+                    (max_seqlen_q, max_seqlen_k, rotary_interleaved, softmax_scale, mask, num_splits, return_lse))
     plan = _PLANS.get(key) if key is not None else None
     if plan is None:
         check_kvcache_args(q, k_cache, v_cache, k_new, v_new, qv, rotary_seqlens, cache_seqlens, cache_batch_idx,
-                           cache_leftpad, cu_seqlens_q, max_seqlen_q, num_splits, cu_seqlens_k_new)
-        check_devices([(_KVCACHE_NAMES.get(name, name), t) for name, t in inputs])
+                           cache_leftpad, cu_seqlens_q, max_seqlen_q, num_splits, cu_seqlens_k_new, cu_seqlens_k,
+                           max_seqlen_k, seqused_q, seqused_k, learnable_sink,
+                           (names.get("k", "k"), names.get("v", "v")))
+        check_devices([(names.get(name, name), t) for name, t in inputs])
     varlen_q = cu_seqlens_q is not None
     out = torch.empty((*q.shape[:-1], v_cache.shape[-1]), dtype=q.dtype, device=q.device)
     lse = torch.empty(lse_shape(q), dtype=torch.float32, device=q.device) if return_lse else None
@@ -787,12 +794,17 @@ def forward_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
             _set_views(params, named)
             if varlen_q:
                 params.max_seqlen_q = int(max_seqlen_q)
+            if cu_seqlens_k is not None:
+                params.max_seqlen_k = int(max_seqlen_k)
             params.rotary_interleaved = int(bool(rotary_interleaved))
             params.softmax_scale = _scale(softmax_scale)
             params.num_splits = num_splits
             causal, left, right, softcap, chunk = mask
             # FA3's rule "a bound covering the whole sequence is no bound", against the cache's capacity.
+            # (A packed batch's keys: against max_seqlen_k, as flash_attn_varlen_func.)
             seqlen_k = page_table.shape[1] * k_cache.shape[1] if page_table is not None else k_cache.shape[1]
+            if cu_seqlens_k is not None:
+                seqlen_k = int(max_seqlen_k)
             seqlen_q = int(max_seqlen_q) if varlen_q else q.shape[1]
             params.causal, params.window_left, params.window_right = library_mask(causal, left, right, seqlen_q,
                                                                                   seqlen_k)
@@ -800,19 +812,21 @@ def forward_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
             plan = _make_plan(key, params, named, lib.fh_forward_workspace_size)
         _launch(plan, named, lib.fh_forward, q.device)
     except FlashHopperError as error:
-        raise _renamed(error, _KVCACHE_NAMES) from None
+        raise _renamed(error, names) from None
     return (out, lse) if return_lse else out
 
 
 def check_kvcache_args(q, k_cache, v_cache, k_new, v_new, qv, rotary_seqlens, cache_seqlens, cache_batch_idx,
-                       cache_leftpad, cu_seqlens_q, max_seqlen_q, num_splits, cu_seqlens_k_new=None) -> None:
+                       cache_leftpad, cu_seqlens_q, max_seqlen_q, num_splits, cu_seqlens_k_new=None,
+                       cu_seqlens_k=None, max_seqlen_k=None, seqused_q=None, seqused_k=None,
+                       learnable_sink=None, cache_names=("k_cache", "v_cache")) -> None:
     """forward_with_kvcache's metadata checks here (the library checks the rest): types, ranks,
     dtypes, the int32 vectors' lengths."""
     check_num_splits(num_splits)
     varlen_q = cu_seqlens_q is not None
     rank, layout = (3, "[total_q, H, d] (cu_seqlens_q given)") if varlen_q else (4, "[B, sq, H, d]")
     _check_input("q", q, rank, layout)
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+    for name, t in zip(cache_names, (k_cache, v_cache)):
         _check_input(name, t, 4, "[B_cache, S, Hkv, d] or [num_pages, page_size, Hkv, d] (page_table given)")
         if t.dtype != q.dtype:
             raise invalid_argument(f"{name}: dtype {t.dtype} differs from q's {q.dtype}")
@@ -828,9 +842,17 @@ def check_kvcache_args(q, k_cache, v_cache, k_new, v_new, qv, rotary_seqlens, ca
     if packed_new:
         _check_int32_vector("cu_seqlens_k_new", cu_seqlens_k_new, batch + 1, f"[{batch + 1}] (the batch size + 1)")
     for name, t in (("cache_seqlens", cache_seqlens), ("cache_batch_idx", cache_batch_idx),
-                    ("cache_leftpad", cache_leftpad), ("rotary_seqlens", rotary_seqlens)):
+                    ("cache_leftpad", cache_leftpad), ("rotary_seqlens", rotary_seqlens), ("seqused_q", seqused_q),
+                    ("seqused_k", seqused_k)):
         if t is not None:
             _check_int32_vector(name, t, batch, f"[{batch}] (the batch size)")
+    if cu_seqlens_k is not None:
+        _check_int32_vector("cu_seqlens_k", cu_seqlens_k, batch + 1, f"[{batch + 1}] (the batch size + 1)")
+        length = _int_option("max_seqlen_k", max_seqlen_k, "the longest sequence's key count (required with "
+                                                             "cu_seqlens_k)")
+        if isinstance(length, int) and not 1 <= length <= _INT32_MAX:
+            raise invalid_argument(f"max_seqlen_k: {length} must be in [1, {_INT32_MAX}] (an int32 in the C ABI)")
+    check_learnable_sink(learnable_sink, q.shape[-2])
     if varlen_q:
         _check_int32_vector("cu_seqlens_q", cu_seqlens_q, None, "[B + 1]")
         if max_seqlen_q is None:

@@ -20,7 +20,8 @@ graphs see one opaque op per pass:
                                       cache_leftpad=None, page_table=None, cu_seqlens_q=None,
                                       max_seqlen_q=None, softmax_scale=None, causal=False, window_left=-1,
                                       window_right=-1, softcap=0.0, attention_chunk=0, num_splits=0,
-                                      cu_seqlens_k_new=None)
+                                      cu_seqlens_k_new=None, cu_seqlens_k=None, max_seqlen_k=None,
+                                      seqused_q=None, seqused_k=None, learnable_sink=None)
         -> (out, lse), as interface.forward_with_kvcache with return_lse; it appends k_new/v_new
         into k_cache/v_cache in place (both marked mutated), so that flash_attn_with_kvcache can be
         traced (torch.compile, torch.export). Forward only; Python only (no C++ op yet).
@@ -109,32 +110,37 @@ KVCACHE_SCHEMA = ("fwd_kvcache(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache,
                   "Tensor? cache_batch_idx=None, Tensor? cache_leftpad=None, Tensor? page_table=None, "
                   "Tensor? cu_seqlens_q=None, SymInt? max_seqlen_q=None, float? softmax_scale=None, "
                   "bool causal=False, SymInt window_left=-1, SymInt window_right=-1, float softcap=0., "
-                  "SymInt attention_chunk=0, SymInt num_splits=0, Tensor? cu_seqlens_k_new=None) -> (Tensor, Tensor)")
+                  "SymInt attention_chunk=0, SymInt num_splits=0, Tensor? cu_seqlens_k_new=None, "
+                  "Tensor? cu_seqlens_k=None, SymInt? max_seqlen_k=None, Tensor? seqused_q=None, "
+                  "Tensor? seqused_k=None, Tensor? learnable_sink=None) -> (Tensor, Tensor)")
 
 
 def _fwd_kvcache_python(q, k_cache, v_cache, k_new=None, v_new=None, qv=None, rotary_cos=None, rotary_sin=None,
                         rotary_seqlens=None, rotary_interleaved=True, cache_seqlens=None, cache_batch_idx=None,
                         cache_leftpad=None, page_table=None, cu_seqlens_q=None, max_seqlen_q=None, softmax_scale=None,
                         causal=False, window_left=-1, window_right=-1, softcap=0.0, attention_chunk=0, num_splits=0,
-                        cu_seqlens_k_new=None):
+                        cu_seqlens_k_new=None, cu_seqlens_k=None, max_seqlen_k=None, seqused_q=None, seqused_k=None,
+                        learnable_sink=None):
     mask = interface.check_mask_args(causal, (window_left, window_right), softcap, attention_chunk)
     return interface.forward_with_kvcache(
         q, k_cache, v_cache, k_new=k_new, v_new=v_new, qv=qv, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
         rotary_seqlens=rotary_seqlens, rotary_interleaved=rotary_interleaved, cache_seqlens=cache_seqlens,
         cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, page_table=page_table, cu_seqlens_q=cu_seqlens_q,
         max_seqlen_q=max_seqlen_q, softmax_scale=softmax_scale, mask=mask, num_splits=num_splits, return_lse=True,
-        cu_seqlens_k_new=cu_seqlens_k_new)
+        cu_seqlens_k_new=cu_seqlens_k_new, cu_seqlens_k=cu_seqlens_k, max_seqlen_k=max_seqlen_k, seqused_q=seqused_q,
+        seqused_k=seqused_k, learnable_sink=learnable_sink)
 
 
 def _fwd_kvcache_fake(q, k_cache, v_cache, k_new=None, v_new=None, qv=None, rotary_cos=None, rotary_sin=None,
                       rotary_seqlens=None, rotary_interleaved=True, cache_seqlens=None, cache_batch_idx=None,
                       cache_leftpad=None, page_table=None, cu_seqlens_q=None, max_seqlen_q=None, softmax_scale=None,
                       causal=False, window_left=-1, window_right=-1, softcap=0.0, attention_chunk=0, num_splits=0,
-                      cu_seqlens_k_new=None):
+                      cu_seqlens_k_new=None, cu_seqlens_k=None, max_seqlen_k=None, seqused_q=None, seqused_k=None,
+                      learnable_sink=None):
     interface.check_mask_args(causal, (window_left, window_right), softcap, attention_chunk)
     interface.check_kvcache_args(q, k_cache, v_cache, k_new, v_new, qv, rotary_seqlens, cache_seqlens,
                                  cache_batch_idx, cache_leftpad, cu_seqlens_q, max_seqlen_q, num_splits,
-                                 cu_seqlens_k_new)
+                                 cu_seqlens_k_new, cu_seqlens_k, max_seqlen_k, seqused_q, seqused_k, learnable_sink)
     out = q.new_empty((*q.shape[:-1], v_cache.shape[-1]))
     lse = q.new_empty(interface.lse_shape(q), dtype=torch.float32)
     return out, lse

@@ -170,8 +170,9 @@ FA3_SIGNATURES = {
 
 
 # FlashAttention-4's learnable_sink, accepted as a keyword after FA3's parameters (so that FA3's
-# positional calls keep their meaning).
-FA4_EXTRAS = {"flash_attn_func": [("learnable_sink", None)], "flash_attn_varlen_func": [("learnable_sink", None)],
+# positional calls keep their meaning), and then flash_attn_varlen_func's page_table (paged keys).
+FA4_EXTRAS = {"flash_attn_func": [("learnable_sink", None)],
+              "flash_attn_varlen_func": [("learnable_sink", None), ("page_table", None)],
               "flash_attn_qkvpacked_func": [("learnable_sink", None)]}
 
 
@@ -519,6 +520,82 @@ def test_varlen_bad_arguments(change, pattern):
     args = change(dict(zip(names, varlen_args())))
     with pytest.raises(ValueError, match=pattern):
         fa3.flash_attn_varlen_func(**args)
+
+
+def test_varlen_paged_keys_bad_arguments():
+    """flash_attn_varlen_func with page_table: k and v must be pages (named k and v, the caller's
+    names), the page table and the varlen lengths are checked as for packed keys, and a
+    well-formed call goes on to the device check."""
+    q, k, v, cu_q, cu_k, max_q, max_k = varlen_args()
+    pages = torch.randn(8, 16, 2, 128, dtype=torch.bfloat16)
+    table = torch.zeros(4, 4, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"k: expected 4 dims .*\[num_pages, page_size, Hkv, d\].*got shape \(54, 2"):
+        fa3.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, page_table=table)
+    with pytest.raises(ValueError, match=r"v: dtype torch.float16 differs from q's"):
+        fa3.flash_attn_varlen_func(q, pages, pages.half(), cu_q, cu_k, max_q, max_k, page_table=table)
+    with pytest.raises(ValueError, match=r"max_seqlen_k: .* must be an int, got NoneType"):
+        fa3.flash_attn_varlen_func(q, pages, pages, cu_q, cu_k, max_q, None, page_table=table)
+    with pytest.raises(ValueError, match=r"cu_seqlens_k: expected an int32 tensor of shape \[5\]"):
+        fa3.flash_attn_varlen_func(q, pages, pages, cu_q, cu_k[:4], max_q, max_k, page_table=table)
+    with pytest.raises(ValueError, match=r"seqused_k: expected an int32 tensor of shape \[4\]"):
+        fa3.flash_attn_varlen_func(q, pages, pages, cu_q, cu_k, max_q, max_k, page_table=table,
+                                   seqused_k=torch.ones(3, dtype=torch.int32))
+    with pytest.raises(ValueError, match="q: must be a CUDA tensor"):
+        fa3.flash_attn_varlen_func(q, pages, pages, cu_q, cu_k, max_q, max_k, page_table=table)
+
+
+@pytest.mark.parametrize("seqused_k", [None, [4, 0, 7]])
+def test_varlen_paged_keys_gather_and_scatter(monkeypatch, seqused_k):
+    """The page_table path's own work, on the CPU with the reference standing in for the kernels
+    (float64, so exact up to rounding): the backward gathers each sequence's keys from the pages
+    into the packed copy it hands the kernels, and adds dk/dv back into page-shaped gradients:
+    equal to autograd through an explicit gather, a page two sequences share getting the sum and
+    the pages none reads zeros."""
+    from flashhopper import ops as fh_ops
+    seqlens_q, seqlens_k, page_size, max_k = [3, 0, 5], [6, 2, 9], 4, 12
+    table = torch.tensor([[5, 1, 7], [5, 0, 2], [3, 6, 4]], dtype=torch.int32)  # page 5 shared, 8 unused
+    lengths = seqused_k or seqlens_k
+    cu_q = torch.tensor([0, 3, 3, 8], dtype=torch.int32)
+    cu_k = torch.tensor([0, 6, 8, 17], dtype=torch.int32) + 50
+
+    def packed_reference(q, k, v, lens_k, causal):
+        return varlen_attention_reference(q, k, v, seqlens_q, lens_k, None, None, dtype=torch.float64, causal=causal)
+
+    def kernel_forward(q, k_cache, v_cache, mask, softmax_scale, num_splits, **kw):
+        assert kw["cu_seqlens_k"] is cu_k and kw["page_table"] is table and kw["max_seqlen_k"] == max_k
+        keys = [int(table[b, j // page_size]) * page_size + j % page_size for b in range(3) for j in range(lengths[b])]
+        return packed_reference(q, k_cache.flatten(0, 1)[keys], v_cache.flatten(0, 1)[keys], lengths, mask[0])
+
+    def kernel_backward(dout, q, k, v, out, lse, softmax_scale, causal, deterministic, wl, wr, softcap, chunk, sink,
+                        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k):
+        assert torch.equal(cu_seqlens_k, torch.arange(0, 4 * max_k, max_k, dtype=torch.int32))
+        assert seqused_k.tolist() == lengths
+        for b in range(3):  # the gathered copy: the sequence's keys, then zeros
+            assert torch.all(k[b * max_k + lengths[b]:(b + 1) * max_k] == 0)
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        keep = [b * max_k + j for b in range(3) for j in range(lengths[b])]
+        with torch.enable_grad():  # (autograd runs backward functions without it)
+            o, _ = packed_reference(leaves[0], leaves[1][keep], leaves[2][keep], lengths, causal)
+            return (*torch.autograd.grad(o, leaves, dout), torch.empty(0))
+
+    monkeypatch.setattr(fa3, "_kvcache_forward", kernel_forward)
+    monkeypatch.setattr(fh_ops, "bwd", kernel_backward)
+    generator = torch.Generator().manual_seed(3)
+    q = torch.randn(8, 4, 8, dtype=torch.float64, generator=generator).requires_grad_()
+    k_pages, v_pages = (torch.randn(9, page_size, 2, 8, dtype=torch.float64, generator=generator).requires_grad_()
+                        for _ in range(2))
+    extras = {} if seqused_k is None else dict(seqused_k=torch.tensor(seqused_k, dtype=torch.int32))
+    out = fa3.flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, 5, max_k, causal=True, page_table=table,
+                                     **extras)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k_pages, v_pages), dout)
+    keys = [int(table[b, j // page_size]) * page_size + j % page_size for b in range(3) for j in range(lengths[b])]
+    expected_out, _ = packed_reference(q, k_pages.flatten(0, 1)[keys], v_pages.flatten(0, 1)[keys], lengths, True)
+    expected = torch.autograd.grad(expected_out, (q, k_pages, v_pages), dout)
+    torch.testing.assert_close(out, expected_out)
+    for ours, theirs in zip(grads, expected):
+        torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-12)
+    assert torch.all(grads[1][8] == 0) and torch.any(grads[1][5] != 0)
 
 
 def test_varlen_checks_in_the_ops_and_plain_calls():

@@ -121,6 +121,10 @@ def test_private_entry_points_refuse_by_name():
     with pytest.raises(NotImplementedError, match="q_descale"):
         fa3._flash_attn_forward(q, q, q, q_descale=torch.ones(1, 2))
     with pytest.raises(NotImplementedError, match="cu_seqlens_k"):  # a KV-cache call over packed keys
+        fa3._flash_attn_forward(q, q, q, kv_batch_idx=torch.zeros(1, dtype=torch.int32),
+                                cu_seqlens_k=torch.zeros(2, dtype=torch.int32))
+    # page_table with cu_seqlens_k alone is flash_attn_varlen_func's paged path, which needs cu_seqlens_q.
+    with pytest.raises(ValueError, match="cu_seqlens_q"):
         fa3._flash_attn_forward(q, q, q, page_table=torch.zeros(1, 1, dtype=torch.int32),
                                 cu_seqlens_k=torch.zeros(2, dtype=torch.int32))
     with pytest.raises(ValueError, match="q: must be a CUDA tensor"):

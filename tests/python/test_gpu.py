@@ -547,6 +547,69 @@ def test_varlen_split_kv_against_reference(num_splits, causal):
         torch.testing.assert_close(ours, theirs, rtol=2e-2, atol=2e-2)
 
 
+def paged_keys(seqlens_k, page_size, heads_kv, head_dim, dtype, seed, share_first_page=False):
+    """Random k and v pages [num_pages, page_size, Hkv, d] (leaves), a shuffled page table [B,
+    max_pages] with pages no row uses, and rows: the flat page rows of the packed keys, so that
+    pages.flatten(0, 1)[rows] are the packed keys sequence by sequence. share_first_page: sequence 1
+    reads sequence 0's first page (prefix sharing; its own first page then goes unused)."""
+    batch, max_pages = len(seqlens_k), -(-max(seqlens_k) // page_size)
+    num_pages = batch * max_pages + 2
+    generator = torch.Generator().manual_seed(seed)
+    table = torch.randperm(num_pages, generator=generator)[:batch * max_pages].view(batch, max_pages)
+    if share_first_page:
+        table[1, 0] = table[0, 0]
+    rows = [int(table[b, j // page_size]) * page_size + j % page_size
+            for b, length in enumerate(seqlens_k) for j in range(length)]
+    def pages():
+        return torch.randn(num_pages, page_size, heads_kv, head_dim, device="cuda", dtype=dtype).requires_grad_()
+    return pages(), pages(), table.to(device="cuda", dtype=torch.int32), torch.tensor(rows, device="cuda")
+
+
+# (page_size, seqlens_k, options, with_sink, seqused_k, share_first_page): pages loaded in TMA chunks
+# (16, 64) and key by key (1, 24); empty sequences, seqused_k, windows, softcap with the sink.
+PAGED_VARLEN_CASES = [
+    (16, [5, 7, 200, 0, 700, 300], dict(causal=True), False, None, True),
+    (1, [5, 7, 200, 0, 700, 300], dict(window_size=(64, 0), softcap=20.0), True, None, False),
+    (64, [64, 7, 200, 0, 700, 300], dict(causal=True), False, [5, 0, 100, 0, 600, 300], True),
+    (24, [5, 70, 200, 0, 700, 300], dict(window_size=(100, 30)), False, None, False),
+]
+
+
+@pytest.mark.parametrize("page_size, seqlens_k, options, with_sink, seqused_k, share_first_page", PAGED_VARLEN_CASES)
+@requires_gpu
+def test_varlen_paged_keys_against_reference(page_size, seqlens_k, options, with_sink, seqused_k, share_first_page):
+    """flash_attn_varlen_func with page_table (a packed batch over paged keys, cu_seqlens_k shifted:
+    only its differences count): out, lse, dq, and dk/dv on the pages against the reference over
+    the gathered keys (autograd sums a shared page's gradients and gives unused pages zeros), by
+    FlashAttention's rule; and the forward equals flash_attn_with_kvcache's paged call over the
+    same lengths bit for bit (the same kernel)."""
+    seqlens_q = [1, 7, 113, 0, 600, 300]
+    q, _, _, cu_q, cu_k = make_varlen_inputs(seqlens_q, seqlens_k, 8, 2, 128, torch.bfloat16, seed=page_size)
+    k_pages, v_pages, table, rows = paged_keys(seqlens_k, page_size, 2, 128, torch.bfloat16, page_size,
+                                               share_first_page)
+    sink = make_sink(8, seed=page_size) if with_sink else None
+    extras = dict(options, learnable_sink=sink)
+    if seqused_k is not None:
+        extras["seqused_k"] = torch.tensor(seqused_k, dtype=torch.int32, device="cuda")
+    out, lse = run_or_skip(fa3.flash_attn_varlen_func, q, k_pages, v_pages, cu_q, cu_k + 1000, max(seqlens_q),
+                           max(seqlens_k), return_attn_probs=True, page_table=table, **extras)
+    dout = torch.randn_like(out)
+    leaves = (q, k_pages, v_pages) + ((sink,) if with_sink else ())
+    grads = torch.autograd.grad(out, leaves, dout)
+
+    def reference(leaves, in_dtype):
+        k, v = (pages.flatten(0, 1)[rows] for pages in leaves[1:3])
+        return varlen_attention_reference(leaves[0], k, v, seqlens_q, seqlens_k, None, seqused_k, dtype=in_dtype,
+                                          learnable_sink=leaves[3] if with_sink else None, **options)
+    assert_matches_reference(out, lse, grads, leaves, dout, torch.bfloat16, reference)
+    if sink is None:
+        lengths = torch.tensor(seqused_k or seqlens_k, dtype=torch.int32, device="cuda")
+        cache_out, cache_lse = fa3.flash_attn_with_kvcache(q, k_pages, v_pages, cache_seqlens=lengths, page_table=table,
+                                                           cu_seqlens_q=cu_q, max_seqlen_q=max(seqlens_q),
+                                                           num_splits=1, return_softmax_lse=True, **options)
+        assert torch.equal(out, cache_out) and torch.equal(lse, cache_lse)
+
+
 @requires_gpu
 def test_varlen_deterministic_backward_is_bitwise_reproducible():
     q, k, v, cu_q, cu_k = make_varlen_inputs(MIX, MIX, 8, 2, 128, torch.bfloat16, seed=61)
