@@ -1029,17 +1029,22 @@ def test_scheduler_metadata_plans_the_same_call():
         assert not torch.isnan(planned).any() and torch.equal(planned, direct)
 
 
+@pytest.mark.parametrize("page_size", [0, 16, 1])
 @requires_gpu
-def test_decode_step_cuda_graph_replays_with_other_lengths():
+def test_decode_step_cuda_graph_replays_with_other_lengths(page_size):
     """A decode step (append one token with rotary, attend, split-KV chosen by the library) captured
-    in a CUDA graph and replayed after cache_seqlens, q and the new token changed in place: the
-    same out, lse and cache as eager calls on the same inputs."""
-    torch.manual_seed(3)
+    in a CUDA graph and replayed after cache_seqlens, q, the new token and (paged: page_size > 0)
+    the page table changed in place: the same out, lse and cache as eager calls on the same
+    inputs."""
+    torch.manual_seed(3 + page_size)
     batch, cache_len, heads_q, heads_kv, d = 4, 4096, 16, 4, 128
     q = torch.randn(batch, 1, heads_q, d, device="cuda", dtype=torch.bfloat16)
     k_new, v_new = (torch.randn(batch, 1, heads_kv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     k_cache, v_cache = (torch.randn(batch, cache_len, heads_kv, d, device="cuda", dtype=torch.bfloat16)
                         for _ in range(2))
+    table = None
+    if page_size:
+        k_cache, v_cache, table = paged_copy(k_cache, v_cache, page_size)
     angle = torch.rand(cache_len, 32, device="cuda", dtype=torch.float64) * 6
     cos, sin = angle.cos().bfloat16(), angle.sin().bfloat16()
     lengths = torch.tensor([100, 4000, 0, 2047], dtype=torch.int32, device="cuda")
@@ -1047,7 +1052,7 @@ def test_decode_step_cuda_graph_replays_with_other_lengths():
 
     def step():
         return fa3.flash_attn_with_kvcache(q, k_cache, v_cache, k=k_new, v=v_new, rotary_cos=cos, rotary_sin=sin,
-                                           cache_seqlens=lengths, causal=True, num_splits=0,
+                                           cache_seqlens=lengths, page_table=table, causal=True, num_splits=0,
                                            return_softmax_lse=True)
     run_or_skip(step)
     graph, captured = capture_graph(step)
@@ -1055,6 +1060,8 @@ def test_decode_step_cuda_graph_replays_with_other_lengths():
         lengths.copy_(torch.tensor([3000, 7, 4095, 1], dtype=torch.int32))
         q.normal_(), k_new.normal_(), v_new.normal_()
         k_cache.copy_(caches[0]), v_cache.copy_(caches[1])
+        if table is not None:  # the rows' pages swapped around: other keys behind every position
+            table.copy_(table.roll(1, dims=0).flip(1))
     graph.replay()
     torch.cuda.synchronize()
     replayed = [t.clone() for t in (*captured, k_cache, v_cache)]
