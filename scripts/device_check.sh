@@ -91,12 +91,13 @@ for step in "${steps[@]}"; do
       run_gtests "kv cache tests" test_forward_gpu 'KvCache/*:Combine/*:ForwardGpuErrors.*' 300 gpu_tests_kv_cache.log
       ;;
     python)
-      # The PyTorch package on the GPU (PYTEST_FILTER: a pytest -k expression, default all).
+      # The PyTorch package on the GPU (PYTEST_FILTER: a pytest -k expression, default all). No -x:
+      # one failure must not hide the tests after it; -rf lists each failure in the summary.
       FLASHHOPPER_LIBRARY="$build/libflashhopper.so" PYTHONPATH="$root/python" timeout "${PYTEST_TIMEOUT:-400}" \
-        python3 -m pytest -q -x "$root/tests/python/test_gpu.py" "$root/tests/python/test_library.py" \
+        python3 -m pytest -q -rf "$root/tests/python/test_gpu.py" "$root/tests/python/test_library.py" \
         ${PYTEST_FILTER:+-k "$PYTEST_FILTER"} >"$out/pytest_gpu.log" 2>&1
       rc=$?
-      grep -E "passed|failed|error" "$out/pytest_gpu.log" | tail -15
+      grep -E "^FAILED|passed|failed|error" "$out/pytest_gpu.log" | tail -15
       summary+=("python gpu tests: rc=$rc, $(tail -1 "$out/pytest_gpu.log")")
       ;;
     host_overhead)
