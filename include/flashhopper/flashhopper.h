@@ -138,6 +138,9 @@ typedef struct fh_forward_params {
   fh_tensor rotary_seqlens;       /* optional int32 [B]: rotary positions start here */
   int32_t rotary_interleaved;     /* 1: pairs (2i, 2i+1); 0: (i, i + rotary_dim / 2) */
   fh_tensor cu_seqlens_k_new;     /* optional int32 [B+1]: k_new/v_new packed (see above) */
+  int32_t sm_margin;              /* SMs the kernels leave free (FA3's argument: communication
+                                     kernels overlap attention there); 0: all of them. At least
+                                     one SM must remain. */
 } fh_forward_params;
 
 /* Backward pass. Layouts as the forward; dq like q, dk like k, dv like v; lse from the
@@ -160,6 +163,7 @@ typedef struct fh_backward_params {
   fh_tensor learnable_sink;       /* optional float32 [Hq], as given to the forward */
   fh_tensor dsink;                /* optional float32 [Hq] output (with learnable_sink only):
                                      d loss / d learnable_sink, summed over batch and rows */
+  int32_t sm_margin;              /* as the forward's */
 } fh_backward_params;
 
 /* Merge split-KV partials: out_partial [num_splits, B, Hq, sq, dv] and

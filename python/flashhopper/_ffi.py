@@ -46,6 +46,7 @@ class ForwardParams(ctypes.Structure):
         ("attention_chunk", ctypes.c_int32), ("learnable_sink", Tensor), ("qv", Tensor),
         ("cache_batch_idx", Tensor), ("cache_leftpad", Tensor), ("rotary_cos", Tensor), ("rotary_sin", Tensor),
         ("rotary_seqlens", Tensor), ("rotary_interleaved", ctypes.c_int32), ("cu_seqlens_k_new", Tensor),
+        ("sm_margin", ctypes.c_int32),
     ]
 
 
@@ -59,6 +60,7 @@ class BackwardParams(ctypes.Structure):
         ("causal", ctypes.c_int32), ("window_left", ctypes.c_int32), ("window_right", ctypes.c_int32),
         ("num_sink_tokens", ctypes.c_int32), ("deterministic", ctypes.c_int32),
         ("attention_chunk", ctypes.c_int32), ("learnable_sink", Tensor), ("dsink", Tensor),
+        ("sm_margin", ctypes.c_int32),
     ]
 
 

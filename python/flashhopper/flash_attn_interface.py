@@ -17,7 +17,8 @@ and sk, deterministic backward; and all of it over packed variable-length sequen
 flash_attn_varlen_func (q [total_q, Hq, d], cu_seqlens_q/k, max_seqlen_q/k, seqused_q/k; up to 8192
 sequences). What a build of the library cannot run raises FlashHopperNotSupported with the
 library's message. Every argument FlashHopper cannot honour yet raises NotImplementedError naming it
-(qv, fp8 descales, sm_margin). flash_attn_with_kvcache runs a dense KV cache (with the append,
+(qv, fp8 descales). sm_margin leaves that many SMs free for other kernels (FA3's argument; the
+library refuses a margin that leaves the GPU none). flash_attn_with_kvcache runs a dense KV cache (with the append,
 rotary and split-KV) and a paged one (any page size). flash_attn_combine merges split-KV partials
 (FA3's signature and layouts). Bad tensors (dtype, rank, shape, strides, device, alignment) and bad
 options (window_size, softcap, attention_chunk, learnable_sink, cu_seqlens, seqused, max_seqlen)
@@ -71,8 +72,7 @@ def _resolve_options(causal, qv, q_descale, k_descale, v_descale, window_size, a
         if descale is not None:
             _not_yet(name, "<tensor>", "fp8 attention (descale factors)")
     interface.check_num_splits(num_splits)
-    if sm_margin != 0:
-        _not_yet("sm_margin", sm_margin, "leaving SMs free")
+    interface.check_sm_margin(sm_margin)
     return interface.check_mask_args(causal, window_size, softcap, attention_chunk)
 
 
@@ -121,20 +121,20 @@ def _attention(q, k, v, varlen, softmax_scale, causal, qv, q_descale, k_descale,
     q, k, v, softmax_scale, unpadded_dim = _pad_head_dims(q, k, v, softmax_scale)
     if page_table is not None:
         out, softmax_lse = _paged_varlen_attention(q, k, v, page_table, varlen, softmax_scale, mask, num_splits,
-                                                   bool(deterministic), learnable_sink)
+                                                   bool(deterministic), learnable_sink, sm_margin)
     elif _needs_the_op(q, k, v, learnable_sink):
         interface.check_forward_args(q, k, v, softmax_scale, learnable_sink, varlen)
         interface.check_devices([("q", q), ("k", k), ("v", v), ("learnable_sink", learnable_sink)]
                                 + interface.varlen_tensors(varlen))
         varlen_args = (None,) * 6 if varlen is None else varlen
         out, softmax_lse = ops.fwd(q, k, v, softmax_scale, causal, bool(deterministic), window_left, window_right,
-                                   softcap, attention_chunk, learnable_sink, *varlen_args, num_splits)
+                                   softcap, attention_chunk, learnable_sink, *varlen_args, num_splits, sm_margin)
     else:
         result = interface.forward(q, k, v, causal, softmax_scale, return_lse=bool(return_attn_probs),
                                    window_size=(window_left, window_right), softcap=softcap,
                                    attention_chunk=attention_chunk, learnable_sink=learnable_sink,
                                    varlen=None if varlen is None else interface.as_varlen(*varlen),
-                                   num_splits=num_splits)
+                                   num_splits=num_splits, sm_margin=sm_margin)
         out, softmax_lse = result if return_attn_probs else (result, None)
     if unpadded_dim is not None:
         out = out[..., :unpadded_dim].contiguous()
@@ -145,7 +145,8 @@ def _kvcache_forward(q, k_cache, v_cache, mask, softmax_scale, num_splits, *, k=
                      rotary_cos=None, rotary_sin=None, rotary_seqlens=None, rotary_interleaved=True,
                      cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, page_table=None, cu_seqlens_q=None,
                      max_seqlen_q=None, cu_seqlens_k_new=None, cu_seqlens_k=None, max_seqlen_k=None, seqused_q=None,
-                     seqused_k=None, learnable_sink=None, return_lse=True, names=interface._KVCACHE_NAMES):
+                     seqused_k=None, learnable_sink=None, return_lse=True, names=interface._KVCACHE_NAMES,
+                     sm_margin=0):
     """(out, lse) of the library's forward with the KV-cache fields: traced (torch.compile,
     torch.export), the fwd_kvcache op, which tells the tracer that an append writes k_cache and
     v_cache; eager, the library call without the dispatcher's host work (lse None unless
@@ -156,14 +157,14 @@ def _kvcache_forward(q, k_cache, v_cache, mask, softmax_scale, num_splits, *, k=
             q, k_cache, v_cache, k, v, qv, rotary_cos, rotary_sin, rotary_seqlens, bool(rotary_interleaved),
             cache_seqlens, cache_batch_idx, cache_leftpad, page_table, cu_seqlens_q, max_seqlen_q, softmax_scale,
             causal, window_left, window_right, softcap, attention_chunk, num_splits, cu_seqlens_k_new, cu_seqlens_k,
-            max_seqlen_k, seqused_q, seqused_k, learnable_sink)
+            max_seqlen_k, seqused_q, seqused_k, learnable_sink, sm_margin)
     result = interface.forward_with_kvcache(
         q, k_cache, v_cache, k_new=k, v_new=v, qv=qv, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
         rotary_seqlens=rotary_seqlens, rotary_interleaved=rotary_interleaved, cache_seqlens=cache_seqlens,
         cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, page_table=page_table, cu_seqlens_q=cu_seqlens_q,
         max_seqlen_q=max_seqlen_q, softmax_scale=softmax_scale, mask=mask, num_splits=num_splits,
         return_lse=return_lse, cu_seqlens_k_new=cu_seqlens_k_new, cu_seqlens_k=cu_seqlens_k, max_seqlen_k=max_seqlen_k,
-        seqused_q=seqused_q, seqused_k=seqused_k, learnable_sink=learnable_sink, names=names)
+        seqused_q=seqused_q, seqused_k=seqused_k, learnable_sink=learnable_sink, names=names, sm_margin=sm_margin)
     return result if return_lse else (result, None)
 
 
@@ -184,15 +185,15 @@ class _PagedVarlenAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k_cache, v_cache, learnable_sink, page_table, varlen, softmax_scale, mask, num_splits,
-                deterministic):
+                deterministic, sm_margin):
         out, lse = _kvcache_forward(q, k_cache, v_cache, mask, softmax_scale, num_splits, page_table=page_table,
                                     cu_seqlens_q=varlen.cu_seqlens_q, max_seqlen_q=varlen.max_seqlen_q,
                                     cu_seqlens_k=varlen.cu_seqlens_k, max_seqlen_k=varlen.max_seqlen_k,
                                     seqused_q=varlen.seqused_q, seqused_k=varlen.seqused_k,
-                                    learnable_sink=learnable_sink, names={})
+                                    learnable_sink=learnable_sink, names={}, sm_margin=sm_margin)
         ctx.save_for_backward(q, k_cache, v_cache, learnable_sink, page_table, out, lse, varlen.cu_seqlens_q,
                               varlen.cu_seqlens_k, varlen.seqused_q, varlen.seqused_k)
-        ctx.options = (varlen.max_seqlen_q, varlen.max_seqlen_k, softmax_scale, mask, deterministic)
+        ctx.options = (varlen.max_seqlen_q, varlen.max_seqlen_k, softmax_scale, mask, deterministic, sm_margin)
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)
         return out, lse
@@ -200,10 +201,10 @@ class _PagedVarlenAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):
         if dout is None:
-            return (None,) * 10
+            return (None,) * 11
         q, k_cache, v_cache, sink, page_table, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k = \
             ctx.saved_tensors
-        max_seqlen_q, max_seqlen_k, softmax_scale, mask, deterministic = ctx.options
+        max_seqlen_q, max_seqlen_k, softmax_scale, mask, deterministic, sm_margin = ctx.options
         batch = page_table.shape[0]
         lengths = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).clamp_(min=0)
         if seqused_k is not None:
@@ -219,22 +220,22 @@ class _PagedVarlenAttention(torch.autograd.Function):
         deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
         dq, dk, dv, dsink = ops.bwd(dout, q, packed[0], packed[1], out, lse, softmax_scale, causal, deterministic,
                                     window_left, window_right, softcap, attention_chunk, sink, cu_seqlens_q,
-                                    cu_packed, max_seqlen_q, max_seqlen_k, seqused_q, lengths)
+                                    cu_packed, max_seqlen_q, max_seqlen_k, seqused_q, lengths, sm_margin)
         # index_put_ with accumulate: summed in a fixed order (deterministic), shared pages included.
         grads = [torch.zeros((num_pages * page_size, *cache.shape[2:]), dtype=grad.dtype, device=grad.device)
                  .index_put_((rows,), grad, accumulate=True).view(cache.shape)
                  for cache, grad in ((k_cache, dk), (v_cache, dv))]
         sink_grad = dsink if sink is not None and ctx.needs_input_grad[3] else None
-        return dq, grads[0], grads[1], sink_grad, None, None, None, None, None, None
+        return dq, grads[0], grads[1], sink_grad, None, None, None, None, None, None, None
 
 
 def _paged_varlen_attention(q, k, v, page_table, varlen, softmax_scale, mask, num_splits, deterministic,
-                            learnable_sink):
+                            learnable_sink, sm_margin):
     """flash_attn_varlen_func's page_table path: (out, softmax_lse)."""
     if not isinstance(varlen.max_seqlen_k, int):
         interface.check_varlen(varlen)  # names a max_seqlen_k that is not an int (the backward needs one)
     return _PagedVarlenAttention.apply(q, k, v, learnable_sink, page_table, varlen, softmax_scale, mask, num_splits,
-                                       deterministic)
+                                       deterministic, sm_margin)
 
 
 def flash_attn_func(
@@ -430,7 +431,8 @@ def flash_attn_with_kvcache(
 
     The arguments are checked (ValueError naming the argument). The kernels run all of that, split
     over the keys (num_splits; 0 chooses from the shapes), packed queries too; fp8 descales and
-    sm_margin raise FlashHopperNotSupported (a NotImplementedError).
+    raise FlashHopperNotSupported (a NotImplementedError); sm_margin leaves SMs free as
+    flash_attn_func's.
     scheduler_metadata (from get_scheduler_metadata) gives the split-KV count. Under torch.compile
     or torch.export (fake tensors) it runs as the flashhopper::fwd_kvcache op, whose schema marks
     k_cache and v_cache as written."""
@@ -439,8 +441,7 @@ def flash_attn_with_kvcache(
             _not_yet(name, "<tensor>", "fp8 attention (descale factors)")
     if scheduler_metadata is not None:
         num_splits = _planned_splits(scheduler_metadata, num_splits)
-    if sm_margin != 0:
-        _not_yet("sm_margin", sm_margin, "leaving SMs free")
+    interface.check_sm_margin(sm_margin)
     mask = interface.check_mask_args(causal, window_size, softcap, attention_chunk)
     interface.check_softmax_scale(softmax_scale)
     if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
@@ -453,7 +454,7 @@ def flash_attn_with_kvcache(
         rotary_sin=rotary_sin, rotary_seqlens=rotary_seqlens, rotary_interleaved=rotary_interleaved,
         cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
         page_table=page_table, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q,
-        cu_seqlens_k_new=cu_seqlens_k_new, return_lse=bool(return_softmax_lse))
+        cu_seqlens_k_new=cu_seqlens_k_new, return_lse=bool(return_softmax_lse), sm_margin=sm_margin)
     return (out, softmax_lse) if return_softmax_lse else out
 
 
@@ -504,7 +505,8 @@ def get_scheduler_metadata(batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, 
     nothing to precompute on the GPU: the plan is the split-KV count, num_splits (0: the library's
     choice, which is the same for every call of these shapes), as an int32 CPU tensor of shape [1].
     The arguments are checked as flash_attn_with_kvcache checks them (ValueError naming the
-    argument; NotImplementedError for what FlashHopper cannot run: fp8, sm_margin). pack_gqa is a hint and is ignored."""
+    argument; NotImplementedError for what FlashHopper cannot run: fp8). pack_gqa is a hint and is
+    ignored; so is sm_margin (the call's own sm_margin applies when the library chooses)."""
     sizes = {"batch_size": batch_size, "max_seqlen_q": max_seqlen_q, "num_heads_q": num_heads_q,
              "num_heads_kv": num_heads_kv, "headdim": headdim}
     for name, value in sizes.items():
@@ -524,8 +526,7 @@ def get_scheduler_metadata(batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, 
         raise interface.invalid_argument(f"qkv_dtype: {qkv_dtype} is not supported (torch.bfloat16 or torch.float16)")
     if page_size is not None and interface._int_option("page_size", page_size, "it") < 1:
         raise interface.invalid_argument(f"page_size: is {page_size}; must be at least 1")
-    if sm_margin != 0:
-        _not_yet("sm_margin", sm_margin, "leaving SMs free")
+    interface.check_sm_margin(sm_margin)
     if not isinstance(cache_seqlens, torch.Tensor) or cache_seqlens.dtype != torch.int32 or \
             tuple(cache_seqlens.shape) != (batch_size,):
         raise interface.invalid_argument(f"cache_seqlens: expected an int32 tensor of shape [{batch_size}] "
@@ -634,8 +635,7 @@ def _flash_attn_backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q=None, cu_
     read the first sq rows of its softmax_d, which are these.) sequed_q/sequed_k are FA3's
     spelling of seqused_q/k; the packed layout follows from cu_seqlens_q/k as in
     flash_attn_varlen_func."""
-    if sm_margin != 0:
-        _not_yet("sm_margin", sm_margin, "leaving SMs free")
+    interface.check_sm_margin(sm_margin)
     causal, window_left, window_right, softcap, _ = interface.check_mask_args(
         is_causal, (window_size_left, window_size_right), softcap, 0)
     varlen = interface.as_varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sequed_q, sequed_k)
@@ -646,6 +646,7 @@ def _flash_attn_backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q=None, cu_
         dk = torch.empty_like(k) if dk is None else dk
         dv = torch.empty_like(v) if dv is None else dv
         interface.backward(dout, q, k, v, out, softmax_lse, causal, softmax_scale, bool(deterministic), dq, dk, dv,
-                           window_size=(window_left, window_right), softcap=softcap, varlen=varlen)
+                           window_size=(window_left, window_right), softcap=softcap, varlen=varlen,
+                           sm_margin=sm_margin)
         softmax_d = (dout.float() * out.float()).sum(-1)  # [B, sq, Hq] or [total_q, Hq]
     return softmax_d.transpose(-1, -2).contiguous()

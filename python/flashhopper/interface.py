@@ -422,6 +422,12 @@ def check_num_splits(num_splits) -> None:
         raise invalid_argument(f"num_splits: expected an int, got {type(num_splits).__name__}")
 
 
+def check_sm_margin(sm_margin) -> None:
+    """sm_margin is an int (the library checks its range: >= 0, and that the device keeps an SM)."""
+    if not isinstance(sm_margin, int) or isinstance(sm_margin, bool):
+        raise invalid_argument(f"sm_margin: expected an int, got {type(sm_margin).__name__}")
+
+
 def check_softmax_scale(softmax_scale) -> None:
     if softmax_scale is None:
         return
@@ -616,7 +622,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = Fa
             softmax_scale: float | None = None, out: torch.Tensor | None = None,
             return_lse: bool = False, *, window_size=(-1, -1), softcap: float = 0.0,
             attention_chunk: int = 0, learnable_sink: torch.Tensor | None = None, varlen: Varlen | None = None,
-            num_splits: int = 1):
+            num_splits: int = 1, sm_margin: int = 0):
     """Attention forward. q [B, sq, Hq, d], k [B, sk, Hkv, d], v [B, sk, Hkv, d] on one CUDA
     device (bf16 or fp16). Returns out [B, sq, Hq, d] (and lse [B, Hq, sq] float32 when
     return_lse). softmax_scale None means 1/sqrt(d); causal is aligned bottom-right.
@@ -631,14 +637,16 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = Fa
     on top of the window; learnable_sink float32 [Hq] adds exp(sink[h]) to every row's softmax
     denominator (lse includes it). num_splits > 1 splits the keys into that many parts whose
     partials are combined (split-KV; dense or packed queries), 0 lets the library choose from the shapes
-    (more than one only where the query tiles leave most SMs idle), 1 does not split."""
+    (more than one only where the query tiles leave most SMs idle), 1 does not split. sm_margin
+    leaves that many SMs free for other kernels (FA3's argument)."""
     key = _plan_key("forward", (q, k, v, out, learnable_sink, *_varlen_fields(varlen)),
-                    (causal, softmax_scale, return_lse, window_size, softcap, attention_chunk, num_splits,
+                    (causal, softmax_scale, return_lse, window_size, softcap, attention_chunk, num_splits, sm_margin,
                      *_varlen_sizes(varlen)))
     plan = _PLANS.get(key) if key is not None else None
     if plan is None:
         mask = check_mask_args(causal, window_size, softcap, attention_chunk)
         check_num_splits(num_splits)
+        check_sm_margin(sm_margin)
         check_forward_args(q, k, v, softmax_scale, learnable_sink, varlen)
         check_devices([("q", q), ("k", k), ("v", v), ("out", out), ("learnable_sink", learnable_sink)]
                       + varlen_tensors(varlen))
@@ -662,6 +670,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = Fa
         _set_mask(params, q, k, varlen, mask)
         _set_varlen_sizes(params, varlen)
         params.num_splits = num_splits
+        params.sm_margin = sm_margin
         plan = _make_plan(key, params, named, lib.fh_forward_workspace_size)
     _launch(plan, named, lib.fh_forward, q.device)
     return (out, lse) if return_lse else out
@@ -672,20 +681,21 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
              deterministic: bool = False, dq: torch.Tensor | None = None, dk: torch.Tensor | None = None,
              dv: torch.Tensor | None = None, *, window_size=(-1, -1), softcap: float = 0.0,
              attention_chunk: int = 0, learnable_sink: torch.Tensor | None = None,
-             varlen: Varlen | None = None):
+             varlen: Varlen | None = None, sm_margin: int = 0):
     """Attention backward. q, k, v, out and lse ([B, Hq, sq], or [Hq, total_q] with varlen; float32)
     as from forward(..., return_lse=True) with the same causal, softmax_scale, window_size, softcap,
     attention_chunk, learnable_sink and varlen; dout like out.
     Returns (dq, dk, dv), shaped like q, k, v (allocated with empty_like when not given), and with
     learnable_sink (dq, dk, dv, dsink): dsink float32 [Hq], d loss / d learnable_sink summed over
     the batch and the rows. deterministic=True gives bit-identical results run to run (slightly
-    slower)."""
+    slower). sm_margin as forward's."""
     key = _plan_key("backward", (dout, q, k, v, out, lse, dq, dk, dv, learnable_sink, *_varlen_fields(varlen)),
-                    (causal, softmax_scale, deterministic, window_size, softcap, attention_chunk,
+                    (causal, softmax_scale, deterministic, window_size, softcap, attention_chunk, sm_margin,
                      *_varlen_sizes(varlen)))
     plan = _PLANS.get(key) if key is not None else None
     if plan is None:
         mask = check_mask_args(causal, window_size, softcap, attention_chunk)
+        check_sm_margin(sm_margin)
         check_backward_args(dout, q, k, v, out, lse, softmax_scale, learnable_sink=learnable_sink, varlen=varlen)
         check_devices([("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse), ("dq", dq),
                        ("dk", dk), ("dv", dv), ("learnable_sink", learnable_sink)] + varlen_tensors(varlen))
@@ -710,6 +720,7 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         _set_views(params, named)
         params.softmax_scale = _scale(softmax_scale)
         params.deterministic = int(bool(deterministic))
+        params.sm_margin = sm_margin
         _set_mask(params, q, k, varlen, mask)
         _set_varlen_sizes(params, varlen)
         plan = _make_plan(key, params, named, lib.fh_backward_workspace_size)
@@ -756,7 +767,7 @@ def forward_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                          cu_seqlens_q=None, max_seqlen_q=None, softmax_scale=None, mask=(False, -1, -1, 0.0, 0),
                          num_splits=0, return_lse=False, cu_seqlens_k_new=None, cu_seqlens_k=None,
                          max_seqlen_k=None, seqused_q=None, seqused_k=None, learnable_sink=None,
-                         names=_KVCACHE_NAMES):
+                         names=_KVCACHE_NAMES, sm_margin=0):
     """Attention against a KV cache, in FA3's flash_attn_with_kvcache's terms (k_new/v_new are its k
     and v; packed [total_new, Hkv, d] with cu_seqlens_k_new, which is ignored without them): the C
     ABI's fields of include/flashhopper/flashhopper.h ("KV cache extras"). With page_table,
@@ -774,9 +785,11 @@ def forward_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
               ("cu_seqlens_k_new", cu_seqlens_k_new), ("cu_seqlens_k", cu_seqlens_k), ("seqused_q", seqused_q),
               ("seqused_k", seqused_k), ("learnable_sink", learnable_sink))  # the C ABI's names
     key = _plan_key("forward_with_kvcache", [t for _, t in inputs],
-                    (max_seqlen_q, max_seqlen_k, rotary_interleaved, softmax_scale, mask, num_splits, return_lse))
+                    (max_seqlen_q, max_seqlen_k, rotary_interleaved, softmax_scale, mask, num_splits, return_lse,
+                     sm_margin))
     plan = _PLANS.get(key) if key is not None else None
     if plan is None:
+        check_sm_margin(sm_margin)
         check_kvcache_args(q, k_cache, v_cache, k_new, v_new, qv, rotary_seqlens, cache_seqlens, cache_batch_idx,
                            cache_leftpad, cu_seqlens_q, max_seqlen_q, num_splits, cu_seqlens_k_new, cu_seqlens_k,
                            max_seqlen_k, seqused_q, seqused_k, learnable_sink,
@@ -799,6 +812,7 @@ def forward_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
             params.rotary_interleaved = int(bool(rotary_interleaved))
             params.softmax_scale = _scale(softmax_scale)
             params.num_splits = num_splits
+            params.sm_margin = sm_margin
             causal, left, right, softcap, chunk = mask
             # FA3's rule "a bound covering the whole sequence is no bound", against the cache's capacity.
             # (A packed batch's keys: against max_seqlen_k, as flash_attn_varlen_func.)

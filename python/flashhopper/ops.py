@@ -5,13 +5,13 @@ graphs see one opaque op per pass:
                               window_left=-1, window_right=-1, softcap=0.0, attention_chunk=0,
                               learnable_sink=None, cu_seqlens_q=None, cu_seqlens_k=None,
                               max_seqlen_q=None, max_seqlen_k=None, seqused_q=None, seqused_k=None,
-                              num_splits=1)
+                              num_splits=1, sm_margin=0)
         -> (out [B, sq, Hq, d], lse [B, Hq, sq] float32), varlen (out [total_q, Hq, d], lse [Hq, total_q])
     torch.ops.flashhopper.bwd(dout, q, k, v, out, lse, softmax_scale=None, causal=False,
                               deterministic=False, window_left=-1, window_right=-1, softcap=0.0,
                               attention_chunk=0, learnable_sink=None, cu_seqlens_q=None,
                               cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
-                              seqused_q=None, seqused_k=None)
+                              seqused_q=None, seqused_k=None, sm_margin=0)
         -> (dq, dk, dv, dsink)
 
     torch.ops.flashhopper.fwd_kvcache(q, k_cache, v_cache, k_new=None, v_new=None, qv=None,
@@ -21,7 +21,7 @@ graphs see one opaque op per pass:
                                       max_seqlen_q=None, softmax_scale=None, causal=False, window_left=-1,
                                       window_right=-1, softcap=0.0, attention_chunk=0, num_splits=0,
                                       cu_seqlens_k_new=None, cu_seqlens_k=None, max_seqlen_k=None,
-                                      seqused_q=None, seqused_k=None, learnable_sink=None)
+                                      seqused_q=None, seqused_k=None, learnable_sink=None, sm_margin=0)
         -> (out, lse), as interface.forward_with_kvcache with return_lse; it appends k_new/v_new
         into k_cache/v_cache in place (both marked mutated), so that flash_attn_with_kvcache can be
         traced (torch.compile, torch.export). Forward only; Python only (no C++ op yet).
@@ -36,7 +36,8 @@ covering the whole sequence (max_seqlen in the packed layout) is no bound; atten
 restricts each row to its chunk of c keys on top of the window; softcap > 0 caps the scores
 (softcap * tanh(s / softcap)); learnable_sink (float32 [Hq], or None) adds exp(sink[h]) to every
 row's softmax denominator, and lse includes it; fwd's num_splits splits the keys (split-KV, as
-interface.forward; 0 lets the library choose), which changes nothing in bwd. bwd always returns four
+interface.forward; 0 lets the library choose), which changes nothing in bwd; sm_margin (both ops)
+leaves that many SMs free for other kernels (FA3's argument). bwd always returns four
 tensors: dsink is float32 [Hq] (d loss / d learnable_sink, summed over batch and rows) when
 learnable_sink is given and an empty float32 tensor of shape [0] otherwise.
 
@@ -68,7 +69,7 @@ from . import _ffi, interface
 
 Tensor = torch.Tensor
 
-_NUM_FWD_INPUTS = 18
+_NUM_FWD_INPUTS = 19
 _SINK_INPUT = 10  # learnable_sink's position among fwd's inputs
 
 
@@ -83,21 +84,22 @@ def _fwd_python(q: Tensor, k: Tensor, v: Tensor, softmax_scale: Optional[float] 
                 attention_chunk: int = 0, learnable_sink: Optional[Tensor] = None,
                 cu_seqlens_q: Optional[Tensor] = None, cu_seqlens_k: Optional[Tensor] = None,
                 max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None, seqused_q: Optional[Tensor] = None,
-                seqused_k: Optional[Tensor] = None, num_splits: int = 1) -> tuple[Tensor, Tensor]:
+                seqused_k: Optional[Tensor] = None, num_splits: int = 1, sm_margin: int = 0) -> tuple[Tensor, Tensor]:
     varlen = interface.as_varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k)
     out, lse = interface.forward(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True,
                                  window_size=(window_left, window_right), softcap=softcap,
                                  attention_chunk=attention_chunk, learnable_sink=learnable_sink, varlen=varlen,
-                                 num_splits=num_splits)
+                                 num_splits=num_splits, sm_margin=sm_margin)
     return out, lse
 
 
 def _fwd_fake(q, k, v, softmax_scale=None, causal=False, deterministic=False, window_left=-1, window_right=-1,
               softcap=0.0, attention_chunk=0, learnable_sink=None, cu_seqlens_q=None, cu_seqlens_k=None,
-              max_seqlen_q=None, max_seqlen_k=None, seqused_q=None, seqused_k=None, num_splits=1):
+              max_seqlen_q=None, max_seqlen_k=None, seqused_q=None, seqused_k=None, num_splits=1, sm_margin=0):
     varlen = interface.as_varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k)
     interface.check_mask_args(causal, (window_left, window_right), softcap, attention_chunk)
     interface.check_num_splits(num_splits)
+    interface.check_sm_margin(sm_margin)
     interface.check_forward_args(q, k, v, softmax_scale, learnable_sink, varlen)
     out = q.new_empty((*q.shape[:-1], v.shape[-1]))
     lse = q.new_empty(interface.lse_shape(q), dtype=torch.float32)
@@ -112,7 +114,7 @@ KVCACHE_SCHEMA = ("fwd_kvcache(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache,
                   "bool causal=False, SymInt window_left=-1, SymInt window_right=-1, float softcap=0., "
                   "SymInt attention_chunk=0, SymInt num_splits=0, Tensor? cu_seqlens_k_new=None, "
                   "Tensor? cu_seqlens_k=None, SymInt? max_seqlen_k=None, Tensor? seqused_q=None, "
-                  "Tensor? seqused_k=None, Tensor? learnable_sink=None) -> (Tensor, Tensor)")
+                  "Tensor? seqused_k=None, Tensor? learnable_sink=None, SymInt sm_margin=0) -> (Tensor, Tensor)")
 
 
 def _fwd_kvcache_python(q, k_cache, v_cache, k_new=None, v_new=None, qv=None, rotary_cos=None, rotary_sin=None,
@@ -120,7 +122,7 @@ def _fwd_kvcache_python(q, k_cache, v_cache, k_new=None, v_new=None, qv=None, ro
                         cache_leftpad=None, page_table=None, cu_seqlens_q=None, max_seqlen_q=None, softmax_scale=None,
                         causal=False, window_left=-1, window_right=-1, softcap=0.0, attention_chunk=0, num_splits=0,
                         cu_seqlens_k_new=None, cu_seqlens_k=None, max_seqlen_k=None, seqused_q=None, seqused_k=None,
-                        learnable_sink=None):
+                        learnable_sink=None, sm_margin=0):
     mask = interface.check_mask_args(causal, (window_left, window_right), softcap, attention_chunk)
     return interface.forward_with_kvcache(
         q, k_cache, v_cache, k_new=k_new, v_new=v_new, qv=qv, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
@@ -128,7 +130,7 @@ def _fwd_kvcache_python(q, k_cache, v_cache, k_new=None, v_new=None, qv=None, ro
         cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, page_table=page_table, cu_seqlens_q=cu_seqlens_q,
         max_seqlen_q=max_seqlen_q, softmax_scale=softmax_scale, mask=mask, num_splits=num_splits, return_lse=True,
         cu_seqlens_k_new=cu_seqlens_k_new, cu_seqlens_k=cu_seqlens_k, max_seqlen_k=max_seqlen_k, seqused_q=seqused_q,
-        seqused_k=seqused_k, learnable_sink=learnable_sink)
+        seqused_k=seqused_k, learnable_sink=learnable_sink, sm_margin=sm_margin)
 
 
 def _fwd_kvcache_fake(q, k_cache, v_cache, k_new=None, v_new=None, qv=None, rotary_cos=None, rotary_sin=None,
@@ -136,8 +138,9 @@ def _fwd_kvcache_fake(q, k_cache, v_cache, k_new=None, v_new=None, qv=None, rota
                       cache_leftpad=None, page_table=None, cu_seqlens_q=None, max_seqlen_q=None, softmax_scale=None,
                       causal=False, window_left=-1, window_right=-1, softcap=0.0, attention_chunk=0, num_splits=0,
                       cu_seqlens_k_new=None, cu_seqlens_k=None, max_seqlen_k=None, seqused_q=None, seqused_k=None,
-                      learnable_sink=None):
+                      learnable_sink=None, sm_margin=0):
     interface.check_mask_args(causal, (window_left, window_right), softcap, attention_chunk)
+    interface.check_sm_margin(sm_margin)
     interface.check_kvcache_args(q, k_cache, v_cache, k_new, v_new, qv, rotary_seqlens, cache_seqlens,
                                  cache_batch_idx, cache_leftpad, cu_seqlens_q, max_seqlen_q, num_splits,
                                  cu_seqlens_k_new, cu_seqlens_k, max_seqlen_k, seqused_q, seqused_k, learnable_sink)
@@ -162,7 +165,7 @@ def _bwd_python(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse:
                 learnable_sink: Optional[Tensor] = None, cu_seqlens_q: Optional[Tensor] = None,
                 cu_seqlens_k: Optional[Tensor] = None, max_seqlen_q: Optional[int] = None,
                 max_seqlen_k: Optional[int] = None, seqused_q: Optional[Tensor] = None,
-                seqused_k: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                seqused_k: Optional[Tensor] = None, sm_margin: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     varlen = interface.as_varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k)
     dout = _normalize_dout(dout)
     if dout.data_ptr() % 16 != 0:
@@ -170,7 +173,7 @@ def _bwd_python(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse:
     grads = interface.backward(dout, q, k, v, out, lse, causal=causal, softmax_scale=softmax_scale,
                                deterministic=deterministic, window_size=(window_left, window_right),
                                softcap=softcap, attention_chunk=attention_chunk, learnable_sink=learnable_sink,
-                               varlen=varlen)
+                               varlen=varlen, sm_margin=sm_margin)
     if learnable_sink is None:
         return (*grads, _no_dsink(q))
     return grads
@@ -178,9 +181,10 @@ def _bwd_python(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse:
 
 def _bwd_fake(dout, q, k, v, out, lse, softmax_scale=None, causal=False, deterministic=False, window_left=-1,
               window_right=-1, softcap=0.0, attention_chunk=0, learnable_sink=None, cu_seqlens_q=None,
-              cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, seqused_q=None, seqused_k=None):
+              cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, seqused_q=None, seqused_k=None, sm_margin=0):
     varlen = interface.as_varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k)
     interface.check_mask_args(causal, (window_left, window_right), softcap, attention_chunk)
+    interface.check_sm_margin(sm_margin)
     interface.check_backward_args(dout, q, k, v, out, lse, softmax_scale, check_dout_layout=False,
                                   learnable_sink=learnable_sink, varlen=varlen)
     if learnable_sink is None:
@@ -192,7 +196,8 @@ def _bwd_fake(dout, q, k, v, out, lse, softmax_scale=None, causal=False, determi
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, softmax_scale, causal, deterministic, window_left, window_right, softcap, attention_chunk,
-     learnable_sink, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, _) = inputs
+     learnable_sink, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, _,
+     sm_margin) = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, learnable_sink, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
     ctx.softmax_scale = softmax_scale
@@ -204,6 +209,7 @@ def _setup_context(ctx, inputs, output):
     ctx.attention_chunk = attention_chunk
     ctx.max_seqlen_q = max_seqlen_q
     ctx.max_seqlen_k = max_seqlen_k
+    ctx.sm_margin = sm_margin
     ctx.mark_non_differentiable(lse)
     ctx.set_materialize_grads(False)  # no zero-filled gradient for lse
 
@@ -215,7 +221,8 @@ def _backward(ctx, dout, dlse):
     deterministic = bool(ctx.deterministic) or torch.are_deterministic_algorithms_enabled()
     dq, dk, dv, dsink = bwd(dout, q, k, v, out, lse, ctx.softmax_scale, ctx.causal, deterministic,
                             ctx.window_left, ctx.window_right, ctx.softcap, ctx.attention_chunk, learnable_sink,
-                            cu_seqlens_q, cu_seqlens_k, ctx.max_seqlen_q, ctx.max_seqlen_k, seqused_q, seqused_k)
+                            cu_seqlens_q, cu_seqlens_k, ctx.max_seqlen_q, ctx.max_seqlen_k, seqused_q, seqused_k,
+                            ctx.sm_margin)
     sink_grad = dsink if learnable_sink is not None and ctx.needs_input_grad[_SINK_INPUT] else None
     grads = [None] * _NUM_FWD_INPUTS
     grads[:3] = dq, dk, dv

@@ -757,12 +757,19 @@ Status check_forward_shapes(const ForwardParams& p, const AttentionArgs& a, cons
   return {};
 }
 
+// The device's SM count is not known here (the checks run without a GPU); the dispatch refuses a
+// margin that leaves none (sm_margin_unsupported_reason).
+Status check_sm_margin(int32_t sm_margin) {
+  if (sm_margin < 0) return invalid("sm_margin", "is ", sm_margin, "; must be >= 0 (the SMs left free)");
+  return {};
+}
+
 Status check_forward_scalars(const ForwardParams& p, const AttentionArgs& a) {
   FLASHHOPPER_RETURN_IF_INVALID(check_mask_and_scale(a));
   if (p.num_splits < 0 || p.num_splits > kMaxSplits) {
     return invalid("num_splits", "is ", p.num_splits, "; must be in [0, ", kMaxSplits, "] (0: chosen from the shapes)");
   }
-  return {};
+  return check_sm_margin(p.sm_margin);
 }
 
 // ---- Backward -----------------------------------------------------------------------------------
@@ -869,7 +876,7 @@ Status check_backward_scalars(const BackwardParams& p, const AttentionArgs& a) {
   if (p.deterministic != 0 && p.deterministic != 1) {
     return invalid("deterministic", "is ", p.deterministic, "; must be 0 or 1");
   }
-  return {};
+  return check_sm_margin(p.sm_margin);
 }
 
 }  // namespace

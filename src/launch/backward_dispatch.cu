@@ -1,7 +1,10 @@
 // Backward dispatch: what this build can run, the workspace it needs, and the switch to the
 // compiled instantiation.
+#include <string>
+
 #include "launch/backward_launch.hpp"
 #include "launch/backward_workspace.hpp"
+#include "launch/device_info.hpp"
 #include "launch/dispatch.hpp"
 #include "launch/launch.hpp"
 
@@ -16,6 +19,7 @@ const KernelFamily* backward_family(const BackwardParams& p, const detail::Probl
 std::string backward_unsupported_reason(const BackwardParams& p, const detail::ProblemShape& s) {
   const detail::MaskSpec mask = detail::mask_spec(p);
   if (const char* reason = varlen_batch_reason(s)) return reason;
+  if (std::string reason = sm_margin_reason(p.sm_margin); !reason.empty()) return reason;
   if (mask.num_sink_tokens > 0 && mask.attention_chunk > 0)
     return "num_sink_tokens together with attention_chunk is not supported by the kernels";
   return family_unsupported_reason(Pass::kBackward, static_cast<fh_dtype>(p.q.dtype), s.head_dim, s.head_dim_v);

@@ -126,7 +126,7 @@ cudaError_t run_backward_hdim(const BackwardParams& p, const detail::ProblemShap
   const TensorRows qr = q_rows(p.q), kr = k_rows(p.k);
 
   int num_sms = 0, l2_bytes = 0;
-  cudaError_t err = device_sms_and_l2(&num_sms, &l2_bytes);
+  cudaError_t err = usable_sms_and_l2(p.sm_margin, &num_sms, &l2_bytes);
   if (err != cudaSuccess) return err;
 
   // dQaccum and the semaphores start at zero; the preprocess fills the rest.

@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <mutex>
+#include <string>
 
 namespace flashhopper::launch {
 
@@ -51,6 +52,23 @@ inline cudaError_t device_sms_and_l2(int* num_sms, int* l2_bytes) {
   *num_sms = d.num_sms;
   *l2_bytes = d.l2_bytes;
   return err;
+}
+
+// The SMs a call's persistent kernels spread over: the device's less the caller's sm_margin (the
+// dispatch refused a margin that leaves none: sm_margin_reason).
+inline cudaError_t usable_sms_and_l2(int sm_margin, int* num_sms, int* l2_bytes) {
+  const cudaError_t err = device_sms_and_l2(num_sms, l2_bytes);
+  *num_sms = *num_sms > sm_margin ? *num_sms - sm_margin : 1;
+  return err;
+}
+
+// Empty when sm_margin leaves the current device an SM (or the device cannot be asked: the launch
+// reports that), else why not.
+inline std::string sm_margin_reason(int sm_margin) {
+  int num_sms = 0, l2_bytes = 0;
+  if (sm_margin == 0 || device_sms_and_l2(&num_sms, &l2_bytes) != cudaSuccess || sm_margin < num_sms) return {};
+  return "sm_margin " + std::to_string(sm_margin) + " leaves no SM of the device's " + std::to_string(num_sms) +
+         " to the kernels";
 }
 
 }  // namespace flashhopper::launch

@@ -46,7 +46,7 @@ int forward_num_splits(const ForwardParams& p, const detail::ProblemShape& s) {
   if (p.num_splits != 0) return p.num_splits;
   const TileExtent tile = forward_tile(p, s);
   int num_sms = 0, l2_bytes = 0;
-  if (tile.block_m == 0 || device_sms_and_l2(&num_sms, &l2_bytes) != cudaSuccess) return 1;
+  if (tile.block_m == 0 || usable_sms_and_l2(p.sm_margin, &num_sms, &l2_bytes) != cudaSuccess) return 1;
   // Packed queries: the most tiles the sequences can have (their lengths are in device memory).
   const int64_t tiles = s.varlen_q ? max_planned_tiles(s.total_q, s.seqlen_q, s.batch, s.heads_q, tile.block_m)
                                    : (s.seqlen_q + tile.block_m - 1) / tile.block_m * s.heads_q * s.batch;
@@ -64,6 +64,7 @@ size_t round_up_256(size_t bytes) { return (bytes + 255) / 256 * 256; }
 std::string forward_unsupported_reason(const ForwardParams& p, const detail::ProblemShape& s) {
   const detail::MaskSpec mask = detail::mask_spec(p);
   if (const char* reason = varlen_batch_reason(s)) return reason;
+  if (std::string reason = sm_margin_reason(p.sm_margin); !reason.empty()) return reason;
   // A KV cache runs dense (cache_seqlens, cache_leftpad, cache_batch_idx) or paged with any page
   // size, with the append and rotary (a kernel before the attention). The producer numbers a
   // paged cache's rows (page * page_size + row) in int32.

@@ -86,7 +86,7 @@ cudaError_t run_forward_hdim(const ForwardParams& p, const detail::ProblemShape&
       workspace.lse_partial};
 
   int num_sms = 0, l2_bytes = 0;
-  cudaError_t err = device_sms_and_l2(&num_sms, &l2_bytes);
+  cudaError_t err = usable_sms_and_l2(p.sm_margin, &num_sms, &l2_bytes);
   if (err != cudaSuccess) return err;
 
   const int64_t kv_bytes_per_row = int64_t(d + dv) * sizeof(Element);  // a key's K and V, one head

@@ -219,7 +219,7 @@ std::tuple<Tensor, Tensor> forward(Tensor q, Tensor k, Tensor v, std::optional<d
                                    std::optional<Tensor> learnable_sink, std::optional<Tensor> cu_seqlens_q,
                                    std::optional<Tensor> cu_seqlens_k, std::optional<int64_t> max_seqlen_q,
                                    std::optional<int64_t> max_seqlen_k, std::optional<Tensor> seqused_q,
-                                   std::optional<Tensor> seqused_k, int64_t num_splits) {
+                                   std::optional<Tensor> seqused_k, int64_t num_splits, int64_t sm_margin) {
   const bool varlen = cu_seqlens_q.has_value() || cu_seqlens_k.has_value();
   check_ranks(q, v, varlen);
   Tensor out = torch::stable::new_empty(q, out_shape(q, v));
@@ -231,6 +231,7 @@ std::tuple<Tensor, Tensor> forward(Tensor q, Tensor k, Tensor v, std::optional<d
   set_mask(p, causal, window_left, window_right, softcap, attention_chunk, q, k, varlen, max_seqlen_q,
            max_seqlen_k);
   p.num_splits = as_int32("num_splits", num_splits);
+  p.sm_margin = as_int32("sm_margin", sm_margin);
   launch(p, q, fh_forward_workspace_size, fh_forward);
   return {out, lse};
 }
@@ -240,7 +241,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> backward(
     bool causal, bool deterministic, int64_t window_left, int64_t window_right, double softcap,
     int64_t attention_chunk, std::optional<Tensor> learnable_sink, std::optional<Tensor> cu_seqlens_q,
     std::optional<Tensor> cu_seqlens_k, std::optional<int64_t> max_seqlen_q, std::optional<int64_t> max_seqlen_k,
-    std::optional<Tensor> seqused_q, std::optional<Tensor> seqused_k) {
+    std::optional<Tensor> seqused_q, std::optional<Tensor> seqused_k, int64_t sm_margin) {
   const bool varlen = cu_seqlens_q.has_value() || cu_seqlens_k.has_value();
   check_ranks(q, v, varlen);
   if (dout.dim() < 1) refuse(FH_ERROR_INVALID_ARGUMENT, "dout: expected the shape of out");
@@ -261,6 +262,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> backward(
   if (learnable_sink.has_value()) p.dsink = view("dsink", dsink);
   p.softmax_scale = library_scale(softmax_scale);
   p.deterministic = deterministic ? 1 : 0;
+  p.sm_margin = as_int32("sm_margin", sm_margin);
   set_mask(p, causal, window_left, window_right, softcap, attention_chunk, q, k, varlen, max_seqlen_q,
            max_seqlen_k);
   launch(p, q, fh_backward_workspace_size, fh_backward);

@@ -1068,6 +1068,22 @@ TEST(ForwardScalar, NumSplitsInRange) {
   }
 }
 
+// sm_margin: the SMs left free. Negative is refused in both passes; any positive margin passes the
+// checks (the device's SM count is the dispatch's to judge), and the CPU reference ignores it.
+TEST(Scalars, SmMarginNotNegative) {
+  fh::ForwardParams f = dense_forward();
+  fh::BackwardParams b = dense_backward();
+  f.sm_margin = b.sm_margin = -1;
+  EXPECT_REFUSED(fh::check(f), "sm_margin", ">= 0");
+  EXPECT_REFUSED(fh::check(b), "sm_margin", ">= 0");
+  f.sm_margin = b.sm_margin = 8;
+  EXPECT_PASSES(fh::check(f));
+  EXPECT_PASSES(fh::check(b));
+  EXPECT_PASSES(check_for_reference(f));
+  EXPECT_EQ(fh::default_forward_params().sm_margin, 0);
+  EXPECT_EQ(fh::default_backward_params().sm_margin, 0);
+}
+
 // ---- Order: the first failure is the most useful one ------------------------------------------
 
 TEST(ForwardOrder, PresenceThenRankThenShapeThenStride) {

@@ -94,11 +94,11 @@ def test_ops_registered():
                "Tensor? learnable_sink=None, Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, "
                "SymInt? max_seqlen_q=None, SymInt? max_seqlen_k=None, Tensor? seqused_q=None, Tensor? seqused_k=None")
     assert fwd_schema == ("flashhopper::fwd(Tensor q, Tensor k, Tensor v, float? softmax_scale=None, "
-                          f"bool causal=False, bool deterministic=False, {options}, SymInt num_splits=1) "
-                          "-> (Tensor, Tensor)")
+                          f"bool causal=False, bool deterministic=False, {options}, SymInt num_splits=1, "
+                          "SymInt sm_margin=0) -> (Tensor, Tensor)")
     assert bwd_schema == ("flashhopper::bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
-                          f"float? softmax_scale=None, bool causal=False, bool deterministic=False, {options}) "
-                          "-> (Tensor, Tensor, Tensor, Tensor)")
+                          f"float? softmax_scale=None, bool causal=False, bool deterministic=False, {options}, "
+                          "SymInt sm_margin=0) -> (Tensor, Tensor, Tensor, Tensor)")
 
 
 def test_cpp_ops_load_where_the_build_made_them():
@@ -195,7 +195,6 @@ def test_module_alias_import():
 # What the kernels cannot do yet: NotImplementedError naming the argument, before device checks
 
 @pytest.mark.parametrize("kwargs, argument", [
-    (dict(sm_margin=8), "sm_margin"),
     (dict(q_descale=torch.ones(2, 2)), "q_descale"),
     (dict(k_descale=torch.ones(2, 2)), "k_descale"),
     (dict(v_descale=torch.ones(2, 2)), "v_descale"),
@@ -282,7 +281,7 @@ def test_get_scheduler_metadata_is_the_split_count(monkeypatch):
         (dict(window_size=(-2, 0)), ValueError, "window_size"),
         (dict(qkv_dtype=torch.float32), ValueError, "qkv_dtype: torch.float32 is not supported"),
         (dict(page_size=0), ValueError, "page_size: is 0; must be at least 1"),
-        (dict(sm_margin=4), NotImplementedError, "sm_margin"),
+        (dict(sm_margin=4.0), ValueError, "sm_margin: expected an int, got float"),
     ]
     for kwargs, error, message in refusals:
         args = dict(batch_size=2, max_seqlen_q=1, max_seqlen_k=128, num_heads_q=8, num_heads_kv=2, headdim=64,
@@ -404,8 +403,8 @@ def test_refusals_are_flashhopper_errors_of_the_builtin_type():
         flash_attn_func(q.float(), k.float(), v.float())
     assert isinstance(info.value, (flashhopper.FlashHopperError)) and isinstance(info.value, RuntimeError)
     assert isinstance(info.value, ValueError)
-    with pytest.raises(flashhopper.FlashHopperNotSupported, match="sm_margin") as info:
-        flash_attn_func(q, k, v, sm_margin=2)
+    with pytest.raises(flashhopper.FlashHopperNotSupported, match="qv") as info:
+        flash_attn_func(q, k, v, qv=q)
     assert isinstance(info.value, flashhopper.FlashHopperError) and isinstance(info.value, NotImplementedError)
     with pytest.raises(flashhopper.FlashHopperInvalidArgument, match="window_size"):
         fa3.flash_attn_varlen_func(*varlen_args(), window_size=(-2, 0))
@@ -567,7 +566,7 @@ def test_varlen_paged_keys_gather_and_scatter(monkeypatch, seqused_k):
         return packed_reference(q, k_cache.flatten(0, 1)[keys], v_cache.flatten(0, 1)[keys], lengths, mask[0])
 
     def kernel_backward(dout, q, k, v, out, lse, softmax_scale, causal, deterministic, wl, wr, softcap, chunk, sink,
-                        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k):
+                        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, sm_margin):
         assert torch.equal(cu_seqlens_k, torch.arange(0, 4 * max_k, max_k, dtype=torch.int32))
         assert seqused_k.tolist() == lengths
         for b in range(3):  # the gathered copy: the sequence's keys, then zeros
@@ -816,6 +815,26 @@ def test_flash_attn_func_passes_num_splits(monkeypatch):
         flash_attn_func(q, k, v, num_splits=2.0)
 
 
+def test_sm_margin_reaches_the_library(monkeypatch):
+    """FA3's sm_margin (SMs left free for other kernels) reaches both passes' structs through the
+    plain calls, the autograd op, the KV-cache call and FA3's private backward; 0 by default; a
+    float is refused by name (the range is the library's rule: tests/cpp/test_validation.cpp)."""
+    captured = _captured_params(monkeypatch)
+    q, k, v = qkv()
+    flash_attn_func(q, k, v)
+    flash_attn_func(q, k, v, sm_margin=8)
+    leaf = q.clone().requires_grad_()
+    out = flash_attn_func(leaf, k, v, sm_margin=4)
+    torch.autograd.grad(out, leaf, torch.ones_like(out))
+    fa3.flash_attn_with_kvcache(q[:, :1], k, v, cache_seqlens=torch.tensor([5, 9], dtype=torch.int32), sm_margin=2)
+    lse = torch.zeros(q.shape[0], q.shape[2], q.shape[1])
+    fa3._flash_attn_backward(q, q, k, v, q, lse, sm_margin=6)
+    assert [params.sm_margin for params in captured] == [0, 8, 4, 4, 2, 6]
+    assert [type(params).__name__ for params in captured[2:4]] == ["ForwardParams", "BackwardParams"]
+    with pytest.raises(ValueError, match="sm_margin: expected an int, got float"):
+        flash_attn_func(q, k, v, sm_margin=2.0)
+
+
 @pytest.mark.parametrize("causal, window, expected", [
     (False, (-1, -1), (0, -1, -1)), (True, (-1, -1), (1, -1, -1)), (True, (16, 16), (0, 16, 0)),
     (False, (-1, 0), (1, -1, -1)), (False, (16, 8), (0, 16, 8)), (False, (500, 500), (0, -1, -1)),
@@ -1017,10 +1036,10 @@ def test_ffi_struct_sizes_and_new_fields():
     assert ctypes.sizeof(_ffi.Tensor) == 96
     fwd_fields = [name for name, _ in _ffi.ForwardParams._fields_]
     bwd_fields = [name for name, _ in _ffi.BackwardParams._fields_]
-    assert fwd_fields[-11:] == ["num_splits", "attention_chunk", "learnable_sink", "qv", "cache_batch_idx",
+    assert fwd_fields[-12:] == ["num_splits", "attention_chunk", "learnable_sink", "qv", "cache_batch_idx",
                                 "cache_leftpad", "rotary_cos", "rotary_sin", "rotary_seqlens", "rotary_interleaved",
-                                "cu_seqlens_k_new"]
-    assert bwd_fields[-4:] == ["deterministic", "attention_chunk", "learnable_sink", "dsink"]
+                                "cu_seqlens_k_new", "sm_margin"]
+    assert bwd_fields[-5:] == ["deterministic", "attention_chunk", "learnable_sink", "dsink", "sm_margin"]
     # forward: 9 tensors, max_seqlen_q/k (2 x 4), 7 more tensors, softmax_scale .. num_splits (7 x 4),
     # attention_chunk (4; ends at a multiple of 8, so no padding before the tensor), learnable_sink, qv
     assert _ffi.ForwardParams.attention_chunk.offset == 16 * 96 + 8 + 28 == 1572
@@ -1028,12 +1047,14 @@ def test_ffi_struct_sizes_and_new_fields():
     assert _ffi.ForwardParams.qv.offset == 1576 + 96
     assert _ffi.ForwardParams.rotary_interleaved.offset == 1576 + 7 * 96
     assert _ffi.ForwardParams.cu_seqlens_k_new.offset == 1576 + 7 * 96 + 8  # the int32 padded to 8
-    assert ctypes.sizeof(_ffi.ForwardParams) == 1576 + 8 * 96 + 8
+    assert _ffi.ForwardParams.sm_margin.offset == 1576 + 8 * 96 + 8
+    assert ctypes.sizeof(_ffi.ForwardParams) == 1576 + 8 * 96 + 8 + 8  # sm_margin padded to 8
     # backward: 13 tensors, max_seqlen_q/k, softmax_scale .. deterministic (7 x 4), attention_chunk, 2 tensors
     assert _ffi.BackwardParams.attention_chunk.offset == 13 * 96 + 8 + 28 == 1284
     assert _ffi.BackwardParams.learnable_sink.offset == 1288
     assert _ffi.BackwardParams.dsink.offset == 1288 + 96
-    assert ctypes.sizeof(_ffi.BackwardParams) == 1288 + 2 * 96
+    assert _ffi.BackwardParams.sm_margin.offset == 1288 + 2 * 96
+    assert ctypes.sizeof(_ffi.BackwardParams) == 1288 + 2 * 96 + 8  # sm_margin padded to 8
 
 
 def test_ffi_structs_match_the_c_compiler(tmp_path):

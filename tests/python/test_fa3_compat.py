@@ -114,10 +114,10 @@ def test_private_forward_picks_the_kv_cache_form(arguments, cache):
 def test_private_entry_points_refuse_by_name():
     q = torch.randn(1, 8, 2, 64, dtype=torch.bfloat16)
     lse = torch.zeros(1, 2, 8)
-    with pytest.raises(NotImplementedError, match="sm_margin=4"):
-        fa3._flash_attn_forward(q, q, q, sm_margin=4)
-    with pytest.raises(NotImplementedError, match="sm_margin=1"):
-        fa3._flash_attn_backward(q, q, q, q, q, lse, sm_margin=1)
+    with pytest.raises(ValueError, match="sm_margin: expected an int"):
+        fa3._flash_attn_forward(q, q, q, sm_margin=4.0)
+    with pytest.raises(ValueError, match="sm_margin: expected an int"):
+        fa3._flash_attn_backward(q, q, q, q, q, lse, sm_margin=None)
     with pytest.raises(NotImplementedError, match="q_descale"):
         fa3._flash_attn_forward(q, q, q, q_descale=torch.ones(1, 2))
     with pytest.raises(NotImplementedError, match="cu_seqlens_k"):  # a KV-cache call over packed keys

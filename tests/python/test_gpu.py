@@ -295,6 +295,36 @@ def test_cuda_graph_with_options():
 
 
 @requires_gpu
+def test_sm_margin_leaves_the_results_unchanged():
+    """sm_margin (SMs left free) only shrinks the persistent kernels' grids: dense, causal packed
+    and KV-cache forwards and the deterministic backward give the same bits with margins of 8 and
+    of all SMs but one; a margin of every SM is refused by name."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    q, k, v = make_inputs(2, 1000, 1000, 8, 2, 128, torch.bfloat16, seed=41)
+    qv, kv, vv, cu_q, cu_k = make_varlen_inputs(MIX, MIX, 8, 2, 128, torch.bfloat16, seed=42)
+    dout = torch.randn_like(q)
+    cache_k, cache_v = (torch.randn(4, 4096, 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    lengths = torch.tensor([4000, 17, 0, 2048], dtype=torch.int32, device="cuda")
+    decode_q = torch.randn(4, 1, 8, 128, device="cuda", dtype=torch.bfloat16)
+
+    def run(sm_margin):
+        out = run_or_skip(flash_attn_func, q, k, v, causal=True, deterministic=True, sm_margin=sm_margin)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+        packed = fa3.flash_attn_varlen_func(qv, kv, vv, cu_q, cu_k, max(MIX), max(MIX), causal=True,
+                                            sm_margin=sm_margin)
+        decode = fa3.flash_attn_with_kvcache(decode_q, cache_k, cache_v, cache_seqlens=lengths, num_splits=3,
+                                             sm_margin=sm_margin)
+        return (out, *grads, packed, decode)
+
+    base = run(0)
+    for margin in (8, sms - 1):
+        for name, a, b in zip(("out", "dq", "dk", "dv", "varlen out", "decode out"), run(margin), base):
+            assert torch.equal(a, b), f"{name} differs with sm_margin={margin}"
+    with pytest.raises(NotImplementedError, match=f"sm_margin {sms} leaves no SM"):
+        flash_attn_func(q.detach(), k.detach(), v.detach(), sm_margin=sms)
+
+
+@requires_gpu
 def test_deterministic_backward_is_bitwise_reproducible():
     q, k, v = make_inputs(2, 384, 384, 8, 2, 128, torch.bfloat16, seed=7)
     out = run_or_skip(flash_attn_func, q, k, v, causal=True, deterministic=True)
