@@ -39,7 +39,7 @@ from . import interface as flashhopper  # forward / backward, no autograd
 from .bench_timing import can_time_here, time_all_ms
 
 BACKENDS = ("flashhopper", "cudnn", "flash", "flashhopper_det")  # _det: deterministic=True (backward only)
-FIELDS = ["date", "gpu", "pass", "hdim", "causal", "seqlen", "batch", "heads",
+FIELDS = ["date", "gpu", "pass", "hdim", "causal", "seqlen", "batch", "heads", "sm_margin",
           *(f"{name}_{unit}" for name in BACKENDS for unit in ("ms", "tflops")), "max_diff_vs_cudnn"]
 PASS_NAMES = {"fwd": "forward", "bwd": "backward"}
 
@@ -102,6 +102,8 @@ def main(argv=None):
                         help="backward: interleaved rounds (default: %(default)s)")
     parser.add_argument("--bwd-calls", type=int, default=5,
                         help="backward: back-to-back calls per round (default: %(default)s)")
+    parser.add_argument("--sm-margin", type=int, default=0,
+                        help="SMs FlashHopper's kernels leave free, as FA3's sm_margin (default: %(default)s)")
     parser.add_argument("--out", default="flashhopper-bench",
                         help="folder for the CSVs and plots, created when the run starts (default: %(default)s)")
     args = parser.parse_args(argv)
@@ -131,9 +133,9 @@ def main(argv=None):
                 for seqlen in args.seqlens:
                     batch, heads = args.total_tokens // seqlen, args.model_dim // head_dim
                     row = {"date": date, "gpu": gpu, "pass": pass_, "hdim": head_dim, "causal": causal,
-                           "seqlen": seqlen, "batch": batch, "heads": heads}
+                           "seqlen": seqlen, "batch": batch, "heads": heads, "sm_margin": args.sm_margin}
                     measure = _forward_row if pass_ == "fwd" else _backward_row
-                    measure(row, batch, seqlen, heads, head_dim, causal, timing[pass_], reported)
+                    measure(row, batch, seqlen, heads, head_dim, causal, timing[pass_], reported, args.sm_margin)
                     rows.append(row)
                     done += 1
                     _progress(done, total, started, row)
@@ -142,7 +144,8 @@ def main(argv=None):
         tables.append((name, rows, csv_path))
 
     for name, rows, csv_path in tables:
-        print(f"\n{gpu}, {date}, {name} TFLOP/s (ratio = flashhopper / cudnn; '-': not available)")
+        margin = f", flashhopper with sm_margin {args.sm_margin}" if args.sm_margin else ""
+        print(f"\n{gpu}, {date}, {name} TFLOP/s (ratio = flashhopper / cudnn; '-': not available{margin})")
         print("| hdim | causal | seqlen | flashhopper | cudnn | flash | ratio | deterministic | det / default |")
         print("|---|---|---|---|---|---|---|---|---|")
         for r in rows:
@@ -169,11 +172,11 @@ def _inputs(batch, seqlen, heads, head_dim):
     return q, k, v
 
 
-def _forward_row(row, batch, seqlen, heads, head_dim, causal, timing, reported):
+def _forward_row(row, batch, seqlen, heads, head_dim, causal, timing, reported, sm_margin=0):
     q, k, v = _inputs(batch, seqlen, heads, head_dim)
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))  # SDPA wants [B, H, S, D]
     setups = {
-        "flashhopper": lambda: lambda: flashhopper.forward(q, k, v, causal=bool(causal)),
+        "flashhopper": lambda: lambda: flashhopper.forward(q, k, v, causal=bool(causal), sm_margin=sm_margin),
         "cudnn": lambda: lambda: _sdpa(SDPBackend.CUDNN_ATTENTION, qt, kt, vt, causal),
         "flash": lambda: lambda: _sdpa(SDPBackend.FLASH_ATTENTION, qt, kt, vt, causal),
     }
@@ -187,17 +190,18 @@ def _forward_row(row, batch, seqlen, heads, head_dim, causal, timing, reported):
             row["max_diff_vs_cudnn"] = (ours - ref).abs().max().item()
 
 
-def _backward_row(row, batch, seqlen, heads, head_dim, causal, timing, reported):
+def _backward_row(row, batch, seqlen, heads, head_dim, causal, timing, reported, sm_margin=0):
     q, k, v = _inputs(batch, seqlen, heads, head_dim)
     dout = torch.randn_like(q)
 
     def flashhopper_setup():
         out, lse = flashhopper.forward(q, k, v, causal=bool(causal), return_lse=True)
-        return lambda: flashhopper.backward(dout, q, k, v, out, lse, causal=bool(causal))
+        return lambda: flashhopper.backward(dout, q, k, v, out, lse, causal=bool(causal), sm_margin=sm_margin)
 
     def flashhopper_det_setup():
         out, lse = flashhopper.forward(q, k, v, causal=bool(causal), return_lse=True)
-        return lambda: flashhopper.backward(dout, q, k, v, out, lse, causal=bool(causal), deterministic=True)
+        return lambda: flashhopper.backward(dout, q, k, v, out, lse, causal=bool(causal), deterministic=True,
+                                            sm_margin=sm_margin)
 
     def sdpa_setup(backend):
         leaves = [x.detach().requires_grad_() for x in (q, k, v)]
