@@ -13,7 +13,8 @@ which runs that backend's backward kernel(s) only. dout is laid out like each ba
 backend that cannot run a shape (or FlashHopper's backward while the library says it is not
 supported) is recorded as unavailable: NaN in the CSV, '-' in the table, no bar in the plot.
 max_diff_vs_cudnn is the largest absolute difference from cuDNN's out (forward) or dq/dk/dv
-(backward).
+(backward). FlashAttention-4's sm90 path is a column too where `flash_attn.cute` imports (the
+peers' install; its backward timed through autograd as SDPA's), with the ratio to it.
 
     python -m flashhopper.bench [--passes fwd bwd] [--hdims 64 128 ...] [--seqlens ...] [--causal 0 1] [--out DIR]
     (bench/benchmark_attention.py is the same script; scripts/device_check.sh bench runs it)
@@ -38,7 +39,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from . import interface as flashhopper  # forward / backward, no autograd
 from .bench_timing import can_time_here, time_all_ms
 
-BACKENDS = ("flashhopper", "cudnn", "flash", "flashhopper_det")  # _det: deterministic=True (backward only)
+BACKENDS = ("flashhopper", "cudnn", "flash", "flashhopper_det", "fa4")  # _det: deterministic=True (backward only)
 FIELDS = ["date", "gpu", "pass", "hdim", "causal", "seqlen", "batch", "heads", "sm_margin",
           *(f"{name}_{unit}" for name in BACKENDS for unit in ("ms", "tflops")), "max_diff_vs_cudnn"]
 PASS_NAMES = {"fwd": "forward", "bwd": "backward"}
@@ -113,6 +114,7 @@ def main(argv=None):
         args.hdims = sorted({f.head_dim for f in flashhopper.compiled_families()
                              if f.pass_ == "forward" and f.dtype == torch.bfloat16})
     os.makedirs(args.out, exist_ok=True)
+    fa4 = _load_fa4()
     gpu = torch.cuda.get_device_name()
     date = datetime.date.today().isoformat()
     timing = {"fwd": dict(warmup=10, rounds=args.rounds, calls=args.calls),
@@ -135,7 +137,7 @@ def main(argv=None):
                     row = {"date": date, "gpu": gpu, "pass": pass_, "hdim": head_dim, "causal": causal,
                            "seqlen": seqlen, "batch": batch, "heads": heads, "sm_margin": args.sm_margin}
                     measure = _forward_row if pass_ == "fwd" else _backward_row
-                    measure(row, batch, seqlen, heads, head_dim, causal, timing[pass_], reported, args.sm_margin)
+                    measure(row, batch, seqlen, heads, head_dim, causal, timing[pass_], reported, args.sm_margin, fa4)
                     rows.append(row)
                     done += 1
                     _progress(done, total, started, row)
@@ -146,12 +148,15 @@ def main(argv=None):
     for name, rows, csv_path in tables:
         margin = f", flashhopper with sm_margin {args.sm_margin}" if args.sm_margin else ""
         print(f"\n{gpu}, {date}, {name} TFLOP/s (ratio = flashhopper / cudnn; '-': not available{margin})")
-        print("| hdim | causal | seqlen | flashhopper | cudnn | flash | ratio | deterministic | det / default |")
-        print("|---|---|---|---|---|---|---|---|---|")
+        print("| hdim | causal | seqlen | flashhopper | cudnn | flash | FA4 | ratio | ours / FA4 | deterministic | "
+              "det / default |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
         for r in rows:
             det = r["flashhopper_det_tflops"]
             print(f"| {r['hdim']} | {r['causal']} | {r['seqlen']} | {_fmt(r['flashhopper_tflops'], '.0f')} | "
-                  f"{_fmt(r['cudnn_tflops'], '.0f')} | {_fmt(r['flash_tflops'], '.0f')} | {_fmt(_ratio(r), '.2f')} | "
+                  f"{_fmt(r['cudnn_tflops'], '.0f')} | {_fmt(r['flash_tflops'], '.0f')} | "
+                  f"{_fmt(r['fa4_tflops'], '.0f')} | {_fmt(_ratio(r), '.2f')} | "
+                  f"{_fmt(r['flashhopper_tflops'] / r['fa4_tflops'], '.2f')} | "
                   f"{_fmt(det, '.0f')} | {_fmt(det / r['flashhopper_tflops'], '.2f')} |")
         print(f"wrote {csv_path}")
     print(f"done: {done} rows in {time.monotonic() - started:.0f} s")
@@ -167,12 +172,22 @@ def _progress(done, total, started, row):
           + f" TFLOP/s  ratio {_fmt(_ratio(row), '.2f')}  [{time.monotonic() - started:6.0f} s]", flush=True)
 
 
+def _load_fa4():
+    """FlashAttention-4's flash_attn_func (its sm90 path), or None (said once) where it does not import."""
+    try:
+        from flash_attn.cute import flash_attn_func
+    except Exception as error:  # not installed, or its DSL missing: the column stays empty
+        print(f"FlashAttention-4 not available ({type(error).__name__}: {error}): its column stays empty", flush=True)
+        return None
+    return flash_attn_func
+
+
 def _inputs(batch, seqlen, heads, head_dim):
     q, k, v = (torch.randn(batch, seqlen, heads, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     return q, k, v
 
 
-def _forward_row(row, batch, seqlen, heads, head_dim, causal, timing, reported, sm_margin=0):
+def _forward_row(row, batch, seqlen, heads, head_dim, causal, timing, reported, sm_margin=0, fa4=None):
     q, k, v = _inputs(batch, seqlen, heads, head_dim)
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))  # SDPA wants [B, H, S, D]
     setups = {
@@ -180,6 +195,10 @@ def _forward_row(row, batch, seqlen, heads, head_dim, causal, timing, reported, 
         "cudnn": lambda: lambda: _sdpa(SDPBackend.CUDNN_ATTENTION, qt, kt, vt, causal),
         "flash": lambda: lambda: _sdpa(SDPBackend.FLASH_ATTENTION, qt, kt, vt, causal),
     }
+    if fa4 is not None:
+        setups["fa4"] = lambda: pass_setup("fwd", lambda *x: fa4(*x, causal=bool(causal)), (q, k, v), None)[0]
+    else:
+        row["fa4_ms"] = row["fa4_tflops"] = float("nan")
     fns = _time_row(row, setups, flops(batch, heads, seqlen, head_dim, causal), timing, reported)
     row["flashhopper_det_ms"] = row["flashhopper_det_tflops"] = float("nan")  # the forward has no such mode
     row["max_diff_vs_cudnn"] = float("nan")
@@ -190,7 +209,7 @@ def _forward_row(row, batch, seqlen, heads, head_dim, causal, timing, reported, 
             row["max_diff_vs_cudnn"] = (ours - ref).abs().max().item()
 
 
-def _backward_row(row, batch, seqlen, heads, head_dim, causal, timing, reported, sm_margin=0):
+def _backward_row(row, batch, seqlen, heads, head_dim, causal, timing, reported, sm_margin=0, fa4=None):
     q, k, v = _inputs(batch, seqlen, heads, head_dim)
     dout = torch.randn_like(q)
 
@@ -219,6 +238,10 @@ def _backward_row(row, batch, seqlen, heads, head_dim, causal, timing, reported,
         "flash": lambda: sdpa_setup(SDPBackend.FLASH_ATTENTION),
         "flashhopper_det": flashhopper_det_setup,
     }
+    if fa4 is not None:
+        setups["fa4"] = lambda: pass_setup("bwd", lambda *x: fa4(*x, causal=bool(causal)), (q, k, v), dout)[0]
+    else:
+        row["fa4_ms"] = row["fa4_tflops"] = float("nan")
     fns = _time_row(row, setups, 2.5 * flops(batch, heads, seqlen, head_dim, causal), timing, reported)
     row["max_diff_vs_cudnn"] = float("nan")
     if "flashhopper" in fns and "cudnn" in fns:
@@ -284,10 +307,10 @@ def _plot(rows, path, gpu, date, pass_name):
             ax = axes[i][j]
             sel = [r for r in rows if r["hdim"] == hdim and r["causal"] == causal]
             labels = [str(r["seqlen"]) for r in sel]
-            width = 0.27
-            for n, (name, color) in enumerate((("flashhopper", "tab:red"), ("cudnn", "tab:green"),
-                                               ("flash", "tab:blue"))):
-                xs = [x + (n - 1) * width for x in range(len(sel))]
+            width = 0.2
+            for n, (name, color) in enumerate((("flashhopper", "tab:red"), ("fa4", "tab:purple"),
+                                               ("cudnn", "tab:green"), ("flash", "tab:blue"))):
+                xs = [x + (n - 1.5) * width for x in range(len(sel))]
                 heights = [r[f"{name}_tflops"] for r in sel]
                 missing = all(math.isnan(h) for h in heights)
                 ax.bar(xs, [0.0 if math.isnan(h) else h for h in heights], width,
@@ -297,7 +320,7 @@ def _plot(rows, path, gpu, date, pass_name):
             ax.set_xlabel("sequence length (16k tokens total)")
             ax.set_ylabel("TFLOP/s")
             ax.legend(fontsize=8)
-    fig.suptitle(f"FlashHopper vs PyTorch SDPA, {pass_name}, bf16, {gpu}, {date}")
+    fig.suptitle(f"FlashHopper vs FlashAttention-4 and PyTorch SDPA, {pass_name}, bf16, {gpu}, {date}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
