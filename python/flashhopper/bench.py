@@ -13,7 +13,10 @@ which runs that backend's backward kernel(s) only. dout is laid out like each ba
 backend that cannot run a shape (or FlashHopper's backward while the library says it is not
 supported) is recorded as unavailable: NaN in the CSV, '-' in the table, no bar in the plot.
 max_diff_vs_cudnn is the largest absolute difference from cuDNN's out (forward) or dq/dk/dv
-(backward). FlashAttention-4's sm90 path is a column too where `flash_attn.cute` imports (the
+(backward). The backward rows also record each backend's peak memory over one forward + backward
+step through autograd (torch.cuda.max_memory_allocated above what was allocated before it:
+outputs, saved tensors, workspace and gradients; the *_step_peak_mib columns).
+FlashAttention-4's sm90 path is a column too where `flash_attn.cute` imports (the
 peers' install; its backward timed through autograd as SDPA's), with the ratio to it.
 
     python -m flashhopper.bench [--passes fwd bwd] [--hdims 64 128 ...] [--seqlens ...] [--causal 0 1] [--out DIR]
@@ -37,11 +40,14 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from . import interface as flashhopper  # forward / backward, no autograd
+from .flash_attn_interface import flash_attn_func  # the memory of a step through autograd
 from .bench_timing import can_time_here, time_all_ms
 
 BACKENDS = ("flashhopper", "cudnn", "flash", "flashhopper_det", "fa4")  # _det: deterministic=True (backward only)
+PEAK_BACKENDS = ("flashhopper", "cudnn", "fa4")  # the backward rows' peak memory of a whole step
 FIELDS = ["date", "gpu", "pass", "hdim", "causal", "seqlen", "batch", "heads", "sm_margin",
-          *(f"{name}_{unit}" for name in BACKENDS for unit in ("ms", "tflops")), "max_diff_vs_cudnn"]
+          *(f"{name}_{unit}" for name in BACKENDS for unit in ("ms", "tflops")), "max_diff_vs_cudnn",
+          *(f"{name}_step_peak_mib" for name in PEAK_BACKENDS)]
 PASS_NAMES = {"fwd": "forward", "bwd": "backward"}
 
 
@@ -243,10 +249,31 @@ def _backward_row(row, batch, seqlen, heads, head_dim, causal, timing, reported,
     else:
         row["fa4_ms"] = row["fa4_tflops"] = float("nan")
     fns = _time_row(row, setups, 2.5 * flops(batch, heads, seqlen, head_dim, causal), timing, reported)
+    steps = {"flashhopper": lambda *x: flash_attn_func(*x, causal=bool(causal), sm_margin=sm_margin),
+             "cudnn": lambda *x: _sdpa(SDPBackend.CUDNN_ATTENTION, *(t.transpose(1, 2) for t in x), causal)}
+    if fa4 is not None:
+        steps["fa4"] = lambda *x: fa4(*x, causal=bool(causal))
+    for name in PEAK_BACKENDS:
+        row[f"{name}_step_peak_mib"] = _step_peak_mib(steps[name], (q, k, v)) if name in fns else float("nan")
     row["max_diff_vs_cudnn"] = float("nan")
     if "flashhopper" in fns and "cudnn" in fns:
         ours, ref = fns["flashhopper"](), fns["cudnn"]()
         row["max_diff_vs_cudnn"] = max((a.float() - b.float()).abs().max().item() for a, b in zip(ours, ref))
+
+
+def _step_peak_mib(call, inputs):
+    """MiB that one forward + backward step through autograd allocates at its peak, above what was
+    allocated before it (the inputs excluded, their gradients included)."""
+    leaves = [x.detach().requires_grad_() for x in inputs]
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    out = first_tensor(call(*leaves))
+    grads = torch.autograd.grad(out, leaves, torch.ones_like(out))
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    del out, grads
+    return peak / 2**20
 
 
 def _time_row(row, setups, fl, timing, reported):
