@@ -430,9 +430,8 @@ def flash_attn_with_kvcache(
     include/flashhopper/flashhopper.h). Returns out, or (out, softmax_lse) with return_softmax_lse.
 
     The arguments are checked (ValueError naming the argument). The kernels run all of that, split
-    over the keys (num_splits; 0 chooses from the shapes), packed queries too; fp8 descales and
-    raise FlashHopperNotSupported (a NotImplementedError); sm_margin leaves SMs free as
-    flash_attn_func's.
+    over the keys (num_splits; 0 chooses from the shapes), packed queries too; fp8 descales raise
+    FlashHopperNotSupported (a NotImplementedError); sm_margin leaves SMs free as flash_attn_func's.
     scheduler_metadata (from get_scheduler_metadata) gives the split-KV count. Under torch.compile
     or torch.export (fake tensors) it runs as the flashhopper::fwd_kvcache op, whose schema marks
     k_cache and v_cache as written."""

@@ -758,7 +758,7 @@ Status check_forward_shapes(const ForwardParams& p, const AttentionArgs& a, cons
 }
 
 // The device's SM count is not known here (the checks run without a GPU); the dispatch refuses a
-// margin that leaves none (sm_margin_unsupported_reason).
+// margin that leaves none (launch::sm_margin_reason).
 Status check_sm_margin(int32_t sm_margin) {
   if (sm_margin < 0) return invalid("sm_margin", "is ", sm_margin, "; must be >= 0 (the SMs left free)");
   return {};
