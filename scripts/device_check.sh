@@ -153,10 +153,12 @@ for step in "${steps[@]}"; do
         b6_sq1_h32_hkv8_rows0_S2040_splits0_page24 b4_sq3_h8_hkv2_rows0_S1024_causal_new3_rotary64i_page4 \
         b6_sq1_h32_hkv8_rows0_S2048_causal_splits0_page16 b6_sq1_h32_hkv8_rows9_S2048_batchidx_splits0_page128 \
         b4_sq3_h8_hkv2_rows6_S1024_causal_leftpad_batchidx_new3_rotary64i_page16)"
-      # Split-KV: the partials and the combine after the attention (sinks, empty splits, an append).
+      # Split-KV: the partials and the combine after the attention (sinks, empty splits, an append,
+      # packed GQA at ratio 32 over pages).
       sanitize split_kv test_forward_gpu "$(printf 'SplitKv/*/bf16_d128_%s:' full_b1_sq200_sk300_h2_hkv2_lsink_splits256 \
         causal_b1_sq300_sk2000_h4_hkv1_splits3 full_b2_sq130_sk1500_h4_hkv2_w128x0_sinks4_splits5)$(printf \
-        'KvCache/*/b6_sq1_h32_hkv8_rows7_S4096_causal_leftpad_batchidx_new3_rotary64i_splits3')"
+        'KvCache/*/%s:' b6_sq1_h32_hkv8_rows7_S4096_causal_leftpad_batchidx_new3_rotary64i_splits3 \
+        b4_sq1_h32_hkv1_rows4_S4096_causal_splits3_page16)"
       ;;
     hostile)
       # Extreme and non-finite input values; concurrent calls from threads and streams.

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "flashhopper/flashhopper.hpp"
@@ -546,6 +547,16 @@ std::vector<KvCacheCase> kv_cache_cases() {
     c.num_splits = page_size == 16 ? 3 : 1;
     c.packed_new = true;
     cases.push_back(c);
+  }
+  // Split-KV with packed GQA (one query token: a KV head's query heads are one tile's rows) over
+  // GQA ratios 8, 16 and 32 (4 above): unsplit, forced and chosen, a dense cache or pages of 16.
+  for (const auto& [heads_q, heads_kv] : {std::pair{64, 8}, std::pair{32, 2}, std::pair{32, 1}}) {
+    for (int splits : {0, 1, 3, 32}) {
+      KvCacheCase c{4, 1, heads_q, heads_kv, 4, 4096, splits % 2 == 1, false, false};
+      c.num_splits = splits;
+      c.page_size = splits == 3 ? 16 : 0;
+      cases.push_back(c);
+    }
   }
   KvCacheCase windowed{5, 4, 4, 4, 7, 704, false, true, true, 100};
   windowed.page_size = 16;
