@@ -219,10 +219,17 @@ void run_one(Choices& rng, Arena& arena, Findings& findings, long iteration) {
   const int64_t page_size = 4, pages = 8, max_pages = 4, s_new = 2;
   if (varlen) {
     f.q = arena.floats_of({batch * sq, hq, d});
-    f.k = arena.floats_of({batch * sk, hkv, d});
-    f.v = arena.floats_of({batch * sk, hkv, d});
     f.cu_seqlens_q = arena.ints_of({0, int32_t(sq - 2), int32_t(batch * sq)});
-    f.cu_seqlens_k = arena.ints_of({0, int32_t(sk), int32_t(batch * sk)});
+    if (rng() % 3 == 0) {  // the keys paged (page_table with cu_seqlens_k: only its differences count)
+      f.k = arena.floats_of({pages, page_size, hkv, d});
+      f.v = arena.floats_of({pages, page_size, hkv, d});
+      f.page_table = arena.ints_2d({3, 1, 2, 0, 4, 5, 6, 7}, batch, max_pages);
+      f.cu_seqlens_k = arena.ints_of({5, int32_t(5 + sk), int32_t(5 + batch * sk)});
+    } else {
+      f.k = arena.floats_of({batch * sk, hkv, d});
+      f.v = arena.floats_of({batch * sk, hkv, d});
+      f.cu_seqlens_k = arena.ints_of({0, int32_t(sk), int32_t(batch * sk)});
+    }
     f.seqused_k = arena.ints_of({int32_t(sk - 1), int32_t(sk)});
     f.max_seqlen_q = int32_t(sq + 2);
     f.max_seqlen_k = int32_t(sk);
@@ -277,11 +284,11 @@ void run_one(Choices& rng, Arena& arena, Findings& findings, long iteration) {
     b.causal = f.causal;
     fh::Tensor* tensors[] = {&b.q, &b.k, &b.v, &b.out, &b.dout, &b.lse, &b.dq, &b.dk, &b.dv};
     int32_t* ints[] = {&b.causal, &b.window_left, &b.window_right, &b.num_sink_tokens, &b.deterministic,
-                       &b.attention_chunk};
+                       &b.attention_chunk, &b.sm_margin};
     float* floats[] = {&b.softmax_scale, &b.softcap};
     for (int m = 0, n = 1 + int(rng() % 3); m < n; ++m) {
       if (rng() % 3) mutate_tensor(rng, *tensors[rng() % 9]);
-      else mutate_scalars(rng, ints, 6, floats, 2);
+      else mutate_scalars(rng, ints, 7, floats, 2);
     }
     expect_answer(fh_backward_check(&b), findings, iteration, "fh_backward_check");
     for (const fh::Tensor* t : tensors)
@@ -295,11 +302,11 @@ void run_one(Choices& rng, Arena& arena, Findings& findings, long iteration) {
                            &f.cache_leftpad, &f.rotary_cos, &f.rotary_sin, &f.rotary_seqlens, &f.cu_seqlens_k_new};
   const int int_tensors[] = {5, 6, 7, 8, 9, 13, 14, 17, 18};  // the int32 metadata among them
   int32_t* ints[] = {&f.causal, &f.window_left, &f.window_right, &f.num_sink_tokens, &f.attention_chunk,
-                     &f.num_splits, &f.max_seqlen_q, &f.max_seqlen_k, &f.rotary_interleaved};
+                     &f.num_splits, &f.max_seqlen_q, &f.max_seqlen_k, &f.rotary_interleaved, &f.sm_margin};
   float* floats[] = {&f.softmax_scale, &f.softcap};
   for (int m = 0, n = 1 + int(rng() % 3); m < n; ++m) {
     const uint64_t what = rng() % 4;
-    if (what == 0) mutate_scalars(rng, ints, 9, floats, 2);
+    if (what == 0) mutate_scalars(rng, ints, 10, floats, 2);
     else if (what == 1) mutate_ints(rng, *tensors[int_tensors[rng() % 9]]);
     else mutate_tensor(rng, *tensors[rng() % 19]);
   }
