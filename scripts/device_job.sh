@@ -4,7 +4,8 @@
 # repository root), unpacks CUTLASS there from a carried tarball (the machine has no network),
 # builds KERNELS (default bench) with the torch ops, runs the device_check.sh STEPS (default
 # "resources gate tests varlen sanitize python") and, with BENCH_HDIMS set, bench_head_dims.py
-# beside FlashAttention-4 (the peers' env.sh, when $PEERS_ENV exists). One line a step goes to
+# beside FlashAttention-4 (the peers' env.sh, when $PEERS_ENV exists); with BENCH_SM_MARGIN=N,
+# python -m flashhopper.bench without and with N SMs left free. One line a step goes to
 # $JOB_DIR/out/progress.log; each step's output to $JOB_DIR/out/step_<step>.txt. Usage, from the
 # repository root on the GPU machine (carry the tarball and .gtest/):
 #   CUTLASS_TARBALL=build-bisect/cutlass.tar.xz setsid nohup scripts/device_job.sh > /tmp/job.log 2>&1 < /dev/null &
@@ -44,5 +45,19 @@ if [ -n "${BENCH_HDIMS:-}" ]; then
     timeout 500 python3 bench/bench_head_dims.py --hdims $BENCH_HDIMS --seqlens ${BENCH_SEQLENS:-1024 4096 16384} \
     --out "$out/head_dims" > "$out/head_dims.txt" 2>&1
   log "head_dims rc=$?: $(tail -1 "$out/head_dims.txt")"
+fi
+if [ -n "${BENCH_SM_MARGIN:-}" ]; then
+  # python -m flashhopper.bench (FA4's column where the peers import, peak memory) without and with
+  # BENCH_SM_MARGIN SMs left free, hdim 128 at 4k and 16k tokens a sequence.
+  peers="${PEERS_ENV:-/tmp/peers/env.sh}"
+  # shellcheck disable=SC1090
+  [ -f "$peers" ] && source "$peers"
+  for margin in 0 "$BENCH_SM_MARGIN"; do
+    log "bench sm_margin $margin"
+    PYTHONUNBUFFERED=1 FLASHHOPPER_LIBRARY="$BUILD/libflashhopper.so" PYTHONPATH="$src/python:${PYTHONPATH:-}" \
+      timeout 400 python3 -m flashhopper.bench --hdims 128 --seqlens 4096 16384 --sm-margin "$margin" \
+      --out "$out/bench_margin$margin" > "$out/bench_margin$margin.txt" 2>&1
+    log "bench sm_margin $margin rc=$?: $(tail -1 "$out/bench_margin$margin.txt")"
+  done
 fi
 log "ALL DONE"
