@@ -221,7 +221,7 @@ class _PagedVarlenAttention(torch.autograd.Function):
         dq, dk, dv, dsink = ops.bwd(dout, q, packed[0], packed[1], out, lse, softmax_scale, causal, deterministic,
                                     window_left, window_right, softcap, attention_chunk, sink, cu_seqlens_q,
                                     cu_packed, max_seqlen_q, max_seqlen_k, seqused_q, lengths, sm_margin)
-        # index_put_ with accumulate: summed in a fixed order (deterministic), shared pages included.
+        # index_put_ with accumulate sorts the rows first: a shared page's sum in a fixed order.
         grads = [torch.zeros((num_pages * page_size, *cache.shape[2:]), dtype=grad.dtype, device=grad.device)
                  .index_put_((rows,), grad, accumulate=True).view(cache.shape)
                  for cache, grad in ((k_cache, dk), (v_cache, dv))]
