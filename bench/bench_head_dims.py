@@ -60,7 +60,7 @@ def _fmt(value, spec=".0f"):
 
 def main(argv=None):
     import flashhopper
-    from flashhopper.bench import pass_setup
+    from flashhopper.bench import load_fa4, pass_setup
     from flashhopper.bench_timing import time_all_ms
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -76,11 +76,7 @@ def main(argv=None):
     if not rows_dv:
         parser.error(f"--hdims {args.hdims}: no row has these head dims (rows: {ROWS})")
     os.makedirs(args.out, exist_ok=True)
-    try:
-        from flash_attn.cute import flash_attn_func as fa4_func
-    except Exception as error:
-        fa4_func = None
-        print(f"FlashAttention-4 not available ({error!r}): its columns stay empty", flush=True)
+    fa4_func = load_fa4()
     families = flashhopper.compiled_families()
     gpu, date = torch.cuda.get_device_name(), datetime.date.today().isoformat()
     csv_path = os.path.join(args.out, f"bench_head_dims_{date}.csv")

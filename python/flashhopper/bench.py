@@ -120,7 +120,7 @@ def main(argv=None):
         args.hdims = sorted({f.head_dim for f in flashhopper.compiled_families()
                              if f.pass_ == "forward" and f.dtype == torch.bfloat16})
     os.makedirs(args.out, exist_ok=True)
-    fa4 = _load_fa4()
+    fa4 = load_fa4()
     gpu = torch.cuda.get_device_name()
     date = datetime.date.today().isoformat()
     timing = {"fwd": dict(warmup=10, rounds=args.rounds, calls=args.calls),
@@ -178,12 +178,12 @@ def _progress(done, total, started, row):
           + f" TFLOP/s  ratio {_fmt(_ratio(row), '.2f')}  [{time.monotonic() - started:6.0f} s]", flush=True)
 
 
-def _load_fa4():
+def load_fa4():
     """FlashAttention-4's flash_attn_func (its sm90 path), or None (said once) where it does not import."""
     try:
         from flash_attn.cute import flash_attn_func
     except Exception as error:  # not installed, or its DSL missing: the column stays empty
-        print(f"FlashAttention-4 not available ({type(error).__name__}: {error}): its column stays empty", flush=True)
+        print(f"FlashAttention-4 not available ({type(error).__name__}: {error}): its columns stay empty", flush=True)
         return None
     return flash_attn_func
 

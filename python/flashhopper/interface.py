@@ -416,16 +416,20 @@ def library_mask(causal: bool, window_left: int, window_right: int, seqlen_q: in
     return out_causal.value, out_left.value, out_right.value
 
 
+def _check_plain_int(name: str, value) -> None:
+    """An int option whose range is the library's rule: only its type is checked here."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise invalid_argument(f"{name}: expected an int, got {type(value).__name__}")
+
+
 def check_num_splits(num_splits) -> None:
     """num_splits is an int (the library checks its range)."""
-    if not isinstance(num_splits, int) or isinstance(num_splits, bool):
-        raise invalid_argument(f"num_splits: expected an int, got {type(num_splits).__name__}")
+    _check_plain_int("num_splits", num_splits)
 
 
 def check_sm_margin(sm_margin) -> None:
     """sm_margin is an int (the library checks its range: >= 0, and that the device keeps an SM)."""
-    if not isinstance(sm_margin, int) or isinstance(sm_margin, bool):
-        raise invalid_argument(f"sm_margin: expected an int, got {type(sm_margin).__name__}")
+    _check_plain_int("sm_margin", sm_margin)
 
 
 def check_softmax_scale(softmax_scale) -> None:
