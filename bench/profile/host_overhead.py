@@ -37,12 +37,12 @@ def components(calls, loops):
     named = (("q", q), ("k", q), ("v", q), ("out", q), ("lse", None), ("learnable_sink", None))
     params = _ffi.ForwardParams()
     for field, t in named[:4]:
-        setattr(params, field, interface._view(t))
+        setattr(params, field, interface._view(field, t))
     plan = interface._Plan(params, interface._pointer_offsets(params, named), 0)
     steps = {
         "check_mask_args": lambda: interface.check_mask_args(False, (-1, -1), 0.0, 0),
-        "check_forward_args": lambda: interface.check_forward_args(q, q, q),
-        "tensor view (_view) x 5": lambda: [interface._view(q) for _ in range(5)],
+        "check_forward (the library's check on stand-ins)": lambda: interface.check_forward(q, q, q),
+        "tensor view (_view) x 5": lambda: [interface._view("q", q) for _ in range(5)],
         "ForwardParams()": lambda: _ffi.ForwardParams(),
         "torch.empty (out)": lambda: torch.empty((1, 1, 1, 128), dtype=torch.bfloat16),
         "plan key (a repeated call's lookup)":

@@ -22,7 +22,8 @@ library refuses a margin that leaves the GPU none). flash_attn_with_kvcache runs
 rotary and split-KV) and a paged one (any page size). flash_attn_combine merges split-KV partials
 (FA3's signature and layouts). Bad tensors (dtype, rank, shape, strides, device, alignment) and bad
 options (window_size, softcap, attention_chunk, learnable_sink, cu_seqlens, seqused, max_seqlen)
-raise ValueError naming the argument before anything is launched.
+raise ValueError naming the argument before anything is launched: the library's own check, the one
+that C and C++ callers get, run on the arguments' metadata (flashhopper.interface).
 
 Differences from FlashAttention-3 worth knowing:
 - The returned softmax_lse does not require grad (it is marked non-differentiable); FA3 returns one
@@ -112,7 +113,7 @@ def _needs_the_op(*tensors) -> bool:
 def _attention(q, k, v, varlen, softmax_scale, causal, qv, q_descale, k_descale, v_descale, window_size,
                attention_chunk, softcap, num_splits, deterministic, sm_margin, return_attn_probs, learnable_sink,
                page_table=None):
-    """flash_attn_func and flash_attn_varlen_func: the checks in the module docstring's order, then
+    """flash_attn_func and flash_attn_varlen_func: the argument checks (flashhopper.interface), then
     the fwd op (whose autograd runs bwd), or the library call alone when no gradient can flow;
     varlen None is the dense layout. With page_table (varlen only), k and v are pages."""
     mask = _resolve_options(causal, qv, q_descale, k_descale, v_descale, window_size, attention_chunk, softcap,
@@ -123,7 +124,10 @@ def _attention(q, k, v, varlen, softmax_scale, causal, qv, q_descale, k_descale,
         out, softmax_lse = _paged_varlen_attention(q, k, v, page_table, varlen, softmax_scale, mask, num_splits,
                                                    bool(deterministic), learnable_sink, sm_margin)
     elif _needs_the_op(q, k, v, learnable_sink):
-        interface.check_forward_args(q, k, v, softmax_scale, learnable_sink, varlen)
+        if not torch.compiler.is_compiling():  # traced, the op's fake function runs the library's check
+            interface.check_forward(q, k, v, return_lse=True, learnable_sink=learnable_sink, varlen=varlen,
+                                    softmax_scale=softmax_scale, mask=mask, num_splits=num_splits,
+                                    sm_margin=sm_margin)
         interface.check_devices([("q", q), ("k", k), ("v", v), ("learnable_sink", learnable_sink)]
                                 + interface.varlen_tensors(varlen))
         varlen_args = (None,) * 6 if varlen is None else varlen
@@ -232,8 +236,7 @@ class _PagedVarlenAttention(torch.autograd.Function):
 def _paged_varlen_attention(q, k, v, page_table, varlen, softmax_scale, mask, num_splits, deterministic,
                             learnable_sink, sm_margin):
     """flash_attn_varlen_func's page_table path: (out, softmax_lse)."""
-    if not isinstance(varlen.max_seqlen_k, int):
-        interface.check_varlen(varlen)  # names a max_seqlen_k that is not an int (the backward needs one)
+    interface.check_varlen(varlen)  # names a max_seqlen that is not an int (the backward needs one)
     return _PagedVarlenAttention.apply(q, k, v, learnable_sink, page_table, varlen, softmax_scale, mask, num_splits,
                                        deterministic, sm_margin)
 
@@ -508,33 +511,43 @@ def get_scheduler_metadata(batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, 
     ignored; so is sm_margin (the call's own sm_margin applies when the library chooses)."""
     sizes = {"batch_size": batch_size, "max_seqlen_q": max_seqlen_q, "num_heads_q": num_heads_q,
              "num_heads_kv": num_heads_kv, "headdim": headdim}
-    for name, value in sizes.items():
+    for name, value in sizes.items():  # each is a tensor extent below, which must exist
         if interface._int_option(name, value, "it") < 1:
             raise interface.invalid_argument(f"{name}: is {value}; must be at least 1")
     for name, value in (("max_seqlen_k", max_seqlen_k), ("max_seqlen_k_new", max_seqlen_k_new)):
         if interface._int_option(name, value, "it") < 0:
             raise interface.invalid_argument(f"{name}: is {value}; must be at least 0")
-    if num_heads_q % num_heads_kv != 0:
-        raise interface.invalid_argument(f"num_heads_kv: {num_heads_kv} does not divide num_heads_q {num_heads_q}")
-    for name, value in (("headdim", headdim), ("headdim_v", headdim_v)):
-        if value is not None and interface._int_option(name, value, "it") > interface.MAX_HEAD_DIM:
-            raise interface.invalid_argument(f"{name}: is {value}; at most {interface.MAX_HEAD_DIM}")
-    if qkv_dtype in interface._FP8_DTYPES:
-        _not_yet("qkv_dtype", qkv_dtype, "fp8 attention")
-    if qkv_dtype not in interface.INPUT_DTYPES:
-        raise interface.invalid_argument(f"qkv_dtype: {qkv_dtype} is not supported (torch.bfloat16 or torch.float16)")
+    if headdim_v is not None and interface._int_option("headdim_v", headdim_v, "it") < 1:
+        raise interface.invalid_argument(f"headdim_v: is {headdim_v}; must be at least 1")
     if page_size is not None and interface._int_option("page_size", page_size, "it") < 1:
         raise interface.invalid_argument(f"page_size: is {page_size}; must be at least 1")
-    interface.check_sm_margin(sm_margin)
-    if not isinstance(cache_seqlens, torch.Tensor) or cache_seqlens.dtype != torch.int32 or \
-            tuple(cache_seqlens.shape) != (batch_size,):
-        raise interface.invalid_argument(f"cache_seqlens: expected an int32 tensor of shape [{batch_size}] "
-                                         "(batch_size)")
-    interface.check_mask_args(causal, window_size, 0.0, attention_chunk)
+    if not isinstance(qkv_dtype, torch.dtype):
+        raise interface.invalid_argument(f"qkv_dtype: expected a torch.dtype, got {type(qkv_dtype).__name__}")
+    if qkv_dtype in interface._FP8_DTYPES:
+        _not_yet("qkv_dtype", qkv_dtype, "fp8 attention")
     splits = interface._int_option("num_splits", num_splits, "it")
-    if not 0 <= splits <= interface.MAX_SPLITS:
-        raise interface.invalid_argument(f"num_splits: is {num_splits}; must be in [0, {interface.MAX_SPLITS}] "
-                                         "(0: chosen from the shapes)")
+    mask = interface.check_mask_args(causal, window_size, 0.0, attention_chunk)
+    # The rest is the call's: the library checks the tensors these sizes describe (meta tensors:
+    # nothing is allocated), as flash_attn_with_kvcache would, naming them.
+    dv = headdim if headdim_v is None else headdim_v
+    q_rows = (batch_size * max_seqlen_q,) if cu_seqlens_q is not None else (batch_size, max_seqlen_q)
+    cache_rows = max(max_seqlen_k, 1)
+    if page_size is not None:  # pages enough for every sequence's keys
+        cache_rows = page_size
+        pages = -(-max(max_seqlen_k, 1) // page_size)
+        page_table = torch.empty(batch_size, pages, dtype=torch.int32, device="meta")
+    else:
+        page_table = None
+    cache_batch = batch_size * pages if page_size is not None else batch_size
+
+    def meta(*shape, dtype=qkv_dtype):
+        return torch.empty(shape, dtype=dtype, device="meta")
+
+    interface.forward_with_kvcache(
+        meta(*q_rows, num_heads_q, headdim), meta(cache_batch, cache_rows, num_heads_kv, headdim),
+        meta(cache_batch, cache_rows, num_heads_kv, dv), cache_seqlens=cache_seqlens, cache_leftpad=cache_leftpad,
+        page_table=page_table, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q, mask=mask, num_splits=splits,
+        sm_margin=sm_margin, check_only=True)
     return torch.tensor([splits], dtype=torch.int32)
 
 

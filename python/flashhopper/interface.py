@@ -5,14 +5,14 @@ torch.library custom ops and `flashhopper.flash_attn_interface` offers FlashAtte
 Both take the dense layout (q [B, sq, Hq, d]) or, given `varlen` (a `Varlen`: cu_seqlens_q/k,
 max_seqlen_q/k, seqused_q/k), FlashAttention's packed one (q [total_q, Hq, d], lse [Hq, total_q]).
 
-Argument checks run in this order, each naming the argument: what the kernels cannot do yet
-(NotImplementedError), the mask and score options (window_size, softcap, attention_chunk: ValueError),
-dtypes, ranks, shapes and strides, learnable_sink's dtype and shape, varlen's dtypes, shapes and
-max_seqlen (ValueError), then devices and 16-byte alignment (ValueError); only then the library,
-which checks everything again and refuses with FlashHopperError (FlashHopperInvalidArgument is also
-a ValueError, FlashHopperNotSupported also a NotImplementedError). Nothing is launched on any error.
-The checks here depend only on the tensors' metadata and the options, so they run once per kind of
-call (see "Launch plans"); the alignment checks and the library's run on every call.
+Argument checks: this layer refuses what the C ABI cannot see (Python types, torch dtypes without a
+C counterpart, values that would change on their way into the C types: ValueError naming the
+argument; fp8 dtypes: NotImplementedError), then the library's own check (fh_forward_check,
+fh_backward_check), which holds every rule on dtypes, ranks, shapes, strides, lengths and option
+ranges and names the argument (FlashHopperError: FlashHopperInvalidArgument is also a ValueError,
+FlashHopperNotSupported also a NotImplementedError), then devices. Nothing is launched on any error.
+These checks depend only on the tensors' metadata and the options, so they run once per kind of
+call (see "Launch plans"); the library checks every call again in full, data pointers included.
 No call here synchronises with the host (cu_seqlens and seqused are never read here): outputs and
 workspace come from PyTorch's caching allocator, the kernels go on PyTorch's current stream, so the
 calls can be captured in a CUDA graph."""
@@ -29,7 +29,6 @@ from ._ffi import FlashHopperError
 
 _DTYPES = {torch.bfloat16: _ffi.DTYPE_BF16, torch.float16: _ffi.DTYPE_FP16, torch.float32: _ffi.DTYPE_FP32,
            torch.int32: _ffi.DTYPE_INT32}
-INPUT_DTYPES = (torch.bfloat16, torch.float16)
 _FP8_DTYPES = tuple(getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
                                                       "float8_e5m2fnuz") if hasattr(torch, name))
 # FH_MAX_HEAD_DIM and FH_MAX_SPLITS of include/flashhopper/flashhopper.h (a CPU test compares).
@@ -153,14 +152,6 @@ def varlen_tensors(varlen: Optional[Varlen]) -> list:
             ("seqused_q", varlen.seqused_q), ("seqused_k", varlen.seqused_k)]
 
 
-def _layout(varlen: Optional[Varlen]):
-    """(rank, q's dims, k's and v's dims, lse's dims) of the dense or the packed layout."""
-    if varlen is None:
-        return (4, "[batch, seqlen_q, heads_q, head_dim]", "[batch, seqlen_k, heads_kv, head_dim]",
-                "[batch, heads_q, seqlen_q]")
-    return 3, "[total_q, heads_q, head_dim]", "[total_k, heads_kv, head_dim]", "[heads_q, total_q]"
-
-
 def lse_shape(q: torch.Tensor) -> tuple:
     """lse's shape: [B, Hq, sq] for q [B, sq, Hq, d], [Hq, total_q] for packed q [total_q, Hq, d]."""
     if q.dim() == 4:
@@ -169,135 +160,120 @@ def lse_shape(q: torch.Tensor) -> tuple:
 
 
 # ---------------------------------------------------------------------------------------------
-# Checks on metadata only (dtype, shape, strides): they work on fake tensors (torch.compile) and on
-# CPU tensors, so they run first.
+# Argument checks. The rules on dtypes, ranks, shapes, strides, lengths and option ranges live in
+# the C library alone (fh_forward_check, fh_backward_check), which the C ABI, the C++ ops and this
+# package share. This layer checks only what the C ABI cannot see: Python types (a tensor, an int,
+# a float), torch dtypes without a C counterpart, values that conversion to the C types would
+# change, and devices. The C check reads no data, so it runs before anything is allocated, on the
+# tensors' addresses where they have them and on stand-ins where not (fake tensors under
+# torch.compile; the outputs the call would allocate). A call whose sizes or options are symbolic
+# (torch.compile's dynamic shapes) is checked when it runs.
 
-def _check_input(name: str, t, rank: int, layout: str) -> None:
+_STAND_IN_SPACING = 1 << 40  # the i-th stand-in address: (i + 1) << 40, disjoint and aligned
+
+
+def _dtype_code(name: str, t) -> int:
+    """The C ABI's dtype of tensor argument `name`, or the refusal naming it."""
     if not isinstance(t, torch.Tensor):
         raise invalid_argument(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if t.dtype in _FP8_DTYPES:
-        raise not_supported(f"{name}: dtype {t.dtype}: fp8 attention is not supported by FlashHopper "
-                                  "yet (bfloat16 or float16)")
-    if t.dtype not in INPUT_DTYPES:
-        raise invalid_argument(f"{name}: dtype {t.dtype} is not supported (torch.bfloat16 or torch.float16)")
-    if t.dim() != rank:
-        raise invalid_argument(f"{name}: expected {rank} dims {layout}, got shape {tuple(t.shape)}")
+    code = _DTYPES.get(t.dtype)
+    if code is None:
+        if t.dtype in _FP8_DTYPES:
+            raise not_supported(f"{name}: dtype {t.dtype}: fp8 attention is not supported by FlashHopper yet "
+                                "(bfloat16 or float16)")
+        raise invalid_argument(f"{name}: dtype {t.dtype} is not supported (torch.bfloat16 or torch.float16 inputs, "
+                               "torch.float32 lse and sinks, torch.int32 lengths and indices)")
+    return code
 
 
-def check_layout(name: str, t: torch.Tensor) -> None:
-    """Last dim contiguous, other strides multiples of 16 bytes (what the kernels' TMA loads need)."""
-    strides = t.stride()  # once: each call crosses into C++ (host work per call)
-    if strides[-1] != 1:
-        raise invalid_argument(f"{name}: the last dim must be contiguous (stride 1), got strides {tuple(strides)}; "
-                         "call .contiguous()")
-    granule = _TMA_BYTES // t.element_size()
-    for dim, stride in enumerate(strides[:-1]):
-        if stride % granule != 0:
-            raise invalid_argument(f"{name}: stride[{dim}] is {stride}, not a multiple of {granule} elements "
-                             f"(16 bytes), got strides {tuple(strides)}; call .contiguous()")
+def _concrete(*values) -> bool:
+    """True when every value is a plain int (none is a torch.compile SymInt)."""
+    return all(type(value) is int for value in values)
 
 
-def layout_ok(t: torch.Tensor) -> bool:
-    """True when `t` passes check_layout and no stride is 0 on a dim of more than one element."""
-    if t.stride(-1) != 1:
-        return False
-    granule = _TMA_BYTES // t.element_size()
-    return all(t.stride(d) % granule == 0 and (t.stride(d) != 0 or t.shape[d] <= 1) for d in range(t.dim() - 1))
+def _stand_in(index: int, code: int, shape, strides=None, offset_bytes: int = 0) -> _ffi.Tensor:
+    """A view of dtype `code` and this shape (and strides; None: contiguous) at the index-th
+    stand-in address plus offset_bytes (which keeps a tensor's alignment)."""
+    if strides is None:
+        strides, step = [], 1
+        for extent in reversed(shape):
+            strides.insert(0, step)
+            step *= max(extent, 1)
+    return _ffi.make_tensor((index + 1) * _STAND_IN_SPACING + offset_bytes, code, shape, strides)
 
 
-def check_forward_args(q, k, v, softmax_scale=None, learnable_sink=None, varlen=None) -> None:
-    """Dtypes, ranks, shapes, strides, softmax_scale, learnable_sink's dtype and shape, and varlen's
-    metadata when given (the packed layout: check_varlen); no device access."""
-    rank, q_dims, kv_dims, _ = _layout(varlen)
-    _check_input("q", q, rank, q_dims)
-    _check_input("k", k, rank, kv_dims)
-    _check_input("v", v, rank, kv_dims)
-    for name, t in (("k", k), ("v", v)):
-        if t.dtype != q.dtype:
-            raise invalid_argument(
-                f"{name}: dtype {t.dtype} differs from q's {q.dtype}; q, k and v must have one dtype")
-    q_shape, k_shape, v_shape = q.shape, k.shape, v.shape  # once each (host work per call)
-    heads_q, head_dim = q_shape[-2], q_shape[-1]
-    if varlen is None and k_shape[0] != q_shape[0]:
-        raise invalid_argument(f"k: batch size {k_shape[0]} differs from q's {q_shape[0]} (shapes q {tuple(q_shape)}, "
-                         f"k {tuple(k_shape)})")
-    if v_shape[:-1] != k_shape[:-1]:
-        raise invalid_argument(
-            f"v: shape {tuple(v_shape)} must match k's {tuple(k_shape)} in all dims but the head dim")
-    if k_shape[-1] != head_dim:
-        raise invalid_argument(f"k: head dim {k_shape[-1]} differs from q's {head_dim}")
-    granule = _TMA_BYTES // q.element_size()
-    for name, what, dim in (("q", "head dim", head_dim), ("v", "value head dim", v_shape[-1])):
-        if dim > MAX_HEAD_DIM:
-            raise invalid_argument(f"{name}: {what} {dim} is larger than {MAX_HEAD_DIM}")
-        if dim % granule != 0:
-            raise invalid_argument(f"{name}: {what} {dim} is not a multiple of {granule} (flash_attn_func pads it; "
-                             "the plain calls do not)")
-    heads_kv = k_shape[-2]
-    if heads_kv == 0 or heads_q % heads_kv != 0:
-        hint = ""
-        if varlen is None and q.dim() == 4 and k_shape[1] > 0 and q_shape[1] % k_shape[1] == 0:
-            # [B, H, S, D] (PyTorch SDPA's layout) read as FA3's [B, S, H, D] looks exactly so.
-            hint = ("; if these are [batch, heads, seqlen, head_dim] (PyTorch SDPA's layout), pass "
-                    "q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2): flash_attn_func takes "
-                    "[batch, seqlen, heads, head_dim]")
-        raise invalid_argument(f"k: {heads_kv} key/value heads do not divide q's {heads_q} query heads (GQA/MQA "
-                               f"needs heads_q % heads_kv == 0){hint}")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        check_layout(name, t)
-    check_softmax_scale(softmax_scale)
-    check_learnable_sink(learnable_sink, heads_q)
-    if varlen is not None:
-        check_varlen(varlen)
+def _data_address(t: torch.Tensor) -> int:
+    """t's data pointer; 0 where it has none (no elements, a meta tensor) or where asking would be
+    wrong (a subclass: the fake tensors of torch.compile)."""
+    return t.data_ptr() if type(t) in (torch.Tensor, torch.nn.Parameter) else 0
 
 
-def _check_contiguous_vector(name: str, t: torch.Tensor) -> None:
-    """The library reads 1-d tensors (sinks, sequence lengths) as rows: stride 1."""
-    if t.shape[0] > 1 and t.stride(0) != 1:
-        raise invalid_argument(f"{name}: must be contiguous (stride 1), got stride {t.stride(0)}; call .contiguous()")
+def _metadata_views(named) -> Optional[list]:
+    """(field, view) for the (field, tensor) pairs present, each view with its tensor's dtype, shape,
+    strides and address, or a stand-in address that keeps its alignment where it has none; None
+    when a size is symbolic (the check waits for the run). Refuses, naming the field, what is not a
+    tensor or has no C dtype."""
+    views = []
+    for index, (field, t) in enumerate(named):
+        if t is None:
+            continue
+        code = _dtype_code(field, t)
+        shape, strides, offset = tuple(t.shape), t.stride(), t.storage_offset()
+        if not _concrete(*shape, *strides, offset):
+            return None
+        if len(shape) > _ffi.MAX_DIMS:
+            raise invalid_argument(f"{field}: ndim is {len(shape)}, shape {shape}; the C ABI takes at most "
+                                   f"{_ffi.MAX_DIMS} dims")
+        address = _data_address(t)
+        views.append((field, _ffi.make_tensor(address, code, shape, strides) if address else
+                      _stand_in(index, code, shape, strides, offset * t.element_size())))
+    return views
 
 
-def _check_int32_vector(name: str, t, length, what: str) -> None:
-    """An int32 1-d tensor of `length` entries (None: any), contiguous; `what` its expected shape."""
-    expected = f"an int32 tensor of shape {what}"
-    if not isinstance(t, torch.Tensor):
-        raise invalid_argument(f"{name}: expected {expected}, got {type(t).__name__}")
-    if t.dtype != torch.int32 or t.dim() != 1 or (length is not None and t.shape[0] != length):
-        raise invalid_argument(f"{name}: expected {expected}, got dtype {t.dtype} shape {tuple(t.shape)}")
-    _check_contiguous_vector(name, t)
+def _output_stand_ins(q, v, first_index: int, out: bool, lse: bool) -> list:
+    """Stand-ins for the outputs a call allocates: out (*q.shape[:-1], v.shape[-1]) in q's dtype and
+    lse (lse_shape(q), float32), where q's and v's ranks let them be formed (else the C check
+    refuses q or v first)."""
+    if not (isinstance(q, torch.Tensor) and isinstance(v, torch.Tensor) and q.dim() in (3, 4) and v.dim() >= 1
+            and _concrete(*q.shape, v.shape[-1])):
+        return []
+    views = []
+    if out:
+        views.append(("out", _stand_in(first_index, _dtype_code("q", q), (*q.shape[:-1], v.shape[-1]))))
+    if lse:
+        views.append(("lse", _stand_in(first_index + 1, _ffi.DTYPE_FP32, lse_shape(q))))
+    return views
 
 
-def check_varlen(varlen: Varlen) -> None:
-    """cu_seqlens_q/k int32 [B + 1] with B >= 1, seqused_q/k None or int32 [B], max_seqlen_q/k ints
-    in [1, INT32_MAX]. The tensors' values are the caller's contract (see Varlen): reading them
-    would synchronise with the host."""
-    _check_int32_vector("cu_seqlens_q", varlen.cu_seqlens_q, None, "[batch + 1] (prefix sums of the lengths)")
-    entries = varlen.cu_seqlens_q.shape[0]
-    if entries < 2:
-        raise invalid_argument(f"cu_seqlens_q: shape ({entries},) is too short; it holds batch + 1 prefix sums, so at "
-                         "least 2 entries")
-    _check_int32_vector("cu_seqlens_k", varlen.cu_seqlens_k, entries, f"[batch + 1] = ({entries},), as cu_seqlens_q")
-    for name, t in (("seqused_q", varlen.seqused_q), ("seqused_k", varlen.seqused_k)):
-        if t is not None:
-            _check_int32_vector(name, t, entries - 1, f"[batch] = ({entries - 1},) (tokens used per sequence)")
-    for name, value in (("max_seqlen_q", varlen.max_seqlen_q), ("max_seqlen_k", varlen.max_seqlen_k)):
-        length = _int_option(name, value, "the longest sequence's length")
-        if length < 1 or length > _INT32_MAX:
-            raise invalid_argument(f"{name}: {length} must be in [1, {_INT32_MAX}] (an int32 in the C ABI)")
+def _run_library_check(params, views, check_name: str) -> None:
+    """Sets the views on params and runs the library's check `check_name` (fh_forward_check,
+    fh_backward_check): its refusal, with its message, is the call's; a window bound's in the
+    caller's terms (window_size)."""
+    for field, view in views:
+        setattr(params, field, view)
+    lib = _ffi.lib()
+    check = getattr(lib, check_name)
+    check.argtypes = [ctypes.POINTER(type(params))]
+    check.restype = ctypes.c_int
+    try:
+        _check(check(ctypes.byref(params)))
+    except FlashHopperError as error:
+        raise _in_window_size_terms(error) from None
 
 
-def check_learnable_sink(learnable_sink, heads_q) -> None:
-    """learnable_sink: None, or one float32 logit per query head, [heads_q], contiguous."""
-    if learnable_sink is None:
-        return
-    expected = f"a torch.float32 tensor of shape [heads_q] = ({heads_q},) (one logit per query head)"
-    if not isinstance(learnable_sink, torch.Tensor):
-        raise invalid_argument(f"learnable_sink: expected None or {expected}, got {type(learnable_sink).__name__}")
-    if (learnable_sink.dtype != torch.float32 or learnable_sink.dim() != 1
-            or learnable_sink.shape[0] != heads_q):
-        raise invalid_argument(f"learnable_sink: expected {expected}, got dtype {learnable_sink.dtype} shape "
-                         f"{tuple(learnable_sink.shape)}")
-    _check_contiguous_vector("learnable_sink", learnable_sink)
+def _in_window_size_terms(error: FlashHopperError) -> FlashHopperError:
+    """"window_left: is -3; ..." as "window_size: the left bound is -3; ...": the C ABI's two
+    fields are one argument here."""
+    head, _, message = str(error).partition("): ")
+    name, sep, rest = message.partition(": ")
+    side = {"window_left": "left", "window_right": "right"}.get(name)
+    if not sep or side is None:
+        return error
+    return type(error)(_status_code(error), f"window_size: the {side} bound {rest}")
+
+
+def _status_code(error: FlashHopperError) -> int:
+    return {status_name: code for code, status_name in _ffi.STATUS_NAMES.items()}.get(error.status, 0)
 
 
 def _int_option(name: str, value, what: str) -> int:
@@ -309,6 +285,32 @@ def _int_option(name: str, value, what: str) -> int:
     if isinstance(value, (bool, torch.Tensor)) or not isinstance(value, (numbers.Integral, torch.SymInt)):
         raise invalid_argument(f"{name}: {what} must be an int, got {type(value).__name__} {value!r}")
     return value if isinstance(value, torch.SymInt) else int(value)
+
+
+def _int32_option(name: str, value, what: str, default=None):
+    """_int_option for a field the C ABI holds in an int32: a value outside it would wrap on the way
+    (the range within is the library's rule). None is `default` where one is given."""
+    if value is None and default is not None:
+        return default
+    value = _int_option(name, value, what)
+    if isinstance(value, int) and not -_INT32_MAX - 1 <= value <= _INT32_MAX:
+        raise invalid_argument(f"{name}: {value} does not fit in int32 (the C ABI's type)")
+    return value
+
+
+def check_varlen(varlen: Optional[Varlen]) -> None:
+    """A Varlen packs q and k alike, so it holds both cu_seqlens (the C ABI also takes one side
+    packed alone; the Python API does not offer it); max_seqlen_q/k are ints (None reads as 0,
+    which the library refuses by name). The tensors and the lengths' ranges are the library's to
+    check."""
+    if varlen is None:
+        return
+    for name in ("cu_seqlens_q", "cu_seqlens_k"):
+        if getattr(varlen, name) is None:
+            raise invalid_argument(f"{name}: is required in the packed layout (with cu_seqlens_q, cu_seqlens_k, "
+                                   "max_seqlen_q or max_seqlen_k given), which packs q and k alike")
+    for name in ("max_seqlen_q", "max_seqlen_k"):
+        _int32_option(name, getattr(varlen, name), "the longest sequence's length", default=0)
 
 
 def _host_ints(name: str, t: torch.Tensor, what: str) -> list:
@@ -323,9 +325,9 @@ def _host_ints(name: str, t: torch.Tensor, what: str) -> list:
 
 
 def check_window_size(window_size) -> tuple[int, int]:
-    """window_size (left, right): ints >= -1, -1 (or None, FlashAttention-4's spelling) unbounded;
-    as FA3, also a CPU integer tensor of two elements, or a pair of 0-d ones. Returns the pair as
-    ints; None means (-1, -1)."""
+    """window_size (left, right): ints, -1 (or None, FlashAttention-4's spelling) unbounded; as FA3,
+    also a CPU integer tensor of two elements, or a pair of 0-d ones. Returns the pair as ints; None
+    means (-1, -1). (Their range is the library's rule.)"""
     if window_size is None:
         return -1, -1
     if type(window_size) is tuple and len(window_size) == 2:  # the common case, fast (host work per call)
@@ -350,46 +352,43 @@ def check_window_size(window_size) -> tuple[int, int]:
         if isinstance(bound, torch.Tensor) and bound.dim() == 0:
             bound = _host_ints("window_size", bound, f"the {side} bound")
         bound = -1 if bound is None else _int_option("window_size", bound, f"the {side} bound")
-        if bound < -1:
-            raise invalid_argument(f"window_size: the {side} bound is {bound}; must be >= -1 (-1 means unbounded), "
-                             f"got {window_size!r}")
+        if isinstance(bound, int) and bound < -_INT32_MAX - 1:
+            raise invalid_argument(f"window_size: the {side} bound {bound} does not fit in int32 (the C ABI's type)")
         resolved.append(bound)
     return resolved[0], resolved[1]
 
 
 def check_softcap(softcap) -> float:
-    """softcap: a finite float >= 0 (0 disables it); scores become softcap * tanh(scores / softcap)."""
+    """softcap as the C ABI's float32: a Python real number whose float32 is the same value's (a
+    finite value beyond float32's range would become inf, a positive one that rounds to 0 would
+    turn the cap off). Its range (finite, >= 0) is the library's rule."""
     if softcap is None or (type(softcap) is float and softcap == 0.0):  # the common case, fast
         return 0.0
     if isinstance(softcap, (bool, torch.Tensor)) or not isinstance(softcap, numbers.Real):
         raise invalid_argument(f"softcap: must be a Python float >= 0, got {type(softcap).__name__} {softcap!r}")
-    # comparisons only (no math.isfinite, no float() of a float): Dynamo traces them as constants
-    if softcap != softcap or softcap < 0 or softcap == math.inf:
-        raise invalid_argument(f"softcap: {softcap} must be finite and >= 0 (0 disables it)")
-    # The C ABI takes a float32 and refuses what is not finite; what it cannot see is a positive
-    # value that rounds to 0 there, which would turn the cap off. (Subnormals it takes, as it does.)
-    if softcap > _FLOAT32_MAX:
-        raise invalid_argument(f"softcap: {softcap} exceeds float32's range (the C ABI's type)")
-    if 0 < softcap <= _FLOAT32_HALF_MIN_SUBNORMAL:
-        raise invalid_argument(f"softcap: {softcap} rounds to 0 in float32 (the C ABI's type), which would "
-                               "turn the cap off; pass 0.0 for no cap")
+    _check_float32("softcap", softcap, "which would turn the cap off; pass 0.0 for no cap")
     return softcap if isinstance(softcap, float) else float(softcap)
 
 
+def _check_float32(name: str, value, zero_means: str) -> None:
+    """A finite value that float32 (the C ABI's type) cannot hold: beyond its range, or positive and
+    rounding to 0 (zero_means: what 0 would do). Comparisons only: Dynamo traces them as constants."""
+    if value == value and abs(value) != math.inf and abs(value) > _FLOAT32_MAX:
+        raise invalid_argument(f"{name}: {value} exceeds float32's range (the C ABI's type)")
+    if 0 < value <= _FLOAT32_HALF_MIN_SUBNORMAL:
+        raise invalid_argument(f"{name}: {value} rounds to 0 in float32 (the C ABI's type), {zero_means}")
+
+
 def check_attention_chunk(attention_chunk) -> int:
-    """attention_chunk: an int >= 0 (0: none); c > 0 lets a row see keys of its own chunk of c only."""
+    """attention_chunk: an int (0 or None: none); c > 0 lets a row see keys of its own chunk of c
+    only. (Its range is the library's rule.)"""
     if attention_chunk is None:
         return 0
-    chunk = _int_option("attention_chunk", attention_chunk, "the chunk size")
-    if chunk < 0:
-        raise invalid_argument(f"attention_chunk: {chunk} must be >= 0 (0 means no chunking)")
-    if chunk > _INT32_MAX:
-        raise invalid_argument(f"attention_chunk: {chunk} does not fit in int32 (the C ABI's type)")
-    return chunk
+    return _int32_option("attention_chunk", attention_chunk, "the chunk size")
 
 
 def check_mask_args(causal, window_size, softcap, attention_chunk):
-    """Checks the mask and score options; returns (causal, window_left, window_right, softcap,
+    """The mask and score options converted; returns (causal, window_left, window_right, softcap,
     attention_chunk) with FlashAttention-3's rule that causal forces the right bound to 0 (causal
     with window (left, *) is the window (left, 0))."""
     left, right = check_window_size(window_size)
@@ -417,61 +416,45 @@ def library_mask(causal: bool, window_left: int, window_right: int, seqlen_q: in
 
 
 def _check_plain_int(name: str, value) -> None:
-    """An int option whose range is the library's rule: only its type is checked here."""
-    if not isinstance(value, int) or isinstance(value, bool):
+    """An int option whose range is the library's rule: only its type, and that it fits the C
+    ABI's int32, are checked here."""
+    if not isinstance(value, (int, torch.SymInt)) or isinstance(value, bool):
         raise invalid_argument(f"{name}: expected an int, got {type(value).__name__}")
+    _int32_option(name, value, "it")
 
 
 def check_num_splits(num_splits) -> None:
-    """num_splits is an int (the library checks its range)."""
     _check_plain_int("num_splits", num_splits)
 
 
 def check_sm_margin(sm_margin) -> None:
-    """sm_margin is an int (the library checks its range: >= 0, and that the device keeps an SM)."""
     _check_plain_int("sm_margin", sm_margin)
 
 
 def check_softmax_scale(softmax_scale) -> None:
+    """softmax_scale: None (1/sqrt(d)) or a real number the C ABI's float32 holds; 0.0 is refused
+    here because the C ABI reads 0 as the default. (Its range is the library's rule.)"""
     if softmax_scale is None:
         return
-    if isinstance(softmax_scale, torch.Tensor):
-        raise invalid_argument("softmax_scale: must be a Python float or None, not a tensor")
-    if softmax_scale != softmax_scale or softmax_scale < 0 or softmax_scale == math.inf:  # NaN, < 0, inf
-        raise invalid_argument(f"softmax_scale: {softmax_scale} must be finite and > 0")
+    if isinstance(softmax_scale, (bool, torch.Tensor)) or not isinstance(softmax_scale, numbers.Real):
+        raise invalid_argument(f"softmax_scale: must be a Python float or None, got {type(softmax_scale).__name__}")
     if softmax_scale == 0:
         raise not_supported("softmax_scale: 0.0 is not supported (the C ABI reads 0 as 1/sqrt(head_dim)); "
-                                  "pass None for the default")
+                            "pass None for the default")
+    _check_float32("softmax_scale", softmax_scale, "which the C ABI reads as 1/sqrt(head_dim)")
 
 
-def check_backward_args(dout, q, k, v, out, lse, softmax_scale=None, check_dout_layout=True,
-                        learnable_sink=None, varlen=None) -> None:
-    check_forward_args(q, k, v, softmax_scale, learnable_sink, varlen)
-    rank, q_dims, _, lse_dims = _layout(varlen)
-    expected = (*q.shape[:-1], v.shape[-1])
-    for name, t in (("out", out), ("dout", dout)):
-        _check_input(name, t, rank, q_dims)
-        if t.dtype != q.dtype:
-            raise invalid_argument(f"{name}: dtype {t.dtype} differs from q's {q.dtype}")
-        if tuple(t.shape) != tuple(expected):
-            raise invalid_argument(f"{name}: shape {tuple(t.shape)}, expected {tuple(expected)}")
-    check_layout("out", out)
-    if check_dout_layout:
-        check_layout("dout", dout)
-    if not isinstance(lse, torch.Tensor):
-        raise invalid_argument(f"lse: expected a torch.Tensor, got {type(lse).__name__}")
-    if lse.dtype != torch.float32:
-        raise invalid_argument(f"lse: dtype {lse.dtype}, expected torch.float32 (as returned by the forward)")
-    expected_lse = tuple(lse_shape(q))
-    if tuple(lse.shape) != expected_lse:
-        raise invalid_argument(f"lse: shape {tuple(lse.shape)}, expected {lse_dims} = {expected_lse}")
+def layout_ok(t: torch.Tensor) -> bool:
+    """True when the library takes `t`'s strides (the last 1, the others multiples of 16 bytes) and
+    no stride is 0 on a dim of more than one element: dout is made contiguous otherwise, as FA3's."""
+    if t.stride(-1) != 1:
+        return False
+    granule = _TMA_BYTES // t.element_size()
+    return all(t.stride(d) % granule == 0 and (t.stride(d) != 0 or t.shape[d] <= 1) for d in range(t.dim() - 1))
 
-
-# ---------------------------------------------------------------------------------------------
-# Checks that need real tensors: device and alignment.
 
 def check_devices(named) -> None:
-    """All CUDA, all on one device."""
+    """All CUDA, all on one device (what the C ABI cannot see)."""
     device = None
     for name, t in named:
         if t is None:
@@ -484,21 +467,86 @@ def check_devices(named) -> None:
             raise invalid_argument(f"{name}: is on {t.device} but the other tensors are on {device}")
 
 
-def check_alignment(named) -> None:
-    for name, t in named:
-        if t is not None and t.data_ptr() % _TMA_BYTES != 0:
-            raise invalid_argument(f"{name}: data pointer 0x{t.data_ptr():x} is not 16-byte aligned (a view with an "
-                             "element offset?); call .clone() or .contiguous()")
+def _mask_seqlens(q, k, varlen) -> tuple:
+    """The lengths that judge FA3's "a bound covering the whole sequence is no bound": q's and k's
+    sequence dims, or max_seqlen_q/k in the packed layout (FA3's)."""
+    if varlen is not None:
+        return (_int32_option("max_seqlen_q", varlen.max_seqlen_q, "the longest sequence's length", default=0),
+                _int32_option("max_seqlen_k", varlen.max_seqlen_k, "the longest sequence's length", default=0))
+    return (q.shape[1] if q.dim() > 1 else 0), (k.shape[1] if k.dim() > 1 else 0)
 
 
-def _view(t: torch.Tensor) -> _ffi.Tensor:
-    if t.dtype not in _DTYPES:
-        raise invalid_argument(f"dtype {t.dtype} is not supported (bf16, fp16, float32, int32)")
-    return _ffi.make_tensor(t.data_ptr(), _DTYPES[t.dtype], t.shape, t.stride())
+def _set_options(params, mask, seqlens, softmax_scale, sm_margin, varlen) -> bool:
+    """The scalar fields both parameter structs share (mask: check_mask_args's tuple; seqlens: the
+    pair that judges the window); False, leaving params unfinished, when one is symbolic."""
+    causal, left, right, softcap, chunk = mask
+    if not _concrete(left, right, chunk, sm_margin, *seqlens):
+        return False
+    params.causal, params.window_left, params.window_right = library_mask(causal, left, right, *seqlens)
+    params.softcap, params.attention_chunk = softcap, chunk
+    params.softmax_scale = 0.0 if softmax_scale is None else float(softmax_scale)
+    params.sm_margin = sm_margin
+    if varlen is not None:
+        params.max_seqlen_q, params.max_seqlen_k = seqlens
+    return True
 
 
-def _scale(softmax_scale) -> float:
-    return 0.0 if softmax_scale is None else float(softmax_scale)
+_NO_MASK = (False, -1, -1, 0.0, 0)
+
+
+def check_forward(q, k, v, *, out=None, return_lse=False, learnable_sink=None, varlen=None, softmax_scale=None,
+                  mask=_NO_MASK, num_splits=1, sm_margin=0) -> None:
+    """A forward call's arguments as forward() takes them (mask: check_mask_args's tuple): the
+    conversions here, then the library's fh_forward_check on their metadata, with stand-ins for
+    the outputs the call would allocate. No data is read; no device is needed."""
+    check_num_splits(num_splits)
+    check_sm_margin(sm_margin)
+    check_softmax_scale(softmax_scale)
+    check_varlen(varlen)
+    named = [("q", q), ("k", k), ("v", v), ("out", out), ("learnable_sink", learnable_sink), *varlen_tensors(varlen)]
+    views = _metadata_views(named)
+    params = _ffi.ForwardParams()
+    _ffi.lib().fh_forward_params_init(ctypes.byref(params))
+    if views is None or not _concrete(num_splits) or \
+            not _set_options(params, mask, _mask_seqlens(q, k, varlen), softmax_scale, sm_margin, varlen):
+        return
+    params.num_splits = num_splits
+    views += _output_stand_ins(q, v, len(named), out=out is None, lse=return_lse)
+    _run_library_check(params, views, "fh_forward_check")
+
+
+def check_backward(dout, q, k, v, out, lse, *, dq=None, dk=None, dv=None, learnable_sink=None, varlen=None,
+                   softmax_scale=None, mask=_NO_MASK, deterministic=False, sm_margin=0,
+                   dout_made_contiguous=False) -> None:
+    """A backward call's arguments as backward() takes them: the conversions here, then the
+    library's fh_backward_check on their metadata, with stand-ins for the gradients the call would
+    allocate (contiguous) and for dout where the caller makes it contiguous first
+    (dout_made_contiguous, the ops' way, FA3's)."""
+    check_sm_margin(sm_margin)
+    check_softmax_scale(softmax_scale)
+    check_varlen(varlen)
+    named = [("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse), ("dq", dq), ("dk", dk),
+             ("dv", dv), ("learnable_sink", learnable_sink), *varlen_tensors(varlen)]
+    views = _metadata_views(named)
+    params = _ffi.BackwardParams()
+    _ffi.lib().fh_backward_params_init(ctypes.byref(params))
+    if views is None or \
+            not _set_options(params, mask, _mask_seqlens(q, k, varlen), softmax_scale, sm_margin, varlen):
+        return
+    params.deterministic = int(bool(deterministic))
+    index = len(named)
+    if dout_made_contiguous and not layout_ok(dout):
+        views.append(("dout", _stand_in(index, _dtype_code("dout", dout), tuple(dout.shape))))
+    for offset, (field, grad, like) in enumerate((("dq", dq, q), ("dk", dk, k), ("dv", dv, v))):
+        if grad is None:
+            views.append((field, _stand_in(index + 1 + offset, _dtype_code(field[1:], like), tuple(like.shape))))
+    if learnable_sink is not None and q.dim() >= 2:
+        views.append(("dsink", _stand_in(index + 4, _ffi.DTYPE_FP32, (q.shape[-2],))))
+    _run_library_check(params, views, "fh_backward_check")
+
+
+def _view(name: str, t: torch.Tensor) -> _ffi.Tensor:
+    return _ffi.make_tensor(t.data_ptr(), _dtype_code(name, t), t.shape, t.stride())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -595,17 +643,7 @@ def _set_views(params, named) -> None:
     """The struct's tensor fields of the (field, tensor) pairs; None leaves a field absent."""
     for field, t in named:
         if t is not None:
-            setattr(params, field, _view(t))
-
-
-def _set_mask(params, q, k, varlen, mask) -> None:
-    """The mask and score fields both parameter structs share; `mask` from check_mask_args. The
-    sequence lengths that judge the window are max_seqlen_q/k in the packed layout (FA3's)."""
-    causal, left, right, softcap, chunk = mask
-    seqlen_q, seqlen_k = (q.shape[1], k.shape[1]) if varlen is None else (varlen.max_seqlen_q, varlen.max_seqlen_k)
-    params.causal, params.window_left, params.window_right = library_mask(causal, left, right, seqlen_q, seqlen_k)
-    params.softcap = softcap
-    params.attention_chunk = chunk
+            setattr(params, field, _view(field, t))
 
 
 # The packed layout's fields both parameter structs share, all absent (dense) when varlen is None.
@@ -615,11 +653,6 @@ def _varlen_fields(varlen) -> tuple:
 
 def _varlen_sizes(varlen) -> tuple:
     return () if varlen is None else (varlen.max_seqlen_q, varlen.max_seqlen_k)
-
-
-def _set_varlen_sizes(params, varlen) -> None:
-    if varlen is not None:
-        params.max_seqlen_q, params.max_seqlen_k = int(varlen.max_seqlen_q), int(varlen.max_seqlen_k)
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
@@ -649,20 +682,13 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = Fa
     plan = _PLANS.get(key) if key is not None else None
     if plan is None:
         mask = check_mask_args(causal, window_size, softcap, attention_chunk)
-        check_num_splits(num_splits)
-        check_sm_margin(sm_margin)
-        check_forward_args(q, k, v, softmax_scale, learnable_sink, varlen)
+        check_forward(q, k, v, out=out, return_lse=return_lse, learnable_sink=learnable_sink, varlen=varlen,
+                      softmax_scale=softmax_scale, mask=mask, num_splits=num_splits, sm_margin=sm_margin)
         check_devices([("q", q), ("k", k), ("v", v), ("out", out), ("learnable_sink", learnable_sink)]
                       + varlen_tensors(varlen))
-        if out is not None and (out.dtype != q.dtype or tuple(out.shape) != (*q.shape[:-1], v.shape[-1])):
-            raise invalid_argument(f"out: dtype {out.dtype} shape {tuple(out.shape)}, expected {q.dtype} "
-                                   f"{(*q.shape[:-1], v.shape[-1])}")
-        if out is not None:
-            check_layout("out", out)
     if out is None:
         out = torch.empty((*q.shape[:-1], v.shape[-1]), dtype=q.dtype, device=q.device)
     lse = torch.empty(lse_shape(q), dtype=torch.float32, device=q.device) if return_lse else None
-    check_alignment((("q", q), ("k", k), ("v", v), ("out", out)))
     named = (("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse), ("learnable_sink", learnable_sink),
              *varlen_tensors(varlen))
     lib = _ffi.lib()
@@ -670,11 +696,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = Fa
         params = _ffi.ForwardParams()
         lib.fh_forward_params_init(ctypes.byref(params))
         _set_views(params, named)
-        params.softmax_scale = _scale(softmax_scale)
-        _set_mask(params, q, k, varlen, mask)
-        _set_varlen_sizes(params, varlen)
+        _set_options(params, mask, _mask_seqlens(q, k, varlen), softmax_scale, sm_margin, varlen)
         params.num_splits = num_splits
-        params.sm_margin = sm_margin
         plan = _make_plan(key, params, named, lib.fh_forward_workspace_size)
     _launch(plan, named, lib.fh_forward, q.device)
     return (out, lse) if return_lse else out
@@ -699,16 +722,10 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     plan = _PLANS.get(key) if key is not None else None
     if plan is None:
         mask = check_mask_args(causal, window_size, softcap, attention_chunk)
-        check_sm_margin(sm_margin)
-        check_backward_args(dout, q, k, v, out, lse, softmax_scale, learnable_sink=learnable_sink, varlen=varlen)
+        check_backward(dout, q, k, v, out, lse, dq=dq, dk=dk, dv=dv, learnable_sink=learnable_sink, varlen=varlen,
+                       softmax_scale=softmax_scale, mask=mask, deterministic=deterministic, sm_margin=sm_margin)
         check_devices([("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse), ("dq", dq),
                        ("dk", dk), ("dv", dv), ("learnable_sink", learnable_sink)] + varlen_tensors(varlen))
-        for name, grad, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
-            if grad is not None:
-                if grad.dtype != like.dtype or grad.shape != like.shape:
-                    raise invalid_argument(f"{name}: dtype {grad.dtype} shape {tuple(grad.shape)}, expected "
-                                           f"{like.dtype} {tuple(like.shape)}")
-                check_layout(name, grad)
     dq = torch.empty_like(q) if dq is None else dq
     dk = torch.empty_like(k) if dk is None else dk
     dv = torch.empty_like(v) if dv is None else dv
@@ -716,17 +733,13 @@ def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     dsink = None if learnable_sink is None else torch.empty(q.shape[-2], dtype=torch.float32, device=q.device)
     named = (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse), ("dq", dq), ("dk", dk),
              ("dv", dv), ("learnable_sink", learnable_sink), ("dsink", dsink), *varlen_tensors(varlen))
-    check_alignment(named[:5] + named[6:9])
     lib = _ffi.lib()
     if plan is None:
         params = _ffi.BackwardParams()
         lib.fh_backward_params_init(ctypes.byref(params))
         _set_views(params, named)
-        params.softmax_scale = _scale(softmax_scale)
+        _set_options(params, mask, _mask_seqlens(q, k, varlen), softmax_scale, sm_margin, varlen)
         params.deterministic = int(bool(deterministic))
-        params.sm_margin = sm_margin
-        _set_mask(params, q, k, varlen, mask)
-        _set_varlen_sizes(params, varlen)
         plan = _make_plan(key, params, named, lib.fh_backward_workspace_size)
     _launch(plan, named, lib.fh_backward, q.device)
     return (dq, dk, dv) if dsink is None else (dq, dk, dv, dsink)
@@ -743,9 +756,7 @@ def combine(out_partial: torch.Tensor, lse_partial: torch.Tensor, out: torch.Ten
     params = _ffi.CombineParams()
     lib = _ffi.lib()
     lib.fh_combine_params_init(ctypes.byref(params))
-    params.out_partial, params.lse_partial, params.out = _view(out_partial), _view(lse_partial), _view(out)
-    if lse is not None:
-        params.lse = _view(lse)
+    _set_views(params, (("out_partial", out_partial), ("lse_partial", lse_partial), ("out", out), ("lse", lse)))
     with torch.cuda.device(out.device):
         _check(lib.fh_combine(ctypes.byref(params), torch.cuda.current_stream(out.device).cuda_stream))
 
@@ -761,8 +772,7 @@ def _renamed(error: FlashHopperError, names: dict) -> FlashHopperError:
     name, sep, rest = message.partition(": ")
     if not sep or name not in names:
         return error
-    code = {status_name: code for code, status_name in _ffi.STATUS_NAMES.items()}.get(error.status, 0)
-    return type(error)(code, f"{names[name]}: {rest}")
+    return type(error)(_status_code(error), f"{names[name]}: {rest}")
 
 
 def forward_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, k_new=None, v_new=None,
@@ -771,7 +781,7 @@ def forward_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                          cu_seqlens_q=None, max_seqlen_q=None, softmax_scale=None, mask=(False, -1, -1, 0.0, 0),
                          num_splits=0, return_lse=False, cu_seqlens_k_new=None, cu_seqlens_k=None,
                          max_seqlen_k=None, seqused_q=None, seqused_k=None, learnable_sink=None,
-                         names=_KVCACHE_NAMES, sm_margin=0):
+                         names=_KVCACHE_NAMES, sm_margin=0, check_only=False):
     """Attention against a KV cache, in FA3's flash_attn_with_kvcache's terms (k_new/v_new are its k
     and v; packed [total_new, Hkv, d] with cu_seqlens_k_new, which is ignored without them): the C
     ABI's fields of include/flashhopper/flashhopper.h ("KV cache extras"). With page_table,
@@ -779,7 +789,8 @@ def forward_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     (flash_attn_varlen_func's page_table). mask is check_mask_args's tuple; num_splits 0 lets the
     library choose the split-KV count from the shapes. Returns out, or (out, lse) with return_lse.
     The library checks what is not checked here and names the argument as the caller does (names:
-    the C ABI's names to the caller's; flash_attn_varlen_func's are the C ABI's own)."""
+    the C ABI's names to the caller's; flash_attn_varlen_func's are the C ABI's own). check_only:
+    the argument checks but the devices' alone, for fake tensors (the fake op's); returns None."""
     if k_new is None and v_new is None:
         cu_seqlens_k_new = None  # nothing appended (as FA3, which ignores it then)
     inputs = (("q", q), ("k", k_cache), ("v", v_cache), ("k_new", k_new), ("v_new", v_new), ("qv", qv),
@@ -792,41 +803,23 @@ def forward_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                     (max_seqlen_q, max_seqlen_k, rotary_interleaved, softmax_scale, mask, num_splits, return_lse,
                      sm_margin))
     plan = _PLANS.get(key) if key is not None else None
-    if plan is None:
-        check_sm_margin(sm_margin)
-        check_kvcache_args(q, k_cache, v_cache, k_new, v_new, qv, rotary_seqlens, cache_seqlens, cache_batch_idx,
-                           cache_leftpad, cu_seqlens_q, max_seqlen_q, num_splits, cu_seqlens_k_new, cu_seqlens_k,
-                           max_seqlen_k, seqused_q, seqused_k, learnable_sink,
-                           (names.get("k", "k"), names.get("v", "v")))
-        check_devices([(names.get(name, name), t) for name, t in inputs])
-    varlen_q = cu_seqlens_q is not None
-    out = torch.empty((*q.shape[:-1], v_cache.shape[-1]), dtype=q.dtype, device=q.device)
-    lse = torch.empty(lse_shape(q), dtype=torch.float32, device=q.device) if return_lse else None
-    named = (*inputs, ("out", out), ("lse", lse))
+    options = _KvCacheOptions(q, k_cache, page_table, cu_seqlens_q, max_seqlen_q, cu_seqlens_k, max_seqlen_k,
+                              rotary_interleaved, softmax_scale, mask, num_splits, sm_margin)
     lib = _ffi.lib()
     try:
+        if plan is None:
+            check_kvcache(inputs, v_cache, return_lse, options)
+            if check_only:
+                return None
+            check_devices([(names.get(name, name), t) for name, t in inputs])
+        out = torch.empty((*q.shape[:-1], v_cache.shape[-1]), dtype=q.dtype, device=q.device)
+        lse = torch.empty(lse_shape(q), dtype=torch.float32, device=q.device) if return_lse else None
+        named = (*inputs, ("out", out), ("lse", lse))
         if plan is None:
             params = _ffi.ForwardParams()
             lib.fh_forward_params_init(ctypes.byref(params))
             _set_views(params, named)
-            if varlen_q:
-                params.max_seqlen_q = int(max_seqlen_q)
-            if cu_seqlens_k is not None:
-                params.max_seqlen_k = int(max_seqlen_k)
-            params.rotary_interleaved = int(bool(rotary_interleaved))
-            params.softmax_scale = _scale(softmax_scale)
-            params.num_splits = num_splits
-            params.sm_margin = sm_margin
-            causal, left, right, softcap, chunk = mask
-            # FA3's rule "a bound covering the whole sequence is no bound", against the cache's capacity.
-            # (A packed batch's keys: against max_seqlen_k, as flash_attn_varlen_func.)
-            seqlen_k = page_table.shape[1] * k_cache.shape[1] if page_table is not None else k_cache.shape[1]
-            if cu_seqlens_k is not None:
-                seqlen_k = int(max_seqlen_k)
-            seqlen_q = int(max_seqlen_q) if varlen_q else q.shape[1]
-            params.causal, params.window_left, params.window_right = library_mask(causal, left, right, seqlen_q,
-                                                                                  seqlen_k)
-            params.softcap, params.attention_chunk = softcap, chunk
+            _set_kvcache_options(params, options)
             plan = _make_plan(key, params, named, lib.fh_forward_workspace_size)
         _launch(plan, named, lib.fh_forward, q.device)
     except FlashHopperError as error:
@@ -834,44 +827,60 @@ def forward_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     return (out, lse) if return_lse else out
 
 
-def check_kvcache_args(q, k_cache, v_cache, k_new, v_new, qv, rotary_seqlens, cache_seqlens, cache_batch_idx,
-                       cache_leftpad, cu_seqlens_q, max_seqlen_q, num_splits, cu_seqlens_k_new=None,
-                       cu_seqlens_k=None, max_seqlen_k=None, seqused_q=None, seqused_k=None,
-                       learnable_sink=None, cache_names=("k_cache", "v_cache")) -> None:
-    """forward_with_kvcache's metadata checks here (the library checks the rest): types, ranks,
-    dtypes, the int32 vectors' lengths."""
-    check_num_splits(num_splits)
-    varlen_q = cu_seqlens_q is not None
-    rank, layout = (3, "[total_q, H, d] (cu_seqlens_q given)") if varlen_q else (4, "[B, sq, H, d]")
-    _check_input("q", q, rank, layout)
-    for name, t in zip(cache_names, (k_cache, v_cache)):
-        _check_input(name, t, 4, "[B_cache, S, Hkv, d] or [num_pages, page_size, Hkv, d] (page_table given)")
-        if t.dtype != q.dtype:
-            raise invalid_argument(f"{name}: dtype {t.dtype} differs from q's {q.dtype}")
-    packed_new = cu_seqlens_k_new is not None and (k_new is not None or v_new is not None)
-    new_rank, new_layout = (3, "[total_new, Hkv, d] (cu_seqlens_k_new given)") if packed_new else \
-        (4, "[B, s_new, Hkv, d]")
-    for name, t in (("k", k_new), ("v", v_new), ("qv", qv)):
-        if t is not None:
-            _check_input(name, t, new_rank if name != "qv" else rank, new_layout if name != "qv" else layout)
-    if (k_new is None) != (v_new is None):
-        raise invalid_argument("k: k and v (the new keys and values) go together")
-    batch = cu_seqlens_q.shape[0] - 1 if varlen_q else q.shape[0]
-    if packed_new:
-        _check_int32_vector("cu_seqlens_k_new", cu_seqlens_k_new, batch + 1, f"[{batch + 1}] (the batch size + 1)")
-    for name, t in (("cache_seqlens", cache_seqlens), ("cache_batch_idx", cache_batch_idx),
-                    ("cache_leftpad", cache_leftpad), ("rotary_seqlens", rotary_seqlens), ("seqused_q", seqused_q),
-                    ("seqused_k", seqused_k)):
-        if t is not None:
-            _check_int32_vector(name, t, batch, f"[{batch}] (the batch size)")
+class _KvCacheOptions(NamedTuple):
+    """What forward_with_kvcache's scalar fields come from."""
+    q: torch.Tensor
+    k_cache: torch.Tensor
+    page_table: Optional[torch.Tensor]
+    cu_seqlens_q: Optional[torch.Tensor]
+    max_seqlen_q: Optional[int]
+    cu_seqlens_k: Optional[torch.Tensor]
+    max_seqlen_k: Optional[int]
+    rotary_interleaved: bool
+    softmax_scale: Optional[float]
+    mask: tuple
+    num_splits: int
+    sm_margin: int
+
+
+def _set_kvcache_options(params, options: _KvCacheOptions) -> bool:
+    """forward_with_kvcache's scalar fields; False when one is symbolic. FA3's rule "a bound
+    covering the whole sequence is no bound" is judged against the cache's capacity (a packed
+    batch's keys: against max_seqlen_k, as flash_attn_varlen_func)."""
+    q, k_cache, page_table, cu_seqlens_q, max_seqlen_q, cu_seqlens_k, max_seqlen_k, rotary_interleaved, \
+        softmax_scale, mask, num_splits, sm_margin = options
     if cu_seqlens_k is not None:
-        _check_int32_vector("cu_seqlens_k", cu_seqlens_k, batch + 1, f"[{batch + 1}] (the batch size + 1)")
-        length = _int_option("max_seqlen_k", max_seqlen_k, "the longest sequence's key count (required with "
-                                                             "cu_seqlens_k)")
-        if isinstance(length, int) and not 1 <= length <= _INT32_MAX:
-            raise invalid_argument(f"max_seqlen_k: {length} must be in [1, {_INT32_MAX}] (an int32 in the C ABI)")
-    check_learnable_sink(learnable_sink, q.shape[-2])
-    if varlen_q:
-        _check_int32_vector("cu_seqlens_q", cu_seqlens_q, None, "[B + 1]")
-        if max_seqlen_q is None:
-            raise invalid_argument("max_seqlen_q: is required with cu_seqlens_q")
+        seqlen_k = _int32_option("max_seqlen_k", max_seqlen_k, "the longest sequence's key count", default=0)
+    elif page_table is not None and page_table.dim() == 2 and k_cache.dim() > 1:
+        seqlen_k = page_table.shape[1] * k_cache.shape[1]
+    else:
+        seqlen_k = k_cache.shape[1] if k_cache.dim() > 1 else 0
+    if cu_seqlens_q is not None:
+        seqlen_q = _int32_option("max_seqlen_q", max_seqlen_q, "the longest sequence's length", default=0)
+    else:
+        seqlen_q = q.shape[1] if q.dim() > 1 else 0
+    if not _concrete(num_splits) or not _set_options(params, mask, (seqlen_q, seqlen_k), softmax_scale, sm_margin,
+                                                     None):
+        return False
+    if cu_seqlens_q is not None:
+        params.max_seqlen_q = seqlen_q
+    if cu_seqlens_k is not None:
+        params.max_seqlen_k = seqlen_k
+    params.rotary_interleaved = int(bool(rotary_interleaved))
+    params.num_splits = num_splits
+    return True
+
+
+def check_kvcache(inputs, v_cache, return_lse: bool, options: _KvCacheOptions) -> None:
+    """forward_with_kvcache's arguments (inputs: its (C ABI name, tensor) pairs): the conversions
+    here, then the library's fh_forward_check on their metadata, as check_forward."""
+    check_num_splits(options.num_splits)
+    check_sm_margin(options.sm_margin)
+    check_softmax_scale(options.softmax_scale)
+    views = _metadata_views(inputs)
+    params = _ffi.ForwardParams()
+    _ffi.lib().fh_forward_params_init(ctypes.byref(params))
+    if views is None or not _set_kvcache_options(params, options):
+        return
+    views += _output_stand_ins(options.q, v_cache, len(inputs), out=True, lse=return_lse)
+    _run_library_check(params, views, "fh_forward_check")

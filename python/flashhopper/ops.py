@@ -97,10 +97,9 @@ def _fwd_fake(q, k, v, softmax_scale=None, causal=False, deterministic=False, wi
               softcap=0.0, attention_chunk=0, learnable_sink=None, cu_seqlens_q=None, cu_seqlens_k=None,
               max_seqlen_q=None, max_seqlen_k=None, seqused_q=None, seqused_k=None, num_splits=1, sm_margin=0):
     varlen = interface.as_varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k)
-    interface.check_mask_args(causal, (window_left, window_right), softcap, attention_chunk)
-    interface.check_num_splits(num_splits)
-    interface.check_sm_margin(sm_margin)
-    interface.check_forward_args(q, k, v, softmax_scale, learnable_sink, varlen)
+    mask = interface.check_mask_args(causal, (window_left, window_right), softcap, attention_chunk)
+    interface.check_forward(q, k, v, return_lse=True, learnable_sink=learnable_sink, varlen=varlen,
+                            softmax_scale=softmax_scale, mask=mask, num_splits=num_splits, sm_margin=sm_margin)
     out = q.new_empty((*q.shape[:-1], v.shape[-1]))
     lse = q.new_empty(interface.lse_shape(q), dtype=torch.float32)
     return out, lse
@@ -139,11 +138,14 @@ def _fwd_kvcache_fake(q, k_cache, v_cache, k_new=None, v_new=None, qv=None, rota
                       causal=False, window_left=-1, window_right=-1, softcap=0.0, attention_chunk=0, num_splits=0,
                       cu_seqlens_k_new=None, cu_seqlens_k=None, max_seqlen_k=None, seqused_q=None, seqused_k=None,
                       learnable_sink=None, sm_margin=0):
-    interface.check_mask_args(causal, (window_left, window_right), softcap, attention_chunk)
-    interface.check_sm_margin(sm_margin)
-    interface.check_kvcache_args(q, k_cache, v_cache, k_new, v_new, qv, rotary_seqlens, cache_seqlens,
-                                 cache_batch_idx, cache_leftpad, cu_seqlens_q, max_seqlen_q, num_splits,
-                                 cu_seqlens_k_new, cu_seqlens_k, max_seqlen_k, seqused_q, seqused_k, learnable_sink)
+    mask = interface.check_mask_args(causal, (window_left, window_right), softcap, attention_chunk)
+    interface.forward_with_kvcache(
+        q, k_cache, v_cache, k_new=k_new, v_new=v_new, qv=qv, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+        rotary_seqlens=rotary_seqlens, rotary_interleaved=rotary_interleaved, cache_seqlens=cache_seqlens,
+        cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, page_table=page_table, cu_seqlens_q=cu_seqlens_q,
+        max_seqlen_q=max_seqlen_q, softmax_scale=softmax_scale, mask=mask, num_splits=num_splits, return_lse=True,
+        cu_seqlens_k_new=cu_seqlens_k_new, cu_seqlens_k=cu_seqlens_k, max_seqlen_k=max_seqlen_k, seqused_q=seqused_q,
+        seqused_k=seqused_k, learnable_sink=learnable_sink, sm_margin=sm_margin, check_only=True)
     out = q.new_empty((*q.shape[:-1], v_cache.shape[-1]))
     lse = q.new_empty(interface.lse_shape(q), dtype=torch.float32)
     return out, lse
@@ -183,10 +185,10 @@ def _bwd_fake(dout, q, k, v, out, lse, softmax_scale=None, causal=False, determi
               window_right=-1, softcap=0.0, attention_chunk=0, learnable_sink=None, cu_seqlens_q=None,
               cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None, seqused_q=None, seqused_k=None, sm_margin=0):
     varlen = interface.as_varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k)
-    interface.check_mask_args(causal, (window_left, window_right), softcap, attention_chunk)
-    interface.check_sm_margin(sm_margin)
-    interface.check_backward_args(dout, q, k, v, out, lse, softmax_scale, check_dout_layout=False,
-                                  learnable_sink=learnable_sink, varlen=varlen)
+    mask = interface.check_mask_args(causal, (window_left, window_right), softcap, attention_chunk)
+    interface.check_backward(dout, q, k, v, out, lse, learnable_sink=learnable_sink, varlen=varlen,
+                             softmax_scale=softmax_scale, mask=mask, deterministic=deterministic, sm_margin=sm_margin,
+                             dout_made_contiguous=True)
     if learnable_sink is None:
         dsink = _no_dsink(q)
     else:

@@ -333,18 +333,18 @@ AttentionArgs attention_args(const BackwardParams& p) {
 // `last` names the last dim: "d" or "dv".
 Layout query_layout(const AttentionArgs& a, const char* last) {
   if (a.varlen_q()) return {3, "varlen (cu_seqlens_q given)", std::string("[total_q, Hq, ") + last + "]"};
-  return {4, "dense", std::string("[B, sq, Hq, ") + last + "]"};
+  return {4, "dense (no cu_seqlens_q)", std::string("[B, sq, Hq, ") + last + "]"};
 }
 
 Layout key_layout(const AttentionArgs& a, const char* last) {
   if (a.paged()) return {4, "paged (page_table given)", std::string("[num_pages, page_size, Hkv, ") + last + "]"};
   if (a.varlen_k()) return {3, "varlen (cu_seqlens_k given)", std::string("[total_k, Hkv, ") + last + "]"};
-  return {4, "dense", std::string("[B, sk, Hkv, ") + last + "]"};
+  return {4, "dense (no cu_seqlens_k, no page_table)", std::string("[B, sk, Hkv, ") + last + "]"};
 }
 
 Layout lse_layout(const AttentionArgs& a) {
   if (a.varlen_q()) return {2, "varlen (cu_seqlens_q given)", "[Hq, total_q]"};
-  return {3, "dense", "[B, Hq, sq]"};
+  return {3, "dense (no cu_seqlens_q)", "[B, Hq, sq]"};
 }
 
 const Layout kSequenceLengths{1, "", "[B]"};
@@ -508,9 +508,15 @@ Status check_head_dims(const AttentionArgs& a, const ProblemShape& s, Target tar
                    kMaxHeadDim, " are supported");
   }
   if (s.heads_q % s.heads_kv != 0) {
+    // [B, H, S, D] (PyTorch SDPA's layout) read as [B, S, H, D] looks exactly so: say how to pass it.
+    const bool sdpa_layout = !a.varlen_q() && !a.varlen_k() && !a.paged() && a.q.ndim == 4 && a.k.ndim == 4 &&
+                             a.k.shape[1] > 0 && a.q.shape[1] % a.k.shape[1] == 0;
     return invalid("k", "shape[", a.k.ndim - 2, "] (number of key/value heads) is ", s.heads_kv,
                    ", which does not divide q's number of query heads ", s.heads_q,
-                   "; Hq % Hkv must be 0 (each key/value head serves a whole group of query heads)");
+                   "; Hq % Hkv must be 0 (each key/value head serves a whole group of query heads)",
+                   sdpa_layout ? "; if q, k and v are [B, H, S, D] (PyTorch SDPA's layout), pass their "
+                                 "transpose(1, 2): the dense layout is [B, S, H, D]"
+                               : "");
   }
   if (target == Target::kKernel) {
     // A row of q/k (d) or of v (dv) is one TMA box row: a whole number of 16-byte chunks.

@@ -25,6 +25,7 @@ namespace {
 namespace fh = flashhopper;
 using fh::detail::Target;
 using ::testing::HasSubstr;
+using ::testing::Not;
 using ::testing::StartsWith;
 
 // Distinct, 64 KiB-apart, 16-byte aligned addresses; never dereferenced.
@@ -425,7 +426,7 @@ TEST(ForwardKvCache, RotaryRules) {
 TEST(ForwardRank, DenseQIsFourDimensional) {
   fh::ForwardParams p = dense_forward();
   p.q = fh::make_tensor(p.q.data, FH_DTYPE_BF16, {kBatch * kSeqQ, kHeadsQ, kDim});
-  EXPECT_REFUSED(fh::check(p), "q", "dense q must be 4-d [B, sq, Hq, d]");
+  EXPECT_REFUSED(fh::check(p), "q", "dense (no cu_seqlens_q) q must be 4-d [B, sq, Hq, d]");
 }
 
 TEST(ForwardRank, VarlenQIsThreeDimensional) {
@@ -443,7 +444,7 @@ TEST(ForwardRank, OutFollowsQ) {
 TEST(ForwardRank, DenseKVAreFourDimensional) {
   fh::ForwardParams p = dense_forward();
   p.k = fh::make_tensor(p.k.data, FH_DTYPE_BF16, {kBatch * kSeqK, kHeadsKV, kDim});
-  EXPECT_REFUSED(fh::check(p), "k", "dense k must be 4-d [B, sk, Hkv, d]");
+  EXPECT_REFUSED(fh::check(p), "k", "dense (no cu_seqlens_k, no page_table) k must be 4-d [B, sk, Hkv, d]");
   p = dense_forward();
   p.v = fh::make_tensor(p.v.data, FH_DTYPE_BF16, {kBatch * kSeqK, kHeadsKV, kDimV});
   EXPECT_REFUSED(fh::check(p), "v", "4-d");
@@ -737,6 +738,21 @@ TEST(ForwardShape, QueryHeadsAreAMultipleOfKeyValueHeads) {
   EXPECT_REFUSED(status, "k", "Hq % Hkv");
   EXPECT_THAT(status.message, HasSubstr("is 3"));
   EXPECT_THAT(status.message, HasSubstr("query heads 8"));
+  EXPECT_THAT(status.message, Not(HasSubstr("SDPA")));  // 128 query positions read as heads: 3 does not divide them
+}
+
+// [B, H, S, D] (PyTorch SDPA's layout) passed as [B, S, H, D]: the sequence lengths are read as
+// heads, and the message says how to pass such tensors.
+TEST(ForwardShape, SdpaLayoutGetsAHint) {
+  fh::ForwardParams p = dense_forward();
+  p.q = fh::make_tensor(p.q.data, FH_DTYPE_BF16, {kBatch, kHeadsQ, kSeqQ, kDim});
+  p.k = fh::make_tensor(p.k.data, FH_DTYPE_BF16, {kBatch, kHeadsKV, kSeqK, kDim});
+  p.v = fh::make_tensor(p.v.data, FH_DTYPE_BF16, {kBatch, kHeadsKV, kSeqK, kDimV});
+  p.out = fh::make_tensor(p.out.data, FH_DTYPE_BF16, {kBatch, kHeadsQ, kSeqQ, kDimV});
+  p.lse = fh::make_tensor(p.lse.data, FH_DTYPE_FP32, {kBatch, kSeqQ, kHeadsQ});
+  const fh::Status status = fh::check(p);
+  EXPECT_REFUSED(status, "k", "Hq % Hkv");
+  EXPECT_THAT(status.message, HasSubstr("PyTorch SDPA's layout), pass their transpose(1, 2)"));
 }
 
 // ---- Kernel layout: strides, alignment, head-dim granularity ----------------------------------

@@ -28,16 +28,21 @@ from flashhopper import _ffi, flash_attn_func
 from support import attention_reference, recording_backend, varlen_attention_reference, visible_keys
 
 
+_LIBRARY_RULES = {"fh_window_from_fa3", "fh_forward_params_init", "fh_backward_params_init", "fh_forward_check",
+                  "fh_backward_check", "fh_last_error"}
+
+
 @pytest.fixture(autouse=True)
 def library_must_not_be_called(monkeypatch):
-    """Every check under test happens in Python, before the library (and so before any launch).
-    Only the library's pure rule functions stay reachable: fh_window_from_fa3, FlashAttention's
-    window convention, which the Python layer takes from the library."""
+    """Every refusal under test comes before any launch, workspace query or allocation on a device:
+    only the library's pure rule functions stay reachable, which the Python layer calls on the
+    arguments' metadata (the checks, their structs' defaults and messages, FlashAttention's window
+    convention)."""
     real = _ffi.lib
 
     class RulesOnly:
         def __getattr__(self, name):
-            if name != "fh_window_from_fa3":
+            if name not in _LIBRARY_RULES:
                 raise AssertionError(f"the library was reached ({name}); the argument check should have refused "
                                      "first")
             try:
@@ -227,7 +232,7 @@ def test_value_head_dim_other_than_head_dim(head_dim, head_dim_v):
         v = torch.empty(*v.shape[:-1], head_dim_v, dtype=v.dtype, device="cuda")
         assert fa3.flash_attn_varlen_func(q, k, v, *varlen).shape == (*q.shape[:-1], head_dim_v)
     q, k, v = qkv()
-    with pytest.raises(ValueError, match="v: value head dim 264 is larger than 256"):
+    with pytest.raises(ValueError, match=r"v: shape\[3\] \(value head dim\) is 264; value head dims up to 256"):
         flash_attn_func(q, k, torch.randn(*v.shape[:-1], 264, dtype=v.dtype))
 
 
@@ -239,18 +244,18 @@ def test_flash_attn_with_kvcache_checks_its_arguments():
     new = torch.randn(2, 1, 2, 64, dtype=torch.bfloat16)
     lengths = torch.tensor([5, 9], dtype=torch.int32)
     refusals = [
-        (dict(q=q[0]), ValueError, "q: expected 4 dims"),
-        (dict(k_cache=k_cache.half()), ValueError, "k_cache: dtype torch.float16 differs from q's"),
-        (dict(k=new), ValueError, "k: k and v (the new keys and values) go together"),
-        (dict(cache_seqlens=lengths.long()), ValueError, "cache_seqlens: expected an int32 tensor of shape [2]"),
-        (dict(cache_leftpad=lengths[:1]), ValueError, "cache_leftpad: expected an int32 tensor of shape [2]"),
+        (dict(q=q[0]), ValueError, "q: ndim is 3 but dense (no cu_seqlens_q) q must be 4-d"),
+        (dict(k_cache=k_cache.half()), ValueError, "k_cache: dtype is fp16 but q's is bf16"),
+        (dict(k=new), ValueError, "v: is required together with k"),
+        (dict(cache_seqlens=lengths.long()), ValueError, "cache_seqlens: dtype torch.int64 is not supported"),
+        (dict(cache_leftpad=lengths[:1]), ValueError, "cache_leftpad: shape[0] (batch size) is 1 but q's batch size is 2"),
         (dict(q=q[:, 0], cu_seqlens_q=torch.tensor([0, 1, 2], dtype=torch.int32)), ValueError, "max_seqlen_q"),
         (dict(window_size=(-2, 0)), ValueError, "window_size"),
         (dict(k_descale=torch.ones(2, 2)), NotImplementedError, "k_descale"),
         (dict(k=new, v=new, cu_seqlens_k_new=lengths), ValueError,
-         "k: expected 3 dims [total_new, Hkv, d] (cu_seqlens_k_new given)"),
+         "k: ndim is 4 but"),
         (dict(k=new[:, 0], v=new[:, 0], cu_seqlens_k_new=lengths), ValueError,
-         "cu_seqlens_k_new: expected an int32 tensor of shape [3]"),
+         "cu_seqlens_k_new: shape[0] is 2 but must be batch size + 1 = 3"),
         (dict(cu_seqlens_k_new=lengths), ValueError, "q: must be a CUDA tensor"),  # ignored without k and v
         (dict(num_splits=2.0), ValueError, "num_splits: expected an int, got float"),
         (dict(scheduler_metadata=lengths), ValueError, "scheduler_metadata: expected the plan"),
@@ -273,13 +278,13 @@ def test_get_scheduler_metadata_is_the_split_count(monkeypatch):
     assert plan.dtype == torch.int32 and plan.device.type == "cpu" and plan.tolist() == [0]
     assert fa3.get_scheduler_metadata(2, 1, 128, 8, 2, 64, lengths, page_size=64, num_splits=7).tolist() == [7]
     refusals = [
-        (dict(num_heads_kv=3), ValueError, "num_heads_kv: 3 does not divide num_heads_q 8"),
+        (dict(num_heads_kv=3), ValueError, "k_cache: shape[2] (number of key/value heads) is 3, which does not divide q's number of query heads 8"),
         (dict(batch_size=0), ValueError, "batch_size: is 0; must be at least 1"),
-        (dict(headdim=512), ValueError, "headdim: is 512; at most 256"),
-        (dict(cache_seqlens=lengths[:1]), ValueError, "cache_seqlens: expected an int32 tensor of shape [2]"),
+        (dict(headdim=512), ValueError, "q: shape[3] (head dim) is 512; head dims up to 256 are supported"),
+        (dict(cache_seqlens=lengths[:1]), ValueError, "cache_seqlens: shape[0] (batch size) is 1 but q's batch size is 2"),
         (dict(num_splits=300), ValueError, "num_splits: is 300; must be in [0, 256]"),
         (dict(window_size=(-2, 0)), ValueError, "window_size"),
-        (dict(qkv_dtype=torch.float32), ValueError, "qkv_dtype: torch.float32 is not supported"),
+        (dict(qkv_dtype=torch.float32), ValueError, "q: dtype is float32; must be bf16, fp16"),
         (dict(page_size=0), ValueError, "page_size: is 0; must be at least 1"),
         (dict(sm_margin=4.0), ValueError, "sm_margin: expected an int, got float"),
     ]
@@ -306,7 +311,7 @@ def test_host_overhead_components_run_without_a_gpu():
                             capture_output=True, text=True, timeout=120,
                             env={**os.environ, "PYTHONPATH": str(script.parents[2] / "python")})
     assert result.returncode == 0, result.stderr
-    assert "| check_forward_args |" in result.stdout
+    assert "| check_forward (the library's check on stand-ins) |" in result.stdout
 
 
 def test_library_refusals_take_the_callers_names():
@@ -372,19 +377,19 @@ def _misaligned_stride_q():
 
 
 @pytest.mark.parametrize("make, pattern", [
-    (lambda q, k, v: (q.float(), k.float(), v.float()), "q: dtype torch.float32"),
-    (lambda q, k, v: (q, k.half(), v), "k: dtype torch.float16 differs"),
-    (lambda q, k, v: (q, k, v.half()), "v: dtype torch.float16 differs"),
-    (lambda q, k, v: (q[0], k, v), "q: expected 4 dims"),
-    (lambda q, k, v: (q, k[0], v), "k: expected 4 dims"),
-    (lambda q, k, v: (q, k, v.unsqueeze(0)), "v: expected 4 dims"),
-    (lambda q, k, v: (q, k[:1], v[:1]), "k: batch size 1"),
+    (lambda q, k, v: (q.float(), k.float(), v.float()), "q: dtype is float32; must be bf16, fp16"),
+    (lambda q, k, v: (q, k.half(), v), "k: dtype is fp16 but q's is bf16"),
+    (lambda q, k, v: (q, k, v.half()), "v: dtype is fp16 but q's is bf16"),
+    (lambda q, k, v: (q[0], k, v), r"q: ndim is 3 but dense \(no cu_seqlens_q\) q must be 4-d"),
+    (lambda q, k, v: (q, k[0], v), r"k: ndim is 3 but dense \(no cu_seqlens_k, no page_table\) k must be 4-d"),
+    (lambda q, k, v: (q, k, v.unsqueeze(0)), r"v: ndim is 5 but dense \(no cu_seqlens_k, no page_table\) v must be"),
+    (lambda q, k, v: (q, k[:1], v[:1]), "k: shape\\[0\\] \\(batch size\\) is 1 but q's batch size is 2"),
     (lambda q, k, v: (q, k, v[:, :50]), "v: shape"),
-    (lambda q, k, v: (q, k[..., :64], v), "k: head dim 64"),
-    (lambda q, k, v: (q, torch.cat([k, k[:, :, :1]], 2), torch.cat([v, v[:, :, :1]], 2)), "k: 3 key/value heads"),
-    (lambda q, k, v: tuple(torch.randn(2, 16, 2, 264, dtype=torch.bfloat16) for _ in range(3)), "q: head dim 264"),
-    (lambda q, k, v: (q.transpose(-1, -2).contiguous().transpose(-1, -2), k, v), "q: the last dim must be contiguous"),
-    (lambda q, k, v: (q, k, v.transpose(-1, -2).contiguous().transpose(-1, -2)), "v: the last dim must be contiguous"),
+    (lambda q, k, v: (q, k[..., :64], v), "k: shape\\[3\\] \\(head dim\\) is 64 but q's head dim is 128"),
+    (lambda q, k, v: (q, torch.cat([k, k[:, :, :1]], 2), torch.cat([v, v[:, :, :1]], 2)), "k: shape\\[2\\] \\(number of key/value heads\\) is 3, which does not divide"),
+    (lambda q, k, v: tuple(torch.randn(2, 16, 2, 264, dtype=torch.bfloat16) for _ in range(3)), "q: shape\\[3\\] \\(head dim\\) is 264; head dims up to 256"),
+    (lambda q, k, v: (q.transpose(-1, -2).contiguous().transpose(-1, -2), k, v), "q: stride\\[3\\] is 8 but the last dim must be contiguous"),
+    (lambda q, k, v: (q, k, v.transpose(-1, -2).contiguous().transpose(-1, -2)), "v: stride\\[3\\] is 2 but the last dim must be contiguous"),
     (lambda q, k, v: (_misaligned_stride_q(), k, v), r"q: stride\[0\]"),
     (lambda q, k, v: ("q", k, v), "q: expected a torch.Tensor"),
     (lambda q, k, v: (q, k, v), "q: must be a CUDA tensor"),
@@ -399,7 +404,7 @@ def test_refusals_are_flashhopper_errors_of_the_builtin_type():
     callers catch) and a ValueError; what FlashHopper cannot do is a FlashHopperNotSupported, also a
     NotImplementedError."""
     q, k, v = qkv()
-    with pytest.raises(flashhopper.FlashHopperInvalidArgument, match="q: dtype torch.float32") as info:
+    with pytest.raises(flashhopper.FlashHopperInvalidArgument, match="q: dtype is float32; must be bf16, fp16") as info:
         flash_attn_func(q.float(), k.float(), v.float())
     assert isinstance(info.value, (flashhopper.FlashHopperError)) and isinstance(info.value, RuntimeError)
     assert isinstance(info.value, ValueError)
@@ -415,7 +420,7 @@ def test_sdpa_layout_gets_a_hint():
     with a hint to transpose."""
     q = torch.randn(2, 8, 64, 128, dtype=torch.bfloat16)   # [B, H, S, D]
     k = torch.randn(2, 2, 96, 128, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match=r"k: 96 key/value heads do not divide q's 64 .*transpose\(1, 2\)"):
+    with pytest.raises(ValueError, match=r"k: shape\[2\] \(number of key/value heads\) is 96, which does not divide q's number of query heads 64; .*transpose\(1, 2\)"):
         flash_attn_func(q, k, k)
 
 
@@ -472,44 +477,43 @@ def _replacing(**changes):
 
 @pytest.mark.parametrize("change, pattern", [
     (lambda a: dict(a, cu_seqlens_q=a["cu_seqlens_q"].long()),
-     r"cu_seqlens_q: expected an int32 tensor of shape \[batch \+ 1\] .*got dtype torch.int64 shape \(5,\)"),
+     r"cu_seqlens_q: dtype torch.int64 is not supported"),
     (lambda a: dict(a, cu_seqlens_k=a["cu_seqlens_k"].float()),
-     r"cu_seqlens_k: expected an int32 .*got dtype torch.float32"),
-    (lambda a: dict(a, cu_seqlens_q=a["cu_seqlens_q"][None]), r"cu_seqlens_q: expected .* shape \(1, 5\)"),
-    (_replacing(cu_seqlens_q=[0, 3, 3, 53, 64]), r"cu_seqlens_q: expected an int32 tensor .*got list"),
-    (_replacing(cu_seqlens_k=None), r"cu_seqlens_k: expected an int32 tensor .*got NoneType"),
+     r"cu_seqlens_k: dtype is float32; must be int32"),
+    (lambda a: dict(a, cu_seqlens_q=a["cu_seqlens_q"][None]), r"cu_seqlens_q: ndim is 2 but cu_seqlens_q must be 1-d \[B \+ 1\]"),
+    (_replacing(cu_seqlens_q=[0, 3, 3, 53, 64]), r"cu_seqlens_q: expected a torch.Tensor, got list"),
+    (_replacing(cu_seqlens_k=None), r"cu_seqlens_k: is required in the packed layout"),
     (_replacing(cu_seqlens_q=torch.zeros(1, dtype=torch.int32)),
-     r"cu_seqlens_q: shape \(1,\) is too short; .* at least 2 entries"),
+     r"cu_seqlens_q: shape\[0\] is 1; it holds batch size \+ 1 prefix sums"),
     (lambda a: dict(a, cu_seqlens_k=a["cu_seqlens_k"][:4]),
-     r"cu_seqlens_k: expected an int32 tensor of shape \[batch \+ 1\] = \(5,\), as cu_seqlens_q, got dtype "
-     r"torch.int32 shape \(4,\)"),
+     r"cu_seqlens_k: shape\[0\] is 4 but must be batch size \+ 1 = 5 \(batch size 4 from cu_seqlens_q\)"),
     (_replacing(cu_seqlens_q=torch.arange(10, dtype=torch.int32)[::2]),
-     r"cu_seqlens_q: must be contiguous \(stride 1\)"),
+     r"cu_seqlens_q: stride\[0\] is 2 but the last dim must be contiguous \(stride 1\)"),
     (_replacing(seqused_q=torch.ones(4, dtype=torch.int64)),
-     r"seqused_q: expected an int32 tensor of shape \[batch\] = \(4,\) .*got dtype torch.int64"),
+     r"seqused_q: dtype torch.int64 is not supported"),
     (_replacing(seqused_k=torch.ones(5, dtype=torch.int32)),
-     r"seqused_k: expected .* \[batch\] = \(4,\) .*shape \(5,\)"),
-    (_replacing(seqused_k=torch.ones(4, 1, dtype=torch.int32)), r"seqused_k: expected .*shape \(4, 1\)"),
-    (_replacing(seqused_q=4), r"seqused_q: expected an int32 tensor .*got int"),
-    (_replacing(max_seqlen_q=0), r"max_seqlen_q: 0 must be in \[1, 2147483647\]"),
-    (_replacing(max_seqlen_k=-3), r"max_seqlen_k: -3 must be in \[1, 2147483647\]"),
-    (_replacing(max_seqlen_k=2**31), r"max_seqlen_k: 2147483648 must be in"),
+     r"seqused_k: shape\[0\] \(batch size\) is 5 but cu_seqlens_q's batch size is 4"),
+    (_replacing(seqused_k=torch.ones(4, 1, dtype=torch.int32)), r"seqused_k: ndim is 2 but seqused_k must be 1-d \[B\]"),
+    (_replacing(seqused_q=4), r"seqused_q: expected a torch.Tensor, got int"),
+    (_replacing(max_seqlen_q=0), r"max_seqlen_q: is 0; varlen \(cu_seqlens_q given\) needs max_seqlen_q >= 1"),
+    (_replacing(max_seqlen_k=-3), r"max_seqlen_k: is -3; varlen \(cu_seqlens_k given\) needs max_seqlen_k >= 1"),
+    (_replacing(max_seqlen_k=2**31), r"max_seqlen_k: 2147483648 does not fit in int32"),
     (_replacing(max_seqlen_q=True), r"max_seqlen_q: the longest sequence's length must be an int, got bool"),
     (_replacing(max_seqlen_q=50.0), r"max_seqlen_q: .* must be an int, got float 50.0"),
     (_replacing(max_seqlen_k=torch.tensor(40)), r"max_seqlen_k: .* must be an int, got Tensor"),
-    (_replacing(max_seqlen_k=None), r"max_seqlen_k: .* must be an int, got NoneType"),
+    (_replacing(max_seqlen_k=None), r"max_seqlen_k: is 0; varlen \(cu_seqlens_k given\) needs max_seqlen_k >= 1"),
     (lambda a: dict(a, q=a["q"][None]),
-     r"q: expected 3 dims \[total_q, heads_q, head_dim\], got shape \(1, 64, 8, 128\)"),
-    (lambda a: dict(a, k=a["k"][None], v=a["v"][None]), r"k: expected 3 dims \[total_k, heads_kv, head_dim\]"),
-    (lambda a: dict(a, v=a["v"][:-1]), r"v: shape \(53, 2, 128\) must match k's \(54, 2, 128\)"),
-    (lambda a: dict(a, k=a["k"][..., :64]), r"k: head dim 64 differs from q's 128"),
+     r"q: ndim is 4 but varlen \(cu_seqlens_q given\) q must be 3-d \[total_q, Hq, d\]"),
+    (lambda a: dict(a, k=a["k"][None], v=a["v"][None]), r"k: ndim is 4 but varlen \(cu_seqlens_k given\) k must be 3-d \[total_k, Hkv, d\]"),
+    (lambda a: dict(a, v=a["v"][:-1]), r"v: shape\[0\] \(total key tokens\) is 53 but k's total key tokens is 54"),
+    (lambda a: dict(a, k=a["k"][..., :64]), r"k: shape\[2\] \(head dim\) is 64 but q's head dim is 128"),
     (lambda a: dict(a, k=a["k"][:, :1].repeat(1, 3, 1), v=a["v"][:, :1].repeat(1, 3, 1)),
-     r"k: 3 key/value heads do not divide q's 8"),
-    (lambda a: dict(a, q=a["q"].float()), r"q: dtype torch.float32 is not supported"),
-    (lambda a: dict(a, k=a["k"].half()), r"k: dtype torch.float16 differs from q's"),
+     r"k: shape\[1\] \(number of key/value heads\) is 3, which does not divide q's number of query heads 8"),
+    (lambda a: dict(a, q=a["q"].float()), r"q: dtype is float32; must be bf16, fp16"),
+    (lambda a: dict(a, k=a["k"].half()), r"k: dtype is fp16 but q's is bf16"),
     (lambda a: dict(a, q=a["q"].transpose(-1, -2).contiguous().transpose(-1, -2)),
-     r"q: the last dim must be contiguous"),
-    (_replacing(softmax_scale=-1.0), r"softmax_scale: -1.0 must be finite"),
+     r"q: stride\[2\] is 8 but the last dim must be contiguous"),
+    (_replacing(softmax_scale=-1.0), r"softmax_scale: is -1; must be finite and >= 0"),
     (_replacing(), r"q: must be a CUDA tensor"),  # a well-formed call: the next refusal is the CPU device
     (_replacing(seqused_q=torch.ones(4, dtype=torch.int32), seqused_k=torch.ones(4, dtype=torch.int32)),
      r"q: must be a CUDA tensor"),
@@ -528,15 +532,15 @@ def test_varlen_paged_keys_bad_arguments():
     q, k, v, cu_q, cu_k, max_q, max_k = varlen_args()
     pages = torch.randn(8, 16, 2, 128, dtype=torch.bfloat16)
     table = torch.zeros(4, 4, dtype=torch.int32)
-    with pytest.raises(ValueError, match=r"k: expected 4 dims .*\[num_pages, page_size, Hkv, d\].*got shape \(54, 2"):
+    with pytest.raises(ValueError, match=r"k: ndim is 3 but paged \(page_table given\) k must be 4-d \[num_pages, page_size, Hkv, d\]"):
         fa3.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, page_table=table)
-    with pytest.raises(ValueError, match=r"v: dtype torch.float16 differs from q's"):
+    with pytest.raises(ValueError, match=r"v: dtype is fp16 but q's is bf16"):
         fa3.flash_attn_varlen_func(q, pages, pages.half(), cu_q, cu_k, max_q, max_k, page_table=table)
-    with pytest.raises(ValueError, match=r"max_seqlen_k: .* must be an int, got NoneType"):
+    with pytest.raises(ValueError, match=r"max_seqlen_k: is 0; varlen \(cu_seqlens_k given\) needs max_seqlen_k >= 1"):
         fa3.flash_attn_varlen_func(q, pages, pages, cu_q, cu_k, max_q, None, page_table=table)
-    with pytest.raises(ValueError, match=r"cu_seqlens_k: expected an int32 tensor of shape \[5\]"):
+    with pytest.raises(ValueError, match=r"cu_seqlens_k: shape\[0\] is 4 but must be batch size \+ 1 = 5"):
         fa3.flash_attn_varlen_func(q, pages, pages, cu_q, cu_k[:4], max_q, max_k, page_table=table)
-    with pytest.raises(ValueError, match=r"seqused_k: expected an int32 tensor of shape \[4\]"):
+    with pytest.raises(ValueError, match=r"seqused_k: shape\[0\] \(batch size\) is 3 but cu_seqlens_q's batch size is 4"):
         fa3.flash_attn_varlen_func(q, pages, pages, cu_q, cu_k, max_q, max_k, page_table=table,
                                    seqused_k=torch.ones(3, dtype=torch.int32))
     with pytest.raises(ValueError, match="q: must be a CUDA tensor"):
@@ -602,26 +606,26 @@ def test_varlen_checks_in_the_ops_and_plain_calls():
     varlen arguments names what is missing (none of them: the dense layout)."""
     from flashhopper import interface
     q, k, v, cu_q, cu_k, max_q, max_k = varlen_args()
-    with pytest.raises(ValueError, match="cu_seqlens_k: expected an int32 tensor .*got NoneType"):
+    with pytest.raises(ValueError, match=r"cu_seqlens_k: is required in the packed layout"):
         torch.ops.flashhopper.fwd(q, k, v, None, False, False, -1, -1, 0.0, 0, None, cu_q, None, max_q, max_k)
-    with pytest.raises(ValueError, match="max_seqlen_q: .* must be an int, got NoneType"):
+    with pytest.raises(ValueError, match=r"max_seqlen_q: is 0; varlen \(cu_seqlens_q given\) needs max_seqlen_q >= 1"):
         torch.ops.flashhopper.fwd(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_k=max_k)
-    with pytest.raises(ValueError, match="q: expected 4 dims"):  # no varlen argument: the dense layout
+    with pytest.raises(ValueError, match=r"q: ndim is 3 but dense \(no cu_seqlens_q\) q must be 4-d"):  # no varlen argument: the dense layout
         torch.ops.flashhopper.fwd(q, k, v)
     varlen = interface.Varlen(cu_q, cu_k, max_q, max_k)
     with pytest.raises(ValueError, match="q: must be a CUDA tensor"):
         flashhopper.forward(q, k, v, varlen=varlen)
-    with pytest.raises(ValueError, match=r"cu_seqlens_q: shape \(1,\) is too short"):
+    with pytest.raises(ValueError, match=r"cu_seqlens_q: shape\[0\] is 1; it holds batch size \+ 1 prefix sums"):
         flashhopper.forward(q, k, v, varlen=varlen._replace(cu_seqlens_q=cu_q[:1]))
     out, lse = torch.empty_like(q), torch.empty(8, 64)
-    with pytest.raises(ValueError, match=r"lse: shape \(2, 8, 64\), expected \[heads_q, total_q\] = \(8, 64\)"):
+    with pytest.raises(ValueError, match=r"lse: ndim is 3 but varlen \(cu_seqlens_q given\) lse must be 2-d \[Hq, total_q\]"):
         flashhopper.backward(out, q, k, v, out, torch.empty(2, 8, 64), varlen=varlen)
-    with pytest.raises(ValueError, match=r"dout: shape \(60, 8, 128\), expected \(64, 8, 128\)"):
+    with pytest.raises(ValueError, match=r"dout: shape\[0\] \(total query tokens\) is 60 but q's total query tokens is 64"):
         flashhopper.backward(out[:60], q, k, v, out, lse, varlen=varlen)
-    with pytest.raises(ValueError, match=r"out: expected 3 dims \[total_q, heads_q, head_dim\]"):
+    with pytest.raises(ValueError, match=r"out: ndim is 4 but varlen \(cu_seqlens_q given\) out must be 3-d \[total_q, Hq, dv\]"):
         torch.ops.flashhopper.bwd(out, q, k, v, out[None], lse, None, False, False, -1, -1, 0.0, 0, None, cu_q, cu_k,
                                   max_q, max_k)
-    with pytest.raises(ValueError, match="seqused_k: expected an int32 tensor"):
+    with pytest.raises(ValueError, match=r"seqused_k: shape\[0\] \(batch size\) is 3 but cu_seqlens_q's batch size is 4"):
         flashhopper.backward(out, q, k, v, out, lse, varlen=varlen._replace(seqused_k=torch.ones(3, dtype=torch.int32)))
     with pytest.raises(ValueError, match="dout: must be a CUDA tensor"):
         flashhopper.backward(out, q, k, v, out, lse, varlen=varlen)
@@ -659,14 +663,14 @@ def test_varlen_devices_must_match_under_fake_tensors():
     (dict(window_size=(1, 2, 3)), r"window_size: expected a pair of ints"),
     (dict(window_size=8), r"window_size: expected a pair of ints"),
     (dict(window_size="88"), r"window_size: expected a pair of ints"),
-    (dict(softcap=-1.0), r"softcap: -1.0 must be finite and >= 0"),
-    (dict(softcap=float("nan")), r"softcap: nan must be finite"),
-    (dict(softcap=float("inf")), r"softcap: inf must be finite"),
+    (dict(softcap=-1.0), r"softcap: is -1; must be finite and >= 0"),
+    (dict(softcap=float("nan")), r"softcap: is nan; must be finite"),
+    (dict(softcap=float("inf")), r"softcap: is inf; must be finite"),
     (dict(softcap=1e39), r"softcap: .* exceeds float32's range"),
     (dict(softcap=1e-46), r"softcap: 1e-46 rounds to 0 in float32"),
     (dict(softcap=torch.tensor(30.0)), r"softcap: must be a Python float >= 0, got Tensor"),
     (dict(softcap="30"), r"softcap: must be a Python float >= 0, got str"),
-    (dict(attention_chunk=-1), r"attention_chunk: -1 must be >= 0"),
+    (dict(attention_chunk=-1), r"attention_chunk: is -1; must be >= 0"),
     (dict(attention_chunk=64.0), r"attention_chunk: the chunk size must be an int, got float 64.0"),
     (dict(attention_chunk=True), r"attention_chunk: the chunk size must be an int, got bool"),
     (dict(attention_chunk=2**31), r"attention_chunk: 2147483648 does not fit in int32"),
@@ -703,31 +707,30 @@ def test_bad_mask_options_in_the_ops_and_backward():
     out, lse = torch.empty_like(q), torch.empty(2, 8, 64)
     with pytest.raises(ValueError, match="window_size: the left bound is -2"):
         torch.ops.flashhopper.fwd(q, k, v, None, False, False, -2, 0)
-    with pytest.raises(ValueError, match="softcap: -2.0 must be finite"):
+    with pytest.raises(ValueError, match="softcap: is -2; must be finite"):
         torch.ops.flashhopper.fwd(q, k, v, None, False, False, -1, -1, -2.0)
-    with pytest.raises(ValueError, match="attention_chunk: -4 must be >= 0"):
+    with pytest.raises(ValueError, match="attention_chunk: is -4; must be >= 0"):
         torch.ops.flashhopper.bwd(out, q, k, v, out, lse, None, False, False, -1, -1, 0.0, -4)
     with pytest.raises(ValueError, match="window_size: the right bound is -7"):
         flashhopper.backward(out, q, k, v, out, lse, window_size=(3, -7))
-    with pytest.raises(ValueError, match="softcap: nan"):
+    with pytest.raises(ValueError, match="softcap: is nan"):
         flashhopper.backward(out, q, k, v, out, lse, softcap=math.nan)
     with FakeTensorMode():  # the fake implementations check them too
         fq, fk, fv = qkv(device="cuda")
-        with pytest.raises(ValueError, match="attention_chunk: -1"):
+        with pytest.raises(ValueError, match="attention_chunk: is -1"):
             torch.ops.flashhopper.fwd(fq, fk, fv, None, False, False, -1, -1, 0.0, -1)
 
 
 @pytest.mark.parametrize("make_sink, pattern", [
     (lambda: torch.zeros(8, dtype=torch.bfloat16),
-     r"learnable_sink: expected a torch.float32 tensor of shape \[heads_q\] = \(8,\) .*got dtype torch.bfloat16 "
-     r"shape \(8,\)"),
-    (lambda: torch.zeros(8, dtype=torch.float64), r"learnable_sink: expected a torch.float32 .*got dtype torch.float64"),
-    (lambda: torch.zeros(2), r"learnable_sink: expected a torch.float32 tensor of shape \[heads_q\] = \(8,\).*"
-                             r"got dtype torch.float32 shape \(2,\)"),
-    (lambda: torch.zeros(1, 8), r"learnable_sink: expected .* got dtype torch.float32 shape \(1, 8\)"),
-    (lambda: torch.zeros(()), r"learnable_sink: expected .* got dtype torch.float32 shape \(\)"),
-    (lambda: [0.0] * 8, r"learnable_sink: expected None or a torch.float32 tensor .* got list"),
-    (lambda: torch.zeros(16)[::2], r"learnable_sink: must be contiguous \(stride 1\), got stride 2"),
+     r"learnable_sink: dtype is bf16; must be float32"),
+    (lambda: torch.zeros(8, dtype=torch.float64), r"learnable_sink: dtype torch.float64 is not supported"),
+    (lambda: torch.zeros(2), r"learnable_sink: shape\[0\] \(number of query heads\) is 2 but q's number of query "
+                             r"heads is 8"),
+    (lambda: torch.zeros(1, 8), r"learnable_sink: ndim is 2 but learnable_sink must be 1-d \[Hq\]"),
+    (lambda: torch.zeros(()), r"learnable_sink: ndim is 0 but learnable_sink must be 1-d \[Hq\]"),
+    (lambda: [0.0] * 8, r"learnable_sink: expected a torch.Tensor, got list"),
+    (lambda: torch.zeros(16)[::2], r"learnable_sink: stride\[0\] is 2 but the last dim must be contiguous \(stride 1\)"),
 ])
 def test_bad_learnable_sink(make_sink, pattern):
     q, k, v = qkv()  # heads_q 8; CPU tensors: the sink's dtype and shape come before the device check
@@ -787,10 +790,12 @@ def _captured_params(monkeypatch):
     rules = _ffi.lib()  # the fixture's: the library's rule functions only
 
     class FakeLib:
-        fh_forward_params_init = fh_backward_params_init = staticmethod(lambda params: None)
         fh_forward_workspace_size = fh_backward_workspace_size = staticmethod(lambda params, size: 0)
         fh_forward = fh_backward = None
-        fh_window_from_fa3 = rules.fh_window_from_fa3  # the mask rules stay the library's
+        # the rules stay the library's: the struct defaults, the checks, the mask convention
+        fh_forward_params_init, fh_backward_params_init = rules.fh_forward_params_init, rules.fh_backward_params_init
+        fh_forward_check, fh_backward_check = rules.fh_forward_check, rules.fh_backward_check
+        fh_last_error, fh_window_from_fa3 = rules.fh_last_error, rules.fh_window_from_fa3
 
     monkeypatch.setattr(_ffi, "lib", lambda: FakeLib)
     monkeypatch.setattr(interface, "check_devices", lambda named: None)
@@ -886,12 +891,17 @@ def test_plans_memoise_the_checks_not_the_pointers(monkeypatch):
         assert params.out.data == out.data_ptr() and params.causal == 1
     q, k, v = second
     unaligned = torch.empty(q.numel() + 1, dtype=q.dtype)[1:].view(q.shape)  # same shape and strides
+    flashhopper.forward(unaligned, k, v, causal=True)  # the plan's: the library checks its pointers every call
+    assert len(interface._PLANS) == 1 and captured[-1].q.data == unaligned.data_ptr()
+    interface._PLANS.clear()  # a first call checks the pointers as they are
     with pytest.raises(ValueError, match="q: data pointer 0x[0-9a-f]+ is not 16-byte aligned"):
         flashhopper.forward(unaligned, k, v, causal=True)
-    with pytest.raises(ValueError, match="k: dtype torch.float16 differs from q's"):
+    assert len(interface._PLANS) == 0
+    with pytest.raises(ValueError, match="k: dtype is fp16 but q's is bf16"):
         flashhopper.forward(q, k.half(), v, causal=True)
     with pytest.raises(ValueError, match="softcap"):
         flashhopper.forward(q, k, v, causal=True, softcap=-1.0)
+    flashhopper.forward(q, k, v, causal=True)
     flashhopper.forward(q, k, v, causal=1)  # another option type: its own plan (and checks)
     assert len(interface._PLANS) == 2
 
@@ -1129,7 +1139,7 @@ def test_fake_shapes_with_options_and_sink():
         out2, lse2 = flash_attn_func(q, k, v, window_size=(16, 4), softcap=30.0, attention_chunk=64,
                                      learnable_sink=sink, return_attn_probs=True)
         assert out2.shape == out.shape and lse2.shape == lse.shape
-        with pytest.raises(ValueError, match=r"learnable_sink: expected .* \(6,\).* shape \(8,\)"):
+        with pytest.raises(ValueError, match=r"learnable_sink: shape\[0\] \(number of query heads\) is 8 but q's number of query heads is 6"):
             torch.ops.flashhopper.fwd(q, k, v, None, False, False, -1, -1, 0.0, 0, torch.empty(8, device="cuda"))
 
 
@@ -1156,9 +1166,9 @@ def test_fake_varlen_shapes(dtype):
         out2, lse2 = fa3.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, seqused_q=used, causal=True,
                                                 window_size=(16, 0), learnable_sink=sink, return_attn_probs=True)
         assert out2.shape == out.shape and lse2.shape == lse.shape and lse2.dtype == torch.float32
-        with pytest.raises(ValueError, match=r"lse: shape \(64, 6\), expected \[heads_q, total_q\] = \(6, 64\)"):
+        with pytest.raises(ValueError, match=r"lse: shape\[0\] \(number of query heads\) is 64 but q's number of query heads is 6"):
             torch.ops.flashhopper.bwd(out, q, k, v, out, lse.t(), None, False, False, -1, -1, 0.0, 0, None, *varlen)
-        with pytest.raises(ValueError, match=r"seqused_q: expected an int32 tensor of shape \[batch\] = \(4,\)"):
+        with pytest.raises(ValueError, match=r"seqused_q: shape\[0\] \(batch size\) is 3 but cu_seqlens_q's batch size is 4"):
             torch.ops.flashhopper.fwd(q, k, v, None, False, False, -1, -1, 0.0, 0, None, cu_q, cu_k, max_q, max_k,
                                       used[:3])
 
@@ -1257,14 +1267,14 @@ def test_kvcache_call_in_a_traced_graph():
 def test_fake_impl_checks_shapes():
     with FakeTensorMode():
         q, k, v = qkv(device="cuda")
-        with pytest.raises(ValueError, match="k: head dim"):
+        with pytest.raises(ValueError, match=r"k: shape\[3\] \(head dim\) is 64 but q's head dim is 128"):
             torch.ops.flashhopper.fwd(q, k[..., :64], v, None, False, False)
 
 
 def test_plain_calls_refuse_head_dims_off_the_granule():
     """flashhopper.forward takes head dims in multiples of 8 only; flash_attn_func pads the others."""
     q, k, v = (torch.randn(2, 16, 2, 12, dtype=torch.bfloat16) for _ in range(3))
-    with pytest.raises(ValueError, match="q: head dim 12 is not a multiple of 8"):
+    with pytest.raises(ValueError, match=r"q: shape\[3\] \(head dim\) is 12, not a multiple of 8"):
         flashhopper.forward(q, k, v)
 
 
