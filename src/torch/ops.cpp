@@ -12,7 +12,7 @@
 #include <torch/csrc/stable/ops.h>
 #include <torch/csrc/stable/tensor.h>
 
-#include <cmath>
+#include <algorithm>
 #include <cstdint>
 #include <limits>
 #include <optional>
@@ -77,17 +77,21 @@ void set(fh_tensor& field, const char* name, const std::optional<Tensor>& t) {
   if (t.has_value()) field = view(name, *t);
 }
 
-// The tensor fields both parameter structs share.
+std::vector<int64_t> shape_of(const Tensor& t) {
+  std::vector<int64_t> shape;
+  for (int64_t d = 0; d < t.dim(); ++d) shape.push_back(t.size(d));
+  return shape;
+}
+
+// The input tensor fields both parameter structs share.
 template <typename Params>
-void set_shared_tensors(Params& p, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
-                        const Tensor& lse, const std::optional<Tensor>& learnable_sink,
-                        const std::optional<Tensor>& cu_seqlens_q, const std::optional<Tensor>& cu_seqlens_k,
-                        const std::optional<Tensor>& seqused_q, const std::optional<Tensor>& seqused_k) {
+void set_inputs(Params& p, const Tensor& q, const Tensor& k, const Tensor& v,
+                const std::optional<Tensor>& learnable_sink, const std::optional<Tensor>& cu_seqlens_q,
+                const std::optional<Tensor>& cu_seqlens_k, const std::optional<Tensor>& seqused_q,
+                const std::optional<Tensor>& seqused_k) {
   p.q = view("q", q);
   p.k = view("k", k);
   p.v = view("v", v);
-  p.out = view("out", out);
-  p.lse = view("lse", lse);
   set(p.learnable_sink, "learnable_sink", learnable_sink);
   set(p.cu_seqlens_q, "cu_seqlens_q", cu_seqlens_q);
   set(p.cu_seqlens_k, "cu_seqlens_k", cu_seqlens_k);
@@ -127,14 +131,39 @@ void launch(const Params& params, const Tensor& like, SizeFn workspace_size, Run
   check(run(&params, workspace ? workspace->data_ptr() : nullptr, bytes, on.stream()));
 }
 
+// softmax_scale as the C ABI's float; its range is the library's rule. 0 is refused here: the C
+// ABI reads it as 1/sqrt(head_dim), the ops' callers mean None by that.
 float library_scale(const std::optional<double>& softmax_scale) {
   if (!softmax_scale.has_value()) return 0.0f;  // the C ABI's 0: 1/sqrt(head_dim)
   const double s = *softmax_scale;
-  if (!std::isfinite(s) || s < 0) {
-    refuse(FH_ERROR_INVALID_ARGUMENT, "softmax_scale: " + std::to_string(s) + " must be finite and > 0");
-  }
   if (s == 0) refuse(FH_ERROR_NOT_SUPPORTED, "softmax_scale: 0.0 is not supported; pass None for the default");
   return static_cast<float>(s);
+}
+
+// The ops' packed layout packs q and k alike (the C ABI also takes one side packed alone; the
+// ops' callers do not), as the Python package's Varlen.
+void check_packed_pair(const std::optional<Tensor>& cu_seqlens_q, const std::optional<Tensor>& cu_seqlens_k) {
+  if (cu_seqlens_q.has_value() == cu_seqlens_k.has_value()) return;
+  refuse(FH_ERROR_INVALID_ARGUMENT, std::string(cu_seqlens_q ? "cu_seqlens_k" : "cu_seqlens_q") +
+                                        ": is required in the packed layout (with cu_seqlens_q, cu_seqlens_k, "
+                                        "max_seqlen_q or max_seqlen_k given), which packs q and k alike");
+}
+
+// A view for an output the op has not allocated yet, contiguous, at a stand-in address (aligned,
+// never dereferenced): the library's check reads no data, so the arguments are checked before
+// anything is allocated.
+fh_tensor stand_in(int32_t index, int32_t dtype, const std::vector<int64_t>& shape) {
+  fh_tensor v{};
+  v.data = reinterpret_cast<void*>(static_cast<uintptr_t>(index + 1) << 40);
+  v.dtype = dtype;
+  v.ndim = static_cast<int32_t>(shape.size());
+  int64_t step = 1;
+  for (int32_t d = v.ndim - 1; d >= 0; --d) {
+    v.shape[d] = shape[d];
+    v.stride[d] = step;
+    step *= std::max<int64_t>(shape[d], 1);
+  }
+  return v;
 }
 
 // The mask fields both parameter structs share, by FlashAttention-3's rules (fh_window_from_fa3,
@@ -145,12 +174,9 @@ void set_mask(Params& p, bool causal, int64_t left, int64_t right, double softca
               const Tensor& q, const Tensor& k, bool varlen, const std::optional<int64_t>& max_seqlen_q,
               const std::optional<int64_t>& max_seqlen_k) {
   int64_t seqlen_q = 0, seqlen_k = 0;
-  if (varlen) {
-    if (!max_seqlen_q || !max_seqlen_k) {
-      refuse(FH_ERROR_INVALID_ARGUMENT, "max_seqlen_q, max_seqlen_k: needed with cu_seqlens");
-    }
-    seqlen_q = *max_seqlen_q;
-    seqlen_k = *max_seqlen_k;
+  if (varlen) {  // an absent max_seqlen is the C ABI's 0, which the library refuses by name
+    seqlen_q = max_seqlen_q.value_or(0);
+    seqlen_k = max_seqlen_k.value_or(0);
     p.max_seqlen_q = as_int32("max_seqlen_q", seqlen_q);
     p.max_seqlen_k = as_int32("max_seqlen_k", seqlen_k);
   } else if (q.dim() == 4 && k.dim() == 4) {
@@ -174,8 +200,10 @@ void set_mask(Params& p, bool causal, int64_t left, int64_t right, double softca
 }
 
 // The output shapes the fake functions in ops.py give: out like q with v's head dim, lse [B, Hq, sq]
-// (dense) or [Hq, total_q] (packed).
+// (dense) or [Hq, total_q] (packed). Where q's or v's rank allows neither, a placeholder of one
+// element: the library's check refuses q or v first.
 std::vector<int64_t> out_shape(const Tensor& q, const Tensor& v) {
+  if (q.dim() < 1 || v.dim() < 1) return {1};
   std::vector<int64_t> shape;
   for (int64_t d = 0; d + 1 < q.dim(); ++d) shape.push_back(q.size(d));
   shape.push_back(v.size(v.dim() - 1));
@@ -184,22 +212,15 @@ std::vector<int64_t> out_shape(const Tensor& q, const Tensor& v) {
 
 std::vector<int64_t> lse_shape(const Tensor& q) {
   if (q.dim() == 4) return {q.size(0), q.size(2), q.size(1)};
-  return {q.size(1), q.size(0)};
-}
-
-void check_ranks(const Tensor& q, const Tensor& v, bool varlen) {
-  const int64_t rank = varlen ? 3 : 4;
-  if (q.dim() != rank || v.dim() != rank) {
-    refuse(FH_ERROR_INVALID_ARGUMENT, std::string(varlen ? "q, v: expected 3 dims [total, heads, head_dim]"
-                                                   : "q, v: expected 4 dims [batch, seqlen, heads, head_dim]") +
-                                   " (the packed layout goes with cu_seqlens_q/k)");
-  }
+  if (q.dim() == 3) return {q.size(1), q.size(0)};
+  return {1};
 }
 
 // dout as the kernels take it (ops.py's _normalize_dout): last dim contiguous, other strides
 // multiples of 16 bytes and none 0 on a dim of more than one element, data 16-byte aligned;
 // otherwise a contiguous copy (autograd may hand over an expanded or unaligned one).
 Tensor kernel_ready(const Tensor& dout) {
+  if (dout.dim() < 1) return dout;  // the library's check refuses its rank
   const int64_t granule = 16 / static_cast<int64_t>(dout.element_size());
   bool ok = dout.stride(dout.dim() - 1) == 1 && reinterpret_cast<uintptr_t>(dout.data_ptr()) % 16 == 0;
   for (int64_t d = 0; ok && d + 1 < dout.dim(); ++d) {
@@ -220,18 +241,23 @@ std::tuple<Tensor, Tensor> forward(Tensor q, Tensor k, Tensor v, std::optional<d
                                    std::optional<Tensor> cu_seqlens_k, std::optional<int64_t> max_seqlen_q,
                                    std::optional<int64_t> max_seqlen_k, std::optional<Tensor> seqused_q,
                                    std::optional<Tensor> seqused_k, int64_t num_splits, int64_t sm_margin) {
-  const bool varlen = cu_seqlens_q.has_value() || cu_seqlens_k.has_value();
-  check_ranks(q, v, varlen);
-  Tensor out = torch::stable::new_empty(q, out_shape(q, v));
-  Tensor lse = torch::stable::new_empty(q, lse_shape(q), ScalarType::Float);
+  check_packed_pair(cu_seqlens_q, cu_seqlens_k);
+  const bool varlen = cu_seqlens_q.has_value();
   fh_forward_params p;
   fh_forward_params_init(&p);
-  set_shared_tensors(p, q, k, v, out, lse, learnable_sink, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k);
+  set_inputs(p, q, k, v, learnable_sink, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k);
+  p.out = stand_in(0, p.q.dtype, out_shape(q, v));
+  p.lse = stand_in(1, FH_DTYPE_FP32, lse_shape(q));
   p.softmax_scale = library_scale(softmax_scale);
   set_mask(p, causal, window_left, window_right, softcap, attention_chunk, q, k, varlen, max_seqlen_q,
            max_seqlen_k);
   p.num_splits = as_int32("num_splits", num_splits);
   p.sm_margin = as_int32("sm_margin", sm_margin);
+  check(fh_forward_check(&p));
+  Tensor out = torch::stable::new_empty(q, out_shape(q, v));
+  Tensor lse = torch::stable::new_empty(q, lse_shape(q), ScalarType::Float);
+  p.out = view("out", out);
+  p.lse = view("lse", lse);
   launch(p, q, fh_forward_workspace_size, fh_forward);
   return {out, lse};
 }
@@ -242,29 +268,36 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> backward(
     int64_t attention_chunk, std::optional<Tensor> learnable_sink, std::optional<Tensor> cu_seqlens_q,
     std::optional<Tensor> cu_seqlens_k, std::optional<int64_t> max_seqlen_q, std::optional<int64_t> max_seqlen_k,
     std::optional<Tensor> seqused_q, std::optional<Tensor> seqused_k, int64_t sm_margin) {
-  const bool varlen = cu_seqlens_q.has_value() || cu_seqlens_k.has_value();
-  check_ranks(q, v, varlen);
-  if (dout.dim() < 1) refuse(FH_ERROR_INVALID_ARGUMENT, "dout: expected the shape of out");
+  check_packed_pair(cu_seqlens_q, cu_seqlens_k);
+  const bool varlen = cu_seqlens_q.has_value();
   dout = kernel_ready(dout);
-  Tensor dq = torch::stable::empty_like(q);
-  Tensor dk = torch::stable::empty_like(k);
-  Tensor dv = torch::stable::empty_like(v);
-  // the library writes every element of dsink (a fixed-order sum of per-CTA shares): no zero fill
-  const int64_t sink_size = learnable_sink.has_value() ? q.size(q.dim() - 2) : 0;
-  Tensor dsink = torch::stable::new_empty(q, {sink_size}, ScalarType::Float);
   fh_backward_params p;
   fh_backward_params_init(&p);
-  set_shared_tensors(p, q, k, v, out, lse, learnable_sink, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k);
+  set_inputs(p, q, k, v, learnable_sink, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k);
+  p.out = view("out", out);
+  p.lse = view("lse", lse);
   p.dout = view("dout", dout);
-  p.dq = view("dq", dq);
-  p.dk = view("dk", dk);
-  p.dv = view("dv", dv);
-  if (learnable_sink.has_value()) p.dsink = view("dsink", dsink);
+  // the gradients as empty_like would give them, at stand-in addresses until the check passes
+  p.dq = stand_in(0, p.q.dtype, shape_of(q));
+  p.dk = stand_in(1, p.k.dtype, shape_of(k));
+  p.dv = stand_in(2, p.v.dtype, shape_of(v));
+  const int64_t sink_size = learnable_sink.has_value() && q.dim() >= 2 ? q.size(q.dim() - 2) : 0;
+  if (learnable_sink.has_value()) p.dsink = stand_in(3, FH_DTYPE_FP32, {std::max<int64_t>(sink_size, 1)});
   p.softmax_scale = library_scale(softmax_scale);
   p.deterministic = deterministic ? 1 : 0;
   p.sm_margin = as_int32("sm_margin", sm_margin);
   set_mask(p, causal, window_left, window_right, softcap, attention_chunk, q, k, varlen, max_seqlen_q,
            max_seqlen_k);
+  check(fh_backward_check(&p));
+  Tensor dq = torch::stable::empty_like(q);
+  Tensor dk = torch::stable::empty_like(k);
+  Tensor dv = torch::stable::empty_like(v);
+  // the library writes every element of dsink (a fixed-order sum of per-CTA shares): no zero fill
+  Tensor dsink = torch::stable::new_empty(q, {sink_size}, ScalarType::Float);
+  p.dq = view("dq", dq);
+  p.dk = view("dk", dk);
+  p.dv = view("dv", dv);
+  if (learnable_sink.has_value()) p.dsink = view("dsink", dsink);
   launch(p, q, fh_backward_workspace_size, fh_backward);
   return {dq, dk, dv, dsink};
 }
