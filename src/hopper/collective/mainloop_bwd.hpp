@@ -266,14 +266,9 @@ struct BackwardMainloop {
     return Mask(seq, params.local);
   }
 
-  // The i-th query block of key block blk's walk, the same in the producer, the MMA warpgroups
-  // and the dQ writer. Causal walks down from the last block to the diagonal, so that all key
-  // blocks of a head, which all reach the last block, visit the same block at the same step, as
-  // in non-causal: they share its Q and dO in L2, and in deterministic mode key block n adds to
-  // dQ one hand-off after key block n - 1 instead of waiting for its whole walk down to the
-  // diagonal (walking up, key block n started at block n, which key block 0 reaches at step n).
+  // The i-th query block of key block blk's walk (the mask's order, Mask::for_each_query_block's).
   CUTLASS_DEVICE static int query_block_at(BackwardBlock const& blk, int i) {
-    return kCausal ? blk.m_block_max - 1 - i : blk.m_block_min + i;
+    return Mask::query_block_at(blk.m_block_min, blk.m_block_max, i);
   }
 
 
@@ -581,33 +576,7 @@ struct BackwardMainloop {
         ++shared.q_state;
         buffer ^= 1;
       };
-      if constexpr (kCausal) {
-        // The walk goes down (query_block_at): the unmasked blocks first, then the masked ones
-        // at the diagonal (all of them when this key block holds padding). A separate unmasked
-        // loop keeps the mask out of the hot loop. (The same split made non-causal slower: its
-        // single loop stays.)
-        const int m_masked_end =
-            mask.masked_query_blocks_end(blk.n_block, blk.m_block_min, blk.m_block_max);
-        CUTLASS_PRAGMA_NO_UNROLL
-        for (int m_block = blk.m_block_max - 1; m_block >= m_masked_end; --m_block) step(m_block, cute::false_type{});
-        CUTLASS_PRAGMA_NO_UNROLL
-        for (int m_block = m_masked_end - 1; m_block >= blk.m_block_min; --m_block) step(m_block, cute::true_type{});
-      } else if constexpr (Mask::kLocal) {
-        // A window masks the query blocks at both ends of the range (all of them with padding):
-        // three loops, so that the middle one runs without the mask, as causal's split does.
-        int full_begin, full_end;
-        mask.unmasked_query_blocks(blk.n_block, blk.m_block_min, blk.m_block_max, full_begin, full_end);
-        CUTLASS_PRAGMA_NO_UNROLL
-        for (int m_block = blk.m_block_min; m_block < full_begin; ++m_block) step(m_block, cute::true_type{});
-        CUTLASS_PRAGMA_NO_UNROLL
-        for (int m_block = full_begin; m_block < full_end; ++m_block) step(m_block, cute::false_type{});
-        CUTLASS_PRAGMA_NO_UNROLL
-        for (int m_block = full_end; m_block < blk.m_block_max; ++m_block) step(m_block, cute::true_type{});
-      } else {
-        const bool padded = mask.crosses_boundary(blk.m_block_min, blk.n_block);  // same for every m_block
-        CUTLASS_PRAGMA_NO_UNROLL
-        for (int m_block = blk.m_block_min; m_block < blk.m_block_max; ++m_block) step(m_block, padded);
-      }
+      mask.for_each_query_block(blk.n_block, blk.m_block_min, blk.m_block_max, step);
     }
     // K and V may be replaced by the next key block's.
     storage.kv_empty.arrive();

@@ -183,8 +183,51 @@ struct AttentionMask {
     return false;
   }
 
-  // The backward visits key block n_block's query blocks [m_block_min, m_block_max) and masks only
-  // those that cross a boundary. Causal: they form the start of the range, and this returns where
+  // ---- The backward's walk over a key block's query blocks ------------------------------------
+  // The i-th query block of key block n_block's walk over [m_block_min, m_block_max), the same in
+  // the producer, the MMA warpgroups and the dQ writer. Causal walks down from the last block to
+  // the diagonal, so that all key blocks of a head, which all reach the last block, visit the same
+  // block at the same step, as in non-causal: they share its Q and dO in L2, and in deterministic
+  // mode key block n adds to dQ one hand-off after key block n - 1 instead of waiting for its
+  // whole walk down to the diagonal (walking up, key block n started at block n, which key block
+  // 0 reaches at step n).
+  CUTLASS_HOST_DEVICE static int query_block_at(int m_block_min, int m_block_max, int i) {
+    return kCausal ? m_block_max - 1 - i : m_block_min + i;
+  }
+
+  // The walk itself, in query_block_at's order: step(m_block, masked) for each query block, where
+  // `masked` says whether the block crosses a mask boundary or the key padding. Causal and local
+  // split the walk into runs of a compile-time masked (true_type) or unmasked (false_type) kind,
+  // so that the unmasked runs, the hot ones, carry no masking code; the other kinds mask only for
+  // padding, which is the same for every block of the walk, and pass a run-time bool (a split
+  // made them slower).
+  template <class Step>
+  CUTLASS_DEVICE void for_each_query_block(int n_block, int m_block_min, int m_block_max, Step&& step) const {
+    if constexpr (kCausal) {
+      // Down: the unmasked blocks, then the masked ones at the diagonal.
+      const int m_masked_end = masked_query_blocks_end(n_block, m_block_min, m_block_max);
+      CUTLASS_PRAGMA_NO_UNROLL
+      for (int m_block = m_block_max - 1; m_block >= m_masked_end; --m_block) step(m_block, cute::false_type{});
+      CUTLASS_PRAGMA_NO_UNROLL
+      for (int m_block = m_masked_end - 1; m_block >= m_block_min; --m_block) step(m_block, cute::true_type{});
+    } else if constexpr (kLocal) {
+      // A window masks the query blocks at both ends of the range: three runs.
+      int full_begin, full_end;
+      unmasked_query_blocks(n_block, m_block_min, m_block_max, full_begin, full_end);
+      CUTLASS_PRAGMA_NO_UNROLL
+      for (int m_block = m_block_min; m_block < full_begin; ++m_block) step(m_block, cute::true_type{});
+      CUTLASS_PRAGMA_NO_UNROLL
+      for (int m_block = full_begin; m_block < full_end; ++m_block) step(m_block, cute::false_type{});
+      CUTLASS_PRAGMA_NO_UNROLL
+      for (int m_block = full_end; m_block < m_block_max; ++m_block) step(m_block, cute::true_type{});
+    } else {
+      const bool padded = crosses_boundary(m_block_min, n_block);  // the same for every m_block
+      CUTLASS_PRAGMA_NO_UNROLL
+      for (int m_block = m_block_min; m_block < m_block_max; ++m_block) step(m_block, padded);
+    }
+  }
+
+  // Causal: the walk's masked query blocks form the start of [m_block_min, m_block_max); where
   // that run ends (m_block_max when the key block holds padding).
   CUTLASS_DEVICE int masked_query_blocks_end(int n_block, int m_block_min, int m_block_max) const {
     static_assert(kCausal);
@@ -195,7 +238,7 @@ struct AttentionMask {
     return max(m_block_min, min(end, m_block_max));
   }
 
-  // kLocal backward: the query blocks [*full_begin, *full_end) within [m_block_min, m_block_max)
+  // kLocal: the query blocks [*full_begin, *full_end) within [m_block_min, m_block_max)
   // that see the whole key block (the window's both bounds clear of it, no padding), so that the
   // walk can skip the mask there; the masked ones lie before and after. Conservative: a chunk or
   // sink tokens in the block mask the whole walk.
