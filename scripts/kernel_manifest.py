@@ -48,7 +48,7 @@ class HeadDims:
 # The backward of a forward-only row runs on the next row that has one (padded).
 HEAD_DIMS = [
     HeadDims(64, 64, bf16_set="bench"),
-    HeadDims(96, 96, passes=("fwd",)),
+    HeadDims(96, 96),
     HeadDims(128, 128, bf16_set="dev"),
     HeadDims(192, 128, passes=("fwd",)),  # MLA prefill
     HeadDims(192, 192),

@@ -122,6 +122,8 @@ def lib() -> ctypes.CDLL:
             getattr(handle, f"fh_{name}_params_init").restype = None
             getattr(handle, f"fh_{name}_workspace_size").argtypes = [params, ctypes.POINTER(ctypes.c_size_t)]
             getattr(handle, f"fh_{name}_workspace_size").restype = ctypes.c_int
+            getattr(handle, f"fh_{name}_check").argtypes = [params]
+            getattr(handle, f"fh_{name}_check").restype = ctypes.c_int
             getattr(handle, f"fh_{name}").argtypes = [params, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
             getattr(handle, f"fh_{name}").restype = ctypes.c_int
         handle.fh_combine_params_init.argtypes = [ctypes.POINTER(CombineParams)]

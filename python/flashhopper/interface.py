@@ -245,18 +245,14 @@ def _output_stand_ins(q, v, first_index: int, out: bool, lse: bool) -> list:
     return views
 
 
-def _run_library_check(params, views, check_name: str) -> None:
-    """Sets the views on params and runs the library's check `check_name` (fh_forward_check,
-    fh_backward_check): its refusal, with its message, is the call's; a window bound's in the
+def _run_library_check(params, views, check_fn) -> None:
+    """Sets the views on params and runs the library's check on them (check_fn: fh_forward_check
+    or fh_backward_check): its refusal, with its message, is the call's; a window bound's in the
     caller's terms (window_size)."""
     for field, view in views:
         setattr(params, field, view)
-    lib = _ffi.lib()
-    check = getattr(lib, check_name)
-    check.argtypes = [ctypes.POINTER(type(params))]
-    check.restype = ctypes.c_int
     try:
-        _check(check(ctypes.byref(params)))
+        _check(check_fn(ctypes.byref(params)))
     except FlashHopperError as error:
         raise _in_window_size_terms(error) from None
 
@@ -264,7 +260,7 @@ def _run_library_check(params, views, check_name: str) -> None:
 def _in_window_size_terms(error: FlashHopperError) -> FlashHopperError:
     """"window_left: is -3; ..." as "window_size: the left bound is -3; ...": the C ABI's two
     fields are one argument here."""
-    head, _, message = str(error).partition("): ")
+    _, _, message = str(error).partition("): ")
     name, sep, rest = message.partition(": ")
     side = {"window_left": "left", "window_right": "right"}.get(name)
     if not sep or side is None:
@@ -512,7 +508,7 @@ def check_forward(q, k, v, *, out=None, return_lse=False, learnable_sink=None, v
         return
     params.num_splits = num_splits
     views += _output_stand_ins(q, v, len(named), out=out is None, lse=return_lse)
-    _run_library_check(params, views, "fh_forward_check")
+    _run_library_check(params, views, _ffi.lib().fh_forward_check)
 
 
 def check_backward(dout, q, k, v, out, lse, *, dq=None, dk=None, dv=None, learnable_sink=None, varlen=None,
@@ -542,7 +538,7 @@ def check_backward(dout, q, k, v, out, lse, *, dq=None, dk=None, dv=None, learna
             views.append((field, _stand_in(index + 1 + offset, _dtype_code(field[1:], like), tuple(like.shape))))
     if learnable_sink is not None and q.dim() >= 2:
         views.append(("dsink", _stand_in(index + 4, _ffi.DTYPE_FP32, (q.shape[-2],))))
-    _run_library_check(params, views, "fh_backward_check")
+    _run_library_check(params, views, _ffi.lib().fh_backward_check)
 
 
 def _view(name: str, t: torch.Tensor) -> _ffi.Tensor:
@@ -883,4 +879,4 @@ def check_kvcache(inputs, v_cache, return_lse: bool, options: _KvCacheOptions) -
     if views is None or not _set_kvcache_options(params, options):
         return
     views += _output_stand_ins(options.q, v_cache, len(inputs), out=True, lse=return_lse)
-    _run_library_check(params, views, "fh_forward_check")
+    _run_library_check(params, views, _ffi.lib().fh_forward_check)

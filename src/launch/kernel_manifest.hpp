@@ -20,6 +20,8 @@ inline constexpr KernelFamily kKernelFamilies[] = {
     {Pass::kBackward, FH_DTYPE_FP16, 64, 64, 2},
     {Pass::kForward, FH_DTYPE_BF16, 96, 96, 2},
     {Pass::kForward, FH_DTYPE_FP16, 96, 96, 2},
+    {Pass::kBackward, FH_DTYPE_BF16, 96, 96, 2},
+    {Pass::kBackward, FH_DTYPE_FP16, 96, 96, 2},
     {Pass::kForward, FH_DTYPE_BF16, 128, 128, 0},
     {Pass::kForward, FH_DTYPE_FP16, 128, 128, 2},
     {Pass::kBackward, FH_DTYPE_BF16, 128, 128, 0},

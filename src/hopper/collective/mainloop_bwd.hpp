@@ -71,7 +71,7 @@ struct BackwardMainloop {
   static constexpr bool kDkvTransposed = kBlockN / kNumMmaWarpGroups < 64;
   static constexpr bool kDkvSplitByKeys = kDkvTransposed && kHeadDim % (64 * kNumMmaWarpGroups) != 0;
   static constexpr int kDqTileFloats = kBlockM * kHeadDim;
-  static_assert(kBlockM % 64 == 0 && kBlockN % 16 == 0 && kHeadDim % 64 == 0);
+  static_assert(kBlockM % 64 == 0 && kBlockN % 16 == 0 && kHeadDim % 32 == 0);  // d: whole 32-column atoms
   static_assert((kDqTileFloats / kNumMmaThreads) % 4 == 0);
 
   using TileShapeSdP = Shape<Int<kBlockM>, Int<kBlockN>, Int<kHeadDim>>;  // (M, N, d)
@@ -109,9 +109,13 @@ struct BackwardMainloop {
   using SmemLayoutQt = SmemLayoutQStagesT<kStages>;
   using SmemLayoutdO = SmemLayoutQStages<kStagesDo>;
   using SmemLayoutdOt = SmemLayoutQStagesT<kStagesDo>;
-  // K and V: (N, d), d contiguous; K^T (d, N) for dQ = dS K.
+  // K and V: (N, d), d contiguous; K^T (d, N) for dQ = dS K, whose warpgroups read d/2 columns
+  // each: the swizzle atom must tile that half too. Where d is a multiple of 64 the 64-column
+  // (128-byte) atom does (a half fills or halves it); at d = 96 a half is 48 columns, which takes
+  // 16-column (32-byte) atoms.
+  static constexpr int kKAtomCols = kHeadDim % 64 == 0 ? kHeadDim : kHeadDim / kNumMmaWarpGroups;
   using SmemLayoutK = decltype(tile_to_shape(
-      cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element, Int<kBlockN>, Int<kHeadDim>>(),
+      cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element, Int<kBlockN>, Int<kKAtomCols>>(),
       Shape<Int<kBlockN>, Int<kHeadDim>>{}));
   using SmemLayoutKt = decltype(composition(
       SmemLayoutK{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, Stride<Int<kBlockN>, _1>{})));

@@ -93,6 +93,18 @@ struct BackwardTileSize<128> {  // 209 KiB
   static constexpr bool kDqKernel = false;
 };
 
+// hdim 96: as hdim 128 (the same 64 x 128 block pair, dQ in this kernel), about 170 KiB. Its dQ GEMM's
+// warpgroups take 48 head-dim columns each, so K and V sit in 32-byte swizzle atoms
+// (BackwardMainloop::kKAtomCols). Not tuned yet.
+template <>
+struct BackwardTileSize<96> {
+  static constexpr int kBlockM = 64;
+  static constexpr int kBlockN = 128;
+  static constexpr int kStages = 2;
+  static constexpr int kStagesDo = 2;
+  static constexpr bool kDqKernel = false;
+};
+
 // hdim 192: as hdim 256 (the dQ kernel; 64 keys). Three 64-row atoms of d do not split in two,
 // so the warpgroups split dK^T and dV^T by key columns (BackwardMainloop::kDkvSplitByKeys); the
 // main kernel's dQ would split d in halves of 96 as well. 169 KiB. Not tuned yet.
