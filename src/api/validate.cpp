@@ -175,15 +175,20 @@ Status check_same_shape(const Tensor& t, const char* name, const Tensor& like, c
   return {};
 }
 
-// Every extent at least 1; for the kernels also within int32, the type they index sizes with.
-// The element count fits int64 for every target, so that sizes derived from extents (total
-// tokens = batch x seqlen) can be formed in int64.
+// For the kernels every extent at least 1 and within int32, the type they index sizes with; the
+// CPU reference also takes extents of 0 (an empty sequence's view; the heads and head dims are
+// checked to be at least 1 before anything divides by them). The element count fits int64 for
+// every target, so that sizes derived from extents (total tokens = batch x seqlen) can be formed
+// in int64.
 Status check_extents(const Arg& arg, Target target) {
   const Tensor& t = *arg.tensor;
   WideInt elements = 1;
   for (int dim = 0; dim < t.ndim; ++dim) {
-    if (t.shape[dim] < 1) {
+    if (target == Target::kKernel && t.shape[dim] < 1) {
       return invalid(arg.name, "shape[", dim, "] is ", t.shape[dim], "; every extent must be at least 1");
+    }
+    if (t.shape[dim] < 0) {
+      return invalid(arg.name, "shape[", dim, "] is ", t.shape[dim], "; extents must not be negative");
     }
     if (target == Target::kKernel && t.shape[dim] > kInt32Max) {
       return invalid(arg.name, "shape[", dim, "] is ", t.shape[dim], ", more than INT32_MAX (", kInt32Max,
@@ -374,13 +379,14 @@ Status check_attention_ranks(const AttentionArgs& a) {
   return {};
 }
 
-// Outputs (and, in the backward, the gradients) have q's dtype; the CPU reference may also
-// write float32/float64 whatever the inputs.
+// Outputs (and, in the backward, the gradients) have q's dtype; the CPU reference may write any
+// float dtype whatever the inputs (it rounds its double results into it).
 std::vector<fh_dtype> output_dtypes(fh_dtype input, Target target) {
   std::vector<fh_dtype> allowed{input};
   if (target == Target::kHostReference) {
-    if (input != FH_DTYPE_FP32) allowed.push_back(FH_DTYPE_FP32);
-    if (input != FH_DTYPE_FP64) allowed.push_back(FH_DTYPE_FP64);
+    for (fh_dtype other : {FH_DTYPE_BF16, FH_DTYPE_FP16, FH_DTYPE_FP32, FH_DTYPE_FP64}) {
+      if (other != input) allowed.push_back(other);
+    }
   }
   return allowed;
 }
@@ -499,6 +505,13 @@ Status check_attention_shapes(const AttentionArgs& a, const ProblemShape& s) {
 Status check_head_dims(const AttentionArgs& a, const ProblemShape& s, Target target) {
   const int q_head_dim = a.q.ndim - 1;
   const int v_head_dim = a.v.ndim - 1;
+  // (Only the CPU reference's extents may be 0; the kernels' are refused before this.)
+  if (s.head_dim < 1 || s.head_dim_v < 1) {
+    return invalid("q", "head dims (", s.head_dim, ", ", s.head_dim_v, ") must be at least 1");
+  }
+  if (s.heads_q < 1 || s.heads_kv < 1) {
+    return invalid("q", "heads (", s.heads_q, " query, ", s.heads_kv, " key/value) must be at least 1");
+  }
   if (s.head_dim > kMaxHeadDim) {
     return invalid("q", "shape[", q_head_dim, "] (head dim) is ", s.head_dim, "; head dims up to ", kMaxHeadDim,
                    " are supported");
@@ -847,20 +860,30 @@ Status check_dsink_not_aliased(const BackwardParams& p) {
   return {};
 }
 
+bool has_no_elements(const Tensor& t) {
+  for (int dim = 0; dim < t.ndim; ++dim) {
+    if (t.shape[dim] == 0) return true;
+  }
+  return false;
+}
+
 // Outputs written by many threads must not alias: not each other's or an input's first element,
 // and no output dim of extent > 1 with stride 0 (its elements would be one). The cheap checks;
 // interleaved views of one buffer (e.g. dk and dv as halves of a [.., 2, d] tensor) stay allowed.
+// An output without elements (the CPU reference's empty sequences) is not written.
 Status check_outputs_not_aliased(const std::vector<Arg>& outputs, const std::vector<Arg>& others) {
   for (size_t i = 0; i < outputs.size(); ++i) {
     const Tensor& t = *outputs[i].tensor;
-    if (!present(t)) continue;
+    if (!present(t) || has_no_elements(t)) continue;
     for (int dim = 0; dim < t.ndim; ++dim) {
       if (t.stride[dim] == 0 && t.shape[dim] > 1) {
         return invalid(outputs[i].name, "stride[", dim, "] is 0 on a dim of extent ", t.shape[dim],
                        ": its elements would overwrite each other");
       }
     }
-    auto same_start = [&](const Arg& other) { return present(*other.tensor) && other.tensor->data == t.data; };
+    auto same_start = [&](const Arg& other) {
+      return present(*other.tensor) && !has_no_elements(*other.tensor) && other.tensor->data == t.data;
+    };
     for (size_t j = i + 1; j < outputs.size(); ++j) {
       if (same_start(outputs[j])) {
         return invalid(outputs[j].name, "starts at the same address as ", outputs[i].name,
@@ -1008,15 +1031,16 @@ Status validate(const CombineParams& p, Target target) {
     if (present(p.lse)) FLASHHOPPER_RETURN_IF_INVALID(check_rank(p.lse, "lse", {3, "", "[B, Hq, sq]"}));
   }
 
+  // The CPU reference also reads and writes float64 (its own partials, in double).
   const bool host = target == Target::kHostReference;
-  FLASHHOPPER_RETURN_IF_INVALID(check_dtype(p.out_partial, "out_partial", {FH_DTYPE_FP32}));
-  FLASHHOPPER_RETURN_IF_INVALID(check_dtype(p.lse_partial, "lse_partial", {FH_DTYPE_FP32}));
   std::vector<fh_dtype> out_dtypes{FH_DTYPE_BF16, FH_DTYPE_FP16, FH_DTYPE_FP32};
   std::vector<fh_dtype> lse_dtypes{FH_DTYPE_FP32};
   if (host) {
     out_dtypes.push_back(FH_DTYPE_FP64);
     lse_dtypes.push_back(FH_DTYPE_FP64);
   }
+  FLASHHOPPER_RETURN_IF_INVALID(check_dtype(p.out_partial, "out_partial", lse_dtypes));
+  FLASHHOPPER_RETURN_IF_INVALID(check_dtype(p.lse_partial, "lse_partial", lse_dtypes));
   FLASHHOPPER_RETURN_IF_INVALID(check_dtype(p.out, "out", out_dtypes));
   if (present(p.lse)) FLASHHOPPER_RETURN_IF_INVALID(check_dtype(p.lse, "lse", lse_dtypes));
 

@@ -14,6 +14,7 @@
 
 #include "plan/problem_shape.hpp"
 #include "reference/arithmetic.hpp"
+#include "api/validate.hpp"
 #include "reference/checks.hpp"
 #include "reference/head_math.hpp"
 #include "reference/row_mask.hpp"
@@ -223,15 +224,13 @@ void run_backward(const BackwardPlan& plan, int num_threads) {
 // ---- entry point -----------------------------------------------------------------------------
 
 Status backward(const BackwardParams& p, const Options& options) {
+  // The library's rules first (the one home of every argument rule); the checks below guard what
+  // this code dereferences.
+  FLASHHOPPER_REFERENCE_CHECK(flashhopper::detail::validate(p, flashhopper::detail::Target::kHostReference));
   const bool varlen_q = present(p.cu_seqlens_q);
   const bool varlen_k = present(p.cu_seqlens_k);
   const int q_rank = varlen_q ? 3 : 4;
   const int k_rank = varlen_k ? 3 : 4;
-  for (const auto& [tensor, name] : {std::pair{&p.q, "q"}, {&p.k, "k"}, {&p.v, "v"}, {&p.dout, "dout"}}) {
-    if (tensor->dtype == FH_DTYPE_FP8_E4M3) {
-      return failure(FH_ERROR_NOT_SUPPORTED, std::string(name) + " is fp8_e4m3: there is no fp8 backward");
-    }
-  }
   FLASHHOPPER_REFERENCE_CHECK(check_input(p.q, "q", q_rank));
   FLASHHOPPER_REFERENCE_CHECK(check_input(p.k, "k", k_rank));
   FLASHHOPPER_REFERENCE_CHECK(check_input(p.v, "v", k_rank));

@@ -7,6 +7,7 @@
 #include <limits>
 #include <vector>
 
+#include "api/validate.hpp"
 #include "reference/checks.hpp"
 #include "reference/sequences.hpp"
 #include "reference/tensor_access.hpp"
@@ -18,6 +19,9 @@ using namespace detail;  // the internal helpers (reference::detail), unqualifie
 // ---- entry point -----------------------------------------------------------------------------
 
 Status combine(const CombineParams& p, const Options& options) {
+  // The library's rules first (the one home of every argument rule); the checks below guard what
+  // this code dereferences.
+  FLASHHOPPER_REFERENCE_CHECK(flashhopper::detail::validate(p, flashhopper::detail::Target::kHostReference));
   // Varlen partials [S, H, total, dv] are the dense ones [S, B, H, sq, dv] with B = 1 and
   // sq = total: give them a batch dim of extent 1 and read both alike.
   const bool varlen = present(p.out_partial) && p.out_partial.ndim == 4;

@@ -11,6 +11,7 @@
 
 #include "plan/problem_shape.hpp"
 #include "reference/arithmetic.hpp"
+#include "api/validate.hpp"
 #include "reference/checks.hpp"
 #include "reference/head_math.hpp"
 #include "reference/row_mask.hpp"
@@ -246,6 +247,9 @@ void append_new_keys(const ForwardPlan& plan, const ForwardParams& p) {
 
 Status forward(const ForwardParams& p, const Options& options, const Tensor* out_partial,
                const Tensor* lse_partial) {
+  // The library's rules first (the one home of every argument rule); the checks below guard what
+  // this code dereferences.
+  FLASHHOPPER_REFERENCE_CHECK(flashhopper::detail::validate(p, flashhopper::detail::Target::kHostReference));
   const bool varlen_q = present(p.cu_seqlens_q);
   const bool varlen_k = present(p.cu_seqlens_k);
   const bool paged = present(p.page_table);
