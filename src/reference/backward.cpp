@@ -229,63 +229,24 @@ Status backward(const BackwardParams& p, const Options& options) {
   FLASHHOPPER_REFERENCE_CHECK(flashhopper::detail::validate(p, flashhopper::detail::Target::kHostReference));
   const bool varlen_q = present(p.cu_seqlens_q);
   const bool varlen_k = present(p.cu_seqlens_k);
-  const int q_rank = varlen_q ? 3 : 4;
-  const int k_rank = varlen_k ? 3 : 4;
-  FLASHHOPPER_REFERENCE_CHECK(check_input(p.q, "q", q_rank));
-  FLASHHOPPER_REFERENCE_CHECK(check_input(p.k, "k", k_rank));
-  FLASHHOPPER_REFERENCE_CHECK(check_input(p.v, "v", k_rank));
-  FLASHHOPPER_REFERENCE_CHECK(check_input(p.dout, "dout", q_rank));
-  FLASHHOPPER_REFERENCE_CHECK(check_output(p.dq, "dq", q_rank));
-  FLASHHOPPER_REFERENCE_CHECK(check_output(p.dk, "dk", k_rank));
-  FLASHHOPPER_REFERENCE_CHECK(check_output(p.dv, "dv", k_rank));
-  if (varlen_q) FLASHHOPPER_REFERENCE_CHECK(check_int32(p.cu_seqlens_q, "cu_seqlens_q", 1));
-  if (varlen_k) FLASHHOPPER_REFERENCE_CHECK(check_int32(p.cu_seqlens_k, "cu_seqlens_k", 1));
+  for (const auto& [tensor, name] :
+       {std::pair{&p.q, "q"}, {&p.k, "k"}, {&p.v, "v"}, {&p.dout, "dout"}, {&p.dq, "dq"}, {&p.dk, "dk"},
+        {&p.dv, "dv"}, {&p.dsink, "dsink"}, {&p.cu_seqlens_q, "cu_seqlens_q"}, {&p.cu_seqlens_k, "cu_seqlens_k"},
+        {&p.seqused_q, "seqused_q"}, {&p.seqused_k, "seqused_k"}}) {
+    FLASHHOPPER_REFERENCE_CHECK(check_dereferenceable(*tensor, name));
+  }
 
   BackwardPlan plan;
   plan.shape = flashhopper::detail::backward_shape(p);
   const ProblemShape& shape = plan.shape;
-  FLASHHOPPER_REFERENCE_CHECK(check_heads(shape));
-  const int64_t B = shape.batch, Hq = shape.heads_q, Hkv = shape.heads_kv;
-  const int64_t d = shape.head_dim, dv = shape.head_dim_v;
-  auto token_shape = [](bool varlen, int64_t batch, int64_t total, int64_t seqlen, int64_t heads,
-                        int64_t dim) {
-    return varlen ? std::vector<int64_t>{total, heads, dim}
-                  : std::vector<int64_t>{batch, seqlen, heads, dim};
-  };
-  const auto q_shape = token_shape(varlen_q, B, shape.total_q, shape.seqlen_q, Hq, d);
-  const auto o_shape = token_shape(varlen_q, B, shape.total_q, shape.seqlen_q, Hq, dv);
-  const auto k_shape = token_shape(varlen_k, B, shape.total_k, shape.seqlen_k, Hkv, d);
-  const auto v_shape = token_shape(varlen_k, B, shape.total_k, shape.seqlen_k, Hkv, dv);
-  FLASHHOPPER_REFERENCE_CHECK(check_shape(p.v, "v", v_shape));
-  FLASHHOPPER_REFERENCE_CHECK(check_shape(p.k, "k", k_shape));
-  FLASHHOPPER_REFERENCE_CHECK(check_shape(p.dout, "dout", o_shape));
-  FLASHHOPPER_REFERENCE_CHECK(check_shape(p.dq, "dq", q_shape));
-  FLASHHOPPER_REFERENCE_CHECK(check_shape(p.dk, "dk", k_shape));
-  FLASHHOPPER_REFERENCE_CHECK(check_shape(p.dv, "dv", v_shape));
-  if (varlen_q) FLASHHOPPER_REFERENCE_CHECK(check_shape(p.cu_seqlens_q, "cu_seqlens_q", {B + 1}));
-  if (varlen_k) FLASHHOPPER_REFERENCE_CHECK(check_shape(p.cu_seqlens_k, "cu_seqlens_k", {B + 1}));
-  if (present(p.seqused_q)) {
-    FLASHHOPPER_REFERENCE_CHECK(check_int32(p.seqused_q, "seqused_q", 1));
-    FLASHHOPPER_REFERENCE_CHECK(check_shape(p.seqused_q, "seqused_q", {B}));
-  }
-  if (present(p.seqused_k)) {
-    FLASHHOPPER_REFERENCE_CHECK(check_int32(p.seqused_k, "seqused_k", 1));
-    FLASHHOPPER_REFERENCE_CHECK(check_shape(p.seqused_k, "seqused_k", {B}));
-  }
+  const int64_t Hq = shape.heads_q;
+  const int64_t d = shape.head_dim;
 
   LengthSources lengths{p.cu_seqlens_q, p.cu_seqlens_k, p.seqused_q, p.seqused_k, {}, {}, 0};
   FLASHHOPPER_REFERENCE_CHECK(sequence_lengths(shape, lengths, &plan.sequences));
 
   FLASHHOPPER_REFERENCE_CHECK(read_sinks(p.learnable_sink, Hq, &plan.sinks));
-  if (present(p.dsink)) {
-    if (!present(p.learnable_sink)) return invalid("dsink needs learnable_sink");
-    if (p.dsink.dtype != FH_DTYPE_FP32 && p.dsink.dtype != FH_DTYPE_FP64) {
-      return invalid(std::string("dsink has dtype ") + dtype_name(p.dsink.dtype) +
-                     "; the CPU reference writes fp32 or fp64");
-    }
-    FLASHHOPPER_REFERENCE_CHECK(check_shape(p.dsink, "dsink", {Hq}));
-    plan.dsink = p.dsink;
-  }
+  plan.dsink = p.dsink;
   plan.mask = flashhopper::detail::mask_spec(p);
   plan.scale = flashhopper::detail::default_scale(p.softmax_scale, d);
   plan.softcap = p.softcap > 0 ? double(p.softcap) : 0.0;

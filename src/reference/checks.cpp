@@ -89,6 +89,10 @@ Status check_output(const Tensor& t, const char* name, int ndim) {
   return check_extents(t, name);
 }
 
+Status check_dereferenceable(const Tensor& t, const char* name) {
+  return present(t) ? check_extents(t, name) : Status{};
+}
+
 Status check_int32(const Tensor& t, const char* name, int ndim) {
   if (t.dtype != FH_DTYPE_INT32) return invalid(std::string(name) + " must be int32");
   if (t.ndim != ndim) {
@@ -124,19 +128,6 @@ Status read_sinks(const Tensor& t, int64_t heads, std::vector<double>* sinks) {
                      "; a sink logit must be finite or -inf (no sink)");
     }
     (*sinks)[h] = x;
-  }
-  return {};
-}
-
-Status check_heads(const ProblemShape& shape) {
-  if (shape.heads_kv <= 0 || shape.heads_q % shape.heads_kv != 0) {
-    return invalid("query heads (" + std::to_string(shape.heads_q) +
-                   ") must be a multiple of key/value heads (" + std::to_string(shape.heads_kv) +
-                   ")");
-  }
-  if (shape.head_dim < 1 || shape.head_dim_v < 1) {
-    return invalid("head dims (" + std::to_string(shape.head_dim) + ", " + std::to_string(shape.head_dim_v) +
-                   ") must be at least 1");
   }
   return {};
 }

@@ -24,11 +24,14 @@ Status check_output(const Tensor& t, const char* name, int ndim);
 Status check_int32(const Tensor& t, const char* name, int ndim);
 Status check_shape(const Tensor& t, const char* name, const std::vector<int64_t>& expected);
 
+// What the library's check (validate, kHostReference) leaves to the reference: that a tensor it
+// reads or writes, when present, has no negative extent or stride and its data aligned to its
+// elements (the loads and stores dereference them). The library checks everything else.
+Status check_dereferenceable(const Tensor& t, const char* name);
+
 // learnable_sink [Hq] (fp32 or fp64, host memory), read into `sinks`. A logit may be -inf (that
 // head has no sink) but neither NaN nor +inf, which would leave no defined softmax.
 Status read_sinks(const Tensor& t, int64_t heads, std::vector<double>* sinks);
-
-Status check_heads(const ProblemShape& shape);
 
 }  // namespace flashhopper::reference::detail
 

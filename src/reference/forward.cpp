@@ -254,73 +254,23 @@ Status forward(const ForwardParams& p, const Options& options, const Tensor* out
   const bool varlen_k = present(p.cu_seqlens_k);
   const bool paged = present(p.page_table);
   const bool append = present(p.k_new);
-  const int q_rank = varlen_q ? 3 : 4;
-  const int k_rank = (varlen_k && !paged) ? 3 : 4;
-  FLASHHOPPER_REFERENCE_CHECK(check_input(p.q, "q", q_rank));
-  FLASHHOPPER_REFERENCE_CHECK(check_input(p.k, "k", k_rank));
-  FLASHHOPPER_REFERENCE_CHECK(check_input(p.v, "v", k_rank));
-  if (varlen_q) FLASHHOPPER_REFERENCE_CHECK(check_int32(p.cu_seqlens_q, "cu_seqlens_q", 1));
-  if (varlen_k) FLASHHOPPER_REFERENCE_CHECK(check_int32(p.cu_seqlens_k, "cu_seqlens_k", 1));
-  if (paged) FLASHHOPPER_REFERENCE_CHECK(check_int32(p.page_table, "page_table", 2));
+  for (const auto& [tensor, name] :
+       {std::pair{&p.q, "q"}, {&p.k, "k"}, {&p.v, "v"}, {&p.out, "out"}, {&p.lse, "lse"}, {&p.qv, "qv"},
+        {&p.k_new, "k_new"}, {&p.v_new, "v_new"}, {&p.cu_seqlens_q, "cu_seqlens_q"}, {&p.cu_seqlens_k, "cu_seqlens_k"},
+        {&p.cu_seqlens_k_new, "cu_seqlens_k_new"}, {&p.page_table, "page_table"}, {&p.seqused_q, "seqused_q"},
+        {&p.seqused_k, "seqused_k"}, {&p.cache_seqlens, "cache_seqlens"}, {&p.cache_batch_idx, "cache_batch_idx"},
+        {&p.cache_leftpad, "cache_leftpad"}}) {
+    FLASHHOPPER_REFERENCE_CHECK(check_dereferenceable(*tensor, name));
+  }
 
   ForwardPlan plan;
   plan.shape = flashhopper::detail::forward_shape(p);
   const ProblemShape& shape = plan.shape;
-  FLASHHOPPER_REFERENCE_CHECK(check_heads(shape));
-  const int64_t B = shape.batch, Hq = shape.heads_q, Hkv = shape.heads_kv;
-  const int64_t d = shape.head_dim, dv = shape.head_dim_v;
-  const std::vector<int64_t> q_shape = varlen_q ? std::vector<int64_t>{shape.total_q, Hq, d}
-                                                : std::vector<int64_t>{B, shape.seqlen_q, Hq, d};
-  const std::vector<int64_t> out_shape = varlen_q ? std::vector<int64_t>{shape.total_q, Hq, dv}
-                                                  : std::vector<int64_t>{B, shape.seqlen_q, Hq, dv};
-  std::vector<int64_t> k_shape, v_shape;
-  if (paged) {
-    k_shape = {shape.num_pages, shape.page_size, Hkv, d};
-    v_shape = {shape.num_pages, shape.page_size, Hkv, dv};
-  } else if (varlen_k) {
-    k_shape = {shape.total_k, Hkv, d};
-    v_shape = {shape.total_k, Hkv, dv};
-  } else {
-    const int64_t rows = present(p.cache_batch_idx) ? p.k.shape[0] : B;  // cache rows, indexed per sequence
-    k_shape = {rows, shape.seqlen_k, Hkv, d};
-    v_shape = {rows, shape.seqlen_k, Hkv, dv};
-  }
-  FLASHHOPPER_REFERENCE_CHECK(check_shape(p.k, "k", k_shape));
-  FLASHHOPPER_REFERENCE_CHECK(check_shape(p.v, "v", v_shape));
+  const int64_t B = shape.batch, Hq = shape.heads_q;
+  const int64_t dv = shape.head_dim_v;
   if (present(p.qv)) {
-    FLASHHOPPER_REFERENCE_CHECK(check_input(p.qv, "qv", q_rank));
-    FLASHHOPPER_REFERENCE_CHECK(check_shape(p.qv, "qv", out_shape));
     plan.qv = varlen_q ? TokenLayout::packed(p.qv, p.cu_seqlens_q) : TokenLayout::dense(p.qv);
     plan.has_qv = true;
-  }
-  if (varlen_q) FLASHHOPPER_REFERENCE_CHECK(check_shape(p.cu_seqlens_q, "cu_seqlens_q", {B + 1}));
-  if (varlen_k) FLASHHOPPER_REFERENCE_CHECK(check_shape(p.cu_seqlens_k, "cu_seqlens_k", {B + 1}));
-  if (paged) {  // with cache_batch_idx, any number of rows (it picks each sequence's row)
-    const int64_t rows = present(p.cache_batch_idx) ? p.page_table.shape[0] : B;
-    FLASHHOPPER_REFERENCE_CHECK(check_shape(p.page_table, "page_table", {rows, shape.max_pages}));
-  }
-  const Tensor* lengths_1d[] = {&p.seqused_q, &p.seqused_k, &p.cache_seqlens};
-  const char* lengths_names[] = {"seqused_q", "seqused_k", "cache_seqlens"};
-  for (int i = 0; i < 3; ++i) {
-    if (!present(*lengths_1d[i])) continue;
-    FLASHHOPPER_REFERENCE_CHECK(check_int32(*lengths_1d[i], lengths_names[i], 1));
-    FLASHHOPPER_REFERENCE_CHECK(check_shape(*lengths_1d[i], lengths_names[i], {B}));
-  }
-  if (append) {
-    if (!present(p.cache_seqlens)) return invalid("k_new needs cache_seqlens (where to append)");
-    const bool packed = shape.varlen_k_new;  // [total_new, Hkv, d], rows by cu_seqlens_k_new
-    FLASHHOPPER_REFERENCE_CHECK(check_input(p.k_new, "k_new", packed ? 3 : 4));
-    FLASHHOPPER_REFERENCE_CHECK(check_input(p.v_new, "v_new", packed ? 3 : 4));
-    const auto new_shape = [&](int64_t dim) {
-      return packed ? std::vector<int64_t>{shape.seqlen_new, Hkv, dim}
-                    : std::vector<int64_t>{B, shape.seqlen_new, Hkv, dim};
-    };
-    FLASHHOPPER_REFERENCE_CHECK(check_shape(p.k_new, "k_new", new_shape(d)));
-    FLASHHOPPER_REFERENCE_CHECK(check_shape(p.v_new, "v_new", new_shape(dv)));
-    if (packed) {
-      FLASHHOPPER_REFERENCE_CHECK(check_int32(p.cu_seqlens_k_new, "cu_seqlens_k_new", 1));
-      FLASHHOPPER_REFERENCE_CHECK(check_shape(p.cu_seqlens_k_new, "cu_seqlens_k_new", {B + 1}));
-    }
   }
 
   plan.num_splits = std::max<int64_t>(1, p.num_splits);
@@ -341,27 +291,7 @@ Status forward(const ForwardParams& p, const Options& options, const Tensor* out
                                                 : std::vector<int64_t>{S, B, Hq, shape.seqlen_q}));
     plan.out_partial = RowLayout{*out_partial, p.cu_seqlens_q, true};
     plan.lse_partial = RowLayout{*lse_partial, p.cu_seqlens_q, true};
-  } else {
-    FLASHHOPPER_REFERENCE_CHECK(check_output(p.out, "out", q_rank));
-    FLASHHOPPER_REFERENCE_CHECK(check_shape(p.out, "out", out_shape));
-    if (present(p.lse)) {
-      FLASHHOPPER_REFERENCE_CHECK(check_output(p.lse, "lse", varlen_q ? 2 : 3));
-      FLASHHOPPER_REFERENCE_CHECK(check_shape(p.lse, "lse",
-                                              varlen_q
-                                                  ? std::vector<int64_t>{Hq, shape.total_q}
-                                                  : std::vector<int64_t>{B, Hq, shape.seqlen_q}));
-    }
   }
-
-  const Tensor* cache_indices[] = {&p.cache_batch_idx, &p.cache_leftpad};
-  const char* cache_index_names[] = {"cache_batch_idx", "cache_leftpad"};
-  for (int i = 0; i < 2; ++i) {
-    if (!present(*cache_indices[i])) continue;
-    if (varlen_k && !paged) return invalid(std::string(cache_index_names[i]) + " needs a dense or paged cache");
-    FLASHHOPPER_REFERENCE_CHECK(check_int32(*cache_indices[i], cache_index_names[i], 1));
-    FLASHHOPPER_REFERENCE_CHECK(check_shape(*cache_indices[i], cache_index_names[i], {B}));
-  }
-  if (present(p.cache_leftpad) && !present(p.cache_seqlens)) return invalid("cache_leftpad needs cache_seqlens");
 
   LengthSources lengths{p.cu_seqlens_q,  p.cu_seqlens_k, p.seqused_q,       p.seqused_k,
                         p.cache_seqlens, p.page_table,   shape.seqlen_new, p.cache_batch_idx,
