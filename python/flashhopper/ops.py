@@ -121,7 +121,8 @@ def _fwd_kvcache_python(q, k_cache, v_cache, k_new=None, v_new=None, qv=None, ro
                         cache_leftpad=None, page_table=None, cu_seqlens_q=None, max_seqlen_q=None, softmax_scale=None,
                         causal=False, window_left=-1, window_right=-1, softcap=0.0, attention_chunk=0, num_splits=0,
                         cu_seqlens_k_new=None, cu_seqlens_k=None, max_seqlen_k=None, seqused_q=None, seqused_k=None,
-                        learnable_sink=None, sm_margin=0):
+                        learnable_sink=None, sm_margin=0, check_only=False):
+    """The op's call (check_only: its argument checks alone, the fake function's)."""
     mask = interface.check_mask_args(causal, (window_left, window_right), softcap, attention_chunk)
     return interface.forward_with_kvcache(
         q, k_cache, v_cache, k_new=k_new, v_new=v_new, qv=qv, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
@@ -129,23 +130,11 @@ def _fwd_kvcache_python(q, k_cache, v_cache, k_new=None, v_new=None, qv=None, ro
         cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, page_table=page_table, cu_seqlens_q=cu_seqlens_q,
         max_seqlen_q=max_seqlen_q, softmax_scale=softmax_scale, mask=mask, num_splits=num_splits, return_lse=True,
         cu_seqlens_k_new=cu_seqlens_k_new, cu_seqlens_k=cu_seqlens_k, max_seqlen_k=max_seqlen_k, seqused_q=seqused_q,
-        seqused_k=seqused_k, learnable_sink=learnable_sink, sm_margin=sm_margin)
+        seqused_k=seqused_k, learnable_sink=learnable_sink, sm_margin=sm_margin, check_only=check_only)
 
 
-def _fwd_kvcache_fake(q, k_cache, v_cache, k_new=None, v_new=None, qv=None, rotary_cos=None, rotary_sin=None,
-                      rotary_seqlens=None, rotary_interleaved=True, cache_seqlens=None, cache_batch_idx=None,
-                      cache_leftpad=None, page_table=None, cu_seqlens_q=None, max_seqlen_q=None, softmax_scale=None,
-                      causal=False, window_left=-1, window_right=-1, softcap=0.0, attention_chunk=0, num_splits=0,
-                      cu_seqlens_k_new=None, cu_seqlens_k=None, max_seqlen_k=None, seqused_q=None, seqused_k=None,
-                      learnable_sink=None, sm_margin=0):
-    mask = interface.check_mask_args(causal, (window_left, window_right), softcap, attention_chunk)
-    interface.forward_with_kvcache(
-        q, k_cache, v_cache, k_new=k_new, v_new=v_new, qv=qv, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
-        rotary_seqlens=rotary_seqlens, rotary_interleaved=rotary_interleaved, cache_seqlens=cache_seqlens,
-        cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, page_table=page_table, cu_seqlens_q=cu_seqlens_q,
-        max_seqlen_q=max_seqlen_q, softmax_scale=softmax_scale, mask=mask, num_splits=num_splits, return_lse=True,
-        cu_seqlens_k_new=cu_seqlens_k_new, cu_seqlens_k=cu_seqlens_k, max_seqlen_k=max_seqlen_k, seqused_q=seqused_q,
-        seqused_k=seqused_k, learnable_sink=learnable_sink, sm_margin=sm_margin, check_only=True)
+def _fwd_kvcache_fake(q, k_cache, v_cache, *args, **kwargs):
+    _fwd_kvcache_python(q, k_cache, v_cache, *args, check_only=True, **kwargs)
     out = q.new_empty((*q.shape[:-1], v_cache.shape[-1]))
     lse = q.new_empty(interface.lse_shape(q), dtype=torch.float32)
     return out, lse
