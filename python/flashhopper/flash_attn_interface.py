@@ -124,12 +124,13 @@ def _attention(q, k, v, varlen, softmax_scale, causal, qv, q_descale, k_descale,
         out, softmax_lse = _paged_varlen_attention(q, k, v, page_table, varlen, softmax_scale, mask, num_splits,
                                                    bool(deterministic), learnable_sink, sm_margin)
     elif _needs_the_op(q, k, v, learnable_sink):
-        if not torch.compiler.is_compiling():  # traced, the op's fake function runs the library's check
-            interface.check_forward(q, k, v, return_lse=True, learnable_sink=learnable_sink, varlen=varlen,
-                                    softmax_scale=softmax_scale, mask=mask, num_splits=num_splits,
-                                    sm_margin=sm_margin)
-        interface.check_devices([("q", q), ("k", k), ("v", v), ("learnable_sink", learnable_sink)]
-                                + interface.varlen_tensors(varlen))
+        if torch.compiler.is_compiling():  # traced, the op's fake function runs the library's check
+            interface.check_devices([("q", q), ("k", k), ("v", v), ("learnable_sink", learnable_sink)]
+                                    + interface.varlen_tensors(varlen))
+        else:
+            interface.check_op_forward(q, k, v, learnable_sink=learnable_sink, varlen=varlen,
+                                       softmax_scale=softmax_scale, mask=mask, num_splits=num_splits,
+                                       sm_margin=sm_margin)
         varlen_args = (None,) * 6 if varlen is None else varlen
         out, softmax_lse = ops.fwd(q, k, v, softmax_scale, causal, bool(deterministic), window_left, window_right,
                                    softcap, attention_chunk, learnable_sink, *varlen_args, num_splits, sm_margin)

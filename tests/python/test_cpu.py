@@ -906,6 +906,33 @@ def test_plans_memoise_the_checks_not_the_pointers(monkeypatch):
     assert len(interface._PLANS) == 2
 
 
+def test_op_path_checks_once_per_kind_of_call(monkeypatch):
+    """flash_attn_func's op path (a gradient can flow) runs the library's check and the device check
+    once per kind of call (metadata and options), as forward()'s plans do; another kind is checked
+    again, and a bad one is refused before the op."""
+    from flashhopper import interface
+    checks, op_calls = [], []
+    real_check = interface.check_forward
+    monkeypatch.setattr(interface, "check_forward", lambda *a, **kw: (checks.append(1), real_check(*a, **kw))[1])
+    monkeypatch.setattr(interface, "check_devices", lambda named: None)
+    monkeypatch.setattr(interface, "_CHECKED_OP_CALLS", set())
+
+    def fake_fwd(q, k, v, *args):
+        op_calls.append(1)
+        return torch.empty(*q.shape[:-1], v.shape[-1], dtype=q.dtype), torch.empty(lse_shape(q))
+    monkeypatch.setattr(fa3.ops, "fwd", fake_fwd)
+    lse_shape = interface.lse_shape
+    for _ in range(3):
+        flash_attn_func(*qkv(requires_grad=True), causal=True)
+    assert len(checks) == 1 and len(op_calls) == 3
+    flash_attn_func(*qkv(seqlen_q=32, requires_grad=True), causal=True)  # another kind: checked again
+    assert len(checks) == 2
+    q, k, v = qkv(requires_grad=True)
+    with pytest.raises(ValueError, match=r"k: shape\[3\] \(head dim\) is 64 but q's head dim is 128"):
+        flash_attn_func(q, k[..., :64], v, causal=True)
+    assert len(op_calls) == 4
+
+
 @pytest.mark.parametrize("causal, window, expected", [
     (False, (39, 0), (1, -1, -1)),   # left covers max_seqlen_k = 40 (not total_k = 54): no bound
     (False, (-1, 49), (0, -1, -1)),  # right covers max_seqlen_q = 50: no bound
