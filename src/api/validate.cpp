@@ -509,9 +509,8 @@ Status check_head_dims(const AttentionArgs& a, const ProblemShape& s, Target tar
   if (s.head_dim < 1 || s.head_dim_v < 1) {
     return invalid("q", "head dims (", s.head_dim, ", ", s.head_dim_v, ") must be at least 1");
   }
-  if (s.heads_q < 1 || s.heads_kv < 1) {
-    return invalid("q", "heads (", s.heads_q, " query, ", s.heads_kv, " key/value) must be at least 1");
-  }
+  if (s.heads_q < 1) return invalid("q", "has ", s.heads_q, " query heads; must have at least 1");
+  if (s.heads_kv < 1) return invalid("k", "has ", s.heads_kv, " key/value heads; must have at least 1");
   if (s.head_dim > kMaxHeadDim) {
     return invalid("q", "shape[", q_head_dim, "] (head dim) is ", s.head_dim, "; head dims up to ", kMaxHeadDim,
                    " are supported");

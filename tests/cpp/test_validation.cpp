@@ -610,6 +610,25 @@ TEST(ForwardExtent, EveryExtentAtLeastOne) {
   EXPECT_REFUSED(check_for_reference(p), "page_table", "shape[1] is -1; extents must not be negative");
 }
 
+// The CPU reference takes extents of 0 (an empty sequence's view) but never heads or head dims of
+// 0, which the checks and the reference divide by.
+TEST(ForwardExtent, ReferenceTakesEmptySequencesNotEmptyHeads) {
+  fh::ForwardParams p = dense_forward();
+  p.q = fh::make_tensor(p.q.data, FH_DTYPE_BF16, {kBatch, 0, kHeadsQ, kDim});
+  p.out = fh::make_tensor(p.out.data, FH_DTYPE_BF16, {kBatch, 0, kHeadsQ, kDimV});
+  p.lse = fh::make_tensor(p.lse.data, FH_DTYPE_FP32, {kBatch, kHeadsQ, 0});
+  EXPECT_PASSES(check_for_reference(p));
+  EXPECT_REFUSED(fh::check(p), "q", "every extent must be at least 1");
+  p = dense_forward();
+  p.k = fh::make_tensor(p.k.data, FH_DTYPE_BF16, {kBatch, kSeqK, 0, kDim});
+  p.v = fh::make_tensor(p.v.data, FH_DTYPE_BF16, {kBatch, kSeqK, 0, kDimV});
+  EXPECT_REFUSED(check_for_reference(p), "k", "has 0 key/value heads; must have at least 1");
+  p = dense_forward();
+  p.q = fh::make_tensor(p.q.data, FH_DTYPE_BF16, {kBatch, kSeqQ, kHeadsQ, 0});
+  p.k = fh::make_tensor(p.k.data, FH_DTYPE_BF16, {kBatch, kSeqK, kHeadsKV, 0});
+  EXPECT_REFUSED(check_for_reference(p), "q", "head dims (0, ");
+}
+
 TEST(ForwardExtent, CuSeqlensHoldsAtLeastOneSequence) {
   fh::ForwardParams p = varlen_forward();
   p.cu_seqlens_q.shape[0] = 1;
