@@ -532,14 +532,13 @@ def get_scheduler_metadata(batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, 
     # nothing is allocated), as flash_attn_with_kvcache would, naming them.
     dv = headdim if headdim_v is None else headdim_v
     q_rows = (batch_size * max_seqlen_q,) if cu_seqlens_q is not None else (batch_size, max_seqlen_q)
-    cache_rows = max(max_seqlen_k, 1)
     if page_size is not None:  # pages enough for every sequence's keys
-        cache_rows = page_size
         pages = -(-max(max_seqlen_k, 1) // page_size)
         page_table = torch.empty(batch_size, pages, dtype=torch.int32, device="meta")
+        cache_batch, cache_rows = batch_size * pages, page_size
     else:
         page_table = None
-    cache_batch = batch_size * pages if page_size is not None else batch_size
+        cache_batch, cache_rows = batch_size, max(max_seqlen_k, 1)
 
     def meta(*shape, dtype=qkv_dtype):
         return torch.empty(shape, dtype=dtype, device="meta")

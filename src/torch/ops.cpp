@@ -121,11 +121,11 @@ class OnDevice {
   CUDAGuardHandle guard_ = nullptr;
 };
 
-template <typename Params, typename SizeFn, typename RunFn>
-void launch(const Params& params, const Tensor& like, SizeFn workspace_size, RunFn run) {
-  OnDevice on(like);
-  size_t bytes = 0;
-  check(workspace_size(&params, &bytes));
+// The call with its workspace of `bytes` (the library's workspace query, which checks every
+// argument, ran on the call before its outputs were allocated: under `on`, since the size depends
+// on the device, not on the outputs' addresses).
+template <typename Params, typename RunFn>
+void launch(const Params& params, const Tensor& like, const OnDevice& on, size_t bytes, RunFn run) {
   std::optional<Tensor> workspace;
   if (bytes > 0) workspace = torch::stable::new_empty(like, {static_cast<int64_t>(bytes)}, ScalarType::Byte);
   check(run(&params, workspace ? workspace->data_ptr() : nullptr, bytes, on.stream()));
@@ -253,12 +253,14 @@ std::tuple<Tensor, Tensor> forward(Tensor q, Tensor k, Tensor v, std::optional<d
            max_seqlen_k);
   p.num_splits = as_int32("num_splits", num_splits);
   p.sm_margin = as_int32("sm_margin", sm_margin);
-  check(fh_forward_check(&p));
+  OnDevice on(q);
+  size_t bytes = 0;
+  check(fh_forward_workspace_size(&p, &bytes));  // the library's check, before anything is allocated
   Tensor out = torch::stable::new_empty(q, out_shape(q, v));
   Tensor lse = torch::stable::new_empty(q, lse_shape(q), ScalarType::Float);
   p.out = view("out", out);
   p.lse = view("lse", lse);
-  launch(p, q, fh_forward_workspace_size, fh_forward);
+  launch(p, q, on, bytes, fh_forward);
   return {out, lse};
 }
 
@@ -288,7 +290,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> backward(
   p.sm_margin = as_int32("sm_margin", sm_margin);
   set_mask(p, causal, window_left, window_right, softcap, attention_chunk, q, k, varlen, max_seqlen_q,
            max_seqlen_k);
-  check(fh_backward_check(&p));
+  OnDevice on(q);
+  size_t bytes = 0;
+  check(fh_backward_workspace_size(&p, &bytes));  // the library's check, before anything is allocated
   Tensor dq = torch::stable::empty_like(q);
   Tensor dk = torch::stable::empty_like(k);
   Tensor dv = torch::stable::empty_like(v);
@@ -298,7 +302,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> backward(
   p.dk = view("dk", dk);
   p.dv = view("dv", dv);
   if (learnable_sink.has_value()) p.dsink = view("dsink", dsink);
-  launch(p, q, fh_backward_workspace_size, fh_backward);
+  launch(p, q, on, bytes, fh_backward);
   return {dq, dk, dv, dsink};
 }
 
