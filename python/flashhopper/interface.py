@@ -826,8 +826,9 @@ def forward_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     try:
         if plan is None:
             check_kvcache(inputs, v_cache, return_lse, options)
-            if check_only:
-                return None
+        if check_only:  # a plan's key matches fake tensors too: an eager call's plan passed this check
+            return None
+        if plan is None:
             check_devices([(names.get(name, name), t) for name, t in inputs])
         out = torch.empty((*q.shape[:-1], v_cache.shape[-1]), dtype=q.dtype, device=q.device)
         lse = torch.empty(lse_shape(q), dtype=torch.float32, device=q.device) if return_lse else None

@@ -23,7 +23,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import flashhopper
 import flashhopper.flash_attn_interface as fa3
-from flashhopper import _ffi, flash_attn_func
+from flashhopper import _ffi, flash_attn_func, interface
 
 from support import attention_reference, recording_backend, varlen_attention_reference, visible_keys
 
@@ -1289,6 +1289,23 @@ def test_kvcache_call_in_a_traced_graph():
         graph = make_fx(step, tracing_mode="fake")(*args)
     calls = [n for n in graph.graph.nodes if n.op == "call_function" and "fwd_kvcache" in str(n.target)]
     assert len(calls) == 1
+
+
+def test_fake_kvcache_after_an_eager_call_of_the_same_shapes(monkeypatch):
+    """The fake fwd_kvcache returns after its check even where an eager call of the same shapes left
+    a plan (a plan's key matches fake tensors): torch.compile after an eager decode step (found on
+    the GPU: the fake function went on to launch with fake tensors)."""
+    class EveryPlan(dict):
+        def get(self, key, default=None):
+            return object()
+
+    monkeypatch.setattr(interface, "_PLANS", EveryPlan())
+    with FakeTensorMode():
+        q = torch.empty(3, 1, 8, 128, dtype=torch.bfloat16, device="cuda")
+        k_cache = torch.empty(3, 512, 2, 128, dtype=torch.bfloat16, device="cuda")
+        lengths = torch.empty(3, dtype=torch.int32, device="cuda")
+        out, lse = torch.ops.flashhopper.fwd_kvcache(q, k_cache, k_cache, cache_seqlens=lengths, causal=True)
+    assert out.shape == q.shape and lse.shape == (3, 8, 1)
 
 
 def test_fake_impl_checks_shapes():
