@@ -65,9 +65,11 @@ def end_to_end(calls, loops):
     q_grad = q.clone().requires_grad_()
     rows = {"flashhopper.flash_attn_func (no autograd: the library call)":
                 lambda: flashhopper.flash_attn_func(q, q, q),
-            "flashhopper.flash_attn_func (inputs require grad: the custom op)":
+            "flashhopper.flash_attn_func (inputs require grad: eager autograd)":
                 lambda: flashhopper.flash_attn_func(q_grad, q_grad, q_grad),
             "flashhopper.forward (no op)": lambda: flashhopper.forward(q, q, q),
+            "torch.ops.flashhopper.fwd with autograd (inputs require grad)":
+                lambda: torch.ops.flashhopper.fwd.default(q_grad, q_grad, q_grad),
             f"torch.ops.flashhopper.fwd ({'C++' if flashhopper.ops.NATIVE else 'Python'} kernel, no autograd)":
                 lambda: torch.ops.flashhopper.fwd.default(q, q, q),
             "flashhopper.flash_attn_with_kvcache (1 token)":

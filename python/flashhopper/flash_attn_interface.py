@@ -97,17 +97,17 @@ def _pad_head_dims(q, k, v, softmax_scale):
 
 
 def _traced(*tensors) -> bool:
-    """Some argument is a tensor subclass (the fake tensors of torch.compile and torch.export)."""
-    return any(isinstance(t, torch.Tensor) and type(t) is not torch.Tensor for t in tensors)
+    """Some argument is a tensor subclass other than a Parameter (the fake tensors of torch.compile
+    and torch.export)."""
+    return any(isinstance(t, torch.Tensor) and type(t) not in (torch.Tensor, torch.nn.Parameter) for t in tensors)
 
 
 def _needs_the_op(*tensors) -> bool:
-    """The fwd custom op is for autograd and tracing (torch.compile, fake tensors); a call that
-    needs neither runs the same library call without it, at half the host work."""
-    if torch.compiler.is_compiling():
+    """The fwd op (or, eager, its autograd) is for autograd and tracing (torch.compile, fake
+    tensors); a call that needs neither runs the same library call without either."""
+    if torch.compiler.is_compiling() or _traced(*tensors):
         return True
-    grad = torch.is_grad_enabled()
-    return any(t is not None and (type(t) is not torch.Tensor or (grad and t.requires_grad)) for t in tensors)
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
 
 
 def _attention(q, k, v, varlen, softmax_scale, causal, qv, q_descale, k_descale, v_descale, window_size,
@@ -124,16 +124,17 @@ def _attention(q, k, v, varlen, softmax_scale, causal, qv, q_descale, k_descale,
         out, softmax_lse = _paged_varlen_attention(q, k, v, page_table, varlen, softmax_scale, mask, num_splits,
                                                    bool(deterministic), learnable_sink, sm_margin)
     elif _needs_the_op(q, k, v, learnable_sink):
-        if torch.compiler.is_compiling():  # traced, the op's fake function runs the library's check
+        varlen_args = (None,) * 6 if varlen is None else varlen
+        args = (q, k, v, softmax_scale, causal, bool(deterministic), window_left, window_right, softcap,
+                attention_chunk, learnable_sink, *varlen_args, num_splits, sm_margin)
+        if torch.compiler.is_compiling() or _traced(q, k, v, learnable_sink):
+            # Traced (torch.compile, torch.export, make_fx): the op, whose fake function runs the
+            # library's check; the devices are checked here.
             interface.check_devices([("q", q), ("k", k), ("v", v), ("learnable_sink", learnable_sink)]
                                     + interface.varlen_tensors(varlen))
-        else:
-            interface.check_op_forward(q, k, v, learnable_sink=learnable_sink, varlen=varlen,
-                                       softmax_scale=softmax_scale, mask=mask, num_splits=num_splits,
-                                       sm_margin=sm_margin)
-        varlen_args = (None,) * 6 if varlen is None else varlen
-        out, softmax_lse = ops.fwd(q, k, v, softmax_scale, causal, bool(deterministic), window_left, window_right,
-                                   softcap, attention_chunk, learnable_sink, *varlen_args, num_splits, sm_margin)
+            out, softmax_lse = ops.fwd(*args)
+        else:  # eager with autograd: the op's autograd without the dispatcher (the library checks)
+            out, softmax_lse = ops.fwd_eager(*args)
     else:
         result = interface.forward(q, k, v, causal, softmax_scale, return_lse=bool(return_attn_probs),
                                    window_size=(window_left, window_right), softcap=softcap,

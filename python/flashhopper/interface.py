@@ -592,27 +592,6 @@ def _plan_key(kind: str, tensors, options):
     return tuple(keyed)
 
 
-_CHECKED_OP_CALLS: set = set()  # plan keys of the op calls whose arguments passed check_op_forward
-
-
-def check_op_forward(q, k, v, *, learnable_sink=None, varlen=None, softmax_scale=None, mask=_NO_MASK,
-                     num_splits=1, sm_margin=0) -> None:
-    """check_forward and the device check of a call about to go through the fwd op (whose own
-    refusals would surface as the dispatcher's RuntimeError), once per kind of call (_plan_key),
-    as forward()'s plans do: the library still checks each call's pointers."""
-    key = _plan_key("op_forward", (q, k, v, learnable_sink, *_varlen_fields(varlen)),
-                    (softmax_scale, mask, num_splits, sm_margin, *_varlen_sizes(varlen)))
-    if key is not None and key in _CHECKED_OP_CALLS:
-        return
-    check_forward(q, k, v, return_lse=True, learnable_sink=learnable_sink, varlen=varlen,
-                  softmax_scale=softmax_scale, mask=mask, num_splits=num_splits, sm_margin=sm_margin)
-    check_devices([("q", q), ("k", k), ("v", v), ("learnable_sink", learnable_sink)] + varlen_tensors(varlen))
-    if key is not None:
-        if len(_CHECKED_OP_CALLS) >= _MAX_PLANS:
-            _CHECKED_OP_CALLS.clear()
-        _CHECKED_OP_CALLS.add(key)
-
-
 def _pointer_offsets(params, named) -> tuple:
     """The byte offsets in params of the data pointers of the (field, tensor) pairs present."""
     cls, data = type(params), _ffi.Tensor.data.offset

@@ -221,6 +221,21 @@ def _backward(ctx, dout, dlse):
     return tuple(grads)
 
 
+class _EagerAttention(torch.autograd.Function):
+    """The fwd op's autograd (_setup_context, _backward, which runs the bwd op) around its Python
+    kernel, for eager calls that need a gradient: torch.library's autograd wrapper of the op costs
+    several times the call itself in host work (bench/RESULTS.md, host work). Traced calls keep the
+    op, which is what torch.compile and torch.export see."""
+    forward = staticmethod(_fwd_python)
+    setup_context = staticmethod(_setup_context)
+    backward = staticmethod(_backward)
+
+
+def fwd_eager(*args) -> tuple[Tensor, Tensor]:
+    """fwd's inputs (all 19, positional) -> (out, lse), as fwd with autograd, for eager calls."""
+    return _EagerAttention.apply(*args)
+
+
 def _load_native() -> bool:
     """Loads libflashhopper_torch.so from beside the C ABI library when it is there (and
     FLASHHOPPER_TORCH_OPS is not 0); True when its ops are registered."""

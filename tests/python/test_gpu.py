@@ -1121,9 +1121,28 @@ def test_decode_step_cuda_graph_replays_with_other_lengths(page_size):
 
 
 @requires_gpu
+def test_eager_autograd_matches_the_op_bit_for_bit():
+    """Eager flash_attn_func with autograd (ops._EagerAttention: the library's forward under the op's
+    autograd) and the fwd op with its registered autograd give the same out, lse, dq, dk, dv and
+    dsink bits (a window, softcap and a learnable sink, GQA; the deterministic backward, whose bits
+    repeat)."""
+    q, k, v = make_inputs(2, 300, 300, 8, 2, 128, torch.bfloat16, seed=5)
+    sink = torch.randn(8, device="cuda", dtype=torch.float32, requires_grad=True)
+    dout = torch.randn_like(q)
+    out, lse = flash_attn_func(q, k, v, causal=True, window_size=(100, -1), softcap=20.0, learnable_sink=sink,
+                               deterministic=True, return_attn_probs=True)
+    assert type(out.grad_fn).__name__ == "_EagerAttentionBackward"
+    eager = (out, lse, *torch.autograd.grad(out, (q, k, v, sink), dout))
+    op_out, op_lse = torch.ops.flashhopper.fwd(q, k, v, None, True, True, 100, 0, 20.0, 0, sink)
+    through_op = (op_out, op_lse, *torch.autograd.grad(op_out, (q, k, v, sink), dout))
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv", "dsink"), eager, through_op):
+        assert torch.equal(a, b), f"{name} differs between eager autograd and the op"
+
+
+@requires_gpu
 def test_calls_without_autograd_skip_the_op_and_reuse_their_plan(monkeypatch):
     """With no gradient to track flash_attn_func runs the library call without the custom op (host
-    work), to the same bits as through the op; a repeated call of the same kind (its memoised plan)
+    work), to the same bits as with autograd; a repeated call of the same kind (its memoised plan)
     on new data gives that data's result, and a tensor on another dtype is still refused."""
     q, k, v = make_inputs(2, 300, 300, 8, 2, 128, torch.bfloat16, seed=3)
     through_op = flash_attn_func(q, k, v, causal=True)
