@@ -50,7 +50,7 @@ HEAD_DIMS = [
     HeadDims(64, 64, bf16_set="bench"),
     HeadDims(96, 96),
     HeadDims(128, 128, bf16_set="dev"),
-    HeadDims(192, 128, passes=("fwd",)),  # MLA prefill
+    HeadDims(192, 128),  # MLA prefill
     HeadDims(192, 192),
     HeadDims(256, 256, bf16_set="bench"),
 ]

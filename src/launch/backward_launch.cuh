@@ -27,15 +27,16 @@
 namespace flashhopper::launch {
 
 // The dQ kernel, with the main kernel's arguments (Q, K, V, dO and the preprocess's buffers).
-template <class Element, int kHeadDim, hopper::MaskKind kMask, bool kSoftcap, bool kPacked, class MainArguments>
+template <class Element, int kHeadDim, int kHeadDimV, hopper::MaskKind kMask, bool kSoftcap, bool kPacked,
+          class MainArguments>
 cudaError_t run_backward_dq_kernel(const BackwardParams& p, const detail::ProblemShape& s, MainArguments const& args,
                                    const TensorRows& dq_rows, char* ws, const BackwardWorkspaceLayout& layout,
                                    float scale, int num_sms, int l2_bytes, cudaStream_t stream) {
   using namespace cute;
   using namespace flashhopper::hopper;
   using Tile = BackwardDqTileSize<kHeadDim>;
-  using Mainloop = BackwardDqMainloop<Element, Tile::kBlockM, Tile::kBlockN, kHeadDim, Tile::kStagesK, Tile::kStagesV,
-                                      kMask, kSoftcap, kPacked>;
+  using Mainloop = BackwardDqMainloop<Element, Tile::kBlockM, Tile::kBlockN, kHeadDim, kHeadDimV, Tile::kStagesK,
+                                      Tile::kStagesV, kMask, kSoftcap, kPacked>;
   using Scheduler = PersistentTileScheduler</*kLongestFirst=*/kMask == MaskKind::kCausal, kPacked, /*kSplit=*/false>;
   using Kernel = BackwardDqKernel<Mainloop, Scheduler>;
   static_assert(BackwardWorkspaceLayout::kRowAlign % Tile::kBlockM == 0);
@@ -87,12 +88,11 @@ cudaError_t run_backward_hdim(const BackwardParams& p, const detail::ProblemShap
                               cudaStream_t stream) {
   using namespace cute;
   using namespace flashhopper::hopper;
-  static_assert(kHeadDimV == kHeadDim, "backward families have dv = d (a smaller dv of a call runs padded)");
   using Element = typename ElementOf<kDType>::type;
   using Tile = BackwardTileSize<kHeadDim>;
   constexpr bool kCausal = kMask == MaskKind::kCausal;
-  using Mainloop = BackwardMainloop<Element, Tile::kBlockM, Tile::kBlockN, kHeadDim, Tile::kStages, Tile::kStagesDo,
-                                    kMask, kSoftcap, /*kComputeDq=*/!Tile::kDqKernel, kPacked>;
+  using Mainloop = BackwardMainloop<Element, Tile::kBlockM, Tile::kBlockN, kHeadDim, kHeadDimV, Tile::kStages,
+                                    Tile::kStagesDo, kMask, kSoftcap, /*kComputeDq=*/!Tile::kDqKernel, kPacked>;
   using Epilogue = BackwardEpilogue<Element, Mainloop>;
   // Causal: longest first (the backward reverses its key blocks). Otherwise key blocks in
   // order, which the deterministic dQ order relies on.
@@ -215,8 +215,8 @@ cudaError_t run_backward_hdim(const BackwardParams& p, const detail::ProblemShap
   if ((err = launch_kernel<Kernel>(backward_kernel_entry<Kernel>, grid, params, stream)) != cudaSuccess) return err;
 
   if constexpr (Tile::kDqKernel) {
-    err = run_backward_dq_kernel<Element, kHeadDim, kMask, kSoftcap, kPacked>(p, s, mainloop_args, q_rows(p.dq), ws, layout,
-                                                                     scale, num_sms, l2_bytes, stream);
+    err = run_backward_dq_kernel<Element, kHeadDim, kHeadDimV, kMask, kSoftcap, kPacked>(
+        p, s, mainloop_args, q_rows(p.dq), ws, layout, scale, num_sms, l2_bytes, stream);
   } else {
     const TensorRows dqr = q_rows(p.dq);
     typename Postprocess::Params post{static_cast<Element*>(p.dq.data),

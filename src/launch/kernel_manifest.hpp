@@ -28,6 +28,8 @@ inline constexpr KernelFamily kKernelFamilies[] = {
     {Pass::kBackward, FH_DTYPE_FP16, 128, 128, 2},
     {Pass::kForward, FH_DTYPE_BF16, 192, 128, 2},
     {Pass::kForward, FH_DTYPE_FP16, 192, 128, 2},
+    {Pass::kBackward, FH_DTYPE_BF16, 192, 128, 2},
+    {Pass::kBackward, FH_DTYPE_FP16, 192, 128, 2},
     {Pass::kForward, FH_DTYPE_BF16, 192, 192, 2},
     {Pass::kForward, FH_DTYPE_FP16, 192, 192, 2},
     {Pass::kBackward, FH_DTYPE_BF16, 192, 192, 2},

@@ -87,14 +87,26 @@ struct GridCase {
 inline constexpr int kGuardColumns = 8;
 inline int GridCase::output_columns(int dim) const { return dim + (guard_columns ? kGuardColumns : 0); }
 
-// The (dtype, head dim) of each family this build compiled for a pass (fh_compiled_families,
-// from the kernel manifest): the grids run on these.
-inline std::vector<std::pair<fh_dtype, int>> compiled_families(bool backward) {
+// Each family this build compiled for a pass (fh_compiled_families, from the kernel manifest):
+// the grids run on these. head_dim_v is 0 where it equals head_dim (GridCase's convention).
+struct FamilyDims {
+  fh_dtype dtype;
+  int head_dim, head_dim_v;
+};
+inline std::vector<FamilyDims> compiled_family_dims(bool backward) {
   std::vector<fh_kernel_family> families(size_t(fh_compiled_families(nullptr, 0)));
   fh_compiled_families(families.data(), int32_t(families.size()));
-  std::vector<std::pair<fh_dtype, int>> out;
+  std::vector<FamilyDims> out;
   for (const fh_kernel_family& f : families)
-    if ((f.backward != 0) == backward && f.head_dim == f.head_dim_v) out.emplace_back(fh_dtype(f.dtype), f.head_dim);
+    if ((f.backward != 0) == backward)
+      out.push_back({fh_dtype(f.dtype), f.head_dim, f.head_dim_v == f.head_dim ? 0 : f.head_dim_v});
+  return out;
+}
+// The (dtype, head dim) of each compiled family whose value head dim is its head dim.
+inline std::vector<std::pair<fh_dtype, int>> compiled_families(bool backward) {
+  std::vector<std::pair<fh_dtype, int>> out;
+  for (const FamilyDims& f : compiled_family_dims(backward))
+    if (f.head_dim_v == 0) out.emplace_back(f.dtype, f.head_dim);
   return out;
 }
 
@@ -140,7 +152,7 @@ inline HostTensor make_sink_logits(int heads_q, uint32_t seed) {
 // The feature cases both GPU tests run, at every compiled family: each feature alone and
 // combined, windows of 0, 1, wider than the sequence and asymmetric, sq != sk both ways, GQA,
 // rows that see no key.
-inline std::vector<GridCase> feature_cases() {
+inline std::vector<GridCase> feature_cases(bool backward) {
   struct Row {
     bool causal;
     int batch, seqlen_q, seqlen_k, heads_q, heads_kv;
@@ -165,9 +177,10 @@ inline std::vector<GridCase> feature_cases() {
       {false, 1, 600, 500, 4, 2, {100, 0, 2, 0, 20.f, true}},
   };
   std::vector<GridCase> cases;
-  for (const auto& [dtype, head_dim] : compiled_families(/*backward=*/false))
+  for (const FamilyDims& f : compiled_family_dims(backward))
     for (const Row& r : rows)
-      cases.push_back({dtype, head_dim, r.causal, r.batch, r.seqlen_q, r.seqlen_k, r.heads_q, r.heads_kv, false, r.f});
+      cases.push_back({f.dtype, f.head_dim, r.causal, r.batch, r.seqlen_q, r.seqlen_k, r.heads_q, r.heads_kv, false, r.f,
+                       false, f.head_dim_v});
   return cases;
 }
 

@@ -321,11 +321,11 @@ std::vector<GridCase> backward_cases() {
   // Head dim 128 only: one of these costs the reference seconds (it has only B * Hq work items).
   const std::vector<Shape> large_shapes = {{1, 2048, 2048, 2, 1, false}};
   std::vector<GridCase> cases;
-  for (const auto& [dtype, head_dim] : compiled_families(/*backward=*/true))
+  for (const auto& [dtype, head_dim, head_dim_v] : compiled_family_dims(/*backward=*/true))
     for (bool causal : {false, true}) {
       for (const Shape& s : small_shapes)
-        cases.push_back(
-            {dtype, head_dim, causal, s.batch, s.seqlen_q, s.seqlen_k, s.heads_q, s.heads_kv, s.heads_major});
+        cases.push_back({dtype, head_dim, causal, s.batch, s.seqlen_q, s.seqlen_k, s.heads_q, s.heads_kv, s.heads_major,
+                         {}, false, head_dim_v});
       if (head_dim != 128) continue;
       for (const Shape& s : large_shapes)
         cases.push_back(
@@ -336,7 +336,7 @@ std::vector<GridCase> backward_cases() {
 
 INSTANTIATE_TEST_SUITE_P(Grid, BackwardGpuTest, ::testing::ValuesIn(backward_cases()),
                          [](const ::testing::TestParamInfo<GridCase>& info) { return info.param.name(); });
-INSTANTIATE_TEST_SUITE_P(Features, BackwardGpuTest, ::testing::ValuesIn(feature_cases()),
+INSTANTIATE_TEST_SUITE_P(Features, BackwardGpuTest, ::testing::ValuesIn(feature_cases(/*backward=*/true)),
                          [](const ::testing::TestParamInfo<GridCase>& info) { return info.param.name(); });
 INSTANTIATE_TEST_SUITE_P(PaddedHeadDims, BackwardGpuTest, ::testing::ValuesIn(padded_head_dim_cases(true)),
                          [](const ::testing::TestParamInfo<GridCase>& info) { return info.param.name(); });

@@ -16,9 +16,7 @@ using namespace cute;
 template <class Element_, class Mainloop>
 struct BackwardEpilogue {
   using Element = Element_;
-  using TiledMmadKV = typename Mainloop::TiledMmadKV;
   static constexpr int kBlockN = Mainloop::kBlockN;
-  static constexpr int kHeadDim = Mainloop::kHeadDim;
   static constexpr bool kTransposed = Mainloop::kDkvTransposed;  // registers hold dK^T, dV^T
 
   using ShapedKV = Shape<int32_t, int32_t, int32_t, int32_t>;  // (seqlen_k, d, heads_kv, batch); packed (total_k, d, heads_kv, 1)
@@ -36,37 +34,43 @@ struct BackwardEpilogue {
   using Params = Arguments;
   static Params to_underlying_arguments(Arguments const& args) { return args; }
 
-  template <class TensordKV>
-  CUTLASS_DEVICE static void store(Params const& params, TensordKV& tdKrdK, TensordKV const& tdVrdV,
-                                   int thread_idx, BackwardBlock const& blk) {
+  template <class TensordK, class TensordV>
+  CUTLASS_DEVICE static void store(Params const& params, TensordK& tdKrdK, TensordV const& tdVrdV, int thread_idx,
+                                   BackwardBlock const& blk) {
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < size(tdKrdK); ++i) tdKrdK(i) *= params.softmax_scale;
     const int rows = blk.seq.capacity_k - blk.n_block * kBlockN;
-    const int cols_k = get<1>(params.shape_dkv), cols_v = params.head_dim_v;  // at most kHeadDim
-    auto tile = [&](Element* ptr, StridedKV stride) {
-      Tensor m = domain_offset(make_coord(blk.seq.offset_k, _0{}), make_tensor(make_gmem_ptr(ptr), params.shape_dkv,
-                                                                                 stride)(_, _, blk.head_kv, blk.seq.batch_k));
-      return local_tile(m, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(blk.n_block, _0{}));  // (N, d)
-    };
-    auto thr_mma = TiledMmadKV{}.get_thread_slice(thread_idx);
+    // The call's d and dv: at most the family's (Mainloop::kHeadDim, kHeadDimV).
+    store_key_grad<Mainloop::kHeadDim>(typename Mainloop::TiledMmadK{}, tdKrdK, params.ptr_dk, params.stride_dk,
+                                       get<1>(params.shape_dkv), rows, thread_idx, blk, params);
+    store_key_grad<Mainloop::kHeadDimV>(typename Mainloop::TiledMmadV{}, tdVrdV, params.ptr_dv, params.stride_dv,
+                                        params.head_dim_v, rows, thread_idx, blk, params);
+  }
+
+ private:
+  // One of dK, dV: its (kBlockN, kCols) tile of the key block, rows below `rows` and columns below
+  // `cols`.
+  template <int kCols, class TiledMma, class TensorAcc>
+  CUTLASS_DEVICE static void store_key_grad(TiledMma const& tiled_mma, TensorAcc const& acc, Element* ptr,
+                                            StridedKV stride, int cols, int rows, int thread_idx,
+                                            BackwardBlock const& blk, Params const& params) {
+    Tensor m = domain_offset(make_coord(blk.seq.offset_k, _0{}),
+                             make_tensor(make_gmem_ptr(ptr), with_columns(params.shape_dkv, cols),
+                                         stride)(_, _, blk.head_kv, blk.seq.batch_k));
+    Tensor gdst = local_tile(m, Shape<Int<kBlockN>, Int<kCols>>{}, make_coord(blk.n_block, _0{}));  // (N, cols)
+    auto thr_mma = tiled_mma.get_thread_slice(thread_idx);
     if constexpr (kTransposed) {
       // Neighbouring registers are neighbouring keys, a row apart in memory: 2-byte stores, once
       // per key block.
-      Tensor coords = thr_mma.partition_C(make_identity_tensor(Shape<Int<kHeadDim>, Int<kBlockN>>{}));  // (d, N)
-      Tensor gdK = tile(params.ptr_dk, params.stride_dk);
-      Tensor gdV = tile(params.ptr_dv, params.stride_dv);
+      Tensor coords = thr_mma.partition_C(make_identity_tensor(Shape<Int<kCols>, Int<kBlockN>>{}));  // (d, N)
       CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < size(tdKrdK); ++i) {
+      for (int i = 0; i < size(acc); ++i) {
         const auto [d, n] = coords(i);
-        if (n < rows) {
-          if (d < cols_k) gdK(n, d) = Element(tdKrdK(i));
-          if (d < cols_v) gdV(n, d) = Element(tdVrdV(i));
-        }
+        if (n < rows && d < cols) gdst(n, d) = Element(acc(i));
       }
     } else {
-      Tensor coords = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));  // (N, d)
-      store_accumulator_rows(tdKrdK, coords, tile(params.ptr_dk, params.stride_dk), rows, cols_k);
-      store_accumulator_rows(tdVrdV, coords, tile(params.ptr_dv, params.stride_dv), rows, cols_v);
+      Tensor coords = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockN>, Int<kCols>>{}));  // (N, d)
+      store_accumulator_rows(acc, coords, gdst, rows, cols);
     }
   }
 };

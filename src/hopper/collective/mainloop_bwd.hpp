@@ -42,13 +42,14 @@ CUTLASS_DEVICE void bulk_reduce_add_f32(float* gmem, float const* smem, int byte
                : "memory");
 }
 
-template <class Element_, int kBlockM_, int kBlockN_, int kHeadDim_, int kStages_, int kStagesDo_, MaskKind kMask_,
-          bool kSoftcap_, bool kComputeDq_, bool kPacked_>
+template <class Element_, int kBlockM_, int kBlockN_, int kHeadDim_, int kHeadDimV_, int kStages_, int kStagesDo_,
+          MaskKind kMask_, bool kSoftcap_, bool kComputeDq_, bool kPacked_>
 struct BackwardMainloop {
   using Element = Element_;
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
-  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kHeadDim = kHeadDim_;    // Q, K, dQ, dK
+  static constexpr int kHeadDimV = kHeadDimV_;  // V, dO, dV (MLA prefill: 128 under a head dim of 192)
   static constexpr int kStages = kStages_;      // Q
   static constexpr int kStagesDo = kStagesDo_;  // dO
   static constexpr MaskKind kMask = kMask_;
@@ -69,14 +70,22 @@ struct BackwardMainloop {
   // and split those by head dim in 64-row atoms where d has an even count of them, else by key
   // columns (hdim 192: each warpgroup then takes every head-dim row of the keys it scored).
   static constexpr bool kDkvTransposed = kBlockN / kNumMmaWarpGroups < 64;
+  // dV splits as dK does (dK's head dim decides), so P and dS share their layout and buffers.
   static constexpr bool kDkvSplitByKeys = kDkvTransposed && kHeadDim % (64 * kNumMmaWarpGroups) != 0;
   static constexpr int kDqTileFloats = kBlockM * kHeadDim;
   static_assert(kBlockM % 64 == 0 && kBlockN % 16 == 0 && kHeadDim % 32 == 0);  // d: whole 32-column atoms
+  static_assert(kHeadDimV <= kHeadDim && kHeadDimV % 32 == 0 &&
+                (kHeadDimV == kHeadDim || kDkvSplitByKeys || kHeadDimV % (64 * kNumMmaWarpGroups) == 0));
   static_assert((kDqTileFloats / kNumMmaThreads) % 4 == 0);
 
+  // S = Q K^T is (M, N) over d, dP = dO V^T (M, N) over dv: one tiled MMA (its atom is 16 deep).
   using TileShapeSdP = Shape<Int<kBlockM>, Int<kBlockN>, Int<kHeadDim>>;  // (M, N, d)
-  using TileShapedKV = cute::conditional_t<kDkvTransposed, Shape<Int<kHeadDim>, Int<kBlockN>, Int<kBlockM>>,
-                                           Shape<Int<kBlockN>, Int<kHeadDim>, Int<kBlockM>>>;  // (N, d, M) or (d, N, M)
+  // dK (N, d, M) or dK^T (d, N, M); dV likewise with dv columns.
+  template <int kCols>
+  using TileShapeKeyGrad = cute::conditional_t<kDkvTransposed, Shape<Int<kCols>, Int<kBlockN>, Int<kBlockM>>,
+                                               Shape<Int<kBlockN>, Int<kCols>, Int<kBlockM>>>;
+  using TileShapedK = TileShapeKeyGrad<kHeadDim>;
+  using TileShapedV = TileShapeKeyGrad<kHeadDimV>;
   using TileShapedQ = Shape<Int<kBlockM>, Int<kHeadDim>, Int<kBlockN>>;  // (M, d, N)
 
   using TiledMmaSdP = decltype(make_tiled_mma(
@@ -84,31 +93,36 @@ struct BackwardMainloop {
       Layout<Shape<_1, _2, _1>>{}));
   // dV = P^T dO and dK = dS^T Q (or dV^T = dO^T P and dK^T = Q^T dS) read both operands
   // transposed (MN-major) from shared memory; the warpgroups split the result's rows.
-  using DkvAtomN = cute::conditional_t<kDkvSplitByKeys, Int<kBlockN / kNumMmaWarpGroups>,
-                                       cute::tuple_element_t<1, TileShapedKV>>;
-  using DkvWarpGroups = cute::conditional_t<kDkvSplitByKeys, Layout<Shape<_1, _2, _1>>, Layout<Shape<_2, _1, _1>>>;
-  using TiledMmadKV = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, float, Shape<_64, DkvAtomN, Int<kBlockM>>, GMMA::Major::MN,
-                           GMMA::Major::MN>(),
-      DkvWarpGroups{}));
+  template <class TileShape>
+  using TiledMmaKeyGrad = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float,
+                           Shape<_64,
+                                 cute::conditional_t<kDkvSplitByKeys, Int<kBlockN / kNumMmaWarpGroups>,
+                                                     cute::tuple_element_t<1, TileShape>>,
+                                 Int<kBlockM>>,
+                           GMMA::Major::MN, GMMA::Major::MN>(),
+      cute::conditional_t<kDkvSplitByKeys, Layout<Shape<_1, _2, _1>>, Layout<Shape<_2, _1, _1>>>{}));
+  using TiledMmadK = TiledMmaKeyGrad<TileShapedK>;
+  using TiledMmadV = TiledMmaKeyGrad<TileShapedV>;
   using TiledMmadQ = decltype(make_tiled_mma(
       GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim / 2>, Int<kBlockN>>, GMMA::Major::K,
                            GMMA::Major::MN>(),
       Layout<Shape<_1, _2, _1>>{}));
 
-  // Q and dO: (M, d, stage), d contiguous; their transposes view the same bytes as (d, M, stage).
-  template <int kNumStages>
-  using SmemLayoutQStages = decltype(tile_to_shape(
-      cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element, Int<kBlockM>, Int<kHeadDim>>(),
-      Shape<Int<kBlockM>, Int<kHeadDim>, Int<kNumStages>>{}));
-  template <int kNumStages>
-  using SmemLayoutQStagesT = decltype(composition(
-      SmemLayoutQStages<kNumStages>{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockM>, Int<kNumStages>>{},
-                                                   Stride<Int<kBlockM>, _1, Int<kBlockM * kHeadDim>>{})));
-  using SmemLayoutQ = SmemLayoutQStages<kStages>;
-  using SmemLayoutQt = SmemLayoutQStagesT<kStages>;
-  using SmemLayoutdO = SmemLayoutQStages<kStagesDo>;
-  using SmemLayoutdOt = SmemLayoutQStagesT<kStagesDo>;
+  // Q (M, d, stage) and dO (M, dv, stage), columns contiguous; their transposes view the same
+  // bytes as (d, M, stage).
+  template <int kCols, int kNumStages>
+  using SmemLayoutRowStages = decltype(tile_to_shape(
+      cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element, Int<kBlockM>, Int<kCols>>(),
+      Shape<Int<kBlockM>, Int<kCols>, Int<kNumStages>>{}));
+  template <int kCols, int kNumStages>
+  using SmemLayoutRowStagesT = decltype(composition(
+      SmemLayoutRowStages<kCols, kNumStages>{}, make_layout(Shape<Int<kCols>, Int<kBlockM>, Int<kNumStages>>{},
+                                                            Stride<Int<kBlockM>, _1, Int<kBlockM * kCols>>{})));
+  using SmemLayoutQ = SmemLayoutRowStages<kHeadDim, kStages>;
+  using SmemLayoutQt = SmemLayoutRowStagesT<kHeadDim, kStages>;
+  using SmemLayoutdO = SmemLayoutRowStages<kHeadDimV, kStagesDo>;
+  using SmemLayoutdOt = SmemLayoutRowStagesT<kHeadDimV, kStagesDo>;
   // K and V: (N, d), d contiguous; K^T (d, N) for dQ = dS K, whose warpgroups read d/2 columns
   // each: the swizzle atom must tile that half too. Where d is a multiple of 64 the 64-column
   // (128-byte) atom does (a half fills or halves it); at d = 96 a half is 48 columns, which takes
@@ -119,6 +133,12 @@ struct BackwardMainloop {
       Shape<Int<kBlockN>, Int<kHeadDim>>{}));
   using SmemLayoutKt = decltype(composition(
       SmemLayoutK{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, Stride<Int<kBlockN>, _1>{})));
+  // V: (N, dv), only ever read as dP's K-major B operand.
+  using SmemLayoutV = cute::conditional_t<
+      kHeadDimV == kHeadDim, SmemLayoutK,
+      decltype(tile_to_shape(
+          cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element, Int<kBlockN>, Int<kHeadDimV>>(),
+          Shape<Int<kBlockN>, Int<kHeadDimV>>{}))>;
   // P and dS: (M, N, buffer), N contiguous; transposed (N, M, buffer) for dV and dK. When a
   // warpgroup's kBlockN / 2 columns do not fill whole 16-column swizzle atoms (kBlockN = 80), the
   // unswizzled 8x8 atom; split by key columns, atoms no wider than a warpgroup's columns (its
@@ -151,31 +171,32 @@ struct BackwardMainloop {
   // Global tensors as (seqlen, d, head, batch).
   using ShapeQKV = Shape<int32_t, int32_t, int32_t, int32_t>;
   using StrideQKV = Stride<int64_t, _1, int64_t, int64_t>;
-  using TmaQ = decltype(make_tma_copy(
-      SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), ShapeQKV{}, StrideQKV{}),
-      take<0, 2>(SmemLayoutQ{}), Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{}));
-  using TmaK = decltype(make_tma_copy(
-      SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), ShapeQKV{}, StrideQKV{}),
-      SmemLayoutK{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
+  template <int kRows, int kCols, class SmemLayout>
+  using TileTma = decltype(make_tile_tma<kRows, kCols>(static_cast<Element const*>(nullptr), ShapeQKV{}, StrideQKV{},
+                                                       SmemLayout{}));
+  using TmaQ = TileTma<kBlockM, kHeadDim, decltype(take<0, 2>(SmemLayoutQ{}))>;
+  using TmaDo = TileTma<kBlockM, kHeadDimV, decltype(take<0, 2>(SmemLayoutdO{}))>;
+  using TmaK = TileTma<kBlockN, kHeadDim, SmemLayoutK>;
+  using TmaV = TileTma<kBlockN, kHeadDimV, SmemLayoutV>;
 
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
   using PipelineState = cutlass::PipelineState<kStages>;
   using PipelineDo = cutlass::PipelineTmaAsync<kStagesDo>;
   using PipelineStateDo = cutlass::PipelineState<kStagesDo>;
-  static constexpr uint32_t kTmaBytesQ = size(take<0, 2>(SmemLayoutQ{})) * sizeof(Element);
   // Each Q stage also brings its rows' LSE * log2 e, each dO stage their D, by a bulk copy on the
   // same barrier: the MMA warpgroups then read them from shared memory. (Loaded from global
   // memory by the warpgroups themselves, they were the largest stall at hdim 64 and 256.)
   static constexpr uint32_t kRowStatBytes = kBlockM * sizeof(float);
-  static constexpr uint32_t kTmaBytesPerStage = kTmaBytesQ + kRowStatBytes;
-  static constexpr uint32_t kTmaBytesKV = 2 * cosize_v<SmemLayoutK> * sizeof(Element);
+  static constexpr uint32_t kTmaBytesQStage = kBlockM * kHeadDim * sizeof(Element) + kRowStatBytes;
+  static constexpr uint32_t kTmaBytesDoStage = kBlockM * kHeadDimV * sizeof(Element) + kRowStatBytes;
+  static constexpr uint32_t kTmaBytesKV = (cosize_v<SmemLayoutK> + cosize_v<SmemLayoutV>) * sizeof(Element);
 
   struct SharedStorageDq {
     cute::array_aligned<float, kDqTileFloats, 128> smem_dq;
   };
   struct SharedStorage {
     cute::array_aligned<Element, cosize_v<SmemLayoutK>, 1024> smem_k;
-    cute::array_aligned<Element, cosize_v<SmemLayoutK>, 1024> smem_v;
+    cute::array_aligned<Element, cosize_v<SmemLayoutV>, 1024> smem_v;
     cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> smem_q;
     cute::array_aligned<Element, cosize_v<SmemLayoutdO>, 1024> smem_do;
     cute::array_aligned<float, kBlockM * kStages, 128> smem_lse_log2;  // per Q stage
@@ -216,9 +237,9 @@ struct BackwardMainloop {
     ShapeQKV shape_v;   // shape_k with dv columns
     ShapeQKV shape_do;  // shape_q with dv columns
     TmaQ tma_q;
-    TmaQ tma_do;
+    TmaDo tma_do;
     TmaK tma_k;
-    TmaK tma_v;
+    TmaV tma_v;
     float softmax_scale_log2;  // after the score transform
     Transform transform;
     LocalMaskParams local;
@@ -231,22 +252,14 @@ struct BackwardMainloop {
   static Params to_underlying_arguments(Arguments const& args) {
     const ShapeQKV shape_v = with_columns(args.shape_k, args.head_dim_v);
     const ShapeQKV shape_do = with_columns(args.shape_q, args.head_dim_v);
-    auto q_tma = [&](Element const* ptr, ShapeQKV shape, StrideQKV stride) {
-      return make_tma_copy(SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(ptr), shape, stride),
-                           take<0, 2>(SmemLayoutQ{}), Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{});
-    };
-    auto k_tma = [&](Element const* ptr, ShapeQKV shape, StrideQKV stride) {
-      return make_tma_copy(SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(ptr), shape, stride), SmemLayoutK{},
-                           Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{});
-    };
     return {args.shape_q,
             args.shape_k,
             shape_v,
             shape_do,
-            q_tma(args.ptr_q, args.shape_q, args.stride_q),
-            q_tma(args.ptr_do, shape_do, args.stride_do),
-            k_tma(args.ptr_k, args.shape_k, args.stride_k),
-            k_tma(args.ptr_v, shape_v, args.stride_v),
+            make_tile_tma<kBlockM, kHeadDim>(args.ptr_q, args.shape_q, args.stride_q, take<0, 2>(SmemLayoutQ{})),
+            make_tile_tma<kBlockM, kHeadDimV>(args.ptr_do, shape_do, args.stride_do, take<0, 2>(SmemLayoutdO{})),
+            make_tile_tma<kBlockN, kHeadDim>(args.ptr_k, args.shape_k, args.stride_k, SmemLayoutK{}),
+            make_tile_tma<kBlockN, kHeadDimV>(args.ptr_v, shape_v, args.stride_v, SmemLayoutV{}),
             float(Transform::softmax_scale(args.softmax_scale, args.softcap) * M_LOG2E),
             Transform::make(args.softmax_scale, args.softcap),
             args.local,
@@ -297,17 +310,17 @@ struct BackwardMainloop {
     Tensor sQ = make_tensor(make_smem_ptr(storage.smem_q.data()), SmemLayoutQ{});
     Tensor sdO = make_tensor(make_smem_ptr(storage.smem_do.data()), SmemLayoutdO{});
     Tensor sK = make_tensor(make_smem_ptr(storage.smem_k.data()), SmemLayoutK{});
-    Tensor sV = make_tensor(make_smem_ptr(storage.smem_v.data()), SmemLayoutK{});
+    Tensor sV = make_tensor(make_smem_ptr(storage.smem_v.data()), SmemLayoutV{});
 
-    auto key_tile = [&](auto const& tma, ShapeQKV const& shape) {
+    auto key_tile = [&](auto const& tma, ShapeQKV const& shape, auto cols) {
       auto m = domain_offset(make_coord(blk.seq.offset_k, _0{}),
                              tma.get_tma_tensor(shape)(_, _, blk.head_kv, blk.seq.batch_k));
-      return local_tile(m, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(blk.n_block, _0{}));  // (N, d)
+      return local_tile(m, Shape<Int<kBlockN>, decltype(cols)>{}, make_coord(blk.n_block, _0{}));  // (N, cols)
     };
     auto [tKgK, tKsK] = tma_partition(params.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK),
-                                      group_modes<0, 2>(key_tile(params.tma_k, params.shape_k)));
+                                      group_modes<0, 2>(key_tile(params.tma_k, params.shape_k, Int<kHeadDim>{})));
     auto [tVgV, tVsV] = tma_partition(params.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV),
-                                      group_modes<0, 2>(key_tile(params.tma_v, params.shape_v)));
+                                      group_modes<0, 2>(key_tile(params.tma_v, params.shape_v, Int<kHeadDimV>{})));
     storage.kv_empty.wait(shared.kv_phase);
     shared.kv_phase ^= 1;
     storage.kv_full.arrive_and_expect_tx(kTmaBytesKV);
@@ -316,15 +329,16 @@ struct BackwardMainloop {
 
     for (int g = 0; g < params.heads_per_kv_head; ++g) {
       const int head = blk.head_kv * params.heads_per_kv_head + g;
-      auto query_tiles = [&](auto const& tma, ShapeQKV const& shape) {
+      auto query_tiles = [&](auto const& tma, ShapeQKV const& shape, auto cols) {
         auto m = domain_offset(make_coord(blk.seq.offset_q, _0{}),
                                tma.get_tma_tensor(shape)(_, _, head, blk.seq.batch_q));
-        return local_tile(m, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, _0{}));  // (M, d, m)
+        return local_tile(m, Shape<Int<kBlockM>, decltype(cols)>{}, make_coord(_, _0{}));  // (M, cols, m)
       };
       auto [tQgQ, tQsQ] = tma_partition(params.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ),
-                                        group_modes<0, 2>(query_tiles(params.tma_q, params.shape_q)));
-      auto [tdOgdO, tdOsdO] = tma_partition(params.tma_do, _0{}, Layout<_1>{}, group_modes<0, 2>(sdO),
-                                            group_modes<0, 2>(query_tiles(params.tma_do, params.shape_do)));
+                                        group_modes<0, 2>(query_tiles(params.tma_q, params.shape_q, Int<kHeadDim>{})));
+      auto [tdOgdO, tdOsdO] =
+          tma_partition(params.tma_do, _0{}, Layout<_1>{}, group_modes<0, 2>(sdO),
+                        group_modes<0, 2>(query_tiles(params.tma_do, params.shape_do, Int<kHeadDimV>{})));
       const int64_t row0_head = params.workspace.row0(blk.seq, head);
       // One stage: a query block's tile (Q or dO) by TMA and its rows' statistic (LSE2 or D) by a
       // bulk copy, on the stage's barrier.
@@ -424,9 +438,9 @@ struct BackwardMainloop {
   // MMA warpgroups: the whole key block. On return tdKrdK (unscaled) and tdVrdV hold the sums.
   // dS (and P where kPBuffers = 2) alternates between two shared buffers (`buffer`, kept across
   // key blocks), so one warpgroup may write block m + 1's while the other still reads block m's.
-  template <class TensordKV>
-  CUTLASS_DEVICE static void mma(Params const& params, SharedState const& shared, int& buffer, TensordKV& tdKrdK,
-                                 TensordKV& tdVrdV, int thread_idx, BackwardBlock const& blk) {
+  template <class TensordK, class TensordV>
+  CUTLASS_DEVICE static void mma(Params const& params, SharedState const& shared, int& buffer, TensordK& tdKrdK,
+                                 TensordV& tdVrdV, int thread_idx, BackwardBlock const& blk) {
     SharedStorage& storage = shared.storage;
     Tensor sQ = make_tensor(make_smem_ptr(storage.smem_q.data()), SmemLayoutQ{});
     Tensor sQt = make_tensor(make_smem_ptr(storage.smem_q.data()), SmemLayoutQt{});
@@ -434,17 +448,19 @@ struct BackwardMainloop {
     Tensor sdOt = make_tensor(make_smem_ptr(storage.smem_do.data()), SmemLayoutdOt{});
     Tensor sK = make_tensor(make_smem_ptr(storage.smem_k.data()), SmemLayoutK{});
     Tensor sKt = make_tensor(make_smem_ptr(storage.smem_k.data()), SmemLayoutKt{});
-    Tensor sV = make_tensor(make_smem_ptr(storage.smem_v.data()), SmemLayoutK{});
+    Tensor sV = make_tensor(make_smem_ptr(storage.smem_v.data()), SmemLayoutV{});
     Tensor sP = make_tensor(make_smem_ptr(storage.smem_p.data()), SmemLayoutP{});
     Tensor sPt = make_tensor(make_smem_ptr(storage.smem_p.data()), SmemLayoutPt{});
     Tensor sdS = make_tensor(make_smem_ptr(storage.smem_ds.data()), SmemLayoutdS{});
     Tensor sdSt = make_tensor(make_smem_ptr(storage.smem_ds.data()), SmemLayoutdSt{});
 
     TiledMmaSdP tiled_mma_sdp;
-    TiledMmadKV tiled_mma_dkv;
+    TiledMmadK tiled_mma_dk;
+    TiledMmadV tiled_mma_dv;
     TiledMmadQ tiled_mma_dq;
     auto thr_mma_sdp = tiled_mma_sdp.get_thread_slice(thread_idx);
-    auto thr_mma_dkv = tiled_mma_dkv.get_thread_slice(thread_idx);
+    auto thr_mma_dk = tiled_mma_dk.get_thread_slice(thread_idx);
+    auto thr_mma_dv = tiled_mma_dv.get_thread_slice(thread_idx);
     auto thr_mma_dq = tiled_mma_dq.get_thread_slice(thread_idx);
 
     Tensor tSrQ = thr_mma_sdp.partition_fragment_A(sQ);     // (MMA, MMA_M, MMA_K, PIPE)
@@ -452,18 +468,18 @@ struct BackwardMainloop {
     Tensor tdPrdO = thr_mma_sdp.partition_fragment_A(sdO);  // (MMA, MMA_M, MMA_K, PIPE)
     Tensor tdPrV = thr_mma_sdp.partition_fragment_B(sV);
     // dV's and dK's operands: P^T, dS^T (x, M, BUF) and dO^T, Q^T (x, M, PIPE), each as the A or
-    // the B of TiledMmadKV; gemm_dkv puts them in order.
-    auto dkv_operand = [&](auto const& s, auto is_a) {
-      if constexpr (decltype(is_a)::value) return thr_mma_dkv.partition_fragment_A(s);
-      else return thr_mma_dkv.partition_fragment_B(s);
+    // the B of TiledMmadV / TiledMmadK; gemm_key_grad puts them in order.
+    auto key_grad_operand = [&](auto const& thr_mma, auto const& s, auto is_a) {
+      if constexpr (decltype(is_a)::value) return thr_mma.partition_fragment_A(s);
+      else return thr_mma.partition_fragment_B(s);
     };
-    Tensor tdVrPt = dkv_operand(sPt, cute::bool_constant<!kDkvTransposed>{});
-    Tensor tdVrdOt = dkv_operand(sdOt, cute::bool_constant<kDkvTransposed>{});
-    Tensor tdKrdSt = dkv_operand(sdSt, cute::bool_constant<!kDkvTransposed>{});
-    Tensor tdKrQt = dkv_operand(sQt, cute::bool_constant<kDkvTransposed>{});
-    auto gemm_dkv = [&](auto const& pds, auto const& qdo, auto& acc) {
-      if constexpr (kDkvTransposed) warpgroup_gemm<false, -1>(tiled_mma_dkv, qdo, pds, acc);
-      else warpgroup_gemm<false, -1>(tiled_mma_dkv, pds, qdo, acc);
+    Tensor tdVrPt = key_grad_operand(thr_mma_dv, sPt, cute::bool_constant<!kDkvTransposed>{});
+    Tensor tdVrdOt = key_grad_operand(thr_mma_dv, sdOt, cute::bool_constant<kDkvTransposed>{});
+    Tensor tdKrdSt = key_grad_operand(thr_mma_dk, sdSt, cute::bool_constant<!kDkvTransposed>{});
+    Tensor tdKrQt = key_grad_operand(thr_mma_dk, sQt, cute::bool_constant<kDkvTransposed>{});
+    auto gemm_key_grad = [&](auto& tiled_mma, auto const& pds, auto const& qdo, auto& acc) {
+      if constexpr (kDkvTransposed) warpgroup_gemm<false, -1>(tiled_mma, qdo, pds, acc);
+      else warpgroup_gemm<false, -1>(tiled_mma, pds, qdo, acc);
     };
     // dQ's operands, only where this kernel computes dQ (TiledMmadQ's split of d needs it).
     auto dq_operands = [&] {
@@ -556,9 +572,9 @@ struct BackwardMainloop {
 
         // dV first, so that the dO stage is freed as early as possible; then dQ and dK.
         // warpgroup_wait<n> waits for all but the last n.
-        gemm_dkv(tdVrPt(_, _, _, p_buffer), tdVrdOt(_, _, _, shared.do_state.index()), tdVrdV);
+        gemm_key_grad(tiled_mma_dv, tdVrPt(_, _, _, p_buffer), tdVrdOt(_, _, _, shared.do_state.index()), tdVrdV);
         if constexpr (!kComputeDq) {
-          gemm_dkv(tdKrdSt(_, _, _, buffer), tdKrQt(_, _, _, shared.q_state.index()), tdKrdK);
+          gemm_key_grad(tiled_mma_dk, tdKrdSt(_, _, _, buffer), tdKrQt(_, _, _, shared.q_state.index()), tdKrdK);
           warpgroup_wait<1>();  // dV is done with dO
           shared.pipeline_do.consumer_release(shared.do_state);
           ++shared.do_state;
@@ -568,7 +584,7 @@ struct BackwardMainloop {
           cute::Tensor tdQrdQ = partition_fragment_C(tiled_mma_dq, select<0, 1>(TileShapedQ{}));
           warpgroup_gemm<true, -1>(tiled_mma_dq, get<0>(dq_operands)(_, _, _, buffer),
                                    descriptors_per_use(get<1>(dq_operands)), tdQrdQ);
-          gemm_dkv(tdKrdSt(_, _, _, buffer), tdKrQt(_, _, _, shared.q_state.index()), tdKrdK);
+          gemm_key_grad(tiled_mma_dk, tdKrdSt(_, _, _, buffer), tdKrQt(_, _, _, shared.q_state.index()), tdKrdK);
           warpgroup_wait<2>();  // dV is done with dO
           shared.pipeline_do.consumer_release(shared.do_state);
           ++shared.do_state;

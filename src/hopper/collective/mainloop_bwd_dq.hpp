@@ -30,13 +30,14 @@ namespace flashhopper::hopper {
 
 using namespace cute;
 
-template <class Element_, int kBlockM_, int kBlockN_, int kHeadDim_, int kStagesK_, int kStagesV_, MaskKind kMask_,
-          bool kSoftcap_, bool kPacked_>
+template <class Element_, int kBlockM_, int kBlockN_, int kHeadDim_, int kHeadDimV_, int kStagesK_, int kStagesV_,
+          MaskKind kMask_, bool kSoftcap_, bool kPacked_>
 struct BackwardDqMainloop {
   using Element = Element_;
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
-  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kHeadDim = kHeadDim_;    // Q, K, dQ
+  static constexpr int kHeadDimV = kHeadDimV_;  // V and dO (dP = dO V^T)
   static constexpr int kStagesK = kStagesK_;
   static constexpr int kStagesV = kStagesV_;
   static constexpr MaskKind kMask = kMask_;
@@ -59,17 +60,20 @@ struct BackwardDqMainloop {
                            GMMA::Major::MN>(),
       WarpGroupLayout{}));
 
-  // Q and dO (M, d), K and V (N, d, stage): d contiguous. dQ = dS K reads K as K^T (d, N, stage),
-  // the same bytes: d contiguous is the MN-major B operand.
-  using SmemLayoutQ = decltype(tile_to_shape(
-      cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element, Int<kBlockM>, Int<kHeadDim>>(),
-      Shape<Int<kBlockM>, Int<kHeadDim>>{}));
-  template <int kStages>
+  // Q (M, d) and dO (M, dv), K (N, d, stage) and V (N, dv, stage): columns contiguous. dQ = dS K
+  // reads K as K^T (d, N, stage), the same bytes: d contiguous is the MN-major B operand.
+  template <int kCols>
+  using SmemLayoutRows = decltype(tile_to_shape(
+      cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element, Int<kBlockM>, Int<kCols>>(),
+      Shape<Int<kBlockM>, Int<kCols>>{}));
+  using SmemLayoutQ = SmemLayoutRows<kHeadDim>;
+  using SmemLayoutdO = SmemLayoutRows<kHeadDimV>;
+  template <int kCols, int kStages>
   using SmemLayoutKeys = decltype(tile_to_shape(
-      cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element, Int<kBlockN>, Int<kHeadDim>>(),
-      Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
-  using SmemLayoutK = SmemLayoutKeys<kStagesK>;
-  using SmemLayoutV = SmemLayoutKeys<kStagesV>;
+      cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element, Int<kBlockN>, Int<kCols>>(),
+      Shape<Int<kBlockN>, Int<kCols>, Int<kStages>>{}));
+  using SmemLayoutK = SmemLayoutKeys<kHeadDim, kStagesK>;
+  using SmemLayoutV = SmemLayoutKeys<kHeadDimV, kStagesV>;
   using SmemLayoutKt = decltype(composition(
       SmemLayoutK{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStagesK>>{},
                                  Stride<Int<kBlockN>, _1, Int<kBlockN * kHeadDim>>{})));
@@ -77,23 +81,25 @@ struct BackwardDqMainloop {
   // Global tensors as (seqlen, d, head, batch).
   using ShapeQKV = Shape<int32_t, int32_t, int32_t, int32_t>;
   using StrideQKV = Stride<int64_t, _1, int64_t, int64_t>;
-  using TmaQ = decltype(make_tma_copy(
-      SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), ShapeQKV{}, StrideQKV{}),
-      SmemLayoutQ{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{}));
-  using TmaK = decltype(make_tma_copy(
-      SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), ShapeQKV{}, StrideQKV{}),
-      take<0, 2>(SmemLayoutK{}), Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
+  template <int kRows, int kCols, class SmemLayout>
+  using TileTma = decltype(make_tile_tma<kRows, kCols>(static_cast<Element const*>(nullptr), ShapeQKV{}, StrideQKV{},
+                                                       SmemLayout{}));
+  using TmaQ = TileTma<kBlockM, kHeadDim, SmemLayoutQ>;
+  using TmaDo = TileTma<kBlockM, kHeadDimV, SmemLayoutdO>;
+  using TmaK = TileTma<kBlockN, kHeadDim, decltype(take<0, 2>(SmemLayoutK{}))>;
+  using TmaV = TileTma<kBlockN, kHeadDimV, decltype(take<0, 2>(SmemLayoutV{}))>;
 
   using PipelineK = cutlass::PipelineTmaAsync<kStagesK>;
   using PipelineStateK = cutlass::PipelineState<kStagesK>;
   using PipelineV = cutlass::PipelineTmaAsync<kStagesV>;
   using PipelineStateV = cutlass::PipelineState<kStagesV>;
-  static constexpr uint32_t kTmaBytesQdO = 2 * cosize_v<SmemLayoutQ> * sizeof(Element);
-  static constexpr uint32_t kTmaBytesKeys = size(take<0, 2>(SmemLayoutK{})) * sizeof(Element);  // a K or V block
+  static constexpr uint32_t kTmaBytesQdO = (cosize_v<SmemLayoutQ> + cosize_v<SmemLayoutdO>) * sizeof(Element);
+  static constexpr uint32_t kTmaBytesK = size(take<0, 2>(SmemLayoutK{})) * sizeof(Element);  // a K block
+  static constexpr uint32_t kTmaBytesV = size(take<0, 2>(SmemLayoutV{})) * sizeof(Element);  // a V block
 
   struct SharedStorage {
     cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> smem_q;
-    cute::array_aligned<Element, cosize_v<SmemLayoutQ>, 1024> smem_do;
+    cute::array_aligned<Element, cosize_v<SmemLayoutdO>, 1024> smem_do;
     cute::array_aligned<Element, cosize_v<SmemLayoutK>, 1024> smem_k;
     cute::array_aligned<Element, cosize_v<SmemLayoutV>, 1024> smem_v;
     cutlass::arch::ClusterTransactionBarrier qdo_full;
@@ -130,9 +136,9 @@ struct BackwardDqMainloop {
     ShapeQKV shape_v;   // shape_k with dv columns
     ShapeQKV shape_do;  // shape_q with dv columns
     TmaQ tma_q;
-    TmaQ tma_do;
+    TmaDo tma_do;
     TmaK tma_k;
-    TmaK tma_v;
+    TmaV tma_v;
     Element* ptr_dq;
     StrideQKV stride_dq;
     float softmax_scale;       // dQ's factor
@@ -147,22 +153,14 @@ struct BackwardDqMainloop {
   static Params to_underlying_arguments(Arguments const& args) {
     const ShapeQKV shape_v = with_columns(args.shape_k, args.head_dim_v);
     const ShapeQKV shape_do = with_columns(args.shape_q, args.head_dim_v);
-    auto q_tma = [&](Element const* ptr, ShapeQKV shape, StrideQKV stride) {
-      return make_tma_copy(SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(ptr), shape, stride), SmemLayoutQ{},
-                           Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{});
-    };
-    auto k_tma = [&](Element const* ptr, ShapeQKV shape, StrideQKV stride) {
-      return make_tma_copy(SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(ptr), shape, stride),
-                           take<0, 2>(SmemLayoutK{}), Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{});
-    };
     return {args.shape_q,
             args.shape_k,
             shape_v,
             shape_do,
-            q_tma(args.ptr_q, args.shape_q, args.stride_q),
-            q_tma(args.ptr_do, shape_do, args.stride_do),
-            k_tma(args.ptr_k, args.shape_k, args.stride_k),
-            k_tma(args.ptr_v, shape_v, args.stride_v),
+            make_tile_tma<kBlockM, kHeadDim>(args.ptr_q, args.shape_q, args.stride_q, SmemLayoutQ{}),
+            make_tile_tma<kBlockM, kHeadDimV>(args.ptr_do, shape_do, args.stride_do, SmemLayoutdO{}),
+            make_tile_tma<kBlockN, kHeadDim>(args.ptr_k, args.shape_k, args.stride_k, take<0, 2>(SmemLayoutK{})),
+            make_tile_tma<kBlockN, kHeadDimV>(args.ptr_v, shape_v, args.stride_v, take<0, 2>(SmemLayoutV{})),
             args.ptr_dq,
             args.stride_dq,
             args.softmax_scale,
@@ -205,30 +203,31 @@ struct BackwardDqMainloop {
                                   SeqlenInfo const& seq, typename Mask::KeyBlocks const& blocks) {
     SharedStorage& storage = shared.storage;
     Tensor sQ = make_tensor(make_smem_ptr(storage.smem_q.data()), SmemLayoutQ{});
-    Tensor sdO = make_tensor(make_smem_ptr(storage.smem_do.data()), SmemLayoutQ{});
+    Tensor sdO = make_tensor(make_smem_ptr(storage.smem_do.data()), SmemLayoutdO{});
     Tensor sK = make_tensor(make_smem_ptr(storage.smem_k.data()), SmemLayoutK{});
     Tensor sV = make_tensor(make_smem_ptr(storage.smem_v.data()), SmemLayoutV{});
     const int head_kv = params.heads_per_kv_head.divide(work.head);
 
-    auto query_tile = [&](auto const& tma, ShapeQKV const& shape) {
+    auto query_tile = [&](auto const& tma, ShapeQKV const& shape, auto cols) {
       auto m = domain_offset(make_coord(seq.offset_q, _0{}),
                              tma.get_tma_tensor(shape)(_, _, work.head, seq.batch_q));
-      return local_tile(m, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(work.block, _0{}));  // (M, d)
+      return local_tile(m, Shape<Int<kBlockM>, decltype(cols)>{}, make_coord(work.block, _0{}));  // (M, cols)
     };
-    auto key_tiles = [&](auto const& tma, ShapeQKV const& shape) {
+    auto key_tiles = [&](auto const& tma, ShapeQKV const& shape, auto cols) {
       auto m = domain_offset(make_coord(seq.offset_k, _0{}),
                              tma.get_tma_tensor(shape)(_, _, head_kv, seq.batch_k));
-      return local_tile(m, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, _0{}));  // (N, d, n)
+      return local_tile(m, Shape<Int<kBlockN>, decltype(cols)>{}, make_coord(_, _0{}));  // (N, cols, n)
     };
     auto [tQgQ, tQsQ] = tma_partition(params.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ),
-                                      group_modes<0, 2>(query_tile(params.tma_q, params.shape_q)));
-    auto [tdOgdO, tdOsdO] = tma_partition(params.tma_do, _0{}, Layout<_1>{}, group_modes<0, 2>(sdO),
-                                          group_modes<0, 2>(query_tile(params.tma_do, params.shape_do)));
+                                      group_modes<0, 2>(query_tile(params.tma_q, params.shape_q, Int<kHeadDim>{})));
+    auto [tdOgdO, tdOsdO] =
+        tma_partition(params.tma_do, _0{}, Layout<_1>{}, group_modes<0, 2>(sdO),
+                      group_modes<0, 2>(query_tile(params.tma_do, params.shape_do, Int<kHeadDimV>{})));
     // Plain tensors rather than structured bindings: lambdas capture them (C++17).
     auto k_parts = tma_partition(params.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK),
-                                 group_modes<0, 2>(key_tiles(params.tma_k, params.shape_k)));
+                                 group_modes<0, 2>(key_tiles(params.tma_k, params.shape_k, Int<kHeadDim>{})));
     auto v_parts = tma_partition(params.tma_v, _0{}, Layout<_1>{}, group_modes<0, 2>(sV),
-                                 group_modes<0, 2>(key_tiles(params.tma_v, params.shape_v)));
+                                 group_modes<0, 2>(key_tiles(params.tma_v, params.shape_v, Int<kHeadDimV>{})));
     Tensor tKgK = get<0>(k_parts);  // (TMA, n)
     Tensor tKsK = get<1>(k_parts);  // (TMA, PIPE)
     Tensor tVgV = get<0>(v_parts);
@@ -259,7 +258,7 @@ struct BackwardDqMainloop {
                                  WorkTile const& work, SeqlenInfo const& seq, typename Mask::KeyBlocks const& blocks) {
     SharedStorage& storage = shared.storage;
     Tensor sQ = make_tensor(make_smem_ptr(storage.smem_q.data()), SmemLayoutQ{});
-    Tensor sdO = make_tensor(make_smem_ptr(storage.smem_do.data()), SmemLayoutQ{});
+    Tensor sdO = make_tensor(make_smem_ptr(storage.smem_do.data()), SmemLayoutdO{});
     Tensor sK = make_tensor(make_smem_ptr(storage.smem_k.data()), SmemLayoutK{});
     Tensor sKt = make_tensor(make_smem_ptr(storage.smem_k.data()), SmemLayoutKt{});
     Tensor sV = make_tensor(make_smem_ptr(storage.smem_v.data()), SmemLayoutV{});

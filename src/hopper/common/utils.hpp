@@ -1,6 +1,7 @@
 // Small CuTe helpers shared by the Hopper kernels: WGMMA issue, accumulator views, conversion.
 #pragma once
 
+#include <cute/atom/copy_traits_sm90_tma.hpp>
 #include <cute/tensor.hpp>
 #include <cutlass/numeric_conversion.h>
 
@@ -98,6 +99,14 @@ CUTLASS_HOST_DEVICE Shape4 with_columns(Shape4 const& shape, int columns) {
 // its column pairs as one store (4 bytes, 8 for float32); rows at or past `rows` and columns at or past `cols` (even:
 // head dims are multiples of 8) are skipped. gdst is the tile's (rows, cols) window, coords the
 // accumulator's identity partition (tile coordinates).
+// A TMA load of (kRows, kCols) boxes of a (seqlen, cols, head, batch) tensor into smem_layout.
+// (A free function: a class's type aliases cannot call its own deduced-return members.)
+template <int kRows, int kCols, class Element, class Shape4, class Stride4, class SmemLayout>
+auto make_tile_tma(Element const* ptr, Shape4 const& shape, Stride4 const& stride, SmemLayout const& smem_layout) {
+  return cute::make_tma_copy(cute::SM90_TMA_LOAD{}, cute::make_tensor(cute::make_gmem_ptr(ptr), shape, stride),
+                             smem_layout, cute::Shape<cute::Int<kRows>, cute::Int<kCols>>{}, cute::_1{});
+}
+
 template <class TensorAcc, class TensorCoord, class TensorDst>
 CUTLASS_DEVICE void store_accumulator_rows(TensorAcc const& acc, TensorCoord const& coords, TensorDst gdst,
                                            int rows, int cols) {

@@ -49,9 +49,9 @@ struct BackwardDqKernel {
       storage.qdo_empty.init(kNumMmaThreads);  // every MMA thread, after its tile's last S and dP
     }
     auto pipeline_k = make_tma_pipeline<typename Mainloop::PipelineK>(storage.pipeline_k, warp_group, kNumMmaThreads,
-                                                                      Mainloop::kTmaBytesKeys);
+                                                                      Mainloop::kTmaBytesK);
     auto pipeline_v = make_tma_pipeline<typename Mainloop::PipelineV>(storage.pipeline_v, warp_group, kNumMmaThreads,
-                                                                      Mainloop::kTmaBytesKeys);
+                                                                      Mainloop::kTmaBytesV);
     cutlass::arch::fence_barrier_init();
     __syncthreads();
 

@@ -68,9 +68,9 @@ struct BackwardKernel {
     using Pipeline = typename Mainloop::Pipeline;
     // A stage: a Q (dO) tile and its LSE (D) rows.
     Pipeline pipeline_q =
-        make_tma_pipeline<Pipeline>(storage.pipeline_q, warp_group, kNumMmaThreads, Mainloop::kTmaBytesPerStage);
+        make_tma_pipeline<Pipeline>(storage.pipeline_q, warp_group, kNumMmaThreads, Mainloop::kTmaBytesQStage);
     auto pipeline_do = make_tma_pipeline<typename Mainloop::PipelineDo>(storage.pipeline_do, warp_group,
-                                                                      kNumMmaThreads, Mainloop::kTmaBytesPerStage);
+                                                                      kNumMmaThreads, Mainloop::kTmaBytesDoStage);
     cutlass::arch::fence_barrier_init();
     __syncthreads();
 
@@ -110,14 +110,13 @@ struct BackwardKernel {
       const typename Mainloop::SharedState shared{pipeline_q, pipeline_do, pipe_q_read, pipe_do_read, storage,
                                                   kv_full_phase};
       int pds_buffer = 0;
-      typename Mainloop::TiledMmadKV tiled_mma_dkv;
       for (int k = 0;; ++k) {
         const int tile = Scheduler::tile_at(params.scheduler, storage.tiles, k, thread_idx == 0);
         const WorkTile work = Scheduler::decode(params.scheduler, tile);
         if (!work.valid) break;
         const BackwardBlock blk = block_of(params, work);
-        Tensor tdKrdK = partition_fragment_C(tiled_mma_dkv, select<0, 1>(typename Mainloop::TileShapedKV{}));
-        Tensor tdVrdV = partition_fragment_C(tiled_mma_dkv, select<0, 1>(typename Mainloop::TileShapedKV{}));
+        Tensor tdKrdK = partition_fragment_C(typename Mainloop::TiledMmadK{}, select<0, 1>(typename Mainloop::TileShapedK{}));
+        Tensor tdVrdV = partition_fragment_C(typename Mainloop::TiledMmadV{}, select<0, 1>(typename Mainloop::TileShapedV{}));
         if (blk.m_block_min < blk.m_block_max) {
           Mainloop::mma(params.mainloop, shared, pds_buffer, tdKrdK, tdVrdV, thread_idx, blk);
         } else {
