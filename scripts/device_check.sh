@@ -121,11 +121,11 @@ for step in "${steps[@]}"; do
       # One small case per head dim and pass (several key and query blocks, GQA, causal).
       sanitize forward test_forward_gpu \
         'Grid/ForwardGpuTest.MatchesReference/*_b1_sq113_sk200_h4_hkv2:Grid/ForwardGpuTest.MatchesReference/*_b3_sq128_sk128_h2_hkv2'
-      # Backward: also head dim 256 non-causal, and causal with query blocks that see no key (its
-      # dQ kernel writes them zeros).
+      # Backward: also the families with a value head dim of their own, head dim 256 non-causal,
+      # and causal with query blocks that see no key (its dQ kernel writes them zeros).
       sanitize backward test_backward_gpu "$(printf 'Grid/BackwardGpuTest.MatchesReference/%s:' \
-        'bf16_d*_causal_b1_sq113_sk200_h4_hkv2' bf16_d256_full_b1_sq113_sk200_h4_hkv2 \
-        bf16_d256_causal_b2_sq1000_sk513_h4_hkv1)"
+        'bf16_d*_causal_b1_sq113_sk200_h4_hkv2' 'bf16_d*_causal_b1_sq113_sk200_h4_hkv2_dv*' \
+        bf16_d256_full_b1_sq113_sk200_h4_hkv2 bf16_d256_causal_b2_sq1000_sk513_h4_hkv1)"
       # One small case of each mask and transform, both passes (windows, sinks, chunks, softcap,
       # learnable sink), at head dims 128 and 256 (the dQ kernel).
       features_filter="$(printf 'Features/*.MatchesReference/bf16_d%s_%s:' \
