@@ -1569,6 +1569,20 @@ TEST(KernelFamilies, HeadDimsRunOnTheNextFamily) {
   EXPECT_EQ(family_for(Pass::kForward, FH_DTYPE_FP32, 128, 128), nullptr);
 }
 
+TEST(KernelFamilies, ValueHeadDimsRunOnTheirOwnFamily) {
+  // MLA prefill's 192/128 has a family of its own in both passes: calls of those sizes, or of
+  // smaller ones that no smaller family holds, run there rather than on 192/192.
+  for (Pass pass : {Pass::kForward, Pass::kBackward})
+    for (fh_dtype dtype : {FH_DTYPE_BF16, FH_DTYPE_FP16})
+      for (const auto& [asked, runs_on] : std::vector<std::pair<std::pair<int, int>, std::pair<int, int>>>{
+               {{192, 128}, {192, 128}}, {{160, 64}, {192, 128}}, {{192, 136}, {192, 192}}, {{192, 192}, {192, 192}}}) {
+        const auto* f = family_for(pass, dtype, asked.first, asked.second);
+        ASSERT_NE(f, nullptr) << asked.first << "/" << asked.second;
+        EXPECT_EQ(std::make_pair(f->head_dim, f->head_dim_v), runs_on)
+            << (pass == Pass::kForward ? "forward " : "backward ") << asked.first << "/" << asked.second;
+      }
+}
+
 TEST(KernelFamilies, CompiledFamiliesQuery) {
   const int32_t count = fh_compiled_families(nullptr, 0);
   if (!fh_built_with_cuda()) {
