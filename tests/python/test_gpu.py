@@ -151,6 +151,23 @@ def test_flash_attn_func_split_kv_against_reference(num_splits, causal):
                              attention_reference(*leaves, causal=causal, dtype=in_dtype))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("causal", [False, True])
+@requires_gpu
+def test_mla_prefill_head_dims_against_reference(dtype, causal):
+    """Head dim 192 with value head dim 128 (MLA prefill; a family of its own in both passes), GQA,
+    sq != sk: out (128 wide), lse and dq, dk, dv against float64 with the pass rule."""
+    q, k, _ = make_inputs(2, 300, 257, 8, 2, 192, dtype, seed=192 + causal)
+    v = make_inputs(2, 300, 257, 8, 2, 128, dtype, seed=128 + causal)[2]
+    out, lse = run_or_skip(flash_attn_func, q, k, v, causal=causal, return_attn_probs=True)
+    assert out.shape == (2, 300, 8, 128) and out.dtype == dtype
+    dout = torch.randn_like(out)
+    grads = run_or_skip(torch.autograd.grad, out, (q, k, v), dout)
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+    assert_matches_reference(out, lse, grads, (q, k, v), dout, dtype, lambda leaves, in_dtype: attention_reference(
+        *leaves, causal=causal, dtype=in_dtype))
+
+
 # (id, dtype, head_dim, batch, seqlen_q, seqlen_k, heads_q, heads_kv, options for flash_attn_func, with_sink).
 # Windows (both sides, one side, with causal, the diagonal only), chunks (multiples of the tile sizes
 # or not, with a window, with causal), softcap (loose and tight), sinks (with rows that see no key,
