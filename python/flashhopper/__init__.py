@@ -17,6 +17,8 @@ A thin layer over the library's C ABI (ctypes; the ops also in C++ where libflas
 - Errors: every refusal is a FlashHopperError (a RuntimeError) and also ValueError
   (FlashHopperInvalidArgument) or NotImplementedError (FlashHopperNotSupported).
 - python -m flashhopper.bench: side-by-side benchmark against PyTorch SDPA.
+- flashhopper.distributed: attention over a sequence sharded across torch.distributed ranks
+  (ring_attention; docs/context_parallel.md).
 """
 from ._ffi import FlashHopperError
 

@@ -225,3 +225,34 @@ FA3_NAMES = {"window_left": "window_size", "window_right": "window_size"}
 def refused_argument(error):
     """The argument a refusal names: its message is "flashhopper (<status>): <argument>: ..."."""
     return str(error).split("): ", 1)[1].split(":", 1)[0]
+
+
+def reference_step_backward(dout, q, k, v, out, lse, causal, softmax_scale):
+    """FlashAttention's backward of one block pair in the inputs' dtype, with the whole row's out
+    and lse (as a kernel step of context parallelism takes them): P = exp(s * scale - lse) on the
+    visible keys, dV = P^T dO, dS = P (dO V^T - rowsum(dO * O)), dQ = dS K scale, dK = dS^T Q
+    scale; GQA sums each KV head's query heads. Returns dq, dk, dv shaped like q, k, v."""
+    batch, seqlen_q, heads_q = q.shape[:3]
+    seqlen_k, heads_kv = k.shape[1], k.shape[2]
+    group = heads_q // heads_kv
+    qh = q.transpose(1, 2)
+    kh = k.repeat_interleave(group, dim=2).transpose(1, 2)
+    vh = v.repeat_interleave(group, dim=2).transpose(1, 2)
+    doh, oh = dout.transpose(1, 2), out.to(dout.dtype).transpose(1, 2)
+    visible = visible_keys(seqlen_q, seqlen_k, causal, device=q.device)
+    scores = (qh @ kh.transpose(-1, -2)) * softmax_scale
+    probs = torch.where(visible, torch.exp(scores - lse.to(scores.dtype).unsqueeze(-1)), torch.zeros_like(scores))
+    dv = probs.transpose(-1, -2) @ doh
+    dp = doh @ vh.transpose(-1, -2)
+    ds = probs * (dp - (doh * oh).sum(-1, keepdim=True))
+    dq = (ds @ kh) * softmax_scale
+    dk = (ds.transpose(-1, -2) @ qh) * softmax_scale
+
+    def per_kv_head(t):  # [B, Hq, sk, x] -> [B, sk, Hkv, x]
+        return t.unflatten(1, (heads_kv, group)).sum(2).transpose(1, 2)
+    return dq.transpose(1, 2), per_kv_head(dk), per_kv_head(dv)
+
+
+def reference_step_forward(q, k, v, causal, softmax_scale):
+    """attention_reference in the inputs' dtype: (out, lse) of one block pair."""
+    return attention_reference(q, k, v, causal=causal, softmax_scale=softmax_scale, dtype=q.dtype)
