@@ -95,6 +95,7 @@ for step in "${steps[@]}"; do
       # one failure must not hide the tests after it; -rf lists each failure in the summary.
       FLASHHOPPER_LIBRARY="$build/libflashhopper.so" PYTHONPATH="$root/python" timeout "${PYTEST_TIMEOUT:-400}" \
         python3 -m pytest -q -rf "$root/tests/python/test_gpu.py" "$root/tests/python/test_library.py" \
+        "$root/tests/python/test_distributed.py" \
         ${PYTEST_FILTER:+-k "$PYTEST_FILTER"} >"$out/pytest_gpu.log" 2>&1
       rc=$?
       grep -E "^FAILED|passed|failed|error" "$out/pytest_gpu.log" | tail -15

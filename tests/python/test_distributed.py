@@ -1,7 +1,9 @@
-"""flashhopper.distributed on the CPU: several processes with the gloo backend run the ring and
-all-gather strategies with a float64 PyTorch implementation of each step's attention (support's
-reference_step_forward / _backward), against the unsharded reference (out, lse, dq, dk, dv),
-causal and not, zigzag and contiguous shards, GQA, 2 and 3 ranks."""
+"""flashhopper.distributed: several processes with the gloo backend run the ring and all-gather
+strategies against the unsharded reference (out, lse, dq, dk, dv), causal and not, GQA. On the
+CPU (CI) each step's attention is a float64 PyTorch implementation of the kernels' (support's
+reference_step_forward / _backward), zigzag and contiguous shards, 2 and 3 ranks. On a GPU the
+steps are the library's kernels (bf16, the ranks sharing one GPU, the transfers through gloo on
+the host), held to the pass rule."""
 import itertools
 import socket
 
@@ -12,7 +14,7 @@ import torch.multiprocessing as mp
 
 from flashhopper import distributed
 from flashhopper.interface import FlashHopperInvalidArgument, FlashHopperNotSupported
-from support import attention_reference, reference_step_backward, reference_step_forward
+from support import attention_reference, reference_step_backward, reference_step_forward, requires_gpu
 
 KERNELS = distributed.StepKernels(reference_step_forward, reference_step_backward)
 CONFIGS = list(itertools.product(("ring", "all_gather"), ("zigzag", "contiguous"), (False, True)))
@@ -58,13 +60,19 @@ def _worker(rank, world_size, port, failures):
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_context_parallel_matches_the_unsharded_attention(world_size):
+def _failures_of_ranks(worker, world_size):
+    """worker(rank, world_size, port, failures) in world_size processes; the failures they put."""
     failures = mp.get_context("spawn").SimpleQueue()
-    mp.spawn(_worker, args=(world_size, _free_port(), failures), nprocs=world_size, join=True)
+    mp.spawn(worker, args=(world_size, _free_port(), failures), nprocs=world_size, join=True)
     found = []
     while not failures.empty():
         found.append(failures.get())
+    return found
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_context_parallel_matches_the_unsharded_attention(world_size):
+    found = _failures_of_ranks(_worker, world_size)
     assert not found, "\n".join(found)
 
 
@@ -88,3 +96,64 @@ def test_refusals_name_the_argument():
         distributed.ring_attention(q, q, q, strategy="tree")
     with pytest.raises(FlashHopperInvalidArgument, match="torch.distributed is not initialized"):
         distributed.ring_attention(q, q, q)
+
+
+def _library_steps_on_the_gpu():
+    """StepKernels over the library on cuda:0 for host float64 tensors (bf16 values): the ring's
+    transfers stay on the host (gloo), each step's attention runs on the GPU."""
+    from flashhopper import interface
+
+    def gpu(t):
+        return t.to("cuda", torch.bfloat16)
+
+    def forward(q, k, v, causal, scale):
+        out, lse = interface.forward(gpu(q), gpu(k), gpu(v), causal, scale, return_lse=True)
+        return out.double().cpu(), lse.double().cpu()
+
+    def backward(dout, q, k, v, out, lse, causal, scale):
+        grads = interface.backward(gpu(dout), gpu(q), gpu(k), gpu(v), gpu(out),
+                                   lse.to("cuda", torch.float32).contiguous(), causal, scale)
+        return tuple(g.double().cpu() for g in grads)
+    return distributed.StepKernels(forward, backward)
+
+
+def _gpu_worker(rank, world_size, port, failures):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        kernels = _library_steps_on_the_gpu()
+        for strategy, causal in itertools.product(("ring", "all_gather"), (False, True)):
+            generator = torch.Generator().manual_seed(11)
+            q, k, v, dout = (torch.randn(1, 512, heads, 128, generator=generator).bfloat16().double()
+                             for heads in (4, 2, 2, 4))
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            out_ref, lse_ref = attention_reference(*leaves, causal=causal, dtype=torch.float64)
+            grads_ref = torch.autograd.grad(out_ref, leaves, dout)
+            plain = [t.bfloat16().requires_grad_() for t in (q, k, v)]
+            out_plain, _ = attention_reference(*plain, causal=causal, dtype=torch.bfloat16)
+            grads_plain = torch.autograd.grad(out_plain, plain, dout.bfloat16())
+
+            local = [distributed.zigzag_shard(t, rank, world_size).clone().requires_grad_() for t in (q, k, v)]
+            out, lse = distributed.ring_attention(*local, causal=causal, strategy=strategy, return_lse=True,
+                                                  kernels=kernels)
+            grads = torch.autograd.grad(out, local, distributed.zigzag_shard(dout, rank, world_size))
+            lse_error = (lse - distributed.zigzag_shard(lse_ref, rank, world_size, dim=2)).abs().max().item()
+            if not lse_error <= 1e-3:
+                failures.put(f"rank {rank} {strategy} causal={causal} lse: max error {lse_error:.3g}")
+            for name, ours, ref, pt, slack in zip(("out", "dq", "dk", "dv"), (out, *grads), (out_ref, *grads_ref),
+                                                  (out_plain, *grads_plain), (1e-5, 1e-4, 1e-4, 1e-4)):
+                ref = distributed.zigzag_shard(ref.detach(), rank, world_size)
+                error = (ours - ref).abs().max().item()
+                plain_error = (distributed.zigzag_shard(pt.detach(), rank, world_size).double() - ref).abs().max().item()
+                if not error <= 2 * plain_error + slack:
+                    failures.put(f"rank {rank} {strategy} causal={causal} {name}: error {error:.3g} against "
+                                 f"plain bf16's {plain_error:.3g}")
+    finally:
+        dist.destroy_process_group()
+
+
+@requires_gpu
+def test_context_parallel_on_the_library_kernels():
+    """Two ranks on one GPU, the steps on the library's bf16 kernels (hdim 128, GQA 4/2, 512
+    tokens in zigzag shards): out, lse and the gradients against float64 with the pass rule."""
+    found = _failures_of_ranks(_gpu_worker, 2)
+    assert not found, "\n".join(found)
