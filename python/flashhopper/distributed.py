@@ -35,21 +35,24 @@ _STRATEGIES = ("ring", "all_gather")
 
 
 class StepKernels(NamedTuple):
-    """The attention of one block pair: forward(q, k, v, causal, softmax_scale) -> (out, lse
-    float32 [B, Hq, sq]); backward(dout, q, k, v, out, lse, causal, softmax_scale) -> (dq, dk, dv)
-    where out and lse are the whole row's (the merged ones), as FlashAttention's backward takes
-    them. causal is aligned bottom-right; every call here has sq == sk where it is set."""
+    """The attention of one block pair: forward(q, k, v, causal, softmax_scale, varlen) -> (out, lse
+    float32 [B, Hq, sq]); backward(dout, q, k, v, out, lse, causal, softmax_scale, varlen) ->
+    (dq, dk, dv) where out and lse are the whole row's (the merged ones), as FlashAttention's
+    backward takes them. causal is aligned bottom-right; every call here has sq == sk where it is
+    set. varlen: None (dense), or an interface.Varlen over packed q [total, Hq, d], k/v [total, Hkv,
+    d] (lse [Hq, total]), whose seqused_q/k pick the first rows or keys of each sequence: rows and
+    keys it leaves out may hold anything (the ring masks them)."""
     forward: Callable
     backward: Callable
 
 
-def _library_forward(q, k, v, causal, softmax_scale):
-    return interface.forward(q, k, v, causal, softmax_scale, return_lse=True)
+def _library_forward(q, k, v, causal, softmax_scale, varlen=None):
+    return interface.forward(q, k, v, causal, softmax_scale, return_lse=True, varlen=varlen)
 
 
-def _library_backward(dout, q, k, v, out, lse, causal, softmax_scale):
+def _library_backward(dout, q, k, v, out, lse, causal, softmax_scale, varlen=None):
     # lse arrives as a slice of the shard's rows (strided); the kernels' row statistics are compact.
-    return interface.backward(dout, q, k, v, out, lse.contiguous(), causal, softmax_scale)
+    return interface.backward(dout, q, k, v, out, lse.contiguous(), causal, softmax_scale, varlen=varlen)
 
 
 LIBRARY_KERNELS = StepKernels(_library_forward, _library_backward)
@@ -85,31 +88,95 @@ def zigzag_unshard(shards, dim: int = 1) -> torch.Tensor:
 _ALL = slice(None)
 
 
-class _Pair(NamedTuple):
-    """What the local queries attend to of the keys held at a step: rows and cols are the slices of
-    the local shard's queries and of the held keys, causal whether the diagonal mask applies (the
-    two are the same chunks)."""
+class _Step(NamedTuple):
+    """One step's call: the local queries' rows and the held keys' cols passed to the kernels (dense
+    shards: slices), whether the diagonal mask applies (the two are the same chunks), and for
+    packed shards the Varlen of the call with the rows and keys it covers (bool masks; None: all)."""
     rows: slice
     cols: slice
     causal: bool
+    varlen: Optional[interface.Varlen] = None
+    row_mask: Optional[torch.Tensor] = None
+    key_mask: Optional[torch.Tensor] = None
 
 
-def _step_pair(rank: int, src: int, shard_len: int, causal: bool, layout: str) -> Optional[_Pair]:
-    """The block pair of the local queries (rank's) and the keys of rank src, or None where no query
-    sees any of them. Contiguous layout: rank r holds positions [r s, (r + 1) s). Zigzag: chunks r
-    and 2W - 1 - r (each s / 2 long); a query chunk sees a key chunk whole when it comes later in
-    the sequence, causally when it is the same, not at all when it comes earlier."""
-    if not causal:
-        return _Pair(_ALL, _ALL, False)
-    if src == rank:
-        return _Pair(_ALL, _ALL, True)  # both layouts: the local causal block (zigzag: in local order)
-    if layout == "contiguous":
-        return _Pair(_ALL, _ALL, False) if src < rank else None
-    half = shard_len // 2
-    if src < rank:  # keys: chunks src < r (seen by both query chunks) and 2W-1-src > 2W-1-r (by neither)
-        return _Pair(_ALL, slice(0, half), False)
-    # src > rank: only the later query chunk 2W-1-r sees them, both key chunks whole
-    return _Pair(slice(half, shard_len), _ALL, False)
+class _DenseShards:
+    """Shards [B, s, H, d] of one sequence batch. Contiguous layout: rank r holds positions
+    [r s, (r + 1) s). Zigzag: chunks r and 2W - 1 - r (each s / 2 long); a query chunk sees a key
+    chunk whole when it comes later in the sequence, causally when it is the same, not at all when
+    it comes earlier."""
+
+    def __init__(self, rank: int, shard_len: int, layout: str):
+        self.rank, self.shard_len, self.layout = rank, shard_len, layout
+
+    def step(self, src: int, causal: bool) -> Optional[_Step]:
+        """The block pair of the local queries and the keys of rank src (None: no query sees them)."""
+        if not causal:
+            return _Step(_ALL, _ALL, False)
+        if src == self.rank:
+            return _Step(_ALL, _ALL, True)  # both layouts: the local causal block (zigzag: in local order)
+        if self.layout == "contiguous":
+            return _Step(_ALL, _ALL, False) if src < self.rank else None
+        half = self.shard_len // 2
+        if src < self.rank:  # keys: chunks src < r (seen by both query chunks), 2W-1-src > 2W-1-r (by neither)
+            return _Step(_ALL, slice(0, half), False)
+        # src > rank: only the later query chunk 2W-1-r sees them, both key chunks whole
+        return _Step(slice(half, self.shard_len), _ALL, False)
+
+
+class _PackedZigzagShards:
+    """Packed zigzag shards [total, H, d]: sequence b of the batch (length 2 W c_b) gives every rank
+    its chunks r and 2W - 1 - r, rows cu_seqlens[b] .. cu_seqlens[b + 1] - 1 of the local tensors
+    (2 c_b of them). Each step is _DenseShards' pair for every sequence at once: the first halves
+    of the held keys through seqused_k, the second halves of the queries through cu_seqlens_q
+    moved by c_b and seqused_q."""
+
+    def __init__(self, rank: int, cu_seqlens: torch.Tensor, max_seqlen: int):
+        self.rank, self.cu, self.max_seqlen = rank, cu_seqlens, int(max_seqlen)
+        halves = (cu_seqlens[1:] - cu_seqlens[:-1]) // 2
+        self.halves = halves.to(torch.int32)
+        self.cu_second = torch.cat([cu_seqlens[:-1] + halves, cu_seqlens[-1:]]).to(torch.int32)
+        rows = torch.arange(int(cu_seqlens[-1]), device=cu_seqlens.device)
+        seq = torch.searchsorted(cu_seqlens[1:].long(), rows, right=True)
+        self.first_half = rows - cu_seqlens.long()[seq] < halves.long()[seq]
+
+    def step(self, src: int, causal: bool) -> Optional[_Step]:
+        cu, m = self.cu, self.max_seqlen
+        if not causal or src == self.rank:
+            return _Step(_ALL, _ALL, causal, interface.Varlen(cu, cu, m, m, None, None))
+        if src < self.rank:  # every query, the first half of each sequence's keys
+            return _Step(_ALL, _ALL, False, interface.Varlen(cu, cu, m, m, None, self.halves),
+                         key_mask=self.first_half)
+        # src > rank: the second half of each sequence's queries, every key
+        return _Step(_ALL, _ALL, False, interface.Varlen(self.cu_second, cu, m // 2, m, self.halves, None),
+                     row_mask=~self.first_half)
+
+
+def _step_forward(kernels, step, q, k, v, scale):
+    """(out, lse) of a step, in the dense shape ([B, rows, Hq, dv], [B, Hq, rows]; packed as B = 1),
+    rows the step leaves out at 0 and -inf."""
+    if step.varlen is None:
+        return kernels.forward(q[:, step.rows], k[:, step.cols], v[:, step.cols], step.causal, scale)
+    out, lse = kernels.forward(q[0], k[0], v[0], step.causal, scale, step.varlen)
+    if step.row_mask is not None:
+        out = torch.where(step.row_mask[:, None, None], out, torch.zeros_like(out))
+        lse = torch.where(step.row_mask, lse, torch.full_like(lse, float("-inf")))
+    return out.unsqueeze(0), lse.unsqueeze(0)
+
+
+def _step_backward(kernels, step, dout, q, k, v, out, lse, scale):
+    """(dq, dk, dv) of a step over its rows and cols (packed: zero where it covers nothing)."""
+    rows, cols = step.rows, step.cols
+    if step.varlen is None:
+        return kernels.backward(dout[:, rows], q[:, rows], k[:, cols], v[:, cols], out[:, rows], lse[:, :, rows],
+                                step.causal, scale)
+    dq, dk, dv = kernels.backward(dout[0], q[0], k[0], v[0], out[0], lse[0], step.causal, scale, step.varlen)
+    if step.row_mask is not None:
+        dq = torch.where(step.row_mask[:, None, None], dq, torch.zeros_like(dq))
+    if step.key_mask is not None:
+        dk = torch.where(step.key_mask[:, None, None], dk, torch.zeros_like(dk))
+        dv = torch.where(step.key_mask[:, None, None], dv, torch.zeros_like(dv))
+    return dq.unsqueeze(0), dk.unsqueeze(0), dv.unsqueeze(0)
 
 
 def _merge(out, lse, out_step, lse_step, rows):
@@ -165,7 +232,9 @@ def _accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _ring_forward(q, k, v, group, causal, scale, layout, kernels):
+def _ring_forward(q, k, v, group, causal, scale, shards, kernels):
+    """q, k, v [B, s, H, d] (packed shards as B = 1); shards: their _DenseShards or
+    _PackedZigzagShards."""
     ring = _Ring(group)
     batch, shard_len, heads_q = q.shape[:3]
     acc = _accumulator_dtype(q.dtype)
@@ -175,19 +244,17 @@ def _ring_forward(q, k, v, group, causal, scale, layout, kernels):
     for step in range(ring.world_size):
         # The next step's keys travel while this step computes.
         pending = ring.start(held) if step + 1 < ring.world_size else None
-        pair = _step_pair(ring.rank, (ring.rank - step) % ring.world_size, shard_len, causal, layout)
+        pair = shards.step((ring.rank - step) % ring.world_size, causal)
         if pair is not None:
-            rows, cols = pair.rows, pair.cols
-            out_step, lse_step = kernels.forward(q[:, rows], held[0][:, cols], held[1][:, cols], pair.causal, scale)
-            _merge(out, lse, out_step, lse_step, rows)
+            out_step, lse_step = _step_forward(kernels, pair, q, *held, scale)
+            _merge(out, lse, out_step, lse_step, pair.rows)
         if pending is not None:
             held = _Ring.finish(pending)
     return out.to(q.dtype), lse
 
 
-def _ring_backward(dout, q, k, v, out, lse, group, causal, scale, layout, kernels):
+def _ring_backward(dout, q, k, v, out, lse, group, causal, scale, shards, kernels):
     ring = _Ring(group)
-    shard_len = q.shape[1]
     acc = _accumulator_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     # The held keys travel ahead; their gradients (accumulated at every rank they visit) follow one
@@ -196,15 +263,12 @@ def _ring_backward(dout, q, k, v, out, lse, group, causal, scale, layout, kernel
     grads = (torch.zeros(k.shape, dtype=acc, device=k.device), torch.zeros(v.shape, dtype=acc, device=v.device))
     for step in range(ring.world_size):
         pending_keys = ring.start(held) if step + 1 < ring.world_size else None
-        pair = _step_pair(ring.rank, (ring.rank - step) % ring.world_size, shard_len, causal, layout)
+        pair = shards.step((ring.rank - step) % ring.world_size, causal)
         if pair is not None:
-            rows, cols = pair.rows, pair.cols
-            dq_step, dk_step, dv_step = kernels.backward(dout[:, rows], q[:, rows], held[0][:, cols],
-                                                         held[1][:, cols], out[:, rows], lse[:, :, rows],
-                                                         pair.causal, scale)
-            dq[:, rows] += dq_step
-            grads[0][:, cols] += dk_step
-            grads[1][:, cols] += dv_step
+            dq_step, dk_step, dv_step = _step_backward(kernels, pair, dout, q, *held, out, lse, scale)
+            dq[:, pair.rows] += dq_step
+            grads[0][:, pair.cols] += dk_step
+            grads[1][:, pair.cols] += dv_step
         # The gradients go where the keys went; after the last step that is their owner (rank + 1).
         if ring.world_size > 1:
             grads = _Ring.finish(ring.start(grads))
@@ -313,29 +377,54 @@ def _scatter_home(grad_all, group, world_size, layout):
 # ---- autograd ----------------------------------------------------------------------------------------
 
 class _ContextParallelAttention(torch.autograd.Function):
+    """q, k, v: dense shards [B, s, H, d], or packed ones [total, H, d] (shards a
+    _PackedZigzagShards), which run as B = 1."""
+
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, scale, layout, strategy, kernels):
+    def forward(ctx, q, k, v, group, causal, scale, shards, strategy, kernels):
+        packed = isinstance(shards, _PackedZigzagShards)
+        if packed:
+            q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
         if strategy == "ring":
-            out, lse = _ring_forward(q, k, v, group, causal, scale, layout, kernels)
+            out, lse = _ring_forward(q, k, v, group, causal, scale, shards, kernels)
             ctx.save_for_backward(q, k, v, out, lse)
         else:
-            out, lse, (k_all, v_all) = _gather_forward(q, k, v, group, causal, scale, layout, kernels)
+            out, lse, (k_all, v_all) = _gather_forward(q, k, v, group, causal, scale, shards.layout, kernels)
             ctx.save_for_backward(q, k_all, v_all, out, lse)
-        ctx.options = (group, causal, scale, layout, strategy, kernels)
+        ctx.options = (group, causal, scale, shards, strategy, kernels, packed)
+        if packed:
+            out, lse = out.squeeze(0), lse.squeeze(0)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        group, causal, scale, layout, strategy, kernels = ctx.options
+        group, causal, scale, shards, strategy, kernels, packed = ctx.options
         q, k, v, out, lse = ctx.saved_tensors
-        dout = dout.contiguous()
+        dout = (dout.unsqueeze(0) if packed else dout).contiguous()
         if strategy == "ring":
-            dq, dk, dv = _ring_backward(dout, q, k, v, out, lse, group, causal, scale, layout, kernels)
+            dq, dk, dv = _ring_backward(dout, q, k, v, out, lse, group, causal, scale, shards, kernels)
         else:
-            dq, dk, dv = _gather_backward(dout, q, out, lse, (k, v), group, causal, scale, layout, kernels)
+            dq, dk, dv = _gather_backward(dout, q, out, lse, (k, v), group, causal, scale, shards.layout, kernels)
             dk, dv = dk.to(q.dtype), dv.to(q.dtype)
+        if packed:
+            dq, dk, dv = dq.squeeze(0), dk.squeeze(0), dv.squeeze(0)
         return dq, dk, dv, None, None, None, None, None, None
+
+
+def _check_tensors(q, k, v, dims: int, layout_text: str):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != dims:
+            raise interface.invalid_argument(f"{name}: expected a {dims}-dim tensor {layout_text}")
+    rows = dims - 3  # the sequence dim
+    if k.shape[rows] != q.shape[rows] or v.shape[rows] != q.shape[rows]:
+        raise interface.invalid_argument(f"k, v: each rank's shard holds as many keys as queries "
+                                         f"(q {q.shape[rows]}, k {k.shape[rows]}, v {v.shape[rows]})")
+
+
+def _check_group():
+    if not dist.is_available() or not dist.is_initialized():
+        raise interface.invalid_argument("group: torch.distributed is not initialized (init_process_group first)")
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, *, causal: bool = False,
@@ -354,17 +443,37 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None
         raise interface.invalid_argument(f"layout: '{layout}' is none of {_LAYOUTS}")
     if strategy not in _STRATEGIES:
         raise interface.invalid_argument(f"strategy: '{strategy}' is none of {_STRATEGIES}")
-    if not dist.is_available() or not dist.is_initialized():
-        raise interface.invalid_argument("group: torch.distributed is not initialized (init_process_group first)")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            raise interface.invalid_argument(f"{name}: expected a 4-dim tensor [B, s, heads, d]")
-    if k.shape[1] != q.shape[1] or v.shape[1] != q.shape[1]:
-        raise interface.invalid_argument(f"k, v: each rank's shard holds as many keys as queries "
-                                         f"(q {q.shape[1]}, k {k.shape[1]}, v {v.shape[1]})")
+    _check_tensors(q, k, v, 4, "[B, s, heads, d]")
     if layout == "zigzag" and q.shape[1] % 2:
         raise interface.invalid_argument(f"q: shape[1] is {q.shape[1]}; a zigzag shard is two chunks of equal "
                                          "length (zigzag_shard of a sequence of 2 x world_size chunks)")
+    _check_group()
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
-    out, lse = _ContextParallelAttention.apply(q, k, v, group, bool(causal), scale, layout, strategy, kernels)
+    shards = _DenseShards(dist.get_rank(group), q.shape[1], layout)
+    out, lse = _ContextParallelAttention.apply(q, k, v, group, bool(causal), scale, shards, strategy, kernels)
+    return (out, lse) if return_lse else out
+
+
+def ring_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                          max_seqlen: int, group=None, *, causal: bool = False,
+                          softmax_scale: Optional[float] = None, return_lse: bool = False,
+                          kernels: StepKernels = LIBRARY_KERNELS):
+    """ring_attention over a packed batch (FlashAttention's varlen layout), the ring strategy: every
+    sequence is sharded zigzag over `group` (zigzag_shard of each, on dim 0), and this rank's shards
+    are packed, q [total, Hq, d], k/v [total, Hkv, d|dv], shard b at rows cu_seqlens[b] ..
+    cu_seqlens[b + 1] - 1 (int32 [B + 1] on q's device; every shard length even), max_seqlen the
+    longest shard. Returns out [total, Hq, dv] (and lse [Hq, total] float32 with return_lse)."""
+    _check_tensors(q, k, v, 3, "[total, heads, d]")
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.dtype != torch.int32:
+        raise interface.invalid_argument("cu_seqlens: expected an int32 tensor [B + 1]")
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()  # one host copy a call: the shards' halves
+    if int(cu_seqlens[-1]) != q.shape[0] or any(n % 2 or n < 0 for n in lengths):
+        raise interface.invalid_argument(f"cu_seqlens: the shards' lengths {lengths} must be even (two zigzag chunks "
+                                         f"each) and end at q's {q.shape[0]} rows")
+    if max(lengths, default=0) > max_seqlen:
+        raise interface.invalid_argument(f"max_seqlen: {max_seqlen} is below the longest shard ({max(lengths)})")
+    _check_group()
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    shards = _PackedZigzagShards(dist.get_rank(group), cu_seqlens, max_seqlen)
+    out, lse = _ContextParallelAttention.apply(q, k, v, group, bool(causal), scale, shards, "ring", kernels)
     return (out, lse) if return_lse else out

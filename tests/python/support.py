@@ -227,11 +227,31 @@ def refused_argument(error):
     return str(error).split("): ", 1)[1].split(":", 1)[0]
 
 
-def reference_step_backward(dout, q, k, v, out, lse, causal, softmax_scale):
+def _step_sequences(varlen):
+    """(query rows, key rows) of each sequence of a Varlen, seqused applied (host slices)."""
+    cu_q, cu_k = varlen.cu_seqlens_q.tolist(), varlen.cu_seqlens_k.tolist()
+    for b in range(len(cu_q) - 1):
+        used_q = cu_q[b + 1] - cu_q[b] if varlen.seqused_q is None else int(varlen.seqused_q[b])
+        used_k = cu_k[b + 1] - cu_k[b] if varlen.seqused_k is None else int(varlen.seqused_k[b])
+        yield slice(cu_q[b], cu_q[b] + used_q), slice(cu_k[b], cu_k[b] + used_k)
+
+
+def reference_step_backward(dout, q, k, v, out, lse, causal, softmax_scale, varlen=None):
     """FlashAttention's backward of one block pair in the inputs' dtype, with the whole row's out
     and lse (as a kernel step of context parallelism takes them): P = exp(s * scale - lse) on the
     visible keys, dV = P^T dO, dS = P (dO V^T - rowsum(dO * O)), dQ = dS K scale, dK = dS^T Q
-    scale; GQA sums each KV head's query heads. Returns dq, dk, dv shaped like q, k, v."""
+    scale; GQA sums each KV head's query heads. Returns dq, dk, dv shaped like q, k, v. varlen
+    (an interface.Varlen): packed q [total, Hq, d] and lse [Hq, total], each sequence on its own;
+    rows and keys outside every sequence get zeros."""
+    if varlen is not None:
+        grads = [torch.zeros_like(t) for t in (q, k, v)]
+        for rows, keys in _step_sequences(varlen):
+            dq, dk, dv = reference_step_backward(dout[None, rows], q[None, rows], k[None, keys], v[None, keys],
+                                                 out[None, rows], lse[None, :, rows], causal, softmax_scale)
+            grads[0][rows] += dq[0]
+            grads[1][keys] += dk[0]
+            grads[2][keys] += dv[0]
+        return tuple(grads)
     batch, seqlen_q, heads_q = q.shape[:3]
     seqlen_k, heads_kv = k.shape[1], k.shape[2]
     group = heads_q // heads_kv
@@ -253,6 +273,15 @@ def reference_step_backward(dout, q, k, v, out, lse, causal, softmax_scale):
     return dq.transpose(1, 2), per_kv_head(dk), per_kv_head(dv)
 
 
-def reference_step_forward(q, k, v, causal, softmax_scale):
-    """attention_reference in the inputs' dtype: (out, lse) of one block pair."""
-    return attention_reference(q, k, v, causal=causal, softmax_scale=softmax_scale, dtype=q.dtype)
+def reference_step_forward(q, k, v, causal, softmax_scale, varlen=None):
+    """attention_reference in the inputs' dtype: (out, lse) of one block pair; varlen as
+    reference_step_backward's (rows outside every sequence: out 0, lse -inf)."""
+    if varlen is None:
+        return attention_reference(q, k, v, causal=causal, softmax_scale=softmax_scale, dtype=q.dtype)
+    out = q.new_zeros((*q.shape[:-1], v.shape[-1]))
+    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=q.dtype)
+    for rows, keys in _step_sequences(varlen):
+        o, l = attention_reference(q[None, rows], k[None, keys], v[None, keys], causal=causal,
+                                   softmax_scale=softmax_scale, dtype=q.dtype)
+        out[rows], lse[:, rows] = o[0], l[0]
+    return out, lse

@@ -70,9 +70,48 @@ def _failures_of_ranks(worker, world_size):
     return found
 
 
+def _varlen_worker(rank, world_size, port, failures):
+    """A packed batch of three sequences of different lengths, each sharded zigzag."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        for causal in (False, True):
+            generator = torch.Generator().manual_seed(5)
+            lengths = [2 * world_size * c for c in (3, 1, 5)]
+            full = [[torch.randn(n, heads, 16, dtype=torch.float64, generator=generator) for heads in (4, 2, 2, 4)]
+                    for n in lengths]  # per sequence: q, k, v, dout
+
+            def local(t):
+                return distributed.zigzag_shard(t, rank, world_size, dim=0)
+            expected = {name: [] for name in ("out", "lse", "dq", "dk", "dv")}
+            for q, k, v, dout in full:
+                leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+                out_ref, lse_ref = attention_reference(*(t[None] for t in leaves), causal=causal, dtype=torch.float64)
+                grads_ref = torch.autograd.grad(out_ref, leaves, dout[None])
+                for name, t in zip(expected, (out_ref[0], lse_ref[0].t(), *grads_ref)):
+                    expected[name].append(local(t.detach()))
+            shards = [torch.cat([local(seq[i]) for seq in full]) for i in range(4)]
+            leaves = [t.clone().requires_grad_() for t in shards[:3]]
+            cu = torch.tensor([0] + list(itertools.accumulate(n // world_size for n in lengths)), dtype=torch.int32)
+            out, lse = distributed.ring_attention_varlen(*leaves, cu, max(lengths) // world_size, causal=causal,
+                                                         return_lse=True, kernels=KERNELS)
+            grads = torch.autograd.grad(out, leaves, shards[3])
+            for name, got in zip(expected, (out, lse.t(), *grads)):
+                error = (got - torch.cat(expected[name])).abs().max().item()
+                if not error <= 1e-10:
+                    failures.put(f"rank {rank}/{world_size} varlen causal={causal} {name}: max error {error:.3g}")
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_context_parallel_matches_the_unsharded_attention(world_size):
     found = _failures_of_ranks(_worker, world_size)
+    assert not found, "\n".join(found)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_context_parallel_over_a_packed_batch(world_size):
+    found = _failures_of_ranks(_varlen_worker, world_size)
     assert not found, "\n".join(found)
 
 
@@ -96,6 +135,17 @@ def test_refusals_name_the_argument():
         distributed.ring_attention(q, q, q, strategy="tree")
     with pytest.raises(FlashHopperInvalidArgument, match="torch.distributed is not initialized"):
         distributed.ring_attention(q, q, q)
+    with pytest.raises(FlashHopperInvalidArgument, match=r"q: shape\[1\] is 3; a zigzag shard is two chunks"):
+        distributed.ring_attention(q[:, :3], q[:, :3], q[:, :3])
+    packed = torch.zeros(10, 2, 16)
+    with pytest.raises(FlashHopperInvalidArgument, match="cu_seqlens: expected an int32 tensor"):
+        distributed.ring_attention_varlen(packed, packed, packed, torch.tensor([0, 4, 10]), 6)
+    with pytest.raises(FlashHopperInvalidArgument, match=r"cu_seqlens: the shards' lengths \[3, 7\] must be even"):
+        distributed.ring_attention_varlen(packed, packed, packed, torch.tensor([0, 3, 10], dtype=torch.int32), 8)
+    with pytest.raises(FlashHopperInvalidArgument, match="max_seqlen: 4 is below the longest shard"):
+        distributed.ring_attention_varlen(packed, packed, packed, torch.tensor([0, 4, 10], dtype=torch.int32), 4)
+    with pytest.raises(FlashHopperInvalidArgument, match="q: expected a 3-dim tensor"):
+        distributed.ring_attention_varlen(q, q, q, torch.tensor([0, 4], dtype=torch.int32), 4)
 
 
 def _library_steps_on_the_gpu():
