@@ -147,8 +147,9 @@ class _PackedZigzagShards:
         if src < self.rank:  # every query, the first half of each sequence's keys
             return _Step(_ALL, _ALL, False, interface.Varlen(cu, cu, m, m, None, self.halves),
                          key_mask=self.first_half)
-        # src > rank: the second half of each sequence's queries, every key
-        return _Step(_ALL, _ALL, False, interface.Varlen(self.cu_second, cu, m // 2, m, self.halves, None),
+        # src > rank: the second half of each sequence's queries, every key. A moved sequence spans
+        # its second half and the next one's first (at most m rows), of which seqused_q takes its own.
+        return _Step(_ALL, _ALL, False, interface.Varlen(self.cu_second, cu, m, m, self.halves, None),
                      row_mask=~self.first_half)
 
 
