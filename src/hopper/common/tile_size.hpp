@@ -107,7 +107,8 @@ struct BackwardTileSize<96> {
 
 // hdim 192: as hdim 256 (the dQ kernel; 64 keys). Three 64-row atoms of d do not split in two,
 // so the warpgroups split dK^T and dV^T by key columns (BackwardMainloop::kDkvSplitByKeys); the
-// main kernel's dQ would split d in halves of 96 as well. 169 KiB. Not tuned yet.
+// main kernel's dQ would split d in halves of 96 as well. 169 KiB. The 192/128 family (MLA
+// prefill) takes the same tiles, its V and dO a third smaller. Not tuned yet.
 template <>
 struct BackwardTileSize<192> {
   static constexpr int kBlockM = 64;
