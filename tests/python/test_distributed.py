@@ -156,47 +156,78 @@ def _library_steps_on_the_gpu():
     def gpu(t):
         return t.to("cuda", torch.bfloat16)
 
-    def forward(q, k, v, causal, scale):
-        out, lse = interface.forward(gpu(q), gpu(k), gpu(v), causal, scale, return_lse=True)
+    def on_gpu(varlen):
+        return None if varlen is None else interface.Varlen(
+            *(t.cuda() if isinstance(t, torch.Tensor) else t for t in varlen))
+
+    def forward(q, k, v, causal, scale, varlen=None):
+        out, lse = interface.forward(gpu(q), gpu(k), gpu(v), causal, scale, return_lse=True, varlen=on_gpu(varlen))
         return out.double().cpu(), lse.double().cpu()
 
-    def backward(dout, q, k, v, out, lse, causal, scale):
+    def backward(dout, q, k, v, out, lse, causal, scale, varlen=None):
         grads = interface.backward(gpu(dout), gpu(q), gpu(k), gpu(v), gpu(out),
-                                   lse.to("cuda", torch.float32).contiguous(), causal, scale)
+                                   lse.to("cuda", torch.float32).contiguous(), causal, scale, varlen=on_gpu(varlen))
         return tuple(g.double().cpu() for g in grads)
     return distributed.StepKernels(forward, backward)
+
+
+def _reference_and_plain(q, k, v, dout, causal):
+    """(out, lse, dq, dk, dv) in float64 and (out, dq, dk, dv) of plain bf16 PyTorch, [B, s, H, d]."""
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out_ref, lse_ref = attention_reference(*leaves, causal=causal, dtype=torch.float64)
+    exact = (out_ref.detach(), lse_ref, *torch.autograd.grad(out_ref, leaves, dout))
+    plain = [t.bfloat16().requires_grad_() for t in (q, k, v)]
+    out_plain, _ = attention_reference(*plain, causal=causal, dtype=torch.bfloat16)
+    return exact, (out_plain.detach(), *torch.autograd.grad(out_plain, plain, dout.bfloat16()))
+
+
+def _put_pass_rule_failures(failures, tag, ours, exact, plain):
+    """FlashAttention's rule for out, dq, dk, dv (2 x plain bf16's error + slack) and lse (1e-3)."""
+    lse_error = (ours[1] - exact[1]).abs().max().item()
+    if not lse_error <= 1e-3:
+        failures.put(f"{tag} lse: max error {lse_error:.3g}")
+    for name, got, want, pt, slack in zip(("out", "dq", "dk", "dv"), (ours[0], *ours[2:]), (exact[0], *exact[2:]),
+                                          plain, (1e-5, 1e-4, 1e-4, 1e-4)):
+        error, plain_error = (got - want).abs().max().item(), (pt.double() - want).abs().max().item()
+        if not error <= 2 * plain_error + slack:
+            failures.put(f"{tag} {name}: error {error:.3g} against plain bf16's {plain_error:.3g}")
 
 
 def _gpu_worker(rank, world_size, port, failures):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:
         kernels = _library_steps_on_the_gpu()
+
+        def local(t, dim=1):
+            return distributed.zigzag_shard(t, rank, world_size, dim)
         for strategy, causal in itertools.product(("ring", "all_gather"), (False, True)):
             generator = torch.Generator().manual_seed(11)
             q, k, v, dout = (torch.randn(1, 512, heads, 128, generator=generator).bfloat16().double()
                              for heads in (4, 2, 2, 4))
-            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-            out_ref, lse_ref = attention_reference(*leaves, causal=causal, dtype=torch.float64)
-            grads_ref = torch.autograd.grad(out_ref, leaves, dout)
-            plain = [t.bfloat16().requires_grad_() for t in (q, k, v)]
-            out_plain, _ = attention_reference(*plain, causal=causal, dtype=torch.bfloat16)
-            grads_plain = torch.autograd.grad(out_plain, plain, dout.bfloat16())
-
-            local = [distributed.zigzag_shard(t, rank, world_size).clone().requires_grad_() for t in (q, k, v)]
-            out, lse = distributed.ring_attention(*local, causal=causal, strategy=strategy, return_lse=True,
+            exact, plain = _reference_and_plain(q, k, v, dout, causal)
+            leaves = [local(t).requires_grad_() for t in (q, k, v)]
+            out, lse = distributed.ring_attention(*leaves, causal=causal, strategy=strategy, return_lse=True,
                                                   kernels=kernels)
-            grads = torch.autograd.grad(out, local, distributed.zigzag_shard(dout, rank, world_size))
-            lse_error = (lse - distributed.zigzag_shard(lse_ref, rank, world_size, dim=2)).abs().max().item()
-            if not lse_error <= 1e-3:
-                failures.put(f"rank {rank} {strategy} causal={causal} lse: max error {lse_error:.3g}")
-            for name, ours, ref, pt, slack in zip(("out", "dq", "dk", "dv"), (out, *grads), (out_ref, *grads_ref),
-                                                  (out_plain, *grads_plain), (1e-5, 1e-4, 1e-4, 1e-4)):
-                ref = distributed.zigzag_shard(ref.detach(), rank, world_size)
-                error = (ours - ref).abs().max().item()
-                plain_error = (distributed.zigzag_shard(pt.detach(), rank, world_size).double() - ref).abs().max().item()
-                if not error <= 2 * plain_error + slack:
-                    failures.put(f"rank {rank} {strategy} causal={causal} {name}: error {error:.3g} against "
-                                 f"plain bf16's {plain_error:.3g}")
+            grads = torch.autograd.grad(out, leaves, local(dout))
+            _put_pass_rule_failures(failures, f"rank {rank} {strategy} causal={causal}", (out, lse, *grads),
+                                    [local(t, 2 if i == 1 else 1) for i, t in enumerate(exact)],
+                                    [local(t) for t in plain])
+        for causal in (False, True):  # a packed batch of two sequences
+            generator = torch.Generator().manual_seed(13)
+            sequences = [[torch.randn(1, n, heads, 128, generator=generator).bfloat16().double()
+                          for heads in (4, 2, 2, 4)] for n in (128, 384)]
+            checks = [_reference_and_plain(*seq, causal) for seq in sequences]
+            # per sequence [1, n, ...] (lse [1, Hq, n]) -> this rank's shards, packed (lse [Hq, total])
+            exact = [torch.cat([local(c[0][i], 2 if i == 1 else 1)[0] for c in checks], dim=1 if i == 1 else 0)
+                     for i in range(5)]
+            plain = [torch.cat([local(c[1][i])[0] for c in checks]) for i in range(4)]
+            packed = [torch.cat([local(seq[i])[0] for seq in sequences]) for i in range(4)]
+            leaves = [t.clone().requires_grad_() for t in packed[:3]]
+            cu = torch.tensor([0, 128 // world_size, 512 // world_size], dtype=torch.int32)
+            out, lse = distributed.ring_attention_varlen(*leaves, cu, 384 // world_size, causal=causal,
+                                                         return_lse=True, kernels=kernels)
+            grads = torch.autograd.grad(out, leaves, packed[3])
+            _put_pass_rule_failures(failures, f"rank {rank} varlen causal={causal}", (out, lse, *grads), exact, plain)
     finally:
         dist.destroy_process_group()
 
@@ -204,6 +235,7 @@ def _gpu_worker(rank, world_size, port, failures):
 @requires_gpu
 def test_context_parallel_on_the_library_kernels():
     """Two ranks on one GPU, the steps on the library's bf16 kernels (hdim 128, GQA 4/2, 512
-    tokens in zigzag shards): out, lse and the gradients against float64 with the pass rule."""
+    tokens in zigzag shards; and a packed batch of 128 and 384 tokens): out, lse and the gradients
+    against float64 with the pass rule."""
     found = _failures_of_ranks(_gpu_worker, 2)
     assert not found, "\n".join(found)
