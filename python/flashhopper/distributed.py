@@ -18,8 +18,9 @@ Two strategies, one result:
   good where K/V are small (GQA with few KV heads).
 
 The attention of a step runs on `StepKernels` (default: the library's forward and backward,
-flashhopper.interface; the CPU tests pass a float64 PyTorch implementation). Causal masks and
-full attention are supported; windows, softcap, chunks and learnable sinks are refused by name.
+flashhopper.interface; the CPU tests pass a float64 PyTorch implementation). Full and causal
+attention run on both strategies, a sliding window (window_size) on all_gather; softcap, chunks
+and learnable sinks are not taken.
 """
 from __future__ import annotations
 
@@ -35,24 +36,26 @@ _STRATEGIES = ("ring", "all_gather")
 
 
 class StepKernels(NamedTuple):
-    """The attention of one block pair: forward(q, k, v, causal, softmax_scale, varlen) -> (out, lse
-    float32 [B, Hq, sq]); backward(dout, q, k, v, out, lse, causal, softmax_scale, varlen) ->
-    (dq, dk, dv) where out and lse are the whole row's (the merged ones), as FlashAttention's
-    backward takes them. causal is aligned bottom-right; every call here has sq == sk where it is
-    set. varlen: None (dense), or an interface.Varlen over packed q [total, Hq, d], k/v [total, Hkv,
-    d] (lse [Hq, total]), whose seqused_q/k pick the first rows or keys of each sequence: rows and
-    keys it leaves out may hold anything (the ring masks them)."""
+    """The attention of one block pair: forward(q, k, v, causal, softmax_scale, varlen=None,
+    window_size=(-1, -1)) -> (out, lse float32 [B, Hq, sq]); backward(dout, q, k, v, out, lse,
+    causal, softmax_scale, varlen=None, window_size=(-1, -1)) -> (dq, dk, dv) where out and lse are
+    the whole row's (the merged ones), as FlashAttention's backward takes them. causal and the
+    window are aligned bottom-right (flash_attn_func's); a causal call here has sq == sk. varlen:
+    None (dense), or an interface.Varlen over packed q [total, Hq, d], k/v [total, Hkv, d] (lse
+    [Hq, total]), whose seqused_q/k pick the first rows or keys of each sequence: rows and keys it
+    leaves out may hold anything (the ring masks them)."""
     forward: Callable
     backward: Callable
 
 
-def _library_forward(q, k, v, causal, softmax_scale, varlen=None):
-    return interface.forward(q, k, v, causal, softmax_scale, return_lse=True, varlen=varlen)
+def _library_forward(q, k, v, causal, softmax_scale, varlen=None, window_size=(-1, -1)):
+    return interface.forward(q, k, v, causal, softmax_scale, return_lse=True, varlen=varlen, window_size=window_size)
 
 
-def _library_backward(dout, q, k, v, out, lse, causal, softmax_scale, varlen=None):
+def _library_backward(dout, q, k, v, out, lse, causal, softmax_scale, varlen=None, window_size=(-1, -1)):
     # lse arrives as a slice of the shard's rows (strided); the kernels' row statistics are compact.
-    return interface.backward(dout, q, k, v, out, lse.contiguous(), causal, softmax_scale, varlen=varlen)
+    return interface.backward(dout, q, k, v, out, lse.contiguous(), causal, softmax_scale, varlen=varlen,
+                              window_size=window_size)
 
 
 LIBRARY_KERNELS = StepKernels(_library_forward, _library_backward)
@@ -330,20 +333,35 @@ def _reduce_scatter(shards, group, world_size):
     return shards[dist.get_rank(group)].clone()
 
 
-def _gather_forward(q, k, v, group, causal, scale, layout, kernels):
+def _chunk_keys(chunk: int, length: int, seqlen: int, window):
+    """The keys [start, end) of the whole sequence that query chunk `chunk` (rows chunk * length
+    onwards) sees under the global window (left, right) (-1: unbounded; causal is right = 0), and
+    the window that gives the same mask on those keys in the kernels' bottom-right terms (both
+    bounds >= 0 or -1)."""
+    left, right = window
+    first = chunk * length
+    start = 0 if left < 0 else max(0, first - left)
+    end = seqlen if right < 0 else min(seqlen, first + length + right)
+    local_left = -1 if left < 0 else end - length - first + left
+    local_right = -1 if right < 0 else first + length + right - end
+    return start, end, (local_left, local_right)
+
+
+def _gather_forward(q, k, v, group, window, scale, layout, kernels):
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     k_all = _in_sequence_order(_all_gather(k, group, world_size), world_size, layout)
     v_all = _in_sequence_order(_all_gather(v, group, world_size), world_size, layout)
     outs, lses = [], []
     for rows, chunk, length in _local_query_chunks(rank, world_size, q.shape[1], layout):
-        keys = (chunk + 1) * length if causal else k_all.shape[1]  # bottom-right causal: chunk's end
-        out, lse = kernels.forward(q[:, rows], k_all[:, :keys], v_all[:, :keys], causal, scale)
+        start, end, local_window = _chunk_keys(chunk, length, k_all.shape[1], window)
+        out, lse = kernels.forward(q[:, rows], k_all[:, start:end], v_all[:, start:end], False, scale,
+                                   window_size=local_window)
         outs.append(out)
         lses.append(lse)
     return torch.cat(outs, dim=1).to(q.dtype), torch.cat(lses, dim=2), (k_all, v_all)
 
 
-def _gather_backward(dout, q, out, lse, gathered, group, causal, scale, layout, kernels):
+def _gather_backward(dout, q, out, lse, gathered, group, window, scale, layout, kernels):
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     k_all, v_all = gathered
     acc = _accumulator_dtype(q.dtype)
@@ -351,12 +369,12 @@ def _gather_backward(dout, q, out, lse, gathered, group, causal, scale, layout, 
     dk_all = torch.zeros(k_all.shape, dtype=acc, device=q.device)
     dv_all = torch.zeros(v_all.shape, dtype=acc, device=q.device)
     for rows, chunk, length in _local_query_chunks(rank, world_size, q.shape[1], layout):
-        keys = (chunk + 1) * length if causal else k_all.shape[1]
-        dq_c, dk_c, dv_c = kernels.backward(dout[:, rows], q[:, rows], k_all[:, :keys], v_all[:, :keys],
-                                            out[:, rows], lse[:, :, rows], causal, scale)
+        start, end, local_window = _chunk_keys(chunk, length, k_all.shape[1], window)
+        dq_c, dk_c, dv_c = kernels.backward(dout[:, rows], q[:, rows], k_all[:, start:end], v_all[:, start:end],
+                                            out[:, rows], lse[:, :, rows], False, scale, window_size=local_window)
         dq[:, rows] += dq_c
-        dk_all[:, :keys] += dk_c
-        dv_all[:, :keys] += dv_c
+        dk_all[:, start:end] += dk_c
+        dv_all[:, start:end] += dv_c
     return dq.to(q.dtype), _scatter_home(dk_all, group, world_size, layout), \
         _scatter_home(dv_all, group, world_size, layout)
 
@@ -382,7 +400,10 @@ class _ContextParallelAttention(torch.autograd.Function):
     _PackedZigzagShards), which run as B = 1."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, scale, shards, strategy, kernels):
+    def forward(ctx, q, k, v, group, window, scale, shards, strategy, kernels):
+        """window: (left, right) over the whole sequence; causal is (-1, 0), full (-1, -1), the two
+        the ring takes."""
+        causal = window[1] == 0
         packed = isinstance(shards, _PackedZigzagShards)
         if packed:
             q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
@@ -390,9 +411,9 @@ class _ContextParallelAttention(torch.autograd.Function):
             out, lse = _ring_forward(q, k, v, group, causal, scale, shards, kernels)
             ctx.save_for_backward(q, k, v, out, lse)
         else:
-            out, lse, (k_all, v_all) = _gather_forward(q, k, v, group, causal, scale, shards.layout, kernels)
+            out, lse, (k_all, v_all) = _gather_forward(q, k, v, group, window, scale, shards.layout, kernels)
             ctx.save_for_backward(q, k_all, v_all, out, lse)
-        ctx.options = (group, causal, scale, shards, strategy, kernels, packed)
+        ctx.options = (group, window, scale, shards, strategy, kernels, packed)
         if packed:
             out, lse = out.squeeze(0), lse.squeeze(0)
         ctx.mark_non_differentiable(lse)
@@ -400,13 +421,14 @@ class _ContextParallelAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        group, causal, scale, shards, strategy, kernels, packed = ctx.options
+        group, window, scale, shards, strategy, kernels, packed = ctx.options
+        causal = window[1] == 0
         q, k, v, out, lse = ctx.saved_tensors
         dout = (dout.unsqueeze(0) if packed else dout).contiguous()
         if strategy == "ring":
             dq, dk, dv = _ring_backward(dout, q, k, v, out, lse, group, causal, scale, shards, kernels)
         else:
-            dq, dk, dv = _gather_backward(dout, q, out, lse, (k, v), group, causal, scale, shards.layout, kernels)
+            dq, dk, dv = _gather_backward(dout, q, out, lse, (k, v), group, window, scale, shards.layout, kernels)
             dk, dv = dk.to(q.dtype), dv.to(q.dtype)
         if packed:
             dq, dk, dv = dq.squeeze(0), dk.squeeze(0), dv.squeeze(0)
@@ -423,6 +445,18 @@ def _check_tensors(q, k, v, dims: int, layout_text: str):
                                          f"(q {q.shape[rows]}, k {k.shape[rows]}, v {v.shape[rows]})")
 
 
+def _global_window(causal: bool, window_size) -> tuple:
+    """(left, right) over the whole sequence, flash_attn_func's rules: -1 (or None) unbounded,
+    causal sets right to 0."""
+    try:
+        left, right = (-1 if w is None else int(w) for w in window_size)
+    except (TypeError, ValueError):
+        raise interface.invalid_argument(f"window_size: expected two ints (left, right), got {window_size!r}") from None
+    if left < -1 or right < -1:
+        raise interface.invalid_argument(f"window_size: {(left, right)}; each bound is -1 (unbounded) or >= 0")
+    return left, 0 if causal else right
+
+
 def _check_group():
     if not dist.is_available() or not dist.is_initialized():
         raise interface.invalid_argument("group: torch.distributed is not initialized (init_process_group first)")
@@ -434,12 +468,13 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None
     """Attention of this rank's query shard over the whole sequence's keys, the sequence sharded
     over `group` (None: the default group); with autograd. q [B, s, Hq, d], k/v [B, s, Hkv, d|dv]:
     this rank's shard (layout "zigzag": zigzag_shard's, s even; "contiguous": positions
-    [rank s, (rank + 1) s)). causal as flash_attn_func's over the whole sequence. strategy "ring"
-    or "all_gather" (see the module). Returns out [B, s, Hq, dv] in q's dtype (and lse [B, Hq, s]
+    [rank s, (rank + 1) s)). causal and window_size as flash_attn_func's over the whole sequence
+    (a window: strategy "all_gather" only). strategy "ring" or "all_gather" (see the module). Returns out [B, s, Hq, dv] in q's dtype (and lse [B, Hq, s]
     float32, the natural log, with return_lse)."""
-    if tuple(window_size) != (-1, -1):
-        raise interface.not_supported("window_size: ring_attention supports full and causal attention only "
-                                      "(a sliding window is not supported yet)")
+    window = _global_window(causal, window_size)
+    if window not in ((-1, -1), (-1, 0)) and strategy == "ring":
+        raise interface.not_supported("window_size: the ring strategy takes full and causal attention only; "
+                                      "strategy='all_gather' takes a sliding window")
     if layout not in _LAYOUTS:
         raise interface.invalid_argument(f"layout: '{layout}' is none of {_LAYOUTS}")
     if strategy not in _STRATEGIES:
@@ -451,7 +486,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None
     _check_group()
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     shards = _DenseShards(dist.get_rank(group), q.shape[1], layout)
-    out, lse = _ContextParallelAttention.apply(q, k, v, group, bool(causal), scale, shards, strategy, kernels)
+    out, lse = _ContextParallelAttention.apply(q, k, v, group, window, scale, shards, strategy, kernels)
     return (out, lse) if return_lse else out
 
 
@@ -476,5 +511,6 @@ def ring_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_
     _check_group()
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
     shards = _PackedZigzagShards(dist.get_rank(group), cu_seqlens, max_seqlen)
-    out, lse = _ContextParallelAttention.apply(q, k, v, group, bool(causal), scale, shards, "ring", kernels)
+    window = (-1, 0) if causal else (-1, -1)
+    out, lse = _ContextParallelAttention.apply(q, k, v, group, window, scale, shards, "ring", kernels)
     return (out, lse) if return_lse else out

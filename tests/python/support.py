@@ -236,18 +236,20 @@ def _step_sequences(varlen):
         yield slice(cu_q[b], cu_q[b] + used_q), slice(cu_k[b], cu_k[b] + used_k)
 
 
-def reference_step_backward(dout, q, k, v, out, lse, causal, softmax_scale, varlen=None):
+def reference_step_backward(dout, q, k, v, out, lse, causal, softmax_scale, varlen=None, window_size=(-1, -1)):
     """FlashAttention's backward of one block pair in the inputs' dtype, with the whole row's out
     and lse (as a kernel step of context parallelism takes them): P = exp(s * scale - lse) on the
     visible keys, dV = P^T dO, dS = P (dO V^T - rowsum(dO * O)), dQ = dS K scale, dK = dS^T Q
-    scale; GQA sums each KV head's query heads. Returns dq, dk, dv shaped like q, k, v. varlen
+    scale; GQA sums each KV head's query heads; causal and window_size as visible_keys'. Returns
+    dq, dk, dv shaped like q, k, v. varlen
     (an interface.Varlen): packed q [total, Hq, d] and lse [Hq, total], each sequence on its own;
     rows and keys outside every sequence get zeros."""
     if varlen is not None:
         grads = [torch.zeros_like(t) for t in (q, k, v)]
         for rows, keys in _step_sequences(varlen):
             dq, dk, dv = reference_step_backward(dout[None, rows], q[None, rows], k[None, keys], v[None, keys],
-                                                 out[None, rows], lse[None, :, rows], causal, softmax_scale)
+                                                 out[None, rows], lse[None, :, rows], causal, softmax_scale,
+                                                 window_size=window_size)
             grads[0][rows] += dq[0]
             grads[1][keys] += dk[0]
             grads[2][keys] += dv[0]
@@ -259,7 +261,7 @@ def reference_step_backward(dout, q, k, v, out, lse, causal, softmax_scale, varl
     kh = k.repeat_interleave(group, dim=2).transpose(1, 2)
     vh = v.repeat_interleave(group, dim=2).transpose(1, 2)
     doh, oh = dout.transpose(1, 2), out.to(dout.dtype).transpose(1, 2)
-    visible = visible_keys(seqlen_q, seqlen_k, causal, device=q.device)
+    visible = visible_keys(seqlen_q, seqlen_k, causal, window_size, device=q.device)
     scores = (qh @ kh.transpose(-1, -2)) * softmax_scale
     probs = torch.where(visible, torch.exp(scores - lse.to(scores.dtype).unsqueeze(-1)), torch.zeros_like(scores))
     dv = probs.transpose(-1, -2) @ doh
@@ -273,15 +275,16 @@ def reference_step_backward(dout, q, k, v, out, lse, causal, softmax_scale, varl
     return dq.transpose(1, 2), per_kv_head(dk), per_kv_head(dv)
 
 
-def reference_step_forward(q, k, v, causal, softmax_scale, varlen=None):
+def reference_step_forward(q, k, v, causal, softmax_scale, varlen=None, window_size=(-1, -1)):
     """attention_reference in the inputs' dtype: (out, lse) of one block pair; varlen as
     reference_step_backward's (rows outside every sequence: out 0, lse -inf)."""
     if varlen is None:
-        return attention_reference(q, k, v, causal=causal, softmax_scale=softmax_scale, dtype=q.dtype)
+        return attention_reference(q, k, v, causal=causal, softmax_scale=softmax_scale, dtype=q.dtype,
+                                   window_size=window_size)
     out = q.new_zeros((*q.shape[:-1], v.shape[-1]))
     lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=q.dtype)
     for rows, keys in _step_sequences(varlen):
         o, l = attention_reference(q[None, rows], k[None, keys], v[None, keys], causal=causal,
-                                   softmax_scale=softmax_scale, dtype=q.dtype)
+                                   softmax_scale=softmax_scale, dtype=q.dtype, window_size=window_size)
         out[rows], lse[:, rows] = o[0], l[0]
     return out, lse

@@ -17,7 +17,12 @@ from flashhopper.interface import FlashHopperInvalidArgument, FlashHopperNotSupp
 from support import attention_reference, reference_step_backward, reference_step_forward, requires_gpu
 
 KERNELS = distributed.StepKernels(reference_step_forward, reference_step_backward)
-CONFIGS = list(itertools.product(("ring", "all_gather"), ("zigzag", "contiguous"), (False, True)))
+# (strategy, layout, causal, window_size): the ring takes full and causal attention, all-gather
+# also windows (look-back, two-sided, with causal), smaller and larger than a shard.
+CONFIGS = [(strategy, layout, causal, (-1, -1)) for strategy, layout, causal in
+           itertools.product(("ring", "all_gather"), ("zigzag", "contiguous"), (False, True))]
+CONFIGS += [("all_gather", layout, causal, window) for layout in ("zigzag", "contiguous")
+            for causal, window in ((True, (4, -1)), (False, (7, 2)), (False, (-1, 5)), (True, (13, 0)))]
 
 
 def _free_port() -> int:
@@ -35,18 +40,18 @@ def _shard(x, rank, world_size, layout, dim=1):
 def _worker(rank, world_size, port, failures):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:
-        for strategy, layout, causal in CONFIGS:
+        for strategy, layout, causal, window in CONFIGS:
             generator = torch.Generator().manual_seed(7)  # the same full inputs on every rank
             seqlen = 6 * world_size  # three rows a zigzag chunk
             q, k, v, dout = (torch.randn(2, seqlen, heads, 16, dtype=torch.float64, generator=generator)
                              for heads in (4, 2, 2, 4))
             leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-            out_ref, lse_ref = attention_reference(*leaves, causal=causal, dtype=torch.float64)
+            out_ref, lse_ref = attention_reference(*leaves, causal=causal, window_size=window, dtype=torch.float64)
             grads_ref = torch.autograd.grad(out_ref, leaves, dout)
 
             local = [_shard(t, rank, world_size, layout).clone().requires_grad_() for t in (q, k, v)]
             out, lse = distributed.ring_attention(*local, causal=causal, layout=layout, strategy=strategy,
-                                                  return_lse=True, kernels=KERNELS)
+                                                  window_size=window, return_lse=True, kernels=KERNELS)
             grads = torch.autograd.grad(out, local, _shard(dout, rank, world_size, layout))
             expected = [(name, _shard(t, rank, world_size, layout, dim)) for name, t, dim in
                         (("out", out_ref, 1), ("lse", lse_ref, 2), ("dq", grads_ref[0], 1), ("dk", grads_ref[1], 1),
@@ -54,8 +59,8 @@ def _worker(rank, world_size, port, failures):
             for (name, want), got in zip(expected, (out, lse, *grads)):
                 error = (got.double() - want.double()).abs().max().item()
                 if not error <= 1e-10:  # NaN fails too
-                    failures.put(f"rank {rank}/{world_size} {strategy} {layout} causal={causal} {name}: "
-                                 f"max error {error:.3g}")
+                    failures.put(f"rank {rank}/{world_size} {strategy} {layout} causal={causal} window={window} "
+                                 f"{name}: max error {error:.3g}")
     finally:
         dist.destroy_process_group()
 
@@ -127,8 +132,10 @@ def test_zigzag_shard_round_trip_and_balance():
 
 def test_refusals_name_the_argument():
     q = torch.zeros(1, 4, 2, 16)
-    with pytest.raises(FlashHopperNotSupported, match="window_size"):
+    with pytest.raises(FlashHopperNotSupported, match="window_size: the ring strategy takes full and causal"):
         distributed.ring_attention(q, q, q, window_size=(8, 0))
+    with pytest.raises(FlashHopperInvalidArgument, match=r"window_size: \(-2, 0\); each bound is -1"):
+        distributed.ring_attention(q, q, q, window_size=(-2, 0), strategy="all_gather")
     with pytest.raises(FlashHopperInvalidArgument, match="layout"):
         distributed.ring_attention(q, q, q, layout="striped")
     with pytest.raises(FlashHopperInvalidArgument, match="strategy"):
