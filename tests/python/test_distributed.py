@@ -178,13 +178,13 @@ def _library_steps_on_the_gpu():
     return distributed.StepKernels(forward, backward)
 
 
-def _reference_and_plain(q, k, v, dout, causal):
+def _reference_and_plain(q, k, v, dout, causal, window=(-1, -1)):
     """(out, lse, dq, dk, dv) in float64 and (out, dq, dk, dv) of plain bf16 PyTorch, [B, s, H, d]."""
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    out_ref, lse_ref = attention_reference(*leaves, causal=causal, dtype=torch.float64)
+    out_ref, lse_ref = attention_reference(*leaves, causal=causal, window_size=window, dtype=torch.float64)
     exact = (out_ref.detach(), lse_ref, *torch.autograd.grad(out_ref, leaves, dout))
     plain = [t.bfloat16().requires_grad_() for t in (q, k, v)]
-    out_plain, _ = attention_reference(*plain, causal=causal, dtype=torch.bfloat16)
+    out_plain, _ = attention_reference(*plain, causal=causal, window_size=window, dtype=torch.bfloat16)
     return exact, (out_plain.detach(), *torch.autograd.grad(out_plain, plain, dout.bfloat16()))
 
 
@@ -207,16 +207,19 @@ def _gpu_worker(rank, world_size, port, failures):
 
         def local(t, dim=1):
             return distributed.zigzag_shard(t, rank, world_size, dim)
-        for strategy, causal in itertools.product(("ring", "all_gather"), (False, True)):
+        configs = [(strategy, causal, (-1, -1)) for strategy in ("ring", "all_gather") for causal in (False, True)]
+        configs += [("all_gather", True, (100, -1)), ("all_gather", False, (64, 64))]
+        for strategy, causal, window in configs:
             generator = torch.Generator().manual_seed(11)
             q, k, v, dout = (torch.randn(1, 512, heads, 128, generator=generator).bfloat16().double()
                              for heads in (4, 2, 2, 4))
-            exact, plain = _reference_and_plain(q, k, v, dout, causal)
+            exact, plain = _reference_and_plain(q, k, v, dout, causal, window)
             leaves = [local(t).requires_grad_() for t in (q, k, v)]
-            out, lse = distributed.ring_attention(*leaves, causal=causal, strategy=strategy, return_lse=True,
-                                                  kernels=kernels)
+            out, lse = distributed.ring_attention(*leaves, causal=causal, strategy=strategy, window_size=window,
+                                                  return_lse=True, kernels=kernels)
             grads = torch.autograd.grad(out, leaves, local(dout))
-            _put_pass_rule_failures(failures, f"rank {rank} {strategy} causal={causal}", (out, lse, *grads),
+            _put_pass_rule_failures(failures, f"rank {rank} {strategy} causal={causal} window={window}",
+                                    (out, lse, *grads),
                                     [local(t, 2 if i == 1 else 1) for i, t in enumerate(exact)],
                                     [local(t) for t in plain])
         for causal in (False, True):  # a packed batch of two sequences
