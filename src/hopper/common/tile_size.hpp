@@ -97,13 +97,7 @@ struct BackwardTileSize<128> {  // 209 KiB
 // warpgroups take 48 head-dim columns each, so K and V sit in 32-byte swizzle atoms
 // (BackwardMainloop::kKAtomCols). Not tuned yet.
 template <>
-struct BackwardTileSize<96> {
-  static constexpr int kBlockM = 64;
-  static constexpr int kBlockN = 128;
-  static constexpr int kStages = 2;
-  static constexpr int kStagesDo = 2;
-  static constexpr bool kDqKernel = false;
-};
+struct BackwardTileSize<96> : BackwardTileSize<128> {};
 
 // hdim 192: as hdim 256 (the dQ kernel; 64 keys). Three 64-row atoms of d do not split in two,
 // so the warpgroups split dK^T and dV^T by key columns (BackwardMainloop::kDkvSplitByKeys); the
