@@ -1,6 +1,7 @@
 """Timing and peer helpers shared by the benchmarks (flashhopper.bench, bench_decode, gate): CUDA
 events around back-to-back calls in interleaved rounds, JAX peers' tensors across, and whether the
 kernels can run here. No benchmark module imports another one: each takes these from here."""
+import math
 import statistics
 import sys
 import time
@@ -10,25 +11,41 @@ import torch
 from . import interface as flashhopper
 
 
-def time_all_ms(fns, warmup=10, rounds=15, calls=10):
+def time_all_ms(fns, warmup=10, rounds=15, calls=10, min_round_ms=0.0, lead_cycles=0):
     """Median per backend of `rounds` timings, each the mean of `calls` back-to-back calls, after
     `warmup` calls. Rounds interleave the backends (A, B, C, A, B, C, ...) so that clock and power
     drift during the run falls on all of them alike; back-to-back calls let each backend's host
-    launch cost overlap its previous call's GPU work, as in a model's forward."""
+    launch cost overlap its previous call's GPU work, as in a model's forward.
+    min_round_ms > 0 raises a backend's calls a round until its round lasts that long (from one
+    timed round after the warm-up), so that short calls are timed over as long a span as long ones.
+    lead_cycles > 0 queues a GPU busy-wait of that many clock cycles before each round's start
+    event, so the round's first call is queued before the GPU reaches it: the host's time to issue
+    it (which varies from machine to machine) stays out of the figure, as it does for the calls after."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
     torch.cuda.synchronize()
+    counts = {name: calls for name in fns}
+
+    def round_ms(fn, n):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if lead_cycles:
+            torch.cuda._sleep(lead_cycles)
+        start.record()
+        for _ in range(n):
+            fn()
+        stop.record()
+        stop.synchronize()
+        return start.elapsed_time(stop) / n
+
+    if min_round_ms > 0:
+        for name, fn in fns.items():
+            per_call = round_ms(fn, calls)
+            counts[name] = max(calls, math.ceil(min_round_ms / max(per_call, 1e-6)))
     times = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
-            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(calls):
-                fn()
-            stop.record()
-            stop.synchronize()
-            times[name].append(start.elapsed_time(stop) / calls)
+            times[name].append(round_ms(fn, counts[name]))
     return {name: statistics.median(t) for name, t in times.items()}
 
 

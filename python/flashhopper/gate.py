@@ -203,7 +203,15 @@ def main(argv=None) -> int:
     parser.add_argument("--baseline", default=None,
                         help="baseline CSV (default: bench/baseline_h200.csv or _h100.csv by the GPU's name)")
     parser.add_argument("--rounds", type=int, default=15, help="interleaved rounds (default: %(default)s)")
-    parser.add_argument("--calls", type=int, default=5, help="back-to-back calls a round (default: %(default)s)")
+    parser.add_argument("--calls", type=int, default=5,
+                        help="back-to-back calls a round, at least (default: %(default)s)")
+    parser.add_argument("--min-round-ms", type=float, default=1.0,
+                        help="more calls a round for short rows, until a round lasts this long (default: %(default)s)")
+    # The GPU busy-waits before each round, so a short row's figure does not hold the host's time
+    # to issue its first call: that differs between machines of one GPU model and failed the
+    # 1k-token rows on an H100 with the forward kernel's SASS unchanged (bench/RESULTS.md).
+    parser.add_argument("--lead-cycles", type=int, default=200_000,
+                        help="GPU clock cycles of busy-wait queued before each round (0: none; default: %(default)s)")
     parser.add_argument("--rows", nargs="+", default=None, help="only rows whose name holds one of these")
     parser.add_argument("--passes", nargs="+", default=["fwd", "bwd", "decode"], choices=["fwd", "bwd", "decode"])
     parser.add_argument("--update", action="store_true", help="write the better figures back to the baseline")
@@ -238,8 +246,9 @@ def main(argv=None) -> int:
             continue
         fns[key], work[key] = fn, amount
     print(f"gate: {gpu}, {len(fns)} rows ({len(skipped)} not in this build, {len(broken)} failed to run), "
-          f"{args.rounds} rounds of {args.calls} calls, baseline {path}", flush=True)
-    ms = time_all_ms(fns, warmup=3, rounds=args.rounds, calls=args.calls) if fns else {}
+          f"{args.rounds} rounds of {args.calls} calls or {args.min_round_ms} ms, baseline {path}", flush=True)
+    ms = time_all_ms(fns, warmup=3, rounds=args.rounds, calls=args.calls, min_round_ms=args.min_round_ms,
+                     lead_cycles=args.lead_cycles) if fns else {}
     measured = {row_key: float("nan") for row_key in ((r.name, r.pass_) for r in chosen)}
     for key, t in ms.items():
         measured[key] = work[key] / t * 1e-9

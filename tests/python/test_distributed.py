@@ -156,9 +156,10 @@ def test_refusals_name_the_argument():
 
 
 def _library_steps_on_the_gpu():
-    """StepKernels over the library on cuda:0 for host float64 tensors (bf16 values): the ring's
-    transfers stay on the host (gloo), each step's attention runs on the GPU."""
+    """LIBRARY_KERNELS on cuda:0 for host float64 tensors (bf16 values): the ring's transfers stay
+    on the host (gloo), each step's attention runs on the GPU."""
     from flashhopper import interface
+    library = distributed.LIBRARY_KERNELS
 
     def gpu(t):
         return t.to("cuda", torch.bfloat16)
@@ -167,13 +168,14 @@ def _library_steps_on_the_gpu():
         return None if varlen is None else interface.Varlen(
             *(t.cuda() if isinstance(t, torch.Tensor) else t for t in varlen))
 
-    def forward(q, k, v, causal, scale, varlen=None):
-        out, lse = interface.forward(gpu(q), gpu(k), gpu(v), causal, scale, return_lse=True, varlen=on_gpu(varlen))
+    def forward(q, k, v, causal, scale, varlen=None, window_size=(-1, -1)):
+        out, lse = library.forward(gpu(q), gpu(k), gpu(v), causal, scale, varlen=on_gpu(varlen),
+                                   window_size=window_size)
         return out.double().cpu(), lse.double().cpu()
 
-    def backward(dout, q, k, v, out, lse, causal, scale, varlen=None):
-        grads = interface.backward(gpu(dout), gpu(q), gpu(k), gpu(v), gpu(out),
-                                   lse.to("cuda", torch.float32).contiguous(), causal, scale, varlen=on_gpu(varlen))
+    def backward(dout, q, k, v, out, lse, causal, scale, varlen=None, window_size=(-1, -1)):
+        grads = library.backward(gpu(dout), gpu(q), gpu(k), gpu(v), gpu(out), lse.to("cuda", torch.float32).contiguous(),
+                                 causal, scale, varlen=on_gpu(varlen), window_size=window_size)
         return tuple(g.double().cpu() for g in grads)
     return distributed.StepKernels(forward, backward)
 

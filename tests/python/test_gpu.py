@@ -811,16 +811,17 @@ def test_errors_on_cuda_tensors():
 @requires_gpu
 def test_unsupported_build_case_is_not_implemented():
     """A head dim whose family the build lacks raises FlashHopperNotSupported (a NotImplementedError)
-    naming the family and launching nothing; a compiled family's head dim runs."""
-    compiled = {(f.dtype, f.head_dim) for f in flashhopper.compiled_families() if f.pass_ == "forward"}
-    assert (torch.bfloat16, 128) in compiled
+    naming the family and launching nothing; a compiled family's head dim runs. Families are keyed
+    by (head dim, value head dim): a build with 192/128 but not 192/192 refuses hdim 192."""
+    compiled = {(f.dtype, f.head_dim, f.head_dim_v) for f in flashhopper.compiled_families() if f.pass_ == "forward"}
+    assert (torch.bfloat16, 128, 128) in compiled
     for dtype in (torch.bfloat16, torch.float16):
         for head_dim in (64, 96, 128, 192, 256):
             q, k, v = make_inputs(1, 32, 32, 2, 2, head_dim, dtype, requires_grad=False)
             try:
                 flash_attn_func(q, k, v)
             except FlashHopperNotSupported as error:
-                assert (dtype, head_dim) not in compiled
+                assert (dtype, head_dim, head_dim) not in compiled
                 assert "kernels, which this build" in str(error) and "did not compile" in str(error)
                 assert isinstance(error, NotImplementedError)
 
