@@ -72,9 +72,21 @@ def _resolve_options(causal, qv, q_descale, k_descale, v_descale, window_size, a
     for name, descale in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
         if descale is not None:
             _not_yet(name, "<tensor>", "fp8 attention (descale factors)")
-    interface.check_num_splits(num_splits)
-    interface.check_sm_margin(sm_margin)
-    return interface.check_mask_args(causal, window_size, softcap, attention_chunk)
+    options = (causal, window_size, softcap, attention_chunk, num_splits, sm_margin)
+    key = interface._plan_key("options", (), options)  # each value with its type; None: not memoised
+    mask = _RESOLVED.get(key) if key is not None else None
+    if mask is None:
+        interface.check_num_splits(num_splits)
+        interface.check_sm_margin(sm_margin)
+        mask = interface.check_mask_args(causal, window_size, softcap, attention_chunk)
+        if key is not None:
+            if len(_RESOLVED) >= 256:
+                _RESOLVED.clear()
+            _RESOLVED[key] = mask
+    return mask
+
+
+_RESOLVED: dict = {}  # _resolve_options' checked options: they depend on the values (and types) alone
 
 
 def _pad_head_dims(q, k, v, softmax_scale):
@@ -82,9 +94,12 @@ def _pad_head_dims(q, k, v, softmax_scale):
     most 256: zero-padded to the next multiple (differentiable, so the gradients come back
     unpadded), the scale staying 1/sqrt(d). Returns (q, k, v, softmax_scale, dv to cut out back to,
     or None)."""
-    if not all(isinstance(t, torch.Tensor) and t.dim() >= 1 for t in (q, k, v)):
+    if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
+            and q.dim() and k.dim() and v.dim()):
         return q, k, v, softmax_scale, None
     d, dv = q.shape[-1], v.shape[-1]
+    if d % 16 == 0 and dv % 16 == 0:  # on the granule of every dtype (this runs on every call)
+        return q, k, v, softmax_scale, None
     granule = 16 // q.element_size()
     if k.shape[-1] != d or max(d, dv) > interface.MAX_HEAD_DIM or (d % granule == 0 and dv % granule == 0):
         return q, k, v, softmax_scale, None  # nothing to pad, or the checks refuse it
@@ -96,18 +111,23 @@ def _pad_head_dims(q, k, v, softmax_scale):
     return pad(q, d), pad(k, d), pad(v, dv), scale, (dv if dv % granule else None)
 
 
-def _traced(*tensors) -> bool:
-    """Some argument is a tensor subclass other than a Parameter (the fake tensors of torch.compile
-    and torch.export)."""
-    return any(isinstance(t, torch.Tensor) and type(t) not in (torch.Tensor, torch.nn.Parameter) for t in tensors)
+_PLAIN, _AUTOGRAD, _TRACED = range(3)
+_EAGER_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
-def _needs_the_op(*tensors) -> bool:
-    """The fwd op (or, eager, its autograd) is for autograd and tracing (torch.compile, fake
-    tensors); a call that needs neither runs the same library call without either."""
-    if torch.compiler.is_compiling() or _traced(*tensors):
-        return True
-    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+def _call_kind(*tensors) -> int:
+    """_TRACED (torch.compile, torch.export, fake tensors: the fwd op), _AUTOGRAD (eager, a
+    gradient can flow: the op's autograd around the library call) or _PLAIN (the library call
+    alone). One pass over the arguments: this runs on every call."""
+    if torch.compiler.is_compiling():
+        return _TRACED
+    wants_grad = False
+    for t in tensors:
+        if type(t) in _EAGER_TENSORS:
+            wants_grad = wants_grad or t.requires_grad
+        elif isinstance(t, torch.Tensor):
+            return _TRACED
+    return _AUTOGRAD if wants_grad and torch.is_grad_enabled() else _PLAIN
 
 
 def _attention(q, k, v, varlen, softmax_scale, causal, qv, q_descale, k_descale, v_descale, window_size,
@@ -123,11 +143,11 @@ def _attention(q, k, v, varlen, softmax_scale, causal, qv, q_descale, k_descale,
     if page_table is not None:
         out, softmax_lse = _paged_varlen_attention(q, k, v, page_table, varlen, softmax_scale, mask, num_splits,
                                                    bool(deterministic), learnable_sink, sm_margin)
-    elif _needs_the_op(q, k, v, learnable_sink):
+    elif (kind := _call_kind(q, k, v, learnable_sink)) != _PLAIN:
         varlen_args = (None,) * 6 if varlen is None else varlen
         args = (q, k, v, softmax_scale, causal, bool(deterministic), window_left, window_right, softcap,
                 attention_chunk, learnable_sink, *varlen_args, num_splits, sm_margin)
-        if torch.compiler.is_compiling() or _traced(q, k, v, learnable_sink):
+        if kind == _TRACED:
             # Traced (torch.compile, torch.export, make_fx): the op, whose fake function runs the
             # library's check; the devices are checked here.
             interface.check_devices([("q", q), ("k", k), ("v", v), ("learnable_sink", learnable_sink)]
@@ -157,7 +177,7 @@ def _kvcache_forward(q, k_cache, v_cache, mask, softmax_scale, num_splits, *, k=
     torch.export), the fwd_kvcache op, which tells the tracer that an append writes k_cache and
     v_cache; eager, the library call without the dispatcher's host work (lse None unless
     return_lse; names as interface.forward_with_kvcache's)."""
-    if torch.compiler.is_compiling() or _traced(q, k_cache, v_cache):
+    if _call_kind(q, k_cache, v_cache) == _TRACED:
         causal, window_left, window_right, softcap, attention_chunk = mask
         return ops.fwd_kvcache(
             q, k_cache, v_cache, k, v, qv, rotary_cos, rotary_sin, rotary_seqlens, bool(rotary_interleaved),

@@ -191,55 +191,62 @@ def _setup_context(ctx, inputs, output):
      sm_margin) = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, learnable_sink, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
-    ctx.softmax_scale = softmax_scale
-    ctx.causal = causal
-    ctx.deterministic = deterministic
-    ctx.window_left = window_left
-    ctx.window_right = window_right
-    ctx.softcap = softcap
-    ctx.attention_chunk = attention_chunk
-    ctx.max_seqlen_q = max_seqlen_q
-    ctx.max_seqlen_k = max_seqlen_k
-    ctx.sm_margin = sm_margin
+    # One attribute, not ten: each is a store on every eager call.
+    ctx.options = (softmax_scale, causal, deterministic, window_left, window_right, softcap, attention_chunk,
+                   max_seqlen_q, max_seqlen_k, sm_margin)
     ctx.mark_non_differentiable(lse)
     ctx.set_materialize_grads(False)  # no zero-filled gradient for lse
 
 
-def _backward(ctx, dout, dlse):
-    if dout is None:
-        return (None,) * _NUM_FWD_INPUTS
+def _gradients(ctx, dout):
+    """(dq, dk, dv, dsink) of the forward whose inputs _setup_context saved, by the bwd op."""
     q, k, v, out, lse, learnable_sink, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k = ctx.saved_tensors
-    deterministic = bool(ctx.deterministic) or torch.are_deterministic_algorithms_enabled()
-    dq, dk, dv, dsink = bwd(dout, q, k, v, out, lse, ctx.softmax_scale, ctx.causal, deterministic,
-                            ctx.window_left, ctx.window_right, ctx.softcap, ctx.attention_chunk, learnable_sink,
-                            cu_seqlens_q, cu_seqlens_k, ctx.max_seqlen_q, ctx.max_seqlen_k, seqused_q, seqused_k,
-                            ctx.sm_margin)
-    sink_grad = dsink if learnable_sink is not None and ctx.needs_input_grad[_SINK_INPUT] else None
+    (softmax_scale, causal, deterministic, window_left, window_right, softcap, attention_chunk, max_seqlen_q,
+     max_seqlen_k, sm_margin) = ctx.options
+    deterministic = bool(deterministic) or torch.are_deterministic_algorithms_enabled()
+    return bwd(dout, q, k, v, out, lse, softmax_scale, causal, deterministic, window_left, window_right, softcap,
+               attention_chunk, learnable_sink, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q,
+               seqused_k, sm_margin)
+
+
+def _backward(ctx, dout, dlse):
+    """The fwd op's backward: one gradient for each of its 19 inputs."""
     grads = [None] * _NUM_FWD_INPUTS
-    grads[:3] = dq, dk, dv
-    grads[_SINK_INPUT] = sink_grad
+    if dout is not None:
+        dq, dk, dv, dsink = _gradients(ctx, dout)
+        grads[:3] = dq, dk, dv
+        needs = ctx.needs_input_grad  # as long as the call's arguments (defaults left out)
+        if len(needs) > _SINK_INPUT and needs[_SINK_INPUT]:
+            grads[_SINK_INPUT] = dsink
     return tuple(grads)
 
 
 class _EagerAttention(torch.autograd.Function):
-    """The fwd op's autograd (_setup_context, _backward, which runs the bwd op) around its Python
+    """The fwd op's autograd (_setup_context, _gradients, which runs the bwd op) around its Python
     kernel, for eager calls that need a gradient: torch.library's autograd wrapper of the op costs
     several times the call itself in host work (bench/RESULTS.md, host work). Traced calls keep the
-    op, which is what torch.compile and torch.export see. forward takes ctx itself: with a separate
-    setup_context, Function.apply binds the arguments through inspect.signature on every call
-    (50 us of 19 arguments)."""
+    op, which is what torch.compile and torch.export see. Function.apply's own work grows with its
+    arguments (with a separate setup_context it also binds them through inspect.signature), so it
+    takes the four that can need a gradient and the rest as one tuple, and forward takes ctx."""
     @staticmethod
-    def forward(ctx, *inputs):
+    def forward(ctx, q, k, v, learnable_sink, options):
+        inputs = (q, k, v, *options[:_SINK_INPUT - 3], learnable_sink, *options[_SINK_INPUT - 3:])
         output = _fwd_python(*inputs)
         _setup_context(ctx, inputs, output)
         return output
 
-    backward = staticmethod(_backward)
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        if dout is None:
+            return None, None, None, None, None
+        dq, dk, dv, dsink = _gradients(ctx, dout)
+        return dq, dk, dv, (dsink if ctx.needs_input_grad[3] else None), None
 
 
 def fwd_eager(*args) -> tuple[Tensor, Tensor]:
     """fwd's inputs (all 19, positional) -> (out, lse), as fwd with autograd, for eager calls."""
-    return _EagerAttention.apply(*args)
+    options = args[3:_SINK_INPUT] + args[_SINK_INPUT + 1:]
+    return _EagerAttention.apply(args[0], args[1], args[2], args[_SINK_INPUT], options)
 
 
 def _load_native() -> bool:

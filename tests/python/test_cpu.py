@@ -940,6 +940,26 @@ def test_eager_autograd_runs_the_library_without_the_op(monkeypatch):
         flash_attn_func(q, k[..., :64], v, causal=True)
 
 
+def test_option_checks_are_memoised_by_value_and_type():
+    """flash_attn_func's option checks run once per set of (value, type): a repeated call reuses
+    the result; the same value in another type is checked anew (sm_margin=True is refused after
+    sm_margin=1 passed), and a refused value is refused on every call."""
+    fa3._RESOLVED.clear()
+    plain = (False, None, None, None, None, (-1, -1), 0, 0.0, 1, 0)  # causal, qv, descales, window, ...
+    first = fa3._resolve_options(*plain)
+    assert first == (False, -1, -1, 0.0, 0) and fa3._resolve_options(*plain) is first and len(fa3._RESOLVED) == 1
+    assert fa3._resolve_options(1, *plain[1:]) == (True, -1, 0, 0.0, 0) and len(fa3._RESOLVED) == 2
+    assert fa3._resolve_options(*plain[:-1], 1) == first
+    for _ in range(2):
+        with pytest.raises(ValueError, match="sm_margin: expected an int, got bool"):
+            fa3._resolve_options(*plain[:-1], True)
+        with pytest.raises(ValueError, match="window_size"):
+            fa3._resolve_options(False, None, None, None, None, (1.5, 0), 0, 0.0, 1, 0)
+    assert fa3._resolve_options(False, None, None, None, None, [-1, -1], 0, 0.0, 1, 0) == first  # a list: not memoised
+    with pytest.raises(NotImplementedError, match="q_descale"):
+        fa3._resolve_options(False, None, torch.ones(1), *plain[3:])
+
+
 @pytest.mark.parametrize("causal, window, expected", [
     (False, (39, 0), (1, -1, -1)),   # left covers max_seqlen_k = 40 (not total_k = 54): no bound
     (False, (-1, 49), (0, -1, -1)),  # right covers max_seqlen_q = 50: no bound
