@@ -72,21 +72,37 @@ def _resolve_options(causal, qv, q_descale, k_descale, v_descale, window_size, a
     for name, descale in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
         if descale is not None:
             _not_yet(name, "<tensor>", "fp8 attention (descale factors)")
-    options = (causal, window_size, softcap, attention_chunk, num_splits, sm_margin)
-    key = interface._plan_key("options", (), options)  # each value with its type; None: not memoised
-    mask = _RESOLVED.get(key) if key is not None else None
-    if mask is None:
-        interface.check_num_splits(num_splits)
-        interface.check_sm_margin(sm_margin)
-        mask = interface.check_mask_args(causal, window_size, softcap, attention_chunk)
+    return _memoised(_check_options, causal, window_size, softcap, attention_chunk, num_splits, sm_margin)
+
+
+def _check_options(causal, window_size, softcap, attention_chunk, num_splits, sm_margin):
+    interface.check_num_splits(num_splits)
+    interface.check_sm_margin(sm_margin)
+    return interface.check_mask_args(causal, window_size, softcap, attention_chunk)
+
+
+def _check_kvcache_options(causal, window_size, softcap, attention_chunk, sm_margin, softmax_scale):
+    interface.check_sm_margin(sm_margin)
+    interface.check_softmax_scale(softmax_scale)
+    return interface.check_mask_args(causal, window_size, softcap, attention_chunk)
+
+
+_CHECKED: dict = {}
+
+
+def _memoised(check, *options):
+    """check(*options) (the scalar options' checks: a result, or an exception naming the argument),
+    run once per set of values with their types: it depends on nothing else, and runs on every
+    call. Options that are not plain scalars or tuples of them are checked each time."""
+    key = interface._plan_key(check.__name__, (), options)
+    result = _CHECKED.get(key) if key is not None else None
+    if result is None:
+        result = check(*options)
         if key is not None:
-            if len(_RESOLVED) >= 256:
-                _RESOLVED.clear()
-            _RESOLVED[key] = mask
-    return mask
-
-
-_RESOLVED: dict = {}  # _resolve_options' checked options: they depend on the values (and types) alone
+            if len(_CHECKED) >= 256:
+                _CHECKED.clear()
+            _CHECKED[key] = result
+    return result
 
 
 def _pad_head_dims(q, k, v, softmax_scale):
@@ -465,9 +481,7 @@ def flash_attn_with_kvcache(
             _not_yet(name, "<tensor>", "fp8 attention (descale factors)")
     if scheduler_metadata is not None:
         num_splits = _planned_splits(scheduler_metadata, num_splits)
-    interface.check_sm_margin(sm_margin)
-    mask = interface.check_mask_args(causal, window_size, softcap, attention_chunk)
-    interface.check_softmax_scale(softmax_scale)
+    mask = _memoised(_check_kvcache_options, causal, window_size, softcap, attention_chunk, sm_margin, softmax_scale)
     if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
         if not isinstance(q, torch.Tensor):
             raise interface.invalid_argument(f"q: expected a torch.Tensor, got {type(q).__name__}")

@@ -621,6 +621,20 @@ def _bound_params(plan: _Plan, named) -> ctypes.Structure:
     return params
 
 
+# The current device and the raw handle of PyTorch's current stream, without torch.cuda's Python
+# layers (torch.cuda.current_stream builds a Stream object on every call: microseconds of host
+# work per launch); the public calls where a PyTorch build lacks these (Inductor uses both).
+_current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def _current_stream_handle(device: torch.device) -> int:
+    """The cudaStream_t of PyTorch's current stream on `device` (a CUDA device with its index)."""
+    if _raw_stream is not None:
+        return _raw_stream(device.index)
+    return torch.cuda.current_stream(device).cuda_stream
+
+
 def _launch(plan: _Plan, named, run_fn, device) -> None:
     """The plan's struct with this call's data pointers; the workspace from PyTorch's caching
     allocator (512-byte aligned); the pass enqueued on PyTorch's current stream of `device`."""
@@ -628,11 +642,11 @@ def _launch(plan: _Plan, named, run_fn, device) -> None:
     size = plan.workspace_bytes
     workspace = torch.empty(size, dtype=torch.uint8, device=device) if size else None
     pointer = workspace.data_ptr() if size else None
-    if device.index == torch.cuda.current_device():  # the library launches on the current device
-        _check(run_fn(ctypes.byref(params), pointer, size, torch.cuda.current_stream(device).cuda_stream))
+    if device.index == _current_device():  # the library launches on the current device
+        _check(run_fn(ctypes.byref(params), pointer, size, _current_stream_handle(device)))
         return
     with torch.cuda.device(device):
-        _check(run_fn(ctypes.byref(params), pointer, size, torch.cuda.current_stream(device).cuda_stream))
+        _check(run_fn(ctypes.byref(params), pointer, size, _current_stream_handle(device)))
 
 
 def _set_views(params, named) -> None:
@@ -754,7 +768,7 @@ def combine(out_partial: torch.Tensor, lse_partial: torch.Tensor, out: torch.Ten
     lib.fh_combine_params_init(ctypes.byref(params))
     _set_views(params, (("out_partial", out_partial), ("lse_partial", lse_partial), ("out", out), ("lse", lse)))
     with torch.cuda.device(out.device):
-        _check(lib.fh_combine(ctypes.byref(params), torch.cuda.current_stream(out.device).cuda_stream))
+        _check(lib.fh_combine(ctypes.byref(params), _current_stream_handle(out.device)))
 
 
 # The C ABI's names of flash_attn_with_kvcache's tensors, where FA3 names them otherwise.
@@ -769,6 +783,12 @@ def _renamed(error: FlashHopperError, names: dict) -> FlashHopperError:
     if not sep or name not in names:
         return error
     return type(error)(_status_code(error), f"{names[name]}: {rest}")
+
+
+# forward_with_kvcache's tensors, by the C ABI's names, in the order it takes them.
+_KVCACHE_FIELDS = ("q", "k", "v", "k_new", "v_new", "qv", "rotary_cos", "rotary_sin", "cache_seqlens",
+                   "cache_batch_idx", "cache_leftpad", "page_table", "cu_seqlens_q", "rotary_seqlens",
+                   "cu_seqlens_k_new", "cu_seqlens_k", "seqused_q", "seqused_k", "learnable_sink")
 
 
 def forward_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, k_new=None, v_new=None,
@@ -789,18 +809,17 @@ def forward_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     the argument checks but the devices' alone, for fake tensors (the fake op's); returns None."""
     if k_new is None and v_new is None:
         cu_seqlens_k_new = None  # nothing appended (as FA3, which ignores it then)
-    inputs = (("q", q), ("k", k_cache), ("v", v_cache), ("k_new", k_new), ("v_new", v_new), ("qv", qv),
-              ("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin), ("cache_seqlens", cache_seqlens),
-              ("cache_batch_idx", cache_batch_idx), ("cache_leftpad", cache_leftpad), ("page_table", page_table),
-              ("cu_seqlens_q", cu_seqlens_q), ("rotary_seqlens", rotary_seqlens),
-              ("cu_seqlens_k_new", cu_seqlens_k_new), ("cu_seqlens_k", cu_seqlens_k), ("seqused_q", seqused_q),
-              ("seqused_k", seqused_k), ("learnable_sink", learnable_sink))  # the C ABI's names
-    key = _plan_key("forward_with_kvcache", [t for _, t in inputs],
+    tensors = (q, k_cache, v_cache, k_new, v_new, qv, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+               cache_leftpad, page_table, cu_seqlens_q, rotary_seqlens, cu_seqlens_k_new, cu_seqlens_k, seqused_q,
+               seqused_k, learnable_sink)
+    inputs = tuple(zip(_KVCACHE_FIELDS, tensors))
+    key = _plan_key("forward_with_kvcache", tensors,
                     (max_seqlen_q, max_seqlen_k, rotary_interleaved, softmax_scale, mask, num_splits, return_lse,
                      sm_margin))
     plan = _PLANS.get(key) if key is not None else None
-    options = _KvCacheOptions(q, k_cache, page_table, cu_seqlens_q, max_seqlen_q, cu_seqlens_k, max_seqlen_k,
-                              rotary_interleaved, softmax_scale, mask, num_splits, sm_margin)
+    if plan is None:
+        options = _KvCacheOptions(q, k_cache, page_table, cu_seqlens_q, max_seqlen_q, cu_seqlens_k, max_seqlen_k,
+                                  rotary_interleaved, softmax_scale, mask, num_splits, sm_margin)
     lib = _ffi.lib()
     try:
         if plan is None:

@@ -944,11 +944,11 @@ def test_option_checks_are_memoised_by_value_and_type():
     """flash_attn_func's option checks run once per set of (value, type): a repeated call reuses
     the result; the same value in another type is checked anew (sm_margin=True is refused after
     sm_margin=1 passed), and a refused value is refused on every call."""
-    fa3._RESOLVED.clear()
+    fa3._CHECKED.clear()
     plain = (False, None, None, None, None, (-1, -1), 0, 0.0, 1, 0)  # causal, qv, descales, window, ...
     first = fa3._resolve_options(*plain)
-    assert first == (False, -1, -1, 0.0, 0) and fa3._resolve_options(*plain) is first and len(fa3._RESOLVED) == 1
-    assert fa3._resolve_options(1, *plain[1:]) == (True, -1, 0, 0.0, 0) and len(fa3._RESOLVED) == 2
+    assert first == (False, -1, -1, 0.0, 0) and fa3._resolve_options(*plain) is first and len(fa3._CHECKED) == 1
+    assert fa3._resolve_options(1, *plain[1:]) == (True, -1, 0, 0.0, 0) and len(fa3._CHECKED) == 2
     assert fa3._resolve_options(*plain[:-1], 1) == first
     for _ in range(2):
         with pytest.raises(ValueError, match="sm_margin: expected an int, got bool"):
