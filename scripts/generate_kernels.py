@@ -30,8 +30,10 @@ LAUNCH = {  # header, function, its parameter types
 
 def instantiation(family: manifest.Family, kind: str, softcap: str, features) -> str:
     header, function, parameters = LAUNCH[family.pass_]
+    extended = ("// Its tiles use a WGMMA N outside CuTe's default shapes (src/hopper/common/gmma_shapes.hpp).\n"
+                "#define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED\n") if family.uses_extended_gmma(kind) else ""
     return f"""// {HEADER}
-#include "launch/{header}"
+{extended}#include "launch/{header}"
 
 namespace flashhopper::launch {{
 template cudaError_t {function}<{manifest.DTYPES[family.dtype]}, {family.head_dim}, {family.head_dim_v}, hopper::MaskKind::{kind}, {softcap}, {features}>(

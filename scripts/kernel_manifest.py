@@ -43,16 +43,21 @@ class HeadDims:
     head_dim_v: int
     passes: tuple[str, ...] = ("fwd", "bwd")
     bf16_set: str = "full"  # the smallest kernel set that compiles its bf16 kernels (fp16: "full")
+    # The passes whose tiles (src/hopper/common/tile_size.hpp) use a WGMMA N outside CuTe's default
+    # shapes: "fwd", "fwd_unmasked" (the forward without a mask only) or "bwd". Those instantiations
+    # alone compile CuTe's extended shape set, half of an instantiation's compile time; the launches
+    # assert that this matches the tiles (src/hopper/common/gmma_shapes.hpp).
+    extended_gmma: tuple[str, ...] = ()
 
 
 # The backward of a forward-only row runs on the next row that has one (padded).
 HEAD_DIMS = [
     HeadDims(64, 64, bf16_set="bench"),
-    HeadDims(96, 96),
-    HeadDims(128, 128, bf16_set="dev"),
-    HeadDims(192, 128),  # MLA prefill
-    HeadDims(192, 192),
-    HeadDims(256, 256, bf16_set="bench"),
+    HeadDims(96, 96, extended_gmma=("fwd_unmasked", "bwd")),  # key blocks of 160; dQ's N = 48
+    HeadDims(128, 128, bf16_set="dev", extended_gmma=("fwd_unmasked",)),  # key blocks of 160
+    HeadDims(192, 128, extended_gmma=("fwd",)),  # MLA prefill; key blocks of 112
+    HeadDims(192, 192, extended_gmma=("fwd",)),  # key blocks of 112
+    HeadDims(256, 256, bf16_set="bench", extended_gmma=("fwd",)),  # key blocks of 80
 ]
 
 
@@ -63,6 +68,12 @@ class Family:
     head_dim: int
     head_dim_v: int
     first_set: str  # the smallest kernel set that compiles it
+    extended_gmma: tuple[str, ...] = ()  # its row's
+
+    def uses_extended_gmma(self, mask_kind: str) -> bool:
+        """Whether its instantiation with this MaskKind enumerator compiles CuTe's extended shapes."""
+        return self.pass_ in self.extended_gmma or (
+            self.pass_ == "fwd" and mask_kind == "kNone" and "fwd_unmasked" in self.extended_gmma)
 
     @property
     def stem(self) -> str:
@@ -81,7 +92,7 @@ def families() -> list[Family]:
                 continue
             for dtype in DTYPES:
                 first = row.bf16_set if dtype == "bf16" else "full"
-                out.append(Family(pass_, dtype, row.head_dim, row.head_dim_v, first))
+                out.append(Family(pass_, dtype, row.head_dim, row.head_dim_v, first, row.extended_gmma))
     return out
 
 

@@ -26,6 +26,11 @@
 
 namespace flashhopper::launch {
 
+template <class Element, int kHeadDim, int kHeadDimV, hopper::MaskKind kMask, bool kSoftcap, bool kPacked,
+          class Tile = hopper::BackwardDqTileSize<kHeadDim>>
+using BackwardDqMainloopOf = hopper::BackwardDqMainloop<Element, Tile::kBlockM, Tile::kBlockN, kHeadDim, kHeadDimV,
+                                                        Tile::kStagesK, Tile::kStagesV, kMask, kSoftcap, kPacked>;
+
 // The dQ kernel, with the main kernel's arguments (Q, K, V, dO and the preprocess's buffers).
 template <class Element, int kHeadDim, int kHeadDimV, hopper::MaskKind kMask, bool kSoftcap, bool kPacked,
           class MainArguments>
@@ -35,8 +40,7 @@ cudaError_t run_backward_dq_kernel(const BackwardParams& p, const detail::Proble
   using namespace cute;
   using namespace flashhopper::hopper;
   using Tile = BackwardDqTileSize<kHeadDim>;
-  using Mainloop = BackwardDqMainloop<Element, Tile::kBlockM, Tile::kBlockN, kHeadDim, kHeadDimV, Tile::kStagesK,
-                                      Tile::kStagesV, kMask, kSoftcap, kPacked>;
+  using Mainloop = BackwardDqMainloopOf<Element, kHeadDim, kHeadDimV, kMask, kSoftcap, kPacked>;
   using Scheduler = PersistentTileScheduler</*kLongestFirst=*/kMask == MaskKind::kCausal, kPacked, /*kSplit=*/false>;
   using Kernel = BackwardDqKernel<Mainloop, Scheduler>;
   static_assert(BackwardWorkspaceLayout::kRowAlign % Tile::kBlockM == 0);
@@ -98,6 +102,14 @@ cudaError_t run_backward_hdim(const BackwardParams& p, const detail::ProblemShap
   // order, which the deterministic dQ order relies on.
   using Scheduler = PersistentTileScheduler</*kLongestFirst=*/kCausal, kPacked, /*kSplit=*/false>;
   using Kernel = BackwardKernel<Mainloop, Epilogue, Scheduler>;
+  constexpr bool kUsesExtendedGmma = [] {
+    if constexpr (Tile::kDqKernel)
+      return Mainloop::kUsesExtendedGmma ||
+             BackwardDqMainloopOf<Element, kHeadDim, kHeadDimV, kMask, kSoftcap, kPacked>::kUsesExtendedGmma;
+    else
+      return Mainloop::kUsesExtendedGmma;
+  }();
+  static_assert(kUsesExtendedGmma == bool(FLASHHOPPER_EXTENDED_GMMA_SHAPES), FLASHHOPPER_GMMA_SET_MESSAGE);
   // A kernel without packed batches would read a packed one as dense; the dispatch never asks.
   if (!kPacked && detail::uses_packed_batches(p, s)) return cudaErrorInvalidValue;
   using Preprocess = BackwardPreprocess<Element, kHeadDimV>;

@@ -36,6 +36,7 @@ cudaError_t run_forward_hdim(const ForwardParams& p, const detail::ProblemShape&
   using Scheduler =
       PersistentTileScheduler</*kLongestFirst=*/kMask == MaskKind::kCausal, Mainloop::kPacked, Mainloop::kSplitKv>;
   using Kernel = ForwardKernel<Mainloop, Epilogue, Scheduler>;
+  static_assert(Mainloop::kUsesExtendedGmma == bool(FLASHHOPPER_EXTENDED_GMMA_SHAPES), FLASHHOPPER_GMMA_SET_MESSAGE);
   // The dispatch picks a kernel that holds the call's features; one without would ignore them.
   if (!holds(kFeatures, forward_features(p, s, workspace.num_splits))) return cudaErrorInvalidValue;
 

@@ -23,6 +23,7 @@
 #include <cutlass/pipeline/pipeline.hpp>
 
 #include "hopper/common/backward_block.hpp"
+#include "hopper/common/gmma_shapes.hpp"
 #include "hopper/common/mask.hpp"
 #include "hopper/common/named_barrier.hpp"
 #include "hopper/common/score_transform.hpp"
@@ -94,12 +95,11 @@ struct BackwardMainloop {
   // dV = P^T dO and dK = dS^T Q (or dV^T = dO^T P and dK^T = Q^T dS) read both operands
   // transposed (MN-major) from shared memory; the warpgroups split the result's rows.
   template <class TileShape>
+  static constexpr int kKeyGradMmaN =
+      kDkvSplitByKeys ? kBlockN / kNumMmaWarpGroups : int(cute::tuple_element_t<1, TileShape>::value);
+  template <class TileShape>
   using TiledMmaKeyGrad = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, float,
-                           Shape<_64,
-                                 cute::conditional_t<kDkvSplitByKeys, Int<kBlockN / kNumMmaWarpGroups>,
-                                                     cute::tuple_element_t<1, TileShape>>,
-                                 Int<kBlockM>>,
+      GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kKeyGradMmaN<TileShape>>, Int<kBlockM>>,
                            GMMA::Major::MN, GMMA::Major::MN>(),
       cute::conditional_t<kDkvSplitByKeys, Layout<Shape<_1, _2, _1>>, Layout<Shape<_2, _1, _1>>>{}));
   using TiledMmadK = TiledMmaKeyGrad<TileShapedK>;
@@ -108,6 +108,12 @@ struct BackwardMainloop {
       GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim / 2>, Int<kBlockN>>, GMMA::Major::K,
                            GMMA::Major::MN>(),
       Layout<Shape<_1, _2, _1>>{}));
+  static_assert(gmma_n<TiledMmaSdP> == kBlockN / 2 && gmma_n<TiledMmadK> == kKeyGradMmaN<TileShapedK> &&
+                    gmma_n<TiledMmadV> == kKeyGradMmaN<TileShapedV> && gmma_n<TiledMmadQ> == kHeadDim / 2,
+                FLASHHOPPER_GMMA_SPAN_MESSAGE);
+  static constexpr bool kUsesExtendedGmma =
+      is_extended_gmma_n(kBlockN / 2) || is_extended_gmma_n(kKeyGradMmaN<TileShapedK>) ||
+      is_extended_gmma_n(kKeyGradMmaN<TileShapedV>) || is_extended_gmma_n(kHeadDim / 2);
 
   // Q (M, d, stage) and dO (M, dv, stage), columns contiguous; their transposes view the same
   // bytes as (d, M, stage).

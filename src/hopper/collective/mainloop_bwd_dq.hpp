@@ -18,6 +18,7 @@
 #include <cutlass/gemm/collective/builders/sm90_common.inl>
 #include <cutlass/pipeline/pipeline.hpp>
 
+#include "hopper/common/gmma_shapes.hpp"
 #include "hopper/common/mask.hpp"
 #include "hopper/common/score_transform.hpp"
 #include "hopper/common/softmax.hpp"
@@ -59,6 +60,8 @@ struct BackwardDqMainloop {
       GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim>, Int<kBlockN>>, GMMA::Major::K,
                            GMMA::Major::MN>(),
       WarpGroupLayout{}));
+  static_assert(gmma_n<TiledMmaSdP> == kBlockN && gmma_n<TiledMmadQ> == kHeadDim, FLASHHOPPER_GMMA_SPAN_MESSAGE);
+  static constexpr bool kUsesExtendedGmma = is_extended_gmma_n(kBlockN) || is_extended_gmma_n(kHeadDim);
 
   // Q (M, d) and dO (M, dv), K (N, d, stage) and V (N, dv, stage): columns contiguous. dQ = dS K
   // reads K as K^T (d, N, stage), the same bytes: d contiguous is the MN-major B operand.

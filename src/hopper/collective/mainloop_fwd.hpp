@@ -17,6 +17,7 @@
 
 #include "hopper/collective/paged_kv_loads.hpp"
 #include "hopper/common/forward_features.hpp"
+#include "hopper/common/gmma_shapes.hpp"
 #include "hopper/common/mask.hpp"
 #include "hopper/common/named_barrier.hpp"
 #include "hopper/common/score_transform.hpp"
@@ -62,6 +63,8 @@ struct ForwardMainloop {
       GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<kHeadDimV>, Int<kBlockN>>,
                            GMMA::Major::K, GMMA::Major::MN>(),
       WarpGroupLayout{}));
+  static_assert(gmma_n<TiledMmaQK> == kBlockN && gmma_n<TiledMmaPV> == kHeadDimV, FLASHHOPPER_GMMA_SPAN_MESSAGE);
+  static constexpr bool kUsesExtendedGmma = is_extended_gmma_n(kBlockN) || is_extended_gmma_n(kHeadDimV);
 
   // Q and K are K-major (d contiguous). V is stored as Vt (dv, N): dv contiguous, which is the
   // MN-major B operand of P V, so the TMA writes it straight into the layout the MMA reads.

@@ -112,8 +112,10 @@ struct BackwardDqKernel {
 template <class Kernel>
 __global__ void __launch_bounds__(Kernel::kNumThreads, 1)
     backward_dq_kernel_entry(CUTE_GRID_CONSTANT typename Kernel::Params const params) {
+#if defined(__CUDA_ARCH__)  // the body in the device pass only (docs/kernel_families.md, "Build time")
   extern __shared__ char smem_buf[];
   Kernel{}(params, smem_buf);
+#endif
 }
 
 }  // namespace flashhopper::hopper

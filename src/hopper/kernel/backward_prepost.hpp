@@ -222,7 +222,9 @@ struct BackwardPostprocess {
 
 template <class Kernel>
 __global__ void __launch_bounds__(Kernel::kThreads) backward_prepost_entry(typename Kernel::Params const params) {
+#if defined(__CUDA_ARCH__)  // the body in the device pass only (docs/kernel_families.md, "Build time")
   Kernel{}(params);
+#endif
 }
 
 }  // namespace flashhopper::hopper
