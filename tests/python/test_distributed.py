@@ -174,8 +174,9 @@ def _library_steps_on_the_gpu():
         return out.double().cpu(), lse.double().cpu()
 
     def backward(dout, q, k, v, out, lse, causal, scale, varlen=None, window_size=(-1, -1)):
-        grads = library.backward(gpu(dout), gpu(q), gpu(k), gpu(v), gpu(out), lse.to("cuda", torch.float32).contiguous(),
-                                 causal, scale, varlen=on_gpu(varlen), window_size=window_size)
+        lse = lse.to("cuda", torch.float32).contiguous()
+        grads = library.backward(gpu(dout), gpu(q), gpu(k), gpu(v), gpu(out), lse, causal, scale,
+                                 varlen=on_gpu(varlen), window_size=window_size)
         return tuple(g.double().cpu() for g in grads)
     return distributed.StepKernels(forward, backward)
 
