@@ -31,7 +31,7 @@ LAUNCH = {  # header, function, its parameter types
 def instantiation(family: manifest.Family, kind: str, softcap: str, features) -> str:
     header, function, parameters = LAUNCH[family.pass_]
     extended = ("// Its tiles use a WGMMA N outside CuTe's default shapes (src/hopper/common/gmma_shapes.hpp).\n"
-                "#define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED\n") if family.uses_extended_gmma(kind) else ""
+                '#include "hopper/common/gmma_extended_shapes.hpp"\n') if family.uses_extended_gmma(kind) else ""
     return f"""// {HEADER}
 {extended}#include "launch/{header}"
 

@@ -45,8 +45,8 @@ class HeadDims:
     bf16_set: str = "full"  # the smallest kernel set that compiles its bf16 kernels (fp16: "full")
     # The passes whose tiles (src/hopper/common/tile_size.hpp) use a WGMMA N outside CuTe's default
     # shapes: "fwd", "fwd_unmasked" (the forward without a mask only) or "bwd". Those instantiations
-    # alone compile CuTe's extended shape set, half of an instantiation's compile time; the launches
-    # assert that this matches the tiles (src/hopper/common/gmma_shapes.hpp).
+    # alone read CuTe's extended shapes (gmma_extended_shapes.hpp), a large part of an instantiation's
+    # compile time; the launches assert that this matches the tiles (src/hopper/common/gmma_shapes.hpp).
     extended_gmma: tuple[str, ...] = ()
 
 

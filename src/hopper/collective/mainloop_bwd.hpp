@@ -90,7 +90,7 @@ struct BackwardMainloop {
   using TileShapedQ = Shape<Int<kBlockM>, Int<kHeadDim>, Int<kBlockN>>;  // (M, d, N)
 
   using TiledMmaSdP = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kBlockN / 2>, Int<kHeadDim>>>(),
+      ss_gmma<Element, Shape<_64, Int<kBlockN / 2>, Int<kHeadDim>>>(),
       Layout<Shape<_1, _2, _1>>{}));
   // dV = P^T dO and dK = dS^T Q (or dV^T = dO^T P and dK^T = Q^T dS) read both operands
   // transposed (MN-major) from shared memory; the warpgroups split the result's rows.
@@ -99,14 +99,12 @@ struct BackwardMainloop {
       kDkvSplitByKeys ? kBlockN / kNumMmaWarpGroups : int(cute::tuple_element_t<1, TileShape>::value);
   template <class TileShape>
   using TiledMmaKeyGrad = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kKeyGradMmaN<TileShape>>, Int<kBlockM>>,
-                           GMMA::Major::MN, GMMA::Major::MN>(),
+      ss_gmma<Element, Shape<_64, Int<kKeyGradMmaN<TileShape>>, Int<kBlockM>>, GMMA::Major::MN, GMMA::Major::MN>(),
       cute::conditional_t<kDkvSplitByKeys, Layout<Shape<_1, _2, _1>>, Layout<Shape<_2, _1, _1>>>{}));
   using TiledMmadK = TiledMmaKeyGrad<TileShapedK>;
   using TiledMmadV = TiledMmaKeyGrad<TileShapedV>;
   using TiledMmadQ = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim / 2>, Int<kBlockN>>, GMMA::Major::K,
-                           GMMA::Major::MN>(),
+      ss_gmma<Element, Shape<_64, Int<kHeadDim / 2>, Int<kBlockN>>, GMMA::Major::K, GMMA::Major::MN>(),
       Layout<Shape<_1, _2, _1>>{}));
   static_assert(gmma_n<TiledMmaSdP> == kBlockN / 2 && gmma_n<TiledMmadK> == kKeyGradMmaN<TileShapedK> &&
                     gmma_n<TiledMmadV> == kKeyGradMmaN<TileShapedV> && gmma_n<TiledMmadQ> == kHeadDim / 2,

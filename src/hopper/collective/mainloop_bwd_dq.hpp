@@ -55,7 +55,7 @@ struct BackwardDqMainloop {
   // One 64-row WGMMA atom per warpgroup, stacked along M.
   using WarpGroupLayout = Layout<Shape<Int<kNumMmaWarpGroups>, _1, _1>>;
   using TiledMmaSdP = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kBlockN>, Int<kHeadDim>>>(), WarpGroupLayout{}));
+      ss_gmma<Element, Shape<_64, Int<kBlockN>, Int<kHeadDim>>>(), WarpGroupLayout{}));
   using TiledMmadQ = decltype(make_tiled_mma(
       GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim>, Int<kBlockN>>, GMMA::Major::K,
                            GMMA::Major::MN>(),

@@ -57,8 +57,7 @@ struct ForwardMainloop {
   // One 64-row WGMMA atom per consumer warpgroup, stacked along M.
   using WarpGroupLayout = Layout<Shape<Int<kNumMmaWarpGroups>, _1, _1>>;
   using TiledMmaQK = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kBlockN>, Int<kHeadDim>>>(),
-      WarpGroupLayout{}));
+      ss_gmma<Element, Shape<_64, Int<kBlockN>, Int<kHeadDim>>>(), WarpGroupLayout{}));
   using TiledMmaPV = decltype(make_tiled_mma(
       GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<kHeadDimV>, Int<kBlockN>>,
                            GMMA::Major::K, GMMA::Major::MN>(),
