@@ -109,9 +109,7 @@ struct BackwardMainloop {
   static_assert(gmma_n<TiledMmaSdP> == kBlockN / 2 && gmma_n<TiledMmadK> == kKeyGradMmaN<TileShapedK> &&
                     gmma_n<TiledMmadV> == kKeyGradMmaN<TileShapedV> && gmma_n<TiledMmadQ> == kHeadDim / 2,
                 FLASHHOPPER_GMMA_SPAN_MESSAGE);
-  static constexpr bool kUsesExtendedGmma =
-      is_extended_gmma_n(kBlockN / 2) || is_extended_gmma_n(kKeyGradMmaN<TileShapedK>) ||
-      is_extended_gmma_n(kKeyGradMmaN<TileShapedV>) || is_extended_gmma_n(kHeadDim / 2);
+  static constexpr bool kUsesExtendedGmma = uses_extended_gmma<TiledMmaSdP, TiledMmadK, TiledMmadV, TiledMmadQ>;
 
   // Q (M, d, stage) and dO (M, dv, stage), columns contiguous; their transposes view the same
   // bytes as (d, M, stage).

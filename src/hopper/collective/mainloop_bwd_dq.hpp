@@ -61,7 +61,7 @@ struct BackwardDqMainloop {
                            GMMA::Major::MN>(),
       WarpGroupLayout{}));
   static_assert(gmma_n<TiledMmaSdP> == kBlockN && gmma_n<TiledMmadQ> == kHeadDim, FLASHHOPPER_GMMA_SPAN_MESSAGE);
-  static constexpr bool kUsesExtendedGmma = is_extended_gmma_n(kBlockN) || is_extended_gmma_n(kHeadDim);
+  static constexpr bool kUsesExtendedGmma = uses_extended_gmma<TiledMmaSdP, TiledMmadQ>;
 
   // Q (M, d) and dO (M, dv), K (N, d, stage) and V (N, dv, stage): columns contiguous. dQ = dS K
   // reads K as K^T (d, N, stage), the same bytes: d contiguous is the MN-major B operand.

@@ -63,7 +63,7 @@ struct ForwardMainloop {
                            GMMA::Major::K, GMMA::Major::MN>(),
       WarpGroupLayout{}));
   static_assert(gmma_n<TiledMmaQK> == kBlockN && gmma_n<TiledMmaPV> == kHeadDimV, FLASHHOPPER_GMMA_SPAN_MESSAGE);
-  static constexpr bool kUsesExtendedGmma = is_extended_gmma_n(kBlockN) || is_extended_gmma_n(kHeadDimV);
+  static constexpr bool kUsesExtendedGmma = uses_extended_gmma<TiledMmaQK, TiledMmaPV>;
 
   // Q and K are K-major (d contiguous). V is stored as Vt (dv, N): dv contiguous, which is the
   // MN-major B operand of P V, so the TMA writes it straight into the layout the MMA reads.

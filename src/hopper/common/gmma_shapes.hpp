@@ -30,6 +30,11 @@ constexpr bool is_extended_gmma_n(int n) {
 template <class TiledMma>
 inline constexpr int gmma_n = decltype(cute::size<1>(typename TiledMma::AtomShape_MNK{}))::value;
 
+// Whether one of these tiled MMAs' instructions has an N of CuTe's extended set (each collective
+// first asserts that its instructions span the N it asked for).
+template <class... TiledMmas>
+inline constexpr bool uses_extended_gmma = (is_extended_gmma_n(gmma_n<TiledMmas>) || ...);
+
 // The SS WGMMA atom (bf16 or fp16 in, float out) for a (64, N, K) tile: CuTe's selector, and the
 // extended N the tiles use named directly (see above; another one fails ss_gmma's static_assert).
 template <class Element, class TileShape, cute::GMMA::Major kMajorA = cute::GMMA::Major::K,
