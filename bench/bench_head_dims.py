@@ -47,11 +47,12 @@ def flops(batch, heads, seqlen, d, dv, causal, pass_):
 
 
 def family_of(families, pass_, d, dv):
-    """(D, DV) of the family a bf16 call with head dims (d, dv) runs on: the smallest D >= d, then
-    DV >= dv (the library's own rule), or None when the build has none."""
-    fits = [(f.head_dim, f.head_dim_v) for f in families
+    """(D, DV) of the family a bf16 call with head dims (d, dv) runs on: of those with D >= d and
+    DV >= dv, the least D + DV, then the least D (the library's own rule, compiled_families.hpp), or
+    None when the build has none."""
+    fits = [(f.head_dim + f.head_dim_v, f.head_dim, f.head_dim_v) for f in families
             if f.pass_ == pass_ and f.dtype == torch.bfloat16 and f.head_dim >= d and f.head_dim_v >= dv]
-    return min(fits) if fits else None
+    return min(fits)[1:] if fits else None
 
 
 def _fmt(value, spec=".0f"):

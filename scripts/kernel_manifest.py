@@ -3,8 +3,9 @@
 scripts/generate_kernels.py writes from it the instantiation files
 (src/hopper/instantiations/), the CMake source lists (cmake/kernel_manifest.cmake) and the
 dispatch table (src/launch/kernel_manifest.hpp), from which the library answers which families
-a build has (fh_compiled_families) and picks the family a call runs on: the smallest head dim
-(and value head dim) at least the call's, so head dims between the compiled ones run padded.
+a build has (fh_compiled_families) and picks the family a call runs on: of those whose head dim and
+value head dim are at least the call's, the one with the least padded work (head dim plus value
+head dim; the smaller head dim on a tie), so head dims between the compiled ones run padded.
 
 Adding a head dim: one line in HEAD_DIMS, a tile-table entry in src/hopper/common/tile_size.hpp,
 then `python3 scripts/generate_kernels.py`.
@@ -53,6 +54,7 @@ class HeadDims:
 # The backward of a forward-only row runs on the next row that has one (padded).
 HEAD_DIMS = [
     HeadDims(64, 64, bf16_set="bench"),
+    HeadDims(64, 256, passes=("fwd",)),  # MLA's latent values and FA3's dv up to 256 for small d
     HeadDims(96, 96, extended_gmma=("fwd_unmasked", "bwd")),  # key blocks of 160; dQ's N = 48
     HeadDims(128, 128, bf16_set="dev", extended_gmma=("fwd_unmasked",)),  # key blocks of 160
     HeadDims(192, 128, extended_gmma=("fwd",)),  # MLA prefill; key blocks of 112

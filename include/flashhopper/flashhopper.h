@@ -226,8 +226,9 @@ int32_t fh_built_with_cuda(void);
 const char* fh_version(void);
 
 /* A compiled kernel family: one pass for one dtype and (head dim, value head dim). A call runs
- * on the family of its pass and dtype with the smallest head dim at least its own (then the
- * smallest value head dim at least its own): head dims in between run padded. */
+ * on the family of its pass and dtype, of those with head dim and value head dim at least its own,
+ * with the least padded work (the smallest head dim + value head dim; on a tie the smaller head
+ * dim): head dims in between run padded. */
 typedef struct fh_kernel_family {
   int32_t backward;               /* 0: forward, 1: backward */
   int32_t dtype;                  /* fh_dtype */

@@ -79,8 +79,8 @@ def _check(status: int) -> None:
 
 class KernelFamily(NamedTuple):
     """A compiled kernel family: one pass ("forward" or "backward") for one dtype and (head dim,
-    value head dim). A call runs on its pass and dtype's family with the smallest head dim (then
-    value head dim) at least its own."""
+    value head dim). A call runs on the family of its pass and dtype, of those with head dims at
+    least its own, that pads least (the smallest head dim plus value head dim)."""
     pass_: str
     dtype: torch.dtype
     head_dim: int

@@ -1,6 +1,8 @@
 // Which family a call runs on and whether this build compiled it. A call of head dims (d, dv)
-// runs on the manifest's smallest head dim >= d of its pass and dtype, then its smallest value
-// head dim >= dv: the kernels zero-fill the columns past d on load and never write them.
+// runs on the family of its pass and dtype with head dim >= d and value head dim >= dv that pads
+// least (the smallest d + dv: the GEMMs' depth and width per key; on a tie the smaller head dim):
+// the kernels zero-fill the columns past d on load and never write them. (64, 128) thus runs on
+// 128/128 rather than 64/256, (64, 192) on 64/256 rather than 192/192.
 // FLASHHOPPER_KERNEL_SET (cmake/kernels.cmake) is the index of the set this build compiled.
 #pragma once
 
@@ -24,9 +26,9 @@ constexpr const KernelFamily* family_for(Pass pass, fh_dtype dtype, int64_t head
   const KernelFamily* best = nullptr;
   for (const KernelFamily& f : kKernelFamilies) {
     if (f.pass != pass || f.dtype != dtype || f.head_dim < head_dim || f.head_dim_v < head_dim_v) continue;
-    if (best == nullptr || f.head_dim < best->head_dim ||
-        (f.head_dim == best->head_dim && f.head_dim_v < best->head_dim_v))
-      best = &f;
+    const int64_t work = f.head_dim + f.head_dim_v;
+    const int64_t best_work = best == nullptr ? 0 : best->head_dim + best->head_dim_v;
+    if (best == nullptr || work < best_work || (work == best_work && f.head_dim < best->head_dim)) best = &f;
   }
   return best;
 }

@@ -18,6 +18,8 @@ inline constexpr KernelFamily kKernelFamilies[] = {
     {Pass::kForward, FH_DTYPE_FP16, 64, 64, 2},
     {Pass::kBackward, FH_DTYPE_BF16, 64, 64, 1},
     {Pass::kBackward, FH_DTYPE_FP16, 64, 64, 2},
+    {Pass::kForward, FH_DTYPE_BF16, 64, 256, 2},
+    {Pass::kForward, FH_DTYPE_FP16, 64, 256, 2},
     {Pass::kForward, FH_DTYPE_BF16, 96, 96, 2},
     {Pass::kForward, FH_DTYPE_FP16, 96, 96, 2},
     {Pass::kBackward, FH_DTYPE_BF16, 96, 96, 2},

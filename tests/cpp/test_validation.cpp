@@ -1583,6 +1583,24 @@ TEST(KernelFamilies, ValueHeadDimsRunOnTheirOwnFamily) {
       }
 }
 
+TEST(KernelFamilies, CallsRunOnTheFamilyThatPadsLeast) {
+  // The forward's 64/256 (MLA's latent values) takes calls of d <= 64 and dv in (128, 256], which
+  // 256/256 would pad to four times the Q K^T depth; (64, 128) stays on 128/128 (256 of work
+  // against 320). The backward has no 64/256 and pads to 256.
+  for (fh_dtype dtype : {FH_DTYPE_BF16, FH_DTYPE_FP16}) {
+    for (const auto& [asked, runs_on] : std::vector<std::pair<std::pair<int, int>, std::pair<int, int>>>{
+             {{64, 256}, {64, 256}}, {{64, 192}, {64, 256}}, {{40, 136}, {64, 256}}, {{64, 128}, {128, 128}},
+             {{64, 64}, {64, 64}}, {{72, 256}, {256, 256}}}) {
+      const auto* f = family_for(Pass::kForward, dtype, asked.first, asked.second);
+      ASSERT_NE(f, nullptr) << asked.first << "/" << asked.second;
+      EXPECT_EQ(std::make_pair(f->head_dim, f->head_dim_v), runs_on) << asked.first << "/" << asked.second;
+    }
+    const auto* backward = family_for(Pass::kBackward, dtype, 64, 256);
+    ASSERT_NE(backward, nullptr);
+    EXPECT_EQ(std::make_pair(backward->head_dim, backward->head_dim_v), std::make_pair(256, 256));
+  }
+}
+
 TEST(KernelFamilies, CompiledFamiliesQuery) {
   const int32_t count = fh_compiled_families(nullptr, 0);
   if (!fh_built_with_cuda()) {

@@ -1631,19 +1631,22 @@ def test_bench_decode_tables_and_plot(tmp_path, capsys):
 
 
 def test_bench_head_dims_picks_the_family_as_the_library_does():
-    """bench_head_dims times a padded head dim against the family it runs on: the smallest head dim
-    at least the call's, then the smallest value head dim (bf16, the pass's own families)."""
+    """bench_head_dims times a padded head dim against the family it runs on: of those at least the
+    call's head dims, the least padded work (bf16, the pass's own families)."""
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "bench"))
     import bench_head_dims
     family = flashhopper.interface.KernelFamily
     families = [family("forward", torch.bfloat16, 96, 96), family("forward", torch.bfloat16, 192, 128),
                 family("forward", torch.bfloat16, 192, 192), family("backward", torch.bfloat16, 128, 128),
-                family("backward", torch.bfloat16, 192, 192), family("forward", torch.float16, 80, 80)]
+                family("backward", torch.bfloat16, 192, 192), family("forward", torch.float16, 80, 80),
+                family("forward", torch.bfloat16, 64, 256), family("forward", torch.bfloat16, 128, 128)]
     assert bench_head_dims.family_of(families, "forward", 80, 80) == (96, 96)
     assert bench_head_dims.family_of(families, "forward", 160, 128) == (192, 128)
     assert bench_head_dims.family_of(families, "backward", 192, 128) == (192, 192)
     assert bench_head_dims.family_of(families, "backward", 96, 96) == (128, 128)
     assert bench_head_dims.family_of(families, "backward", 256, 256) is None
+    assert bench_head_dims.family_of(families, "forward", 64, 128) == (128, 128)  # 256 of work, not 320
+    assert bench_head_dims.family_of(families, "forward", 64, 192) == (64, 256)  # 320, not 384
 
 
 def test_reference_conventions():

@@ -168,6 +168,25 @@ def test_mla_prefill_head_dims_against_reference(dtype, causal):
         *leaves, causal=causal, dtype=in_dtype))
 
 
+@pytest.mark.parametrize("dv", [256, 192])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@requires_gpu
+def test_latent_value_head_dims_against_reference(dtype, causal, dv):
+    """Head dim 64 with value head dim 256 (MLA's latent values; the forward's 64/256 family, 192
+    padded on it), GQA 16/1 as absorbed decode has it, with a window's both sides for the masked
+    paths: out, lse and the gradients (the backward pads to 256) against float64 with the pass rule."""
+    q, k, _ = make_inputs(2, 257, 300, 16, 1, 64, dtype, seed=dv + causal)
+    v = make_inputs(2, 257, 300, 16, 1, dv, dtype, seed=dv + 1 + causal)[2]
+    window = (-1, -1) if causal else (100, 30)
+    out, lse = run_or_skip(flash_attn_func, q, k, v, causal=causal, window_size=window, return_attn_probs=True)
+    assert out.shape == (2, 257, 16, dv) and out.dtype == dtype
+    dout = torch.randn_like(out)
+    grads = run_or_skip(torch.autograd.grad, out, (q, k, v), dout)
+    assert_matches_reference(out, lse, grads, (q, k, v), dout, dtype, lambda leaves, in_dtype: attention_reference(
+        *leaves, causal=causal, window_size=window, dtype=in_dtype))
+
+
 # (id, dtype, head_dim, batch, seqlen_q, seqlen_k, heads_q, heads_kv, options for flash_attn_func, with_sink).
 # Windows (both sides, one side, with causal, the diagonal only), chunks (multiples of the tile sizes
 # or not, with a window, with causal), softcap (loose and tight), sinks (with rows that see no key,

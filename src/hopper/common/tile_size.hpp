@@ -21,6 +21,16 @@ struct ForwardTileSize<64, 64, kMasked> {
   static constexpr int kStages = 2;
 };
 
+// hdim 64 with dv 256 (forward only): O is 128 registers a thread as at hdim 256, S 48 with 96
+// key columns (a WGMMA N of CuTe's default set); Q, two K and two V stages and O staged: 200 KiB.
+// Not tuned yet.
+template <bool kMasked>
+struct ForwardTileSize<64, 256, kMasked> {
+  static constexpr int kBlockM = 128;
+  static constexpr int kBlockN = 96;
+  static constexpr int kStages = 2;
+};
+
 // hdim 128: unmasked takes 160 key columns (2 stages and O staged in shared memory, 224 KiB), the
 // fastest of 128-176; masked keeps 128 (192 KiB), so the blocks at a boundary waste less.
 // (Measurements: bench/RESULTS.md, "Tile and schedule choices".)
