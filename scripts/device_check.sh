@@ -160,6 +160,9 @@ for step in "${steps[@]}"; do
         causal_b1_sq300_sk2000_h4_hkv1_splits3 full_b2_sq130_sk1500_h4_hkv2_w128x0_sinks4_splits5)$(printf \
         'KvCache/*/%s:' b6_sq1_h32_hkv8_rows7_S4096_causal_leftpad_batchidx_new3_rotary64i_splits3 \
         b4_sq1_h32_hkv1_rows4_S4096_causal_splits3_page16)"
+      # qv (absorbed MLA; the full kernel set): dense causal, and decoding 128 query heads of one KV
+      # head, split.
+      sanitize qv test_forward_gpu 'Qv/QvGpuTest.*/b2_sq300_sk300_h16_causal:Qv/QvGpuTest.*/b3_sq1_sk3000_h128_cache_splits5'
       ;;
     hostile)
       # Extreme and non-finite input values; concurrent calls from threads and streams.

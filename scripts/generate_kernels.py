@@ -47,7 +47,7 @@ def cmake_lists(families: list) -> str:
     for kernel_set in manifest.KERNEL_SETS:
         in_set = [f for f in families if f.in_set(kernel_set)]
         lines.append(f"set(FLASHHOPPER_KERNEL_FAMILIES_{kernel_set} {' '.join(f.stem for f in in_set)})")
-        stems = " ".join(f"{f.stem}_{v[0]}" for f in in_set for v in manifest.variants(f.pass_))
+        stems = " ".join(f"{f.stem}_{v[0]}" for f in in_set for v in manifest.variants(f.pass_, f.qv))
         lines.append(f"set(FLASHHOPPER_KERNEL_INSTANTIATIONS_{kernel_set} {stems})")
     return "\n".join(lines) + "\n"
 
@@ -56,8 +56,10 @@ def dispatch_table(families: list) -> str:
     sets = ", ".join(f'"{s}"' for s in manifest.KERNEL_SETS)
     rows = "\n".join(
         f"    {{Pass::{manifest.PASSES[f.pass_]}, {manifest.DTYPES[f.dtype]}, {f.head_dim}, {f.head_dim_v}, "
-        f"{manifest.KERNEL_SETS.index(f.first_set)}}}," for f in families)
-    feature_sets = ", ".join(f"hopper::ForwardFeatures::{v}" for v in manifest.FORWARD_FEATURE_SETS.values())
+        f"{manifest.KERNEL_SETS.index(f.first_set)}, {'true' if f.qv else 'false'}}}," for f in families)
+    with_qv = (False, True) if any(f.qv for f in families) else (False,)
+    feature_sets = ",\n    ".join(manifest.forward_feature_set(v, qv) for qv in with_qv
+                             for v in manifest.FORWARD_FEATURE_SETS.values())
     return f"""// {HEADER}
 #pragma once
 
@@ -68,11 +70,12 @@ namespace flashhopper::launch {{
 
 inline constexpr const char* kKernelSets[] = {{{sets}}};
 
-// The forward's compiled feature sets, in the order the dispatch tries them.
+// The forward's compiled feature sets, in the order the dispatch tries them (those with kQv: the
+// qv families').
 inline constexpr hopper::ForwardFeatures kForwardFeatureSets[] = {{
     {feature_sets}}};
 
-// (pass, dtype, head dim, value head dim, the first kernel set that compiles it)
+// (pass, dtype, head dim, value head dim, the first kernel set that compiles it, qv)
 inline constexpr KernelFamily kKernelFamilies[] = {{
 {rows}
 }};
@@ -95,7 +98,7 @@ def outputs() -> dict:
     families = manifest.families()
     files = {}
     for family in families:
-        for suffix, kind, softcap, features in manifest.variants(family.pass_):
+        for suffix, kind, softcap, features in manifest.variants(family.pass_, family.qv):
             files[f"src/hopper/instantiations/{family.stem}_{suffix}.cu"] = instantiation(family, kind, softcap,
                                                                                             features)
     files["cmake/kernel_manifest.cmake"] = cmake_lists(families)

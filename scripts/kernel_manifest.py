@@ -29,8 +29,10 @@ SOFTCAP = {"": "false", "_softcap": "true"}
 # And into every forward family: the features its kernels handle beyond a dense batch
 # (src/hopper/common/forward_features.hpp), file suffix -> ForwardFeatures enumerator. A call
 # runs on the first set, in this order, that holds every feature it uses: a dense call on a
-# kernel without any of their code, any other on the one with all of them.
+# kernel without any of their code, any other on the one with all of them. A qv row's sets carry
+# kQv besides (QV_FEATURE).
 FORWARD_FEATURE_SETS = {"": "kNone", "_general": "kAll"}
+QV_FEATURE = "kQv"
 
 # And into every backward family: whether its kernels take packed batches (cu_seqlens, seqused),
 # file suffix -> kPacked. A call with packed batches runs on "true", any other on "false", which
@@ -49,12 +51,15 @@ class HeadDims:
     # alone read CuTe's extended shapes (gmma_extended_shapes.hpp), a large part of an instantiation's
     # compile time; the launches assert that this matches the tiles (src/hopper/common/gmma_shapes.hpp).
     extended_gmma: tuple[str, ...] = ()
+    # Forward only: its kernels compute S = Q K^T + Qv V^T (FA3's qv, absorbed MLA) and run the calls
+    # with qv, and only those (a call without qv never runs on it, one with qv only on such a row).
+    qv: bool = False
 
 
 # The backward of a forward-only row runs on the next row that has one (padded).
 HEAD_DIMS = [
     HeadDims(64, 64, bf16_set="bench"),
-    HeadDims(64, 256, passes=("fwd",)),  # MLA's latent values and FA3's dv up to 256 for small d
+    HeadDims(64, 256, passes=("fwd",), qv=True),  # absorbed MLA: qv against the latent values
     HeadDims(96, 96, extended_gmma=("fwd_unmasked", "bwd")),  # key blocks of 160; dQ's N = 48
     HeadDims(128, 128, bf16_set="dev", extended_gmma=("fwd_unmasked",)),  # key blocks of 160
     HeadDims(192, 128, extended_gmma=("fwd",)),  # MLA prefill; key blocks of 112
@@ -71,6 +76,7 @@ class Family:
     head_dim_v: int
     first_set: str  # the smallest kernel set that compiles it
     extended_gmma: tuple[str, ...] = ()  # its row's
+    qv: bool = False  # its row's
 
     def uses_extended_gmma(self, mask_kind: str) -> bool:
         """Whether its instantiation with this MaskKind enumerator compiles CuTe's extended shapes."""
@@ -80,7 +86,7 @@ class Family:
     @property
     def stem(self) -> str:
         dv = "" if self.head_dim_v == self.head_dim else f"_dv{self.head_dim_v}"
-        return f"{self.pass_}_{self.dtype}_hdim{self.head_dim}{dv}"
+        return f"{self.pass_}_{self.dtype}_hdim{self.head_dim}{dv}{'_qv' if self.qv else ''}"
 
     def in_set(self, kernel_set: str) -> bool:
         return KERNEL_SETS.index(kernel_set) >= KERNEL_SETS.index(self.first_set)
@@ -94,15 +100,24 @@ def families() -> list[Family]:
                 continue
             for dtype in DTYPES:
                 first = row.bf16_set if dtype == "bf16" else "full"
-                out.append(Family(pass_, dtype, row.head_dim, row.head_dim_v, first, row.extended_gmma))
+                out.append(Family(pass_, dtype, row.head_dim, row.head_dim_v, first, row.extended_gmma,
+                                  row.qv and pass_ == "fwd"))
+    dims = [(f.pass_, f.dtype, f.head_dim, f.head_dim_v) for f in out]
+    assert len(dims) == len(set(dims)), "a (head dim, value head dim) is one row, qv or not"
     return out
 
 
-def variants(pass_: str) -> list[tuple[str, str, str, str]]:
+def forward_feature_set(enumerator: str, qv: bool) -> str:
+    """A forward feature set as a C++ constant expression, with kQv for a qv family."""
+    feature_set = f"hopper::ForwardFeatures::{enumerator}"
+    return f"{feature_set} | hopper::ForwardFeatures::{QV_FEATURE}" if qv else feature_set
+
+
+def variants(pass_: str, qv: bool = False) -> list[tuple[str, str, str, str]]:
     """(file suffix, MaskKind enumerator, softcap, features) compiled for every family of the pass;
-    features: the launch's last template argument (a ForwardFeatures enumerator, or kPacked)."""
+    features: the launch's last template argument (a ForwardFeatures expression, or kPacked)."""
     if pass_ == "fwd":
-        features = {suffix: f"hopper::ForwardFeatures::{v}" for suffix, v in FORWARD_FEATURE_SETS.items()}
+        features = {suffix: forward_feature_set(v, qv) for suffix, v in FORWARD_FEATURE_SETS.items()}
     else:
         features = BACKWARD_FEATURE_SETS
     return [(f"{mask}{suffix}{features_suffix}", kind, softcap, feature_set)

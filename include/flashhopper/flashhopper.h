@@ -237,7 +237,9 @@ typedef struct fh_kernel_family {
 } fh_kernel_family;
 
 /* The families this build compiled (none without CUDA): writes the first `capacity` of them to
- * `families` (may be null when capacity is 0) and returns how many there are. */
+ * `families` (may be null when capacity is 0) and returns how many there are. The families for
+ * calls with qv (forward head dim 64 with value head dim 256, the full kernel set) are not listed:
+ * they take no call without qv. */
 int32_t fh_compiled_families(fh_kernel_family* families, int32_t capacity);
 
 #ifdef __cplusplus

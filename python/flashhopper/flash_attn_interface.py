@@ -68,7 +68,8 @@ def _resolve_options(causal, qv, q_descale, k_descale, v_descale, window_size, a
     with FA3's rule that causal forces the right bound to 0. (The other FA3 rule, a bound covering
     the whole sequence is no bound, is applied by the op, where the lengths are concrete.)"""
     if qv is not None:
-        _not_yet("qv", "<tensor>", "the extra qv operand (hdim 64 x 512 MLA-style attention)")
+        _not_yet("qv", "<tensor>", "the extra qv operand in flash_attn_func and flash_attn_varlen_func (it runs "
+                 "in flash_attn_with_kvcache: absorbed MLA decode, head dim <= 64, value head dim <= 256)")
     for name, descale in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
         if descale is not None:
             _not_yet(name, "<tensor>", "fp8 attention (descale factors)")

@@ -109,7 +109,7 @@ FLASHHOPPER_EXPORT int32_t fh_compiled_families(fh_kernel_family* families, int3
   using flashhopper::launch::KernelFamily;
   int32_t count = 0;
   for (const KernelFamily& f : flashhopper::launch::kKernelFamilies) {
-    if (!flashhopper::launch::built(f)) continue;
+    if (!flashhopper::launch::built(f) || f.qv) continue;  // qv families: see flashhopper.h
     if (families != nullptr && count < capacity)
       families[count] = {f.pass == flashhopper::launch::Pass::kBackward ? 1 : 0, f.dtype, f.head_dim, f.head_dim_v};
     ++count;

@@ -18,7 +18,8 @@ namespace flashhopper::launch {
 
 namespace {
 const KernelFamily* forward_family(const ForwardParams& p, const detail::ProblemShape& s) {
-  return family_for(Pass::kForward, static_cast<fh_dtype>(p.q.dtype), s.head_dim, s.head_dim_v);
+  return family_for(Pass::kForward, static_cast<fh_dtype>(p.q.dtype), s.head_dim, s.head_dim_v,
+                    detail::present(p.qv));
 }
 
 // The call's tile (rows, key columns), from its family and mask; 0 x 0 when not built.
@@ -74,8 +75,8 @@ std::string forward_unsupported_reason(const ForwardParams& p, const detail::Pro
   if (p.q.dtype == FH_DTYPE_FP8_E4M3) return "fp8 e4m3 inputs are not supported yet";
   if (mask.num_sink_tokens > 0 && mask.attention_chunk > 0)
     return "num_sink_tokens together with attention_chunk is not supported by the kernels";
-  if (detail::present(p.qv)) return "qv (scores Q K^T + Qv V^T) is not supported by the kernels yet";
-  return family_unsupported_reason(Pass::kForward, static_cast<fh_dtype>(p.q.dtype), s.head_dim, s.head_dim_v);
+  return family_unsupported_reason(Pass::kForward, static_cast<fh_dtype>(p.q.dtype), s.head_dim, s.head_dim_v,
+                                   detail::present(p.qv));
 }
 
 ForwardPlan plan_forward(const ForwardParams& p, const detail::ProblemShape& s) {
@@ -127,8 +128,14 @@ int run_forward(const ForwardPlan& plan, void* workspace, fh_stream_t stream) {
       forward_family(call.params, call.shape), mask_kind(call.params), call.params.softcap > 0.f,
       [&](auto dtype, auto head_dim, auto head_dim_v, auto mask, auto softcap) {
         return with_forward_features(features, cudaErrorInvalidValue, [&](auto feature_set) {
-          return run_forward_hdim<dtype.value, head_dim.value, head_dim_v.value, mask.value, softcap.value,
-                                  feature_set.value>(call.params, call.shape, parts, stream);
+          // A qv family compiled only the sets with kQv, the others only those without.
+          constexpr bool kQvSet = hopper::holds(feature_set.value, hopper::ForwardFeatures::kQv);
+          if constexpr (kQvSet != forward_family_takes_qv(dtype.value, head_dim.value, head_dim_v.value)) {
+            return cudaErrorInvalidValue;
+          } else {
+            return run_forward_hdim<dtype.value, head_dim.value, head_dim_v.value, mask.value, softcap.value,
+                                    feature_set.value>(call.params, call.shape, parts, stream);
+          }
         });
       });
   if (err != 0 || parts.num_splits == 1) return err;

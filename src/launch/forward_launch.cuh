@@ -72,6 +72,12 @@ cudaError_t run_forward_hdim(const ForwardParams& p, const detail::ProblemShape&
       s.paged ? p.page_table.stride[0] : 0,
       s.paged ? int(p.page_table.shape[0]) : 0,
       int(s.page_size)};
+  if constexpr (Mainloop::kQv) {  // [B, sq, Hq, dv] as q (packed: [total_q, Hq, dv])
+    const TensorRows qv_rows = tensor_rows(p.qv, s.varlen_q, seqlen.total_q, batch);
+    mainloop_args.ptr_qv = static_cast<Element const*>(p.qv.data);
+    mainloop_args.shape_qv = make_shape(qv_rows.rows, dv, heads_q, qv_rows.batch);
+    mainloop_args.stride_qv = make_stride(qv_rows.row_stride, _1{}, qv_rows.head_stride, qv_rows.batch_stride);
+  }
   // lse: dense [B, Hq, sq], packed [Hq, total_q].
   const bool has_lse = p.lse.data != nullptr;
   const int64_t lse_head_stride = !has_lse ? 0 : (s.varlen_q ? p.lse.stride[0] : p.lse.stride[1]);

@@ -29,6 +29,7 @@ inline hopper::ForwardFeatures forward_features(const ForwardParams& p, const de
   if (detail::present(p.cache_seqlens) || detail::present(p.cache_leftpad) || detail::present(p.cache_batch_idx))
     f = f | ForwardFeatures::kKvCache;
   if (s.paged) f = f | ForwardFeatures::kPagedKv;
+  if (detail::present(p.qv)) f = f | ForwardFeatures::kQv;
   return f;
 }
 

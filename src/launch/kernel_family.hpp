@@ -14,6 +14,7 @@ struct KernelFamily {
   int head_dim;
   int head_dim_v;
   int first_set;  // index into kKernelSets of the smallest set that compiles it
+  bool qv;        // forward: runs the calls with qv (S = Q K^T + Qv V^T), and only those
 };
 
 }  // namespace flashhopper::launch

@@ -8,38 +8,42 @@ namespace flashhopper::launch {
 
 inline constexpr const char* kKernelSets[] = {"dev", "bench", "full"};
 
-// The forward's compiled feature sets, in the order the dispatch tries them.
+// The forward's compiled feature sets, in the order the dispatch tries them (those with kQv: the
+// qv families').
 inline constexpr hopper::ForwardFeatures kForwardFeatureSets[] = {
-    hopper::ForwardFeatures::kNone, hopper::ForwardFeatures::kAll};
+    hopper::ForwardFeatures::kNone,
+    hopper::ForwardFeatures::kAll,
+    hopper::ForwardFeatures::kNone | hopper::ForwardFeatures::kQv,
+    hopper::ForwardFeatures::kAll | hopper::ForwardFeatures::kQv};
 
-// (pass, dtype, head dim, value head dim, the first kernel set that compiles it)
+// (pass, dtype, head dim, value head dim, the first kernel set that compiles it, qv)
 inline constexpr KernelFamily kKernelFamilies[] = {
-    {Pass::kForward, FH_DTYPE_BF16, 64, 64, 1},
-    {Pass::kForward, FH_DTYPE_FP16, 64, 64, 2},
-    {Pass::kBackward, FH_DTYPE_BF16, 64, 64, 1},
-    {Pass::kBackward, FH_DTYPE_FP16, 64, 64, 2},
-    {Pass::kForward, FH_DTYPE_BF16, 64, 256, 2},
-    {Pass::kForward, FH_DTYPE_FP16, 64, 256, 2},
-    {Pass::kForward, FH_DTYPE_BF16, 96, 96, 2},
-    {Pass::kForward, FH_DTYPE_FP16, 96, 96, 2},
-    {Pass::kBackward, FH_DTYPE_BF16, 96, 96, 2},
-    {Pass::kBackward, FH_DTYPE_FP16, 96, 96, 2},
-    {Pass::kForward, FH_DTYPE_BF16, 128, 128, 0},
-    {Pass::kForward, FH_DTYPE_FP16, 128, 128, 2},
-    {Pass::kBackward, FH_DTYPE_BF16, 128, 128, 0},
-    {Pass::kBackward, FH_DTYPE_FP16, 128, 128, 2},
-    {Pass::kForward, FH_DTYPE_BF16, 192, 128, 2},
-    {Pass::kForward, FH_DTYPE_FP16, 192, 128, 2},
-    {Pass::kBackward, FH_DTYPE_BF16, 192, 128, 2},
-    {Pass::kBackward, FH_DTYPE_FP16, 192, 128, 2},
-    {Pass::kForward, FH_DTYPE_BF16, 192, 192, 2},
-    {Pass::kForward, FH_DTYPE_FP16, 192, 192, 2},
-    {Pass::kBackward, FH_DTYPE_BF16, 192, 192, 2},
-    {Pass::kBackward, FH_DTYPE_FP16, 192, 192, 2},
-    {Pass::kForward, FH_DTYPE_BF16, 256, 256, 1},
-    {Pass::kForward, FH_DTYPE_FP16, 256, 256, 2},
-    {Pass::kBackward, FH_DTYPE_BF16, 256, 256, 1},
-    {Pass::kBackward, FH_DTYPE_FP16, 256, 256, 2},
+    {Pass::kForward, FH_DTYPE_BF16, 64, 64, 1, false},
+    {Pass::kForward, FH_DTYPE_FP16, 64, 64, 2, false},
+    {Pass::kBackward, FH_DTYPE_BF16, 64, 64, 1, false},
+    {Pass::kBackward, FH_DTYPE_FP16, 64, 64, 2, false},
+    {Pass::kForward, FH_DTYPE_BF16, 64, 256, 2, true},
+    {Pass::kForward, FH_DTYPE_FP16, 64, 256, 2, true},
+    {Pass::kForward, FH_DTYPE_BF16, 96, 96, 2, false},
+    {Pass::kForward, FH_DTYPE_FP16, 96, 96, 2, false},
+    {Pass::kBackward, FH_DTYPE_BF16, 96, 96, 2, false},
+    {Pass::kBackward, FH_DTYPE_FP16, 96, 96, 2, false},
+    {Pass::kForward, FH_DTYPE_BF16, 128, 128, 0, false},
+    {Pass::kForward, FH_DTYPE_FP16, 128, 128, 2, false},
+    {Pass::kBackward, FH_DTYPE_BF16, 128, 128, 0, false},
+    {Pass::kBackward, FH_DTYPE_FP16, 128, 128, 2, false},
+    {Pass::kForward, FH_DTYPE_BF16, 192, 128, 2, false},
+    {Pass::kForward, FH_DTYPE_FP16, 192, 128, 2, false},
+    {Pass::kBackward, FH_DTYPE_BF16, 192, 128, 2, false},
+    {Pass::kBackward, FH_DTYPE_FP16, 192, 128, 2, false},
+    {Pass::kForward, FH_DTYPE_BF16, 192, 192, 2, false},
+    {Pass::kForward, FH_DTYPE_FP16, 192, 192, 2, false},
+    {Pass::kBackward, FH_DTYPE_BF16, 192, 192, 2, false},
+    {Pass::kBackward, FH_DTYPE_FP16, 192, 192, 2, false},
+    {Pass::kForward, FH_DTYPE_BF16, 256, 256, 1, false},
+    {Pass::kForward, FH_DTYPE_FP16, 256, 256, 2, false},
+    {Pass::kBackward, FH_DTYPE_BF16, 256, 256, 1, false},
+    {Pass::kBackward, FH_DTYPE_FP16, 256, 256, 2, false},
 };
 
 }  // namespace flashhopper::launch

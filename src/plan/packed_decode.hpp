@@ -25,7 +25,8 @@ inline KernelCall kernel_call(const ForwardParams& p, const ProblemShape& s) {
   if (!packable) return {p, s};
   const int64_t ratio = s.heads_q / s.heads_kv;
   ForwardParams packed = p;
-  for (Tensor* t : {&packed.q, &packed.out}) {  // [B, 1, Hq, d] -> [B, ratio, Hkv, d]
+  for (Tensor* t : {&packed.q, &packed.out, &packed.qv}) {  // [B, 1, Hq, d] -> [B, ratio, Hkv, d]
+    if (!present(*t)) continue;  // qv
     const int64_t head_stride = t->stride[2];
     t->shape[1] = ratio;
     t->shape[2] = s.heads_kv;

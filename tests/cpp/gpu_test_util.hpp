@@ -130,8 +130,8 @@ inline std::vector<GridCase> padded_head_dim_cases(bool backward) {
       cases.push_back({dtype, head_dim, false, 1, 257, 1000, 2, 2, true, {}, true});
       cases.push_back({dtype, head_dim, false, 1, 600, 500, 4, 2, false, {100, 0, 2, 0, 20.f, true}, true});
     }
-  // A value head dim other than the head dim (MLA's 192/128, and both ways; 64/256 and the dims it
-  // holds padded, forward only as a family), run on a family that holds both.
+  // A value head dim other than the head dim (MLA's 192/128, and both ways; 64/256 and less as MLA's
+  // latent values without qv, on 192/192 or 256/256), run on a family that holds both.
   for (const auto& [d, dv] : std::vector<std::pair<int, int>>{
            {192, 128}, {128, 64}, {64, 128}, {96, 40}, {64, 256}, {64, 192}, {32, 160}})
     for (bool causal : {false, true}) {

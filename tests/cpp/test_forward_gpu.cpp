@@ -294,6 +294,28 @@ TEST(ForwardGpuErrors, QvIsRefusedNotIgnored) {
 
 // ---- a dense KV cache ---------------------------------------------------------------------------
 
+// The pass rule on a forward's out and lse against the reference's exact ones and those of a plain
+// implementation in the inputs' precision: out within twice the plain error (NaN fails); lse within
+// 1e-3 (relative) or twice the plain error (rotary rounds the rotated q to bf16 before Q K^T, as the
+// plain one does and the exact one does not), -inf exactly where the exact one is.
+void expect_forward_outputs_pass(const HostTensor& out, const HostTensor& lse, const HostTensor& out_exact,
+                                 const HostTensor& lse_exact, const HostTensor& out_plain, const HostTensor& lse_plain) {
+  const double ours = max_abs_diff(out.view(), out_exact.view());
+  const double plain = max_abs_diff(out_plain.view(), out_exact.view());
+  EXPECT_LE(ours, 2 * plain + 1e-5) << "plain bf16 error " << plain;
+  double lse_plain_err = 0;
+  for_each_index(lse.shape(), [&](const std::vector<int64_t>& i) {
+    if (lse_exact.get(i) != -INFINITY)
+      lse_plain_err = std::max(lse_plain_err, std::fabs(lse_plain.get(i) - lse_exact.get(i)));
+  });
+  for_each_index(lse.shape(), [&](const std::vector<int64_t>& i) {
+    const double a = lse.get(i), e = lse_exact.get(i);
+    const double tolerance = std::max(1e-3 * (1 + std::fabs(e)), 2 * lse_plain_err + 1e-5);
+    if (!(e == -INFINITY ? a == -INFINITY : std::fabs(a - e) <= tolerance))
+      ADD_FAILURE() << "lse at " << ::testing::PrintToString(i) << ": " << a << " against " << e;
+  });
+}
+
 struct KvCacheCase {
   int batch, seqlen_q, heads_q, heads_kv, cache_rows, cache_len;
   bool causal, leftpad, batch_idx;
@@ -462,22 +484,7 @@ TEST_P(KvCacheGpuTest, MatchesReference) {
         ADD_FAILURE() << name << " cache at " << ::testing::PrintToString(i) << ": " << a << ", expected " << e;
     });
   }
-  const double ours = max_abs_diff(out.view(), out_exact.view());
-  const double plain = max_abs_diff(out_plain.view(), out_exact.view());
-  EXPECT_LE(ours, 2 * plain + 1e-5) << "plain bf16 error " << plain;  // NaN fails
-  // LSE: within 1e-3 (relative), or twice the plain implementation's error (rotary rounds the
-  // rotated q to bf16 before Q K^T, as the plain one does and the exact one does not).
-  double lse_plain_err = 0;
-  for_each_index(lse.shape(), [&](const std::vector<int64_t>& i) {
-    if (lse_exact.get(i) != -INFINITY)
-      lse_plain_err = std::max(lse_plain_err, std::fabs(lse_plain.get(i) - lse_exact.get(i)));
-  });
-  for_each_index(lse.shape(), [&](const std::vector<int64_t>& i) {
-    const double a = lse.get(i), e = lse_exact.get(i);
-    const double tolerance = std::max(1e-3 * (1 + std::fabs(e)), 2 * lse_plain_err + 1e-5);
-    if (!(e == -INFINITY ? a == -INFINITY : std::fabs(a - e) <= tolerance))
-      ADD_FAILURE() << "lse at " << ::testing::PrintToString(i) << ": " << a << " against " << e;
-  });
+  expect_forward_outputs_pass(out, lse, out_exact, lse_exact, out_plain, lse_plain);
 }
 
 std::vector<KvCacheCase> kv_cache_cases() {
@@ -566,6 +573,95 @@ std::vector<KvCacheCase> kv_cache_cases() {
 
 INSTANTIATE_TEST_SUITE_P(KvCache, KvCacheGpuTest, ::testing::ValuesIn(kv_cache_cases()),
                          [](const ::testing::TestParamInfo<KvCacheCase>& info) { return info.param.name(); });
+
+// qv (absorbed MLA: S = Q K^T + Qv V^T, head dim 64, value head dim 256), on the qv family:
+// dense (sq = sk, causal or not, GQA 16/1) and decoding a KV cache (128 query heads on one KV head,
+// packed into one tile; split-KV chosen and forced; a few query tokens, causal). Against the CPU
+// reference (which computes qv) with the pass rule; out and lse poisoned.
+struct QvCase {
+  int batch, seqlen_q, seqlen_k, heads_q;
+  bool causal, kv_cache;
+  int num_splits = 1;
+  std::string name() const {
+    return "b" + std::to_string(batch) + "_sq" + std::to_string(seqlen_q) + "_sk" + std::to_string(seqlen_k) + "_h" +
+           std::to_string(heads_q) + (causal ? "_causal" : "") + (kv_cache ? "_cache" : "") +
+           (num_splits != 1 ? "_splits" + std::to_string(num_splits) : "");
+  }
+};
+
+class QvGpuTest : public ::testing::TestWithParam<QvCase> {};
+
+TEST_P(QvGpuTest, MatchesReference) {
+  const QvCase c = GetParam();
+  const int d = 64, dv = 256;
+  HostTensor q = random_tensor(FH_DTYPE_BF16, {c.batch, c.seqlen_q, c.heads_q, d}, 5201);
+  HostTensor qv = random_tensor(FH_DTYPE_BF16, {c.batch, c.seqlen_q, c.heads_q, dv}, 5202);
+  HostTensor k = random_tensor(FH_DTYPE_BF16, {c.batch, c.seqlen_k, 1, d}, 5203);
+  HostTensor v = random_tensor(FH_DTYPE_BF16, {c.batch, c.seqlen_k, 1, dv}, 5204);
+  std::vector<int32_t> lengths(c.batch);
+  for (int b = 0; b < c.batch; ++b) lengths[b] = b == 0 ? c.seqlen_k : b == 1 ? 1 : (b * 977) % c.seqlen_k;
+  const HostTensor cache_seqlens = int32_tensor(lengths);
+  HostTensor out(FH_DTYPE_BF16, {c.batch, c.seqlen_q, c.heads_q, dv});
+  HostTensor lse(FH_DTYPE_FP32, {c.batch, c.heads_q, c.seqlen_q});
+  DeviceTensor d_q(q), d_qv(qv), d_k(k), d_v(v), d_out(out), d_lse(lse), d_lengths(cache_seqlens);
+  for (auto [device, host] : {std::pair<DeviceTensor*, const HostTensor*>{&d_q, &q}, {&d_qv, &qv}, {&d_k, &k},
+                              {&d_v, &v}, {&d_lengths, &cache_seqlens}}) {
+    ASSERT_TRUE(device->ok());
+    CUDA_CHECK(device->upload(*host));
+  }
+  CUDA_CHECK(d_out.poison());
+  CUDA_CHECK(d_lse.poison());
+  ForwardParams p = default_forward_params();
+  p.q = d_q.view();
+  p.qv = d_qv.view();
+  p.k = d_k.view();
+  p.v = d_v.view();
+  p.out = d_out.view();
+  p.lse = d_lse.view();
+  p.causal = c.causal;
+  p.num_splits = c.num_splits;
+  if (c.kv_cache) p.cache_seqlens = d_lengths.view();
+  size_t workspace_bytes = 0;
+  Status status = workspace_size(p, &workspace_bytes);
+  ASSERT_TRUE(status.ok()) << status.message;
+  DeviceBuffer workspace;
+  CUDA_CHECK(workspace.allocate(workspace_bytes));
+  status = forward(p, workspace.data(), workspace_bytes, nullptr);
+  if (status.code == FH_ERROR_NOT_SUPPORTED) GTEST_SKIP() << "not in this build: " << status.message;
+  ASSERT_TRUE(status.ok()) << status.message;
+  CUDA_CHECK(cudaDeviceSynchronize());
+  CUDA_CHECK(d_out.download(out));
+  CUDA_CHECK(d_lse.download(lse));
+
+  ForwardParams host = p;
+  host.num_splits = 1;
+  host.q = q.view();
+  host.qv = qv.view();
+  host.k = k.view();
+  host.v = v.view();
+  host.cache_seqlens = c.kv_cache ? cache_seqlens.view() : Tensor{};
+  HostTensor out_exact(FH_DTYPE_FP64, out.shape()), lse_exact(FH_DTYPE_FP64, lse.shape());
+  HostTensor out_plain(FH_DTYPE_BF16, out.shape()), lse_plain(FH_DTYPE_FP32, lse.shape());
+  host.out = out_exact.view();
+  host.lse = lse_exact.view();
+  Status reference = flashhopper::reference::forward(host);
+  ASSERT_TRUE(reference.ok()) << reference.message;
+  flashhopper::reference::Options emulate;
+  emulate.emulate_low_precision = true;
+  host.out = out_plain.view();
+  host.lse = lse_plain.view();
+  reference = flashhopper::reference::forward(host, emulate);
+  ASSERT_TRUE(reference.ok()) << reference.message;
+  expect_forward_outputs_pass(out, lse, out_exact, lse_exact, out_plain, lse_plain);
+}
+
+INSTANTIATE_TEST_SUITE_P(Qv, QvGpuTest,
+                         ::testing::Values(QvCase{2, 300, 300, 16, false, false}, QvCase{2, 300, 300, 16, true, false},
+                                           QvCase{1, 77, 1000, 8, false, false}, QvCase{3, 1, 1000, 128, false, true},
+                                           QvCase{3, 1, 1000, 128, false, true, 0},
+                                           QvCase{3, 1, 3000, 128, false, true, 5},
+                                           QvCase{3, 4, 1000, 128, true, true}),
+                         [](const ::testing::TestParamInfo<QvCase>& info) { return info.param.name(); });
 
 }  // namespace
 }  // namespace flashhopper::test

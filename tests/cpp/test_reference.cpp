@@ -2099,6 +2099,39 @@ TEST(PackedDecode, QueryHeadsAsRowsIsTheSameAttention) {
     EXPECT_LE(max_abs_diff(packed_out.view(), out.view()), kSameMaths);
     EXPECT_LE(max_abs_diff(packed_lse.view(), lse.view()), kSameMaths);
   }
+  {  // qv (absorbed MLA decode) takes the view of q, its rows as q's
+    SCOPED_TRACE("qv");
+    const HostTensor qv = random_tensor(FH_DTYPE_FP64, {batch, 1, heads_q, dv}, 2106);
+    HostTensor out(FH_DTYPE_FP64, {batch, 1, heads_q, dv}), lse(FH_DTYPE_FP64, {batch, heads_q, 1});
+    fh::ForwardParams p = fh::default_forward_params();
+    p.q = q.view();
+    p.qv = qv.view();
+    p.k = k.view();
+    p.v = v.view();
+    p.out = out.view();
+    p.lse = lse.view();
+    p.cache_seqlens = lengths.view();
+    p.cache_batch_idx = rows.view();
+    p.causal = 1;
+    ASSERT_OK(ref::forward(p));
+    const fh::detail::KernelCall call = fh::detail::kernel_call(p, fh::detail::forward_shape(p));
+    EXPECT_EQ(call.params.qv.shape[1], heads_q / heads_kv);
+    EXPECT_EQ(call.params.qv.stride[2], call.params.qv.stride[1] * (heads_q / heads_kv));
+    HostTensor packed_out(FH_DTYPE_FP64, out.shape()), packed_lse(FH_DTYPE_FP64, lse.shape());
+    fh::ForwardParams packed = call.params;
+    packed.out.data = packed_out.view().data;
+    packed.lse.data = packed_lse.view().data;
+    ASSERT_OK(ref::forward(packed));
+    EXPECT_LE(max_abs_diff(packed_out.view(), out.view()), kSameMaths);
+    EXPECT_LE(max_abs_diff(packed_lse.view(), lse.view()), kSameMaths);
+    fh::ForwardParams no_qv = p;  // and qv matters: the same call without it differs
+    HostTensor plain_out(FH_DTYPE_FP64, out.shape());
+    no_qv.qv = fh::Tensor{};
+    no_qv.out = plain_out.view();
+    no_qv.lse = fh::Tensor{};
+    ASSERT_OK(ref::forward(no_qv));
+    EXPECT_GT(max_abs_diff(plain_out.view(), out.view()), 1e-3);
+  }
   // Left as they are: several query rows, no GQA, a left window, a learnable sink.
   fh::ForwardParams p = fh::default_forward_params();
   HostTensor out(FH_DTYPE_FP64, {batch, 1, heads_q, dv});

@@ -1584,21 +1584,42 @@ TEST(KernelFamilies, ValueHeadDimsRunOnTheirOwnFamily) {
 }
 
 TEST(KernelFamilies, CallsRunOnTheFamilyThatPadsLeast) {
-  // The forward's 64/256 (MLA's latent values) takes calls of d <= 64 and dv in (128, 256], which
-  // 256/256 would pad to four times the Q K^T depth; (64, 128) stays on 128/128 (256 of work
-  // against 320). The backward has no 64/256 and pads to 256.
-  for (fh_dtype dtype : {FH_DTYPE_BF16, FH_DTYPE_FP16}) {
+  // Of the families that hold a call, the one of least d + dv: (64, 128) on 128/128 (256 of work),
+  // not 192/128 (320); (160, 64) on 192/128, not 192/192.
+  for (fh_dtype dtype : {FH_DTYPE_BF16, FH_DTYPE_FP16})
     for (const auto& [asked, runs_on] : std::vector<std::pair<std::pair<int, int>, std::pair<int, int>>>{
-             {{64, 256}, {64, 256}}, {{64, 192}, {64, 256}}, {{40, 136}, {64, 256}}, {{64, 128}, {128, 128}},
-             {{64, 64}, {64, 64}}, {{72, 256}, {256, 256}}}) {
+             {{64, 128}, {128, 128}}, {{64, 64}, {64, 64}}, {{160, 64}, {192, 128}}, {{64, 192}, {192, 192}}}) {
       const auto* f = family_for(Pass::kForward, dtype, asked.first, asked.second);
       ASSERT_NE(f, nullptr) << asked.first << "/" << asked.second;
       EXPECT_EQ(std::make_pair(f->head_dim, f->head_dim_v), runs_on) << asked.first << "/" << asked.second;
     }
-    const auto* backward = family_for(Pass::kBackward, dtype, 64, 256);
-    ASSERT_NE(backward, nullptr);
-    EXPECT_EQ(std::make_pair(backward->head_dim, backward->head_dim_v), std::make_pair(256, 256));
+}
+
+TEST(KernelFamilies, QvCallsRunOnTheQvFamiliesAlone) {
+  // The forward's 64/256 qv family (absorbed MLA) takes the calls with qv of d <= 64 and
+  // dv <= 256, and no call without qv: (64, 256) without qv pads to 256/256. A qv call no qv family
+  // holds is refused by name; the backward has no qv.
+  for (fh_dtype dtype : {FH_DTYPE_BF16, FH_DTYPE_FP16}) {
+    for (const auto& [d, dv] : std::vector<std::pair<int, int>>{{64, 256}, {64, 192}, {32, 128}, {64, 64}}) {
+      const auto* f = family_for(Pass::kForward, dtype, d, dv, /*qv=*/true);
+      ASSERT_NE(f, nullptr) << d << "/" << dv;
+      EXPECT_TRUE(f->qv);
+      EXPECT_EQ(std::make_pair(f->head_dim, f->head_dim_v), std::make_pair(64, 256)) << d << "/" << dv;
+    }
+    const auto* plain = family_for(Pass::kForward, dtype, 64, 256);
+    ASSERT_NE(plain, nullptr);
+    EXPECT_FALSE(plain->qv);
+    EXPECT_EQ(std::make_pair(plain->head_dim, plain->head_dim_v), std::make_pair(256, 256));
+    EXPECT_EQ(family_for(Pass::kForward, dtype, 72, 256, /*qv=*/true), nullptr);
+    EXPECT_EQ(family_for(Pass::kForward, dtype, 64, 264, /*qv=*/true), nullptr);
+    EXPECT_EQ(family_for(Pass::kBackward, dtype, 64, 256, /*qv=*/true), nullptr);
+    EXPECT_TRUE(flashhopper::launch::forward_family_takes_qv(dtype, 64, 256));
+    EXPECT_FALSE(flashhopper::launch::forward_family_takes_qv(dtype, 128, 128));
   }
+  const std::string reason =
+      flashhopper::launch::family_unsupported_reason(Pass::kForward, FH_DTYPE_BF16, 128, 128, /*qv=*/true);
+  EXPECT_THAT(reason, HasSubstr("head dim 128 and qv: no kernel family with qv holds it"));
+  EXPECT_THAT(reason, HasSubstr("64/256"));
 }
 
 TEST(KernelFamilies, CompiledFamiliesQuery) {

@@ -173,9 +173,9 @@ def test_mla_prefill_head_dims_against_reference(dtype, causal):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @requires_gpu
 def test_latent_value_head_dims_against_reference(dtype, causal, dv):
-    """Head dim 64 with value head dim 256 (MLA's latent values; the forward's 64/256 family, 192
-    padded on it), GQA 16/1 as absorbed decode has it, with a window's both sides for the masked
-    paths: out, lse and the gradients (the backward pads to 256) against float64 with the pass rule."""
+    """Head dim 64 with value head dim 256 (MLA's latent values) without qv: on 256/256 (192: on
+    192/192), GQA 16/1, a window's both sides for the masked paths: out, lse and the gradients
+    against float64 with the pass rule."""
     q, k, _ = make_inputs(2, 257, 300, 16, 1, 64, dtype, seed=dv + causal)
     v = make_inputs(2, 257, 300, 16, 1, dv, dtype, seed=dv + 1 + causal)[2]
     window = (-1, -1) if causal else (100, 30)
@@ -185,6 +185,56 @@ def test_latent_value_head_dims_against_reference(dtype, causal, dv):
     grads = run_or_skip(torch.autograd.grad, out, (q, k, v), dout)
     assert_matches_reference(out, lse, grads, (q, k, v), dout, dtype, lambda leaves, in_dtype: attention_reference(
         *leaves, causal=causal, window_size=window, dtype=in_dtype))
+
+
+# (seqlen_q, causal, num_splits, paged): absorbed MLA decode (1 token, packed GQA 128/1 with and
+# without splits, pages of 64) and a few query tokens (causal, MTP).
+QV_CASES = [(1, False, 1, False), (1, False, 0, False), (1, True, 3, True), (4, True, 1, False), (4, False, 0, True)]
+
+
+@pytest.mark.parametrize("seqlen_q, causal, num_splits, paged", QV_CASES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@requires_gpu
+def test_qv_decode_against_reference(dtype, seqlen_q, causal, num_splits, paged):
+    """flash_attn_with_kvcache with qv (S = Q K^T + Qv V^T, FA3's absorbed MLA): the attention of
+    [q, qv] against [k, v] over the values v with scale 1/sqrt(d + dv), in float64; out within twice
+    the error of the same attention in plain low precision, lse close. 128 query heads on one KV
+    head, cache lengths of 1, 700 and all 1024 keys."""
+    heads_q, d, dv, capacity = 128, 64, 256, 1024
+    generator = torch.Generator(device="cuda").manual_seed(seqlen_q * 10 + num_splits + paged)
+    randn = lambda *shape: torch.randn(*shape, device="cuda", dtype=dtype, generator=generator)  # noqa: E731
+    q, qv = randn(3, seqlen_q, heads_q, d), randn(3, seqlen_q, heads_q, dv)
+    k_cache, v_cache = randn(3, capacity, 1, d), randn(3, capacity, 1, dv)
+    lengths = [1, 700, capacity]
+    cache_seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    cache = dict(k_cache=k_cache, v_cache=v_cache)
+    if paged:  # pages of 64 in a shuffled pool
+        page, pages = 64, capacity // 64
+        order = torch.randperm(3 * pages, device="cuda", generator=generator)
+        page_table = order.view(3, pages).to(torch.int32)
+        pool_k = torch.empty(3 * pages, page, 1, d, device="cuda", dtype=dtype)
+        pool_v = torch.empty(3 * pages, page, 1, dv, device="cuda", dtype=dtype)
+        pool_k[order] = k_cache.view(3 * pages, page, 1, d)
+        pool_v[order] = v_cache.view(3 * pages, page, 1, dv)
+        cache = dict(k_cache=pool_k, v_cache=pool_v, page_table=page_table)
+    out, lse = run_or_skip(fa3.flash_attn_with_kvcache, q, cache.pop("k_cache"), cache.pop("v_cache"), qv=qv,
+                           cache_seqlens=cache_seqlens, causal=causal, num_splits=num_splits,
+                           return_softmax_lse=True, **cache)
+    assert out.shape == (3, seqlen_q, heads_q, dv) and out.dtype == dtype
+    scale = (d + dv) ** -0.5
+    for b, length in enumerate(lengths):
+        keys = torch.cat([k_cache[b:b + 1, :length], v_cache[b:b + 1, :length]], dim=-1)
+        queries = torch.cat([q[b:b + 1], qv[b:b + 1]], dim=-1)
+        values = v_cache[b:b + 1, :length]
+        ref64, lse64 = attention_reference(queries.double(), keys.double(), values.double(), causal=causal,
+                                           softmax_scale=scale)
+        plain, _ = attention_reference(queries, keys, values, causal=causal, softmax_scale=scale)
+        ours = out[b:b + 1].double()
+        assert not ours.isnan().any()
+        ours_err = (ours - ref64).abs().max().item()
+        plain_err = (plain.double() - ref64).abs().max().item()
+        assert ours_err <= 2 * plain_err + 1e-5, (b, ours_err, plain_err)
+        torch.testing.assert_close(lse[b:b + 1].double(), lse64, rtol=1e-3, atol=1e-3)
 
 
 # (id, dtype, head_dim, batch, seqlen_q, seqlen_k, heads_q, heads_kv, options for flash_attn_func, with_sink).

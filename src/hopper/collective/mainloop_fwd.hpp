@@ -6,6 +6,9 @@
 //   and the softmax of the new S runs while P V is still in flight;
 // - ping-pong: a ring of named barriers lets one warpgroup issue its GEMMs while the other does
 //   its softmax.
+// With qv (absorbed MLA, ForwardFeatures::kQv) S = Q K^T + Qv V^T: Qv loads with Q, and the same
+// shared V block is the B operand of Qv V^T (read K-major) before it is P V's (read MN-major), so
+// V of a block loads with its K and stays one block longer.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -48,6 +51,7 @@ struct ForwardMainloop {
   static constexpr bool kSplitKv = holds(kFeatures, ForwardFeatures::kSplitKv);
   static constexpr bool kKvCache = holds(kFeatures, ForwardFeatures::kKvCache);
   static constexpr bool kPagedKv = holds(kFeatures, ForwardFeatures::kPagedKv);
+  static constexpr bool kQv = holds(kFeatures, ForwardFeatures::kQv);
   static constexpr int kNumMmaWarpGroups = kBlockM / 64;
   static constexpr int kNumMmaThreads = kNumMmaWarpGroups * cutlass::NumThreadsPerWarpGroup;
 
@@ -76,6 +80,15 @@ struct ForwardMainloop {
   using SmemLayoutVt = decltype(tile_to_shape(
       cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::MN, Element, Int<kHeadDimV>, Int<kBlockN>>(),
       Shape<Int<kHeadDimV>, Int<kBlockN>, Int<kStages>>{}, Step<_2, _1, _3>{}));
+  // qv: Qv (M, dv) K-major as Q; V's stages read as the K-major B operand (N, dv) of Qv V^T. Both
+  // tile the same 128-byte swizzle atom (dv contiguous, 8 keys), N first: (n, c, s) of the one
+  // is (c, n, s) of the other (checked below).
+  using SmemLayoutQv = decltype(tile_to_shape(
+      cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element, Int<kBlockM>, Int<kHeadDimV>>(),
+      Shape<Int<kBlockM>, Int<kHeadDimV>>{}));
+  using SmemLayoutVAsB = decltype(tile_to_shape(
+      cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element, Int<kBlockN>, Int<kHeadDimV>>(),
+      Shape<Int<kBlockN>, Int<kHeadDimV>, Int<kStages>>{}));
 
   // Global tensors as (seqlen, d, head, batch); Vt as (dv, seqlen, head, batch). Packed batches:
   // (total, d, head, 1), a tile's sequence at its SeqlenInfo's row offset.
@@ -103,8 +116,30 @@ struct ForwardMainloop {
   static constexpr uint32_t kTmaBytesQ = cosize_v<SmemLayoutQ> * sizeof(Element);
   static constexpr uint32_t kTmaBytesK = size(take<0, 2>(SmemLayoutK{})) * sizeof(Element);
   static constexpr uint32_t kTmaBytesV = size(take<0, 2>(SmemLayoutVt{})) * sizeof(Element);
+  // What completes Q's barrier: Q, and Qv with it.
+  static constexpr uint32_t kTmaBytesQAndQv = kTmaBytesQ + (kQv ? cosize_v<SmemLayoutQv> * sizeof(Element) : 0);
 
-  struct SharedStorageKV {
+  // qv only: empty bases elsewhere, so that the other kernels' layouts do not change, and the
+  // TMA type is computed only for the kernels that have one.
+  template <bool kOn, class = void>
+  struct QvStorage {};
+  template <class Unused>
+  struct QvStorage<true, Unused> {
+    cute::array_aligned<Element, cosize_v<SmemLayoutQv>, 1024> smem_qv;
+  };
+  template <bool kOn, class = void>
+  struct QvParams {};
+  template <class Unused>
+  struct QvParams<true, Unused> {
+    using TmaQv = decltype(make_tma_copy(
+        SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), ShapeQKV{}, StrideQK{}),
+        SmemLayoutQv{}, Shape<Int<kBlockM>, Int<kHeadDimV>>{}, _1{}));
+    TmaQv tma_qv;
+    ShapeQKV shape_qv;
+  };
+
+  // K and V stages (and Qv's buffer with qv).
+  struct SharedStorageKV : QvStorage<kQv> {
     cute::array_aligned<Element, cosize_v<SmemLayoutK>, 1024> smem_k;
     cute::array_aligned<Element, cosize_v<SmemLayoutVt>, 1024> smem_v;
   };
@@ -132,9 +167,13 @@ struct ForwardMainloop {
     int64_t page_table_stride = 0;
     int page_table_rows = 0;
     int page_size = 0;
+    // qv [rows, dv, heads_q, batch] as Q (kQv only, which every call with qv runs on).
+    Element const* ptr_qv = nullptr;
+    ShapeQKV shape_qv{};
+    StrideQK stride_qv{};
   };
 
-  struct Params {
+  struct Params : QvParams<kQv> {
     ShapeQKV shape_q;
     ShapeQKV shape_k;
     ShapeQKV shape_vt;
@@ -183,7 +222,14 @@ struct ForwardMainloop {
       paged = Paged::make(mK, mVt, args.page_table, args.page_table_stride, args.page_table_rows, args.page_size,
                           /*keys_start_mid_page=*/args.seqlen.cache_leftpad != nullptr);
     }
-    return {args.shape_q,
+    QvParams<kQv> qv{};
+    if constexpr (kQv) {
+      Tensor mQv = make_tensor(make_gmem_ptr(args.ptr_qv), args.shape_qv, args.stride_qv);
+      qv = {make_tma_copy(SM90_TMA_LOAD{}, mQv, SmemLayoutQv{}, Shape<Int<kBlockM>, Int<kHeadDimV>>{}, _1{}),
+            args.shape_qv};
+    }
+    return {qv,
+            args.shape_q,
             args.shape_k,
             args.shape_vt,
             tma_q,
@@ -203,6 +249,7 @@ struct ForwardMainloop {
     cute::prefetch_tma_descriptor(params.tma_q.get_tma_descriptor());
     cute::prefetch_tma_descriptor(params.tma_k.get_tma_descriptor());
     cute::prefetch_tma_descriptor(params.tma_vt.get_tma_descriptor());
+    if constexpr (kQv) cute::prefetch_tma_descriptor(params.tma_qv.get_tma_descriptor());
     if constexpr (kPagedKv) Paged::prefetch(params.paged);
   }
 
@@ -288,20 +335,49 @@ struct ForwardMainloop {
     };
     auto load_k = [&](int n_block) { load_stage(cute::false_type{}, n_block); };
     auto load_v = [&](int n_block) { load_stage(cute::true_type{}, n_block); };
-    // The first K block goes out while the previous tile's last GEMMs may still read Q.
+    // The first K block goes out while the previous tile's last GEMMs may still read Q. With qv
+    // each V block goes with its K: Qv V^T needs it as Q K^T needs K.
     const int num_blocks = blocks.count();
     load_k(blocks.at(0));
+    if constexpr (kQv) load_v(blocks.at(0));
     shared.q_empty.wait(shared.q_phase);
     shared.q_phase ^= 1;
     if (leader) {
-      shared.q_full.arrive_and_expect_tx(kTmaBytesQ);
+      shared.q_full.arrive_and_expect_tx(kTmaBytesQAndQv);
       copy(params.tma_q.with(reinterpret_cast<uint64_t&>(shared.q_full)), tQgQ, tQsQ);
+      if constexpr (kQv) load_qv(params, shared, work, seq);
     }
     for (int i = 1; i < num_blocks; ++i) {
       load_k(blocks.at(i));
-      load_v(blocks.at(i - 1));
+      load_v(blocks.at(kQv ? i : i - 1));
     }
-    load_v(blocks.at(num_blocks - 1));
+    if constexpr (!kQv) load_v(blocks.at(num_blocks - 1));
+  }
+
+  // SmemLayoutVAsB is SmemLayoutVt with its first two modes swapped: the same swizzle, and the
+  // same offsets at the corners of an atom, across atoms in both modes and in the last stage.
+  static constexpr bool v_views_agree() {
+    auto vt = get_nonswizzle_portion(SmemLayoutVt{});
+    auto vb = get_nonswizzle_portion(SmemLayoutVAsB{});
+    for (int n : {0, 1, 7, 8, kBlockN - 1})
+      for (int c : {0, 1, 63, 64, kHeadDimV - 1})
+        for (int s : {0, kStages - 1})
+          if (vt(c, n, s) != vb(n, c, s)) return false;
+    return cute::is_same_v<decltype(get_swizzle_portion(SmemLayoutVt{})),
+                           decltype(get_swizzle_portion(SmemLayoutVAsB{}))>;
+  }
+
+  // qv: the tile's Qv rows, on Q's barrier (its bytes counted in kTmaBytesQAndQv).
+  CUTLASS_DEVICE static void load_qv(Params const& params, SharedState const& shared, WorkTile const& work,
+                                     SeqlenInfo const& seq) {
+    static_assert(v_views_agree(), "Qv V^T must read V's stages where the TMA wrote them");
+    Tensor sQv = make_tensor(make_smem_ptr(shared.kv.smem_qv.data()), SmemLayoutQv{});
+    Tensor mQv = domain_offset(make_coord(seq.offset_q, _0{}),
+                               params.tma_qv.get_tma_tensor(params.shape_qv)(_, _, work.head, seq.batch_q));
+    Tensor gQv = local_tile(mQv, Shape<Int<kBlockM>, Int<kHeadDimV>>{}, make_coord(work.block, _0{}));  // (M, dv)
+    auto [tQvgQv, tQvsQv] =
+        tma_partition(params.tma_qv, _0{}, Layout<_1>{}, group_modes<0, 2>(sQv), group_modes<0, 2>(gQv));
+    copy(params.tma_qv.with(reinterpret_cast<uint64_t&>(shared.q_full)), tQvgQv, tQvsQv);
   }
 
   // Consumer: one 64-row slice per warpgroup. On return tOrO holds the unnormalised O and
@@ -358,14 +434,42 @@ struct ForwardMainloop {
       if (gathered) cutlass::arch::fence_view_async_shared();
     };
 
+    // S = Q K^T (+ Qv V^T with qv, V of the same block: the V stage `v_ahead`, one block ahead of
+    // the one P V reads; the second wait on a stage returns at once).
+    PipelineState v_ahead = shared.v_state;
+    auto wait_v_ahead = [&] {
+      if constexpr (kQv) wait_stage(shared.pipeline_v, v_ahead);
+    };
+    // Qv's and V's operands of Qv V^T, (MMA, MMA_M, MMA_K) and (MMA, MMA_N, MMA_K, PIPE), made once
+    // as Q's and K's are (none without qv). (cute::Tensor named: in a lambda of this template the
+    // unqualified name finds flashhopper's.)
+    auto qv_operands = [&] {
+      if constexpr (kQv) {
+        cute::Tensor sQv = make_tensor(make_smem_ptr(shared.kv.smem_qv.data()), SmemLayoutQv{});
+        cute::Tensor sV = make_tensor(make_smem_ptr(shared.kv.smem_v.data()), SmemLayoutVAsB{});
+        return cute::make_tuple(thr_mma_qk.partition_fragment_A(sQv), thr_mma_qk.partition_fragment_B(sV));
+      } else {
+        return cute::tuple<>{};
+      }
+    }();
+    auto gemm_s = [&](auto zero_init) {
+      warpgroup_gemm<decltype(zero_init)::value, -1>(tiled_mma_qk, tSrQ, tSrK(_, _, _, shared.k_state.index()), tSrS);
+      if constexpr (kQv) {
+        warpgroup_gemm<false, -1>(tiled_mma_qk, get<0>(qv_operands), get<1>(qv_operands)(_, _, _, v_ahead.index()),
+                                  tSrS);
+        ++v_ahead;
+      }
+    };
+
     shared.q_full.wait(shared.q_phase);
     shared.q_phase ^= 1;
 
     // First block: S only.
     int n_block = blocks.at(0);
     wait_stage(shared.pipeline_k, shared.k_state);
+    wait_v_ahead();
     take_turn();
-    warpgroup_gemm</*kZeroInit=*/true, /*kWait=*/-1>(tiled_mma_qk, tSrQ, tSrK(_, _, _, shared.k_state.index()), tSrS);
+    gemm_s(/*kZeroInit=*/cute::true_type{});
     pass_turn();
     warpgroup_wait<0>();
     shared.pipeline_k.consumer_release(shared.k_state);
@@ -395,8 +499,9 @@ struct ForwardMainloop {
       n_block = blocks.at(i);
       wait_stage(shared.pipeline_k, shared.k_state);
       write_p(i > 1);
+      wait_v_ahead();
       take_turn();
-      warpgroup_gemm<true, -1>(tiled_mma_qk, tSrQ, tSrK(_, _, _, shared.k_state.index()), tSrS);
+      gemm_s(cute::true_type{});
       // O shrinks for the previous block's maximum while Q K^T runs, before P V adds to it.
       scale_rows(o_rowcol, o_scale);
       wait_stage(shared.pipeline_v, shared.v_state);

@@ -18,6 +18,9 @@ enum class ForwardFeatures : uint32_t {
   kKvCache = 1u << 2,  // cache_seqlens, cache_leftpad, cache_batch_idx (and the append before)
   kPagedKv = 1u << 3,  // page_table: K and V by page, in TMA chunks or gathered
   kAll = (1u << 4) - 1,
+  // qv (absorbed MLA): S = Q K^T + Qv V^T. Not in kAll: only the families the manifest marks qv
+  // compile it (both their sets carry it), and they run calls with qv only.
+  kQv = 1u << 4,
 };
 
 constexpr ForwardFeatures operator|(ForwardFeatures a, ForwardFeatures b) {

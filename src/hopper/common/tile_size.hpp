@@ -21,14 +21,15 @@ struct ForwardTileSize<64, 64, kMasked> {
   static constexpr int kStages = 2;
 };
 
-// hdim 64 with dv 256 (forward only): O is 128 registers a thread as at hdim 256, S 48 with 96
-// key columns (a WGMMA N of CuTe's default set); Q, two K and two V stages and O staged: 200 KiB.
-// Not tuned yet.
+// hdim 64 with dv 256 and qv (absorbed MLA, forward only): O is 128 registers a thread as at
+// hdim 256, S 32 with 64 key columns. Q, Qv (64 KiB), three K and three V stages: 200 KiB, O from
+// registers. A V stage is held from Qv V^T to the next block's P V, so a third one lets the next
+// block's V load meanwhile. Not tuned yet.
 template <bool kMasked>
 struct ForwardTileSize<64, 256, kMasked> {
   static constexpr int kBlockM = 128;
-  static constexpr int kBlockN = 96;
-  static constexpr int kStages = 2;
+  static constexpr int kBlockN = 64;
+  static constexpr int kStages = 3;
 };
 
 // hdim 128: unmasked takes 160 key columns (2 stages and O staged in shared memory, 224 KiB), the

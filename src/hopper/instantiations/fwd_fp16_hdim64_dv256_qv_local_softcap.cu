@@ -2,6 +2,6 @@
 #include "launch/forward_launch.cuh"
 
 namespace flashhopper::launch {
-template cudaError_t run_forward_hdim<FH_DTYPE_BF16, 64, 256, hopper::MaskKind::kCausal, false, hopper::ForwardFeatures::kAll>(
+template cudaError_t run_forward_hdim<FH_DTYPE_FP16, 64, 256, hopper::MaskKind::kLocal, true, hopper::ForwardFeatures::kNone | hopper::ForwardFeatures::kQv>(
     const ForwardParams&, const detail::ProblemShape&, const ForwardWorkspace&, cudaStream_t);
 }  // namespace flashhopper::launch

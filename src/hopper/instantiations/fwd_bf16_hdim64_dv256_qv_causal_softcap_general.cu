@@ -2,6 +2,6 @@
 #include "launch/forward_launch.cuh"
 
 namespace flashhopper::launch {
-template cudaError_t run_forward_hdim<FH_DTYPE_BF16, 64, 256, hopper::MaskKind::kNone, true, hopper::ForwardFeatures::kAll>(
+template cudaError_t run_forward_hdim<FH_DTYPE_BF16, 64, 256, hopper::MaskKind::kCausal, true, hopper::ForwardFeatures::kAll | hopper::ForwardFeatures::kQv>(
     const ForwardParams&, const detail::ProblemShape&, const ForwardWorkspace&, cudaStream_t);
 }  // namespace flashhopper::launch
