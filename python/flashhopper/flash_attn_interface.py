@@ -61,15 +61,12 @@ def _not_yet(argument: str, value, what: str):
     raise interface.not_supported(f"{argument}={value!r}: {what} is not supported by FlashHopper yet")
 
 
-def _resolve_options(causal, qv, q_descale, k_descale, v_descale, window_size, attention_chunk, softcap,
+def _resolve_options(causal, q_descale, k_descale, v_descale, window_size, attention_chunk, softcap,
                      num_splits, sm_margin):
     """Refuses what FlashHopper cannot do yet (NotImplementedError), checks the mask and score options
     (ValueError); returns (causal, window_left, window_right, softcap, attention_chunk) for the op,
     with FA3's rule that causal forces the right bound to 0. (The other FA3 rule, a bound covering
     the whole sequence is no bound, is applied by the op, where the lengths are concrete.)"""
-    if qv is not None:
-        _not_yet("qv", "<tensor>", "the extra qv operand in flash_attn_func and flash_attn_varlen_func (it runs "
-                 "in flash_attn_with_kvcache: absorbed MLA decode, head dim <= 64, value head dim <= 256)")
     for name, descale in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
         if descale is not None:
             _not_yet(name, "<tensor>", "fp8 attention (descale factors)")
@@ -153,8 +150,14 @@ def _attention(q, k, v, varlen, softmax_scale, causal, qv, q_descale, k_descale,
     """flash_attn_func and flash_attn_varlen_func: the argument checks (flashhopper.interface), then
     the fwd op (whose autograd runs bwd), or the library call alone when no gradient can flow;
     varlen None is the dense layout. With page_table (varlen only), k and v are pages."""
-    mask = _resolve_options(causal, qv, q_descale, k_descale, v_descale, window_size, attention_chunk, softcap,
+    if qv is not None and (varlen is not None or page_table is not None):
+        _not_yet("qv", "<tensor>", "qv with packed sequences in flash_attn_varlen_func (it runs in flash_attn_func "
+                 "and flash_attn_with_kvcache)")
+    mask = _resolve_options(causal, q_descale, k_descale, v_descale, window_size, attention_chunk, softcap,
                             num_splits, sm_margin)
+    if qv is not None:
+        return _qv_attention(q, k, v, qv, softmax_scale, mask, num_splits, learnable_sink, sm_margin,
+                             return_attn_probs)
     causal, window_left, window_right, softcap, attention_chunk = mask
     q, k, v, softmax_scale, unpadded_dim = _pad_head_dims(q, k, v, softmax_scale)
     if page_table is not None:
@@ -181,6 +184,19 @@ def _attention(q, k, v, varlen, softmax_scale, causal, qv, q_descale, k_descale,
         out, softmax_lse = result if return_attn_probs else (result, None)
     if unpadded_dim is not None:
         out = out[..., :unpadded_dim].contiguous()
+    return (out, softmax_lse) if return_attn_probs else out
+
+
+def _qv_attention(q, k, v, qv, softmax_scale, mask, num_splits, learnable_sink, sm_margin, return_attn_probs):
+    """flash_attn_func with qv (S = Q K^T + Qv V^T, absorbed MLA): forward only, as in FA3, through
+    the KV-cache call over k and v as a whole cache (the fwd_kvcache op when traced); refused where
+    a gradient would be asked for."""
+    if _call_kind(q, k, v, qv, learnable_sink) == _AUTOGRAD:
+        raise interface.not_supported(
+            "qv: attention with qv has no backward (nor in FA3); call it under torch.no_grad() or with inputs "
+            "that do not require grad")
+    out, softmax_lse = _kvcache_forward(q, k, v, mask, softmax_scale, num_splits, qv=qv, learnable_sink=learnable_sink,
+                                        return_lse=True, names={}, sm_margin=sm_margin)
     return (out, softmax_lse) if return_attn_probs else out
 
 

@@ -203,7 +203,6 @@ def test_module_alias_import():
     (dict(q_descale=torch.ones(2, 2)), "q_descale"),
     (dict(k_descale=torch.ones(2, 2)), "k_descale"),
     (dict(v_descale=torch.ones(2, 2)), "v_descale"),
-    (dict(qv=torch.zeros(1)), "qv"),
     (dict(softmax_scale=0.0), "softmax_scale"),
 ])
 def test_not_implemented_arguments(kwargs, argument):
@@ -409,7 +408,7 @@ def test_refusals_are_flashhopper_errors_of_the_builtin_type():
     assert isinstance(info.value, (flashhopper.FlashHopperError)) and isinstance(info.value, RuntimeError)
     assert isinstance(info.value, ValueError)
     with pytest.raises(flashhopper.FlashHopperNotSupported, match="qv") as info:
-        flash_attn_func(q, k, v, qv=q)
+        fa3.flash_attn_varlen_func(*varlen_args(), qv=torch.zeros(1))
     assert isinstance(info.value, flashhopper.FlashHopperError) and isinstance(info.value, NotImplementedError)
     with pytest.raises(flashhopper.FlashHopperInvalidArgument, match="window_size"):
         fa3.flash_attn_varlen_func(*varlen_args(), window_size=(-2, 0))
@@ -940,12 +939,27 @@ def test_eager_autograd_runs_the_library_without_the_op(monkeypatch):
         flash_attn_func(q, k[..., :64], v, causal=True)
 
 
+def test_qv_is_forward_only_and_dense_only():
+    """flash_attn_func with qv (absorbed MLA) runs the forward alone, as FA3: inputs that require
+    grad are refused by name before any device check, and so is qv in flash_attn_varlen_func; without
+    grad the call goes on to the checks (here: CPU tensors, refused by device)."""
+    q, k, _ = qkv(head_dim=64, requires_grad=True)
+    v = torch.randn(*k.shape[:-1], 256, dtype=k.dtype, requires_grad=True)
+    qv = torch.randn(*q.shape[:-1], 256, dtype=q.dtype)
+    with pytest.raises(flashhopper.FlashHopperNotSupported, match="qv: attention with qv has no backward"):
+        flash_attn_func(q, k, v, qv=qv)
+    with torch.no_grad(), pytest.raises(ValueError, match="must be a CUDA tensor"):
+        flash_attn_func(q, k, v, qv=qv)
+    with pytest.raises(NotImplementedError, match="qv.*flash_attn_varlen_func"):
+        fa3.flash_attn_varlen_func(*varlen_args(), qv=torch.zeros(1))
+
+
 def test_option_checks_are_memoised_by_value_and_type():
     """flash_attn_func's option checks run once per set of (value, type): a repeated call reuses
     the result; the same value in another type is checked anew (sm_margin=True is refused after
     sm_margin=1 passed), and a refused value is refused on every call."""
     fa3._CHECKED.clear()
-    plain = (False, None, None, None, None, (-1, -1), 0, 0.0, 1, 0)  # causal, qv, descales, window, ...
+    plain = (False, None, None, None, (-1, -1), 0, 0.0, 1, 0)  # causal, descales, window, ...
     first = fa3._resolve_options(*plain)
     assert first == (False, -1, -1, 0.0, 0) and fa3._resolve_options(*plain) is first and len(fa3._CHECKED) == 1
     assert fa3._resolve_options(1, *plain[1:]) == (True, -1, 0, 0.0, 0) and len(fa3._CHECKED) == 2
@@ -954,10 +968,10 @@ def test_option_checks_are_memoised_by_value_and_type():
         with pytest.raises(ValueError, match="sm_margin: expected an int, got bool"):
             fa3._resolve_options(*plain[:-1], True)
         with pytest.raises(ValueError, match="window_size"):
-            fa3._resolve_options(False, None, None, None, None, (1.5, 0), 0, 0.0, 1, 0)
-    assert fa3._resolve_options(False, None, None, None, None, [-1, -1], 0, 0.0, 1, 0) == first  # a list: not memoised
+            fa3._resolve_options(False, None, None, None, (1.5, 0), 0, 0.0, 1, 0)
+    assert fa3._resolve_options(False, None, None, None, [-1, -1], 0, 0.0, 1, 0) == first  # a list: not memoised
     with pytest.raises(NotImplementedError, match="q_descale"):
-        fa3._resolve_options(False, None, torch.ones(1), *plain[3:])
+        fa3._resolve_options(False, torch.ones(1), *plain[2:])
 
 
 @pytest.mark.parametrize("causal, window, expected", [

@@ -237,6 +237,24 @@ def test_qv_decode_against_reference(dtype, seqlen_q, causal, num_splits, paged)
         torch.testing.assert_close(lse[b:b + 1].double(), lse64, rtol=1e-3, atol=1e-3)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@requires_gpu
+def test_qv_flash_attn_func_against_reference(causal):
+    """flash_attn_func with qv, forward only (inputs that do not require grad): prefill of absorbed
+    MLA, GQA 16/1, sq != sk, against [q, qv] . [k, v] over v in float64 with the pass rule."""
+    q, k, _ = make_inputs(2, 300, 413, 16, 1, 64, torch.bfloat16, seed=3 + causal, requires_grad=False)
+    qv = make_inputs(2, 300, 413, 16, 1, 256, torch.bfloat16, seed=5 + causal, requires_grad=False)[0]
+    v = make_inputs(2, 300, 413, 16, 1, 256, torch.bfloat16, seed=7 + causal, requires_grad=False)[2]
+    out, lse = run_or_skip(flash_attn_func, q, k, v, qv=qv, causal=causal, return_attn_probs=True)
+    assert out.shape == (2, 300, 16, 256)
+    queries, keys, scale = torch.cat([q, qv], -1), torch.cat([k, v], -1), (64 + 256) ** -0.5
+    ref64, lse64 = attention_reference(queries.double(), keys.double(), v.double(), causal=causal, softmax_scale=scale)
+    plain, _ = attention_reference(queries, keys, v, causal=causal, softmax_scale=scale)
+    ours_err = (out.double() - ref64).abs().max().item()
+    assert ours_err <= 2 * (plain.double() - ref64).abs().max().item() + OUT_SLACK
+    torch.testing.assert_close(lse.double(), lse64, rtol=1e-3, atol=1e-3)
+
+
 # (id, dtype, head_dim, batch, seqlen_q, seqlen_k, heads_q, heads_kv, options for flash_attn_func, with_sink).
 # Windows (both sides, one side, with causal, the diagonal only), chunks (multiples of the tile sizes
 # or not, with a window, with causal), softcap (loose and tight), sinks (with rows that see no key,
