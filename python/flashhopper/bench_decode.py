@@ -26,8 +26,14 @@ tokens (b % 8 + 1), packed (cu_seqlens_q), against a dense cache: flash_attn_wit
 as the library chooses (0) and unsplit (1), beside the dense-query call of 4 tokens a sequence
 (split, 0), TFLOP/s (FlashAttention's count, 4 * rows * keys * Hq * d, no mask) and K+V TB/s.
 
-Writes bench_decode_<date>.csv (after every row), .png, bench_prefill_<date>.csv and
-bench_packed_decode_<date>.csv into --out; prints the tables last.
+MLA rows (--mla-cache-lens): absorbed MLA decode as DeepSeek's models run it, 128 query heads on
+one KV head, q of head dim 64 with qv against the 256-wide values (the qv family; 512 is not
+compiled yet), 1 and 4 query tokens a sequence (causal), a dense cache and the same keys in
+shuffled pages of --page-size: K+V TB/s (over the copy's) and TFLOP/s (2 * rows * keys * Hq *
+(d + 2 dv): Q K^T, Qv V^T and P V).
+
+Writes bench_decode_<date>.csv (after every row), .png, bench_prefill_<date>.csv,
+bench_packed_decode_<date>.csv and bench_mla_decode_<date>.csv into --out; prints the tables last.
 
     python -m flashhopper.bench --decode [--batches 1 8 ...] [--cache-lens 4096 ...] [--page-size 64] [--out DIR]
     (bench/bench_decode.py is the same script; scripts/device_check.sh decode_bench runs it)
@@ -202,6 +208,10 @@ def main(argv=None):
                         help="packed decode rows: keys cached a sequence (default: %(default)s; none: no such rows)")
     parser.add_argument("--packed-batch", type=int, default=64,
                         help="packed decode rows: sequences (default: %(default)s)")
+    parser.add_argument("--mla-cache-lens", type=int, nargs="*", default=[4096, 16384, 65536],
+                        help="MLA (qv) decode rows: keys cached a sequence (default: %(default)s; none: no such rows)")
+    parser.add_argument("--mla-batches", type=int, nargs="+", default=[32, 128],
+                        help="MLA (qv) decode rows: sequences (default: %(default)s)")
     parser.add_argument("--out", default="flashhopper-bench",
                         help="folder for the CSVs and plot, created when the run starts (default: %(default)s)")
     args = parser.parse_args(argv)
@@ -238,8 +248,18 @@ def main(argv=None):
               for cache_len in args.packed_cache_lens]
     if packed:
         _write_csv(os.path.join(args.out, f"bench_packed_decode_{date}.csv"), packed, list(packed[0]))
+    mla = []
+    for cache_len in args.mla_cache_lens:
+        for batch in args.mla_batches:
+            for seqlen_q in (1, 4):
+                row = measure_mla_row(batch, seqlen_q, cache_len, copy, args)
+                if row is not None:
+                    mla.append({"date": date, "gpu": gpu, **row})
+                    _write_csv(os.path.join(args.out, f"bench_mla_decode_{date}.csv"), mla, list(mla[0]))
+                torch.cuda.empty_cache()
     print_tables(rows, prefill, gpu, copy)
     print_packed_table(packed, gpu)
+    print_mla_table(mla, gpu, copy)
     return 0
 
 
@@ -320,6 +340,68 @@ def print_packed_table(packed, gpu):
     for r in packed:
         cells = " ".join(f"{_fmt(r[f'{c}_tflops'], '6.0f')} ({_fmt(r[f'{c}_tbps'], '5.2f')})" for c in PACKED_CALLS)
         print(f"{r['cache_len']:7d} {cells} {_fmt(r['packed_vs_dense_q'], '13.2f')} {_fmt(r['max_diff_split'], '11.2g')}")
+
+
+MLA_HEADS, MLA_D, MLA_DV = 128, 64, 256
+
+
+def measure_mla_row(batch, seqlen_q, cache_len, copy, args):
+    """Absorbed MLA decode (qv): seqlen_q query tokens a sequence (causal) of 128 heads on one KV
+    head against cache_len keys, dense and paged (the same keys in shuffled pages); None where this
+    build has no qv kernels or the cache would not fit."""
+    kv_gib = 2 * batch * cache_len * (MLA_D + MLA_DV) * 2 / 2 ** 30  # dense and the paged copy
+    if kv_gib > MAX_KV_GIB:
+        print(f"skip MLA batch {batch} x {cache_len}: {kv_gib:.0f} GiB of cache", flush=True)
+        return None
+    q = torch.randn(batch, seqlen_q, MLA_HEADS, MLA_D, device="cuda", dtype=torch.bfloat16)
+    qv = torch.randn(batch, seqlen_q, MLA_HEADS, MLA_DV, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(batch, cache_len, 1, MLA_D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(batch, cache_len, 1, MLA_DV, device="cuda", dtype=torch.bfloat16)
+    lengths = torch.full((batch,), cache_len, dtype=torch.int32, device="cuda")
+    page = args.page_size
+    pages = batch * cache_len // page
+    order = torch.randperm(pages, device="cuda")
+    page_table = order.view(batch, cache_len // page).to(torch.int32)
+    k_pages = torch.empty(pages, page, 1, MLA_D, device="cuda", dtype=torch.bfloat16)
+    v_pages = torch.empty(pages, page, 1, MLA_DV, device="cuda", dtype=torch.bfloat16)
+    k_pages[order] = k.view(pages, page, 1, MLA_D)
+    v_pages[order] = v.view(pages, page, 1, MLA_DV)
+    causal = seqlen_q > 1
+    fns = {"dense": lambda: fh.flash_attn_with_kvcache(q, k, v, qv=qv, cache_seqlens=lengths, causal=causal),
+           "paged": lambda: fh.flash_attn_with_kvcache(q, k_pages, v_pages, qv=qv, cache_seqlens=lengths,
+                                                       page_table=page_table, causal=causal)}
+    try:
+        diff = (fns["dense"]().float() - fns["paged"]().float()).abs().max().item()
+    except NotImplementedError as error:
+        print(f"skip MLA rows: {error}", flush=True)
+        return None
+    ms = time_all_ms(fns, warmup=5, rounds=args.rounds, calls=args.calls)
+    kv_bytes = batch * cache_len * (MLA_D + MLA_DV) * 2
+    flops = 2 * batch * seqlen_q * MLA_HEADS * cache_len * (MLA_D + 2 * MLA_DV)
+    row = {"batch": batch, "seqlen_q": seqlen_q, "cache_len": cache_len, "heads_q": MLA_HEADS, "hdim": MLA_D,
+           "hdim_v": MLA_DV, "page_size": page, "copy_tbps": copy}
+    for name in fns:
+        row[f"{name}_us"] = ms[name] * 1e3
+        row[f"{name}_tbps"] = kv_bytes / (ms[name] * 1e-3) / 1e12
+        row[f"{name}_tflops"] = flops / (ms[name] * 1e-3) / 1e12
+    row["dense_vs_copy"] = row["dense_tbps"] / copy
+    row["max_diff_paged"] = diff
+    print(f"MLA batch {batch:4d} sq {seqlen_q} cache {cache_len:6d}: {row['dense_tbps']:.2f} TB/s "
+          f"{row['dense_tflops']:.0f} TFLOP/s, paged {row['paged_tbps']:.2f} TB/s", flush=True)
+    return row
+
+
+def print_mla_table(mla, gpu, copy):
+    if not mla:
+        return
+    print(f"\nabsorbed MLA decode (qv): {MLA_HEADS} heads on 1 KV head, d {MLA_D} + qv against dv {MLA_DV}, bf16, "
+          f"{gpu}; K+V TB/s (copy {copy:.2f}) and TFLOP/s")
+    print(f"{'batch':>5} {'sq':>3} {'cache':>7} {'dense TB/s':>10} {'vs copy':>7} {'TFLOP/s':>7} {'paged TB/s':>10} "
+          f"{'TFLOP/s':>7} {'paged diff':>10}")
+    for r in mla:
+        print(f"{r['batch']:5d} {r['seqlen_q']:3d} {r['cache_len']:7d} {_fmt(r['dense_tbps'], '10.2f')} "
+              f"{_fmt(r['dense_vs_copy'], '7.2f')} {_fmt(r['dense_tflops'], '7.0f')} {_fmt(r['paged_tbps'], '10.2f')} "
+              f"{_fmt(r['paged_tflops'], '7.0f')} {_fmt(r['max_diff_paged'], '10.2g')}")
 
 
 def measure_prefill_row(batch, seqlen_q, cache_len, heads_q, heads_kv, d, args):
