@@ -455,8 +455,9 @@ struct ForwardMainloop {
     auto gemm_s = [&](auto zero_init) {
       warpgroup_gemm<decltype(zero_init)::value, -1>(tiled_mma_qk, tSrQ, tSrK(_, _, _, shared.k_state.index()), tSrS);
       if constexpr (kQv) {
-        warpgroup_gemm<false, -1>(tiled_mma_qk, get<0>(qv_operands), get<1>(qv_operands)(_, _, _, v_ahead.index()),
-                                  tSrS);
+        // Qv's 16 k-slices stay put across the loop: recomputed per use rather than held (utils.hpp).
+        warpgroup_gemm<false, -1>(tiled_mma_qk, descriptors_per_use(get<0>(qv_operands)),
+                                  get<1>(qv_operands)(_, _, _, v_ahead.index()), tSrS);
         ++v_ahead;
       }
     };
