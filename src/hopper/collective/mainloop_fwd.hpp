@@ -52,6 +52,11 @@ struct ForwardMainloop {
   static constexpr bool kKvCache = holds(kFeatures, ForwardFeatures::kKvCache);
   static constexpr bool kPagedKv = holds(kFeatures, ForwardFeatures::kPagedKv);
   static constexpr bool kQv = holds(kFeatures, ForwardFeatures::kQv);
+  // Q's WGMMA descriptors (one per 16 columns of d) built per use rather than held across the key
+  // loop, where holding them spills: the general kernels of head dims 192 and 256 (hdim 256 causal:
+  // 42 local loads/stores in the loop, none per use; bench/RESULTS.md). Elsewhere the code stays
+  // as measured.
+  static constexpr bool kQDescriptorsPerUse = kHeadDim >= 192 && kFeatures != ForwardFeatures::kNone && !kQv;
   static constexpr int kNumMmaWarpGroups = kBlockM / 64;
   static constexpr int kNumMmaThreads = kNumMmaWarpGroups * cutlass::NumThreadsPerWarpGroup;
 
@@ -453,7 +458,12 @@ struct ForwardMainloop {
       }
     }();
     auto gemm_s = [&](auto zero_init) {
-      warpgroup_gemm<decltype(zero_init)::value, -1>(tiled_mma_qk, tSrQ, tSrK(_, _, _, shared.k_state.index()), tSrS);
+      if constexpr (kQDescriptorsPerUse) {
+        warpgroup_gemm<decltype(zero_init)::value, -1>(tiled_mma_qk, descriptors_per_use(tSrQ),
+                                                       tSrK(_, _, _, shared.k_state.index()), tSrS);
+      } else {
+        warpgroup_gemm<decltype(zero_init)::value, -1>(tiled_mma_qk, tSrQ, tSrK(_, _, _, shared.k_state.index()), tSrS);
+      }
       if constexpr (kQv) {
         // Qv's 16 k-slices stay put across the loop: recomputed per use rather than held (utils.hpp).
         warpgroup_gemm<false, -1>(tiled_mma_qk, descriptors_per_use(get<0>(qv_operands)),
