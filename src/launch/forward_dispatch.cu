@@ -127,15 +127,10 @@ int run_forward(const ForwardPlan& plan, void* workspace, fh_stream_t stream) {
   const int err = visit_instantiation<Pass::kForward>(
       forward_family(call.params, call.shape), mask_kind(call.params), call.params.softcap > 0.f,
       [&](auto dtype, auto head_dim, auto head_dim_v, auto mask, auto softcap) {
-        return with_forward_features(features, cudaErrorInvalidValue, [&](auto feature_set) {
-          // A qv family compiled only the sets with kQv, the others only those without.
-          constexpr bool kQvSet = hopper::holds(feature_set.value, hopper::ForwardFeatures::kQv);
-          if constexpr (kQvSet != forward_family_takes_qv(dtype.value, head_dim.value, head_dim_v.value)) {
-            return cudaErrorInvalidValue;
-          } else {
-            return run_forward_hdim<dtype.value, head_dim.value, head_dim_v.value, mask.value, softcap.value,
-                                    feature_set.value>(call.params, call.shape, parts, stream);
-          }
+        constexpr bool kQvFamily = forward_family_takes_qv(dtype.value, head_dim.value, head_dim_v.value);
+        return with_forward_features<kQvFamily>(features, cudaErrorInvalidValue, [&](auto feature_set) {
+          return run_forward_hdim<dtype.value, head_dim.value, head_dim_v.value, mask.value, softcap.value,
+                                  feature_set.value>(call.params, call.shape, parts, stream);
         });
       });
   if (err != 0 || parts.num_splits == 1) return err;

@@ -20,6 +20,23 @@
 namespace flashhopper::test {
 namespace {
 
+// The call `host` describes (host tensors) as the CPU reference computes it: exactly (float64) into
+// out_exact and lse_exact, and as a plain implementation in the inputs' precision into out_plain
+// and lse_plain (the pass rule's yardstick).
+void reference_outputs(ForwardParams host, HostTensor& out_exact, HostTensor& lse_exact, HostTensor& out_plain,
+                       HostTensor& lse_plain) {
+  host.out = out_exact.view();
+  host.lse = lse_exact.view();
+  Status status = reference::forward(host);
+  ASSERT_TRUE(status.ok()) << status.message;
+  host.out = out_plain.view();
+  host.lse = lse_plain.view();
+  reference::Options plain;
+  plain.emulate_low_precision = true;
+  status = reference::forward(host, plain);
+  ASSERT_TRUE(status.ok()) << status.message;
+}
+
 class ForwardGpuTest : public ::testing::TestWithParam<GridCase> {};
 
 TEST_P(ForwardGpuTest, MatchesReference) {
@@ -82,18 +99,9 @@ TEST_P(ForwardGpuTest, MatchesReference) {
   if (c.features.learnable_sink) host.learnable_sink = sink.view();
   HostTensor out_exact(FH_DTYPE_FP64, {c.batch, c.seqlen_q, c.heads_q, c.value_dim()});
   HostTensor lse_exact(FH_DTYPE_FP64, {c.batch, c.heads_q, c.seqlen_q});
-  host.out = out_exact.view();
-  host.lse = lse_exact.view();
-  status = reference::forward(host);
-  ASSERT_TRUE(status.ok()) << status.message;
   HostTensor out_plain(c.dtype, {c.batch, c.seqlen_q, c.heads_q, c.value_dim()});
   HostTensor lse_plain(FH_DTYPE_FP32, {c.batch, c.heads_q, c.seqlen_q});
-  host.out = out_plain.view();
-  host.lse = lse_plain.view();
-  reference::Options plain;
-  plain.emulate_low_precision = true;
-  status = reference::forward(host, plain);
-  ASSERT_TRUE(status.ok()) << status.message;
+  ASSERT_NO_FATAL_FAILURE(reference_outputs(host, out_exact, lse_exact, out_plain, lse_plain));
 
   const int dv = c.value_dim();
   const Tensor out_view = narrow(out.view(), 3, 0, dv);
@@ -462,16 +470,7 @@ TEST_P(KvCacheGpuTest, MatchesReference) {
   host.page_table = paged ? page_table.view() : Tensor{};
   HostTensor out_exact(FH_DTYPE_FP64, {c.batch, c.seqlen_q, c.heads_q, d}), lse_exact(FH_DTYPE_FP64, lse.shape());
   HostTensor out_plain(FH_DTYPE_BF16, out.shape()), lse_plain(FH_DTYPE_FP32, lse.shape());
-  host.out = out_exact.view();
-  host.lse = lse_exact.view();
-  Status reference = flashhopper::reference::forward(host);
-  ASSERT_TRUE(reference.ok()) << reference.message;
-  flashhopper::reference::Options emulate;
-  emulate.emulate_low_precision = true;
-  host.out = out_plain.view();
-  host.lse = lse_plain.view();
-  reference = flashhopper::reference::forward(host, emulate);
-  ASSERT_TRUE(reference.ok()) << reference.message;
+  ASSERT_NO_FATAL_FAILURE(reference_outputs(host, out_exact, lse_exact, out_plain, lse_plain));
   for (auto [ours, expected, before, name] :
        {std::tuple<const HostTensor*, const HostTensor*, const HostTensor*, const char*>{&k_ours, &k, &k_before, "k"},
         {&v_ours, &v, &v_before, "v"}}) {
@@ -642,16 +641,7 @@ TEST_P(QvGpuTest, MatchesReference) {
   host.cache_seqlens = c.kv_cache ? cache_seqlens.view() : Tensor{};
   HostTensor out_exact(FH_DTYPE_FP64, out.shape()), lse_exact(FH_DTYPE_FP64, lse.shape());
   HostTensor out_plain(FH_DTYPE_BF16, out.shape()), lse_plain(FH_DTYPE_FP32, lse.shape());
-  host.out = out_exact.view();
-  host.lse = lse_exact.view();
-  Status reference = flashhopper::reference::forward(host);
-  ASSERT_TRUE(reference.ok()) << reference.message;
-  flashhopper::reference::Options emulate;
-  emulate.emulate_low_precision = true;
-  host.out = out_plain.view();
-  host.lse = lse_plain.view();
-  reference = flashhopper::reference::forward(host, emulate);
-  ASSERT_TRUE(reference.ok()) << reference.message;
+  ASSERT_NO_FATAL_FAILURE(reference_outputs(host, out_exact, lse_exact, out_plain, lse_plain));
   expect_forward_outputs_pass(out, lse, out_exact, lse_exact, out_plain, lse_plain);
 }
 
