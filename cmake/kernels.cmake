@@ -1,6 +1,6 @@
 # Which kernel instantiations this build compiles: the families of the chosen kernel set in the
-# manifest (scripts/kernel_manifest.py, generated into cmake/kernel_manifest.cmake), each with
-# every mask kind and softcap (and, forward, each feature set). FLASHHOPPER_KERNEL_SET (the set's
+# manifest (scripts/kernel_manifest.py, generated into cmake/kernel_manifest.cmake), a file per
+# family and feature set holding every mask kind and softcap. FLASHHOPPER_KERNEL_SET (the set's
 # index) reaches the dispatch (src/launch/compiled_families.hpp), so a call for a family left out
 # is refused by name rather than failing to link.
 include(${CMAKE_CURRENT_LIST_DIR}/kernel_manifest.cmake)
@@ -13,12 +13,13 @@ set(FLASHHOPPER_KERNEL_SOURCES ${PROJECT_SOURCE_DIR}/src/launch/forward_dispatch
     ${PROJECT_SOURCE_DIR}/src/launch/backward_dispatch.cu ${PROJECT_SOURCE_DIR}/src/launch/varlen_plan.cu
     ${PROJECT_SOURCE_DIR}/src/launch/combine_launch.cu ${PROJECT_SOURCE_DIR}/src/launch/kv_append_launch.cu)
 set(FLASHHOPPER_KERNEL_DEFINES FLASHHOPPER_KERNEL_SET=${_set_index})
-foreach(_instantiation IN LISTS FLASHHOPPER_KERNEL_INSTANTIATIONS_${FLASHHOPPER_KERNELS})
-  list(APPEND FLASHHOPPER_KERNEL_SOURCES ${PROJECT_SOURCE_DIR}/src/hopper/instantiations/${_instantiation}.cu)
+foreach(_file IN LISTS FLASHHOPPER_KERNEL_FILES_${FLASHHOPPER_KERNELS})
+  list(APPEND FLASHHOPPER_KERNEL_SOURCES ${PROJECT_SOURCE_DIR}/src/hopper/instantiations/${_file}.cu)
 endforeach()
 list(LENGTH FLASHHOPPER_KERNEL_FAMILIES_${FLASHHOPPER_KERNELS} _count)
-list(LENGTH FLASHHOPPER_KERNEL_INSTANTIATIONS_${FLASHHOPPER_KERNELS} _instantiations)
+list(LENGTH FLASHHOPPER_KERNEL_FILES_${FLASHHOPPER_KERNELS} _files)
 message(STATUS "FlashHopper kernels: set ${FLASHHOPPER_KERNELS}, ${_count} families "
                "(${FLASHHOPPER_KERNEL_FAMILIES_${FLASHHOPPER_KERNELS}})")
-message(STATUS "FlashHopper kernels: ${_instantiations} instantiations to compile, about a minute of one core each "
-               "(README, Build times); the build counts them off as each finishes")
+message(STATUS "FlashHopper kernels: ${FLASHHOPPER_KERNEL_COUNT_${FLASHHOPPER_KERNELS}} instantiations in ${_files} "
+               "files, one to two minutes of one core each (README, Build times); the build counts them off as "
+               "each finishes")

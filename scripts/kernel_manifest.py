@@ -113,13 +113,24 @@ def forward_feature_set(enumerator: str, qv: bool) -> str:
     return f"{feature_set} | hopper::ForwardFeatures::{QV_FEATURE}" if qv else feature_set
 
 
-def variants(pass_: str, qv: bool = False) -> list[tuple[str, str, str, str]]:
-    """(file suffix, MaskKind enumerator, softcap, features) compiled for every family of the pass;
-    features: the launch's last template argument (a ForwardFeatures expression, or kPacked)."""
+def feature_sets(pass_: str, qv: bool = False) -> dict[str, str]:
+    """{file suffix: the launch's last template argument (a ForwardFeatures expression, or kPacked)}."""
     if pass_ == "fwd":
-        features = {suffix: forward_feature_set(v, qv) for suffix, v in FORWARD_FEATURE_SETS.items()}
-    else:
-        features = BACKWARD_FEATURE_SETS
-    return [(f"{mask}{suffix}{features_suffix}", kind, softcap, feature_set)
-            for features_suffix, feature_set in features.items()
-            for mask, kind in MASKS.items() for suffix, softcap in SOFTCAP.items()]
+        return {suffix: forward_feature_set(v, qv) for suffix, v in FORWARD_FEATURE_SETS.items()}
+    return BACKWARD_FEATURE_SETS
+
+
+def variants(pass_: str, qv: bool = False) -> list[tuple[str, str, str, str]]:
+    """(name suffix, MaskKind enumerator, softcap, features) compiled for every family of the pass."""
+    return [variant for unit in units(pass_, qv).values() for variant in unit]
+
+
+def units(pass_: str, qv: bool = False) -> dict[str, list[tuple[str, str, str, str]]]:
+    """The instantiation files of every family of the pass, {file suffix: its variants}: one file a
+    feature set, holding each mask kind and softcap. The variants of a file share most of the
+    compiler's work (CuTe's layout algebra on the same tiles), so one file of six costs about what
+    two files of one would; kernels of different feature sets share much less (docs/kernel_families.md,
+    "Build time")."""
+    return {features_suffix: [(f"{mask}{suffix}{features_suffix}", kind, softcap, feature_set)
+                              for mask, kind in MASKS.items() for suffix, softcap in SOFTCAP.items()]
+            for features_suffix, feature_set in feature_sets(pass_, qv).items()}

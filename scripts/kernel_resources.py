@@ -5,7 +5,8 @@ spills shows before any GPU run.
 
     scripts/kernel_resources.py BUILD_DIR [--filter fwd_] [--check RECORD] [--write RECORD]
 
-Per instantiation (src/hopper/instantiations/*.cu) and its kernel: REG and STACK (bytes of stack
+Per kernel instantiation (src/hopper/instantiations/*.cu hold several: each row is named by its
+variant, e.g. fwd_bf16_hdim128_causal_softcap): REG and STACK (bytes of stack
 frame, where spills go) from --dump-resource-usage; from the disassembly, the local loads and
 stores (LDL, STL) in all and in the key-block loop (from the first to the last warpgroup MMA,
 where a spill costs every block), and the loop's R2UR moves (values copied into uniform
@@ -22,6 +23,32 @@ import subprocess
 import sys
 
 OBJECTS = os.path.join("CMakeFiles", "flashhopper_kernels.dir", "src", "hopper", "instantiations")
+MASK_KINDS = ("kNone", "kCausal", "kLocal")  # hopper::MaskKind's enumerators by value
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import kernel_manifest as manifest  # noqa: E402
+
+
+def variant_names() -> dict:
+    """{instantiation file stem: {(MaskKind enumerator, softcap): the variant's name}}."""
+    names = {}
+    for family in manifest.families():
+        for suffix, members in manifest.units(family.pass_, family.qv).items():
+            names[family.stem + suffix] = {(kind, softcap == "true"): f"{family.stem}_{name}"
+                                           for name, kind, softcap, _ in members}
+    return names
+
+
+def kernel_name(file_stem: str, kernel: str, names: dict) -> str:
+    """A kernel's variant name (fwd_bf16_hdim128_causal_softcap), from its file and the mask kind and
+    softcap in its mangled name; a dQ kernel's ends in _dq. The file's stem where it is not in the
+    manifest (an older build)."""
+    m = re.search(r"MaskKindE(\d)ELb([01])", kernel)
+    variants = names.get(file_stem)
+    if not m or variants is None:
+        return file_stem
+    name = variants.get((MASK_KINDS[int(m.group(1))], m.group(2) == "1"), file_stem)
+    return name + ("_dq" if "dq_kernel_entry" in kernel else "")
 
 
 def cuobjdump() -> str:
@@ -76,9 +103,9 @@ def measure(build: str, name_filter: str) -> list:
     folder = os.path.join(build, OBJECTS)
     if not os.path.isdir(folder):
         sys.exit(f"kernel_resources: no instantiation objects in {folder}")
-    rows = []
+    rows, names = [], variant_names()
     for entry in sorted(os.listdir(folder)):
-        if not entry.endswith(".cu.o") or name_filter not in entry:
+        if not entry.endswith(".cu.o"):
             continue
         path = os.path.join(folder, entry)
         usage = resource_usage(subprocess.run([tool, "--dump-resource-usage", path], capture_output=True,
@@ -87,9 +114,12 @@ def measure(build: str, name_filter: str) -> list:
         for kernel, (reg, stack) in usage.items():
             if "kernel_entry" not in kernel:
                 continue
+            name = kernel_name(entry[:-len(".cu.o")], kernel, names)
+            if name_filter not in name:
+                continue
             total, loop, r2ur = traffic.get(kernel, (-1, -1, -1))
-            rows.append((entry[:-len(".cu.o")], kernel, reg, stack, total, loop, r2ur))
-    return rows
+            rows.append((name, kernel, reg, stack, total, loop, r2ur))
+    return sorted(rows)
 
 
 def read_record(path: str) -> dict:

@@ -87,29 +87,45 @@ cudaError_t run_backward_dq_kernel(const BackwardParams& p, const detail::Proble
                                params, stream);
 }
 
+// The backward's main kernel of one (dtype, head dim, value head dim, mask kind, softcap, packed or
+// not): its tile, collectives and scheduler, and whether it or its dQ kernel reads CuTe's extended
+// shapes.
 template <fh_dtype kDType, int kHeadDim, int kHeadDimV, hopper::MaskKind kMask, bool kSoftcap, bool kPacked>
-cudaError_t run_backward_hdim(const BackwardParams& p, const detail::ProblemShape& s, void* workspace,
-                              cudaStream_t stream) {
-  using namespace cute;
-  using namespace flashhopper::hopper;
+struct BackwardKernelOf {
   using Element = typename ElementOf<kDType>::type;
-  using Tile = BackwardTileSize<kHeadDim>;
-  constexpr bool kCausal = kMask == MaskKind::kCausal;
-  using Mainloop = BackwardMainloop<Element, Tile::kBlockM, Tile::kBlockN, kHeadDim, kHeadDimV, Tile::kStages,
-                                    Tile::kStagesDo, kMask, kSoftcap, /*kComputeDq=*/!Tile::kDqKernel, kPacked>;
-  using Epilogue = BackwardEpilogue<Element, Mainloop>;
+  using Tile = hopper::BackwardTileSize<kHeadDim>;
+  using Mainloop =
+      hopper::BackwardMainloop<Element, Tile::kBlockM, Tile::kBlockN, kHeadDim, kHeadDimV, Tile::kStages,
+                               Tile::kStagesDo, kMask, kSoftcap, /*kComputeDq=*/!Tile::kDqKernel, kPacked>;
+  using Epilogue = hopper::BackwardEpilogue<Element, Mainloop>;
   // Causal: longest first (the backward reverses its key blocks). Otherwise key blocks in
   // order, which the deterministic dQ order relies on.
-  using Scheduler = PersistentTileScheduler</*kLongestFirst=*/kCausal, kPacked, /*kSplit=*/false>;
-  using Kernel = BackwardKernel<Mainloop, Epilogue, Scheduler>;
-  constexpr bool kUsesExtendedGmma = [] {
+  using Scheduler =
+      hopper::PersistentTileScheduler</*kLongestFirst=*/kMask == hopper::MaskKind::kCausal, kPacked, /*kSplit=*/false>;
+  using Kernel = hopper::BackwardKernel<Mainloop, Epilogue, Scheduler>;
+  static constexpr bool kUsesExtendedGmma = [] {
     if constexpr (Tile::kDqKernel)
       return Mainloop::kUsesExtendedGmma ||
              BackwardDqMainloopOf<Element, kHeadDim, kHeadDimV, kMask, kSoftcap, kPacked>::kUsesExtendedGmma;
     else
       return Mainloop::kUsesExtendedGmma;
   }();
-  static_assert(kUsesExtendedGmma == bool(FLASHHOPPER_EXTENDED_GMMA_SHAPES), FLASHHOPPER_GMMA_SET_MESSAGE);
+};
+
+template <fh_dtype kDType, int kHeadDim, int kHeadDimV, hopper::MaskKind kMask, bool kSoftcap, bool kPacked>
+cudaError_t run_backward_hdim(const BackwardParams& p, const detail::ProblemShape& s, void* workspace,
+                              cudaStream_t stream) {
+  using namespace cute;
+  using namespace flashhopper::hopper;
+  using Of = BackwardKernelOf<kDType, kHeadDim, kHeadDimV, kMask, kSoftcap, kPacked>;
+  using Element = typename Of::Element;
+  using Tile = typename Of::Tile;
+  constexpr bool kCausal = kMask == MaskKind::kCausal;
+  using Mainloop = typename Of::Mainloop;
+  using Epilogue = typename Of::Epilogue;
+  using Scheduler = typename Of::Scheduler;
+  using Kernel = typename Of::Kernel;
+  static_assert(!Of::kUsesExtendedGmma || FLASHHOPPER_EXTENDED_GMMA_SHAPES, FLASHHOPPER_GMMA_SET_MESSAGE);
   // A kernel without packed batches would read a packed one as dense; the dispatch never asks.
   if (!kPacked && detail::uses_packed_batches(p, s)) return cudaErrorInvalidValue;
   using Preprocess = BackwardPreprocess<Element, kHeadDimV>;

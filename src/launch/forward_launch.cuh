@@ -20,23 +20,39 @@
 
 namespace flashhopper::launch {
 
+// The forward kernel of one (dtype, head dim, value head dim, mask kind, softcap, feature set): its
+// tile, collectives and scheduler.
+template <fh_dtype kDType, int kHeadDim, int kHeadDimV, hopper::MaskKind kMask, bool kSoftcap,
+          hopper::ForwardFeatures kFeatures>
+struct ForwardKernelOf {
+  using Element = typename ElementOf<kDType>::type;
+  using Tile = hopper::ForwardTileSize<kHeadDim, kHeadDimV, /*kMasked=*/kMask != hopper::MaskKind::kNone>;
+  using Mainloop = hopper::ForwardMainloop<Element, Tile::kBlockM, Tile::kBlockN, kHeadDim, kHeadDimV, Tile::kStages,
+                                           kMask, kSoftcap, kFeatures>;
+  using Epilogue =
+      hopper::ForwardEpilogue<Element, Tile::kBlockM, kHeadDimV, typename Mainloop::TiledMmaPV, kFeatures>;
+  // Causal tiles differ in length (longest first); a window's are alike, and those run together
+  // share their K/V in L2 when the blocks of a head go together.
+  using Scheduler = hopper::PersistentTileScheduler</*kLongestFirst=*/kMask == hopper::MaskKind::kCausal,
+                                                    Mainloop::kPacked, Mainloop::kSplitKv>;
+  using Kernel = hopper::ForwardKernel<Mainloop, Epilogue, Scheduler>;
+  static constexpr bool kUsesExtendedGmma = Mainloop::kUsesExtendedGmma;
+};
+
 template <fh_dtype kDType, int kHeadDim, int kHeadDimV, hopper::MaskKind kMask, bool kSoftcap,
           hopper::ForwardFeatures kFeatures>
 cudaError_t run_forward_hdim(const ForwardParams& p, const detail::ProblemShape& s, const ForwardWorkspace& workspace,
                              cudaStream_t stream) {
   using namespace cute;
   using namespace flashhopper::hopper;
-  using Element = typename ElementOf<kDType>::type;
-  using Tile = ForwardTileSize<kHeadDim, kHeadDimV, /*kMasked=*/kMask != MaskKind::kNone>;
-  using Mainloop = ForwardMainloop<Element, Tile::kBlockM, Tile::kBlockN, kHeadDim, kHeadDimV, Tile::kStages, kMask,
-                                   kSoftcap, kFeatures>;
-  using Epilogue = ForwardEpilogue<Element, Tile::kBlockM, kHeadDimV, typename Mainloop::TiledMmaPV, kFeatures>;
-  // Causal tiles differ in length (longest first); a window's are alike, and those run together
-  // share their K/V in L2 when the blocks of a head go together.
-  using Scheduler =
-      PersistentTileScheduler</*kLongestFirst=*/kMask == MaskKind::kCausal, Mainloop::kPacked, Mainloop::kSplitKv>;
-  using Kernel = ForwardKernel<Mainloop, Epilogue, Scheduler>;
-  static_assert(Mainloop::kUsesExtendedGmma == bool(FLASHHOPPER_EXTENDED_GMMA_SHAPES), FLASHHOPPER_GMMA_SET_MESSAGE);
+  using Of = ForwardKernelOf<kDType, kHeadDim, kHeadDimV, kMask, kSoftcap, kFeatures>;
+  using Element = typename Of::Element;
+  using Tile = typename Of::Tile;
+  using Mainloop = typename Of::Mainloop;
+  using Epilogue = typename Of::Epilogue;
+  using Scheduler = typename Of::Scheduler;
+  using Kernel = typename Of::Kernel;
+  static_assert(!Of::kUsesExtendedGmma || FLASHHOPPER_EXTENDED_GMMA_SHAPES, FLASHHOPPER_GMMA_SET_MESSAGE);
   // The dispatch picks a kernel that holds the call's features; one without would ignore them.
   if (!holds(kFeatures, forward_features(p, s, workspace.num_splits))) return cudaErrorInvalidValue;
 

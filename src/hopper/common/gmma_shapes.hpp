@@ -2,12 +2,12 @@
 // N that is a multiple of 8 up to 256; CuTe declares N = 8, 16, 32, 64, 96, 128, 192 and 256 by
 // default and the others only under CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED, whose instruction
 // types take about half of an instantiation's compile time (docs/kernel_families.md, "Build
-// time"). So only the instantiations whose tiles use such an N read them (their generated file
-// includes gmma_extended_shapes.hpp first; scripts/kernel_manifest.py: HeadDims.extended_gmma).
-// Without them CuTe's selectors would quietly build that N from several narrower instructions:
-// each collective asserts that its MMAs span the N they ask for (gmma_n), and the launches assert
-// that an instantiation reads the extended shapes only when its collectives use them
-// (kUsesExtendedGmma).
+// time"). So only the instantiation files with a kernel whose tiles use such an N read them (the
+// generated file includes gmma_extended_shapes.hpp first; scripts/kernel_manifest.py:
+// HeadDims.extended_gmma). Without them CuTe's selectors would quietly build that N from several
+// narrower instructions: each collective asserts that its MMAs span the N they ask for (gmma_n),
+// each launch that its kernel reads the extended shapes if it uses them, and each generated file
+// that it reads them only when one of its kernels does (kUsesExtendedGmma).
 #pragma once
 
 #include <cute/arch/mma_sm90.hpp>
