@@ -59,6 +59,8 @@ cudaError_t run_forward_hdim(const ForwardParams& p, const detail::ProblemShape&
   const int batch = int(s.batch), heads_q = int(s.heads_q), heads_kv = int(s.heads_kv);
   const int d = int(s.head_dim), dv = int(s.head_dim_v);
   const hopper::SeqlenParams seqlen = seqlen_params(p, s);
+  hopper::LocalMaskParams mask_params = local_mask_params(p);
+  mask_params.rows_per_token = int(s.rows_per_token);  // packed GQA over several tokens (kKvCache kernels)
   // (rows, d, heads, batch) views: dense [B, S, H, d]; packed [total, H, d] as one batch.
   const TensorRows q_rows = tensor_rows(p.q, s.varlen_q, seqlen.total_q, batch);
   // A dense K/V's own batch extent: a KV cache indexed by cache_batch_idx has any number of rows;
@@ -81,7 +83,7 @@ cudaError_t run_forward_hdim(const ForwardParams& p, const detail::ProblemShape&
       make_stride(_1{}, v_rows.row_stride, v_rows.head_stride, v_rows.batch_stride),
       float(detail::forward_scale(p, s)),
       p.softcap,
-      local_mask_params(p),
+      mask_params,
       static_cast<float const*>(p.learnable_sink.data),
       seqlen,
       static_cast<int const*>(p.page_table.data),

@@ -26,7 +26,9 @@ inline hopper::ForwardFeatures forward_features(const ForwardParams& p, const de
   ForwardFeatures f = ForwardFeatures::kNone;
   if (detail::uses_packed_batches(p, s)) f = f | ForwardFeatures::kPacked;
   if (num_splits > 1) f = f | ForwardFeatures::kSplitKv;
-  if (detail::present(p.cache_seqlens) || detail::present(p.cache_leftpad) || detail::present(p.cache_batch_idx))
+  // The KV cache's kernels also group query rows by token (packed GQA over several tokens).
+  if (detail::present(p.cache_seqlens) || detail::present(p.cache_leftpad) || detail::present(p.cache_batch_idx) ||
+      s.rows_per_token > 1)
     f = f | ForwardFeatures::kKvCache;
   if (s.paged) f = f | ForwardFeatures::kPagedKv;
   if (detail::present(p.qv)) f = f | ForwardFeatures::kQv;

@@ -29,6 +29,9 @@ struct ProblemShape {
   bool varlen_k_new = false;  // k_new/v_new packed [total_new, Hkv, d] (cu_seqlens_k_new)
   bool paged = false;
   bool append_kv = false;
+  // Packed GQA over several query tokens (plan/packed_decode.hpp): the query rows of one token, a
+  // KV head's query heads; rows t * rows_per_token .. + rows_per_token - 1 are token t. 1 otherwise.
+  int64_t rows_per_token = 1;
 };
 
 // Window bounds after folding `causal` in: causal is (-1, 0). -1 means unbounded.

@@ -306,11 +306,14 @@ TEST(ForwardGpuErrors, QvIsRefusedNotIgnored) {
 // implementation in the inputs' precision: out within twice the plain error (NaN fails); lse within
 // 1e-3 (relative) or twice the plain error (rotary rounds the rotated q to bf16 before Q K^T, as the
 // plain one does and the exact one does not), -inf exactly where the exact one is.
+// with_lse false: the call asked for no lse (out alone is checked).
 void expect_forward_outputs_pass(const HostTensor& out, const HostTensor& lse, const HostTensor& out_exact,
-                                 const HostTensor& lse_exact, const HostTensor& out_plain, const HostTensor& lse_plain) {
+                                 const HostTensor& lse_exact, const HostTensor& out_plain, const HostTensor& lse_plain,
+                                 bool with_lse = true) {
   const double ours = max_abs_diff(out.view(), out_exact.view());
   const double plain = max_abs_diff(out_plain.view(), out_exact.view());
   EXPECT_LE(ours, 2 * plain + 1e-5) << "plain bf16 error " << plain;
+  if (!with_lse) return;
   double lse_plain_err = 0;
   for_each_index(lse.shape(), [&](const std::vector<int64_t>& i) {
     if (lse_exact.get(i) != -INFINITY)
@@ -334,6 +337,9 @@ struct KvCacheCase {
   int num_splits = 1;
   int page_size = 0;  // > 0: a paged cache, cache_len keys a sequence in shuffled pages
   bool packed_new = false;  // the new keys packed (cu_seqlens_k_new): sequences append 0..seqlen_new
+  // No lse asked for: with one KV head and several query tokens the kernels then pack the tokens'
+  // query heads into one tile's rows (plan/packed_decode.hpp).
+  bool with_lse = true;
   std::string name() const {
     return "b" + std::to_string(batch) + "_sq" + std::to_string(seqlen_q) + "_h" + std::to_string(heads_q) + "_hkv" +
            std::to_string(heads_kv) + "_rows" + std::to_string(cache_rows) + "_S" + std::to_string(cache_len) +
@@ -342,7 +348,8 @@ struct KvCacheCase {
            (seqlen_new > 0 ? "_new" + std::to_string(seqlen_new) : "") +
            (rotary_dim > 0 ? "_rotary" + std::to_string(rotary_dim) + (interleaved ? "i" : "h") : "") +
            (num_splits != 1 ? "_splits" + std::to_string(num_splits) : "") +
-           (page_size > 0 ? "_page" + std::to_string(page_size) : "") + (packed_new ? "_packednew" : "");
+           (page_size > 0 ? "_page" + std::to_string(page_size) : "") + (packed_new ? "_packednew" : "") +
+           (with_lse ? "" : "_nolse");
   }
 };
 
@@ -419,7 +426,7 @@ TEST_P(KvCacheGpuTest, MatchesReference) {
   p.k = d_k.view();
   p.v = d_v.view();
   p.out = d_out.view();
-  p.lse = d_lse.view();
+  if (c.with_lse) p.lse = d_lse.view();
   p.cache_seqlens = d_lengths.view();
   if (c.leftpad) p.cache_leftpad = d_leftpad.view();
   if (c.batch_idx) p.cache_batch_idx = d_rows.view();
@@ -483,7 +490,7 @@ TEST_P(KvCacheGpuTest, MatchesReference) {
         ADD_FAILURE() << name << " cache at " << ::testing::PrintToString(i) << ": " << a << ", expected " << e;
     });
   }
-  expect_forward_outputs_pass(out, lse, out_exact, lse_exact, out_plain, lse_plain);
+  expect_forward_outputs_pass(out, lse, out_exact, lse_exact, out_plain, lse_plain, c.with_lse);
 }
 
 std::vector<KvCacheCase> kv_cache_cases() {
@@ -495,6 +502,16 @@ std::vector<KvCacheCase> kv_cache_cases() {
     }
   cases.push_back({5, 4, 32, 8, 7, 4096, true, true, true});
   cases.push_back({5, 4, 4, 4, 5, 700, false, true, false, 100});  // a window over the cache
+  // One KV head, several query tokens, no lse: the tokens' query heads packed into one tile's rows,
+  // the mask on each row's token (causal, a window, an append with rotary, split, paged).
+  for (KvCacheCase c : {KvCacheCase{6, 3, 8, 1, 9, 1000, true, true, true}, KvCacheCase{6, 64, 8, 1, 9, 1000, true, true, true},
+                        KvCacheCase{5, 4, 4, 1, 5, 700, false, true, false, 100},
+                        KvCacheCase{4, 3, 8, 1, 6, 1024, true, true, true, -1, 3, 64, true},
+                        KvCacheCase{4, 5, 16, 1, 4, 4096, true, false, false, -1, 0, 0, true, 3},
+                        KvCacheCase{4, 3, 8, 1, 4, 1024, true, true, false, -1, 0, 0, true, 1, 16}}) {
+    c.with_lse = false;
+    cases.push_back(c);
+  }
   // GQA ratios 16 and 32, decoding (packed: 16 and 32 query heads a tile) and not.
   for (int seqlen_q : {1, 3}) {
     cases.push_back({3, seqlen_q, 32, 2, 4, 1500, seqlen_q > 1, true, true});
@@ -581,10 +598,11 @@ struct QvCase {
   int batch, seqlen_q, seqlen_k, heads_q;
   bool causal, kv_cache;
   int num_splits = 1;
+  bool with_lse = true;  // without: several query tokens are packed into one tile's rows
   std::string name() const {
     return "b" + std::to_string(batch) + "_sq" + std::to_string(seqlen_q) + "_sk" + std::to_string(seqlen_k) + "_h" +
            std::to_string(heads_q) + (causal ? "_causal" : "") + (kv_cache ? "_cache" : "") +
-           (num_splits != 1 ? "_splits" + std::to_string(num_splits) : "");
+           (num_splits != 1 ? "_splits" + std::to_string(num_splits) : "") + (with_lse ? "" : "_nolse");
   }
 };
 
@@ -616,7 +634,7 @@ TEST_P(QvGpuTest, MatchesReference) {
   p.k = d_k.view();
   p.v = d_v.view();
   p.out = d_out.view();
-  p.lse = d_lse.view();
+  if (c.with_lse) p.lse = d_lse.view();
   p.causal = c.causal;
   p.num_splits = c.num_splits;
   if (c.kv_cache) p.cache_seqlens = d_lengths.view();
@@ -642,7 +660,7 @@ TEST_P(QvGpuTest, MatchesReference) {
   HostTensor out_exact(FH_DTYPE_FP64, out.shape()), lse_exact(FH_DTYPE_FP64, lse.shape());
   HostTensor out_plain(FH_DTYPE_BF16, out.shape()), lse_plain(FH_DTYPE_FP32, lse.shape());
   ASSERT_NO_FATAL_FAILURE(reference_outputs(host, out_exact, lse_exact, out_plain, lse_plain));
-  expect_forward_outputs_pass(out, lse, out_exact, lse_exact, out_plain, lse_plain);
+  expect_forward_outputs_pass(out, lse, out_exact, lse_exact, out_plain, lse_plain, c.with_lse);
 }
 
 INSTANTIATE_TEST_SUITE_P(Qv, QvGpuTest,
@@ -650,7 +668,11 @@ INSTANTIATE_TEST_SUITE_P(Qv, QvGpuTest,
                                            QvCase{1, 77, 1000, 8, false, false}, QvCase{3, 1, 1000, 128, false, true},
                                            QvCase{3, 1, 1000, 128, false, true, 0},
                                            QvCase{3, 1, 3000, 128, false, true, 5},
-                                           QvCase{3, 4, 1000, 128, true, true}),
+                                           QvCase{3, 4, 1000, 128, true, true},
+                                           // Several tokens packed (no lse): a cache, split, and dense.
+                                           QvCase{3, 4, 1000, 128, true, true, 1, false},
+                                           QvCase{3, 4, 3000, 128, true, true, 5, false},
+                                           QvCase{2, 3, 300, 16, true, false, 1, false}),
                          [](const ::testing::TestParamInfo<QvCase>& info) { return info.param.name(); });
 
 }  // namespace

@@ -2154,4 +2154,100 @@ TEST(PackedDecode, QueryHeadsAsRowsIsTheSameAttention) {
   }
 }
 
+// Several query tokens on one KV head (MQA, absorbed MLA, speculative decoding): the tokens' query
+// heads as the rows of one head, row r being token r / Hq's head r % Hq, its position for the mask
+// r / Hq + sk - sq (AttentionMask's kGroupedRows). The views name the same elements, and attention
+// row by row over them with that position gives the call's result; with an lse, several KV heads
+// or heads not adjacent to tokens the call is left as it is.
+TEST(PackedDecode, SeveralTokensOfOneKvHeadAsRowsIsTheSameAttention) {
+  const int64_t batch = 2, sq = 3, heads_q = 4, sk = 11, d = 8, dv = 16;
+  const HostTensor q = random_tensor(FH_DTYPE_FP64, {batch, sq, heads_q, d}, 2111);
+  const HostTensor qv = random_tensor(FH_DTYPE_FP64, {batch, sq, heads_q, dv}, 2112);
+  const HostTensor k = random_tensor(FH_DTYPE_FP64, {batch, sk, 1, d}, 2113);
+  const HostTensor v = random_tensor(FH_DTYPE_FP64, {batch, sk, 1, dv}, 2114);
+  struct Variant {
+    const char* name;
+    int causal, window_left, window_right, chunk;
+    bool with_qv;
+  };
+  for (const Variant& m : {Variant{"none", 0, -1, -1, 0, false}, Variant{"causal", 1, -1, -1, 0, false},
+                           Variant{"window", 0, 4, 1, 0, false}, Variant{"chunk", 1, -1, -1, 5, false},
+                           Variant{"causal qv", 1, -1, -1, 0, true}}) {
+    SCOPED_TRACE(m.name);
+    HostTensor out(FH_DTYPE_FP64, {batch, sq, heads_q, dv});
+    fh::ForwardParams p = fh::default_forward_params();
+    p.q = q.view();
+    p.k = k.view();
+    p.v = v.view();
+    p.out = out.view();
+    if (m.with_qv) p.qv = qv.view();
+    p.causal = m.causal;
+    p.window_left = m.window_left;
+    p.window_right = m.window_right;
+    p.attention_chunk = m.chunk;
+    p.softmax_scale = 0.5f;
+    ASSERT_OK(ref::forward(p));
+    const fh::detail::KernelCall call = fh::detail::kernel_call(p, fh::detail::forward_shape(p));
+    ASSERT_EQ(call.shape.rows_per_token, heads_q);
+    ASSERT_EQ(call.shape.seqlen_q, sq * heads_q);
+    ASSERT_EQ(call.shape.heads_q, 1);
+    const fh::detail::MaskSpec mask = fh::detail::mask_spec(call.params);
+    HostTensor packed_out(FH_DTYPE_FP64, out.shape());
+    fh::Tensor packed_o = call.params.out;
+    packed_o.data = packed_out.view().data;
+    for (int64_t b = 0; b < batch; ++b) {
+      for (int64_t r = 0; r < call.shape.seqlen_q; ++r) {
+        const int64_t token = r / heads_q, head = r % heads_q;
+        const int64_t pos = r / call.shape.rows_per_token + sk - sq;  // the kernels' position of row r
+        std::vector<double> scores(sk, -INFINITY);
+        double max_score = -INFINITY;
+        for (int64_t j = 0; j < sk; ++j) {
+          const bool left = mask.window_left < 0 || j >= pos - mask.window_left;
+          const bool right = mask.window_right < 0 || j <= pos + mask.window_right;
+          const int64_t chunk0 = mask.attention_chunk > 0 ? pos / mask.attention_chunk * mask.attention_chunk : 0;
+          const bool chunk = mask.attention_chunk == 0 || (j >= chunk0 && j < chunk0 + mask.attention_chunk);
+          if (!(left && right && chunk)) continue;
+          double s = 0;
+          for (int64_t c = 0; c < d; ++c) {
+            const double qe = fh::test::read(call.params.q, {b, r, 0, c});
+            ASSERT_EQ(qe, q.get({b, token, head, c}));  // the view names the token's head
+            s += qe * k.get({b, j, 0, c});
+          }
+          for (int64_t c = 0; m.with_qv && c < dv; ++c) s += fh::test::read(call.params.qv, {b, r, 0, c}) * v.get({b, j, 0, c});
+          scores[j] = s * 0.5;
+          max_score = std::max(max_score, scores[j]);
+        }
+        double sum = 0;
+        for (double& s : scores) sum += (s = std::exp(s - max_score));
+        for (int64_t c = 0; c < dv; ++c) {
+          double o = 0;
+          for (int64_t j = 0; j < sk; ++j) o += scores[j] / sum * v.get({b, j, 0, c});
+          fh::test::write(packed_o, {b, r, 0, c}, o);
+        }
+      }
+    }
+    EXPECT_LE(max_abs_diff(packed_out.view(), out.view()), 1e-12);
+  }
+  // Left as they are: an lse, two KV heads, heads not adjacent to tokens (q [B, Hq, sq, d] seen as
+  // [B, sq, Hq, d]).
+  HostTensor out(FH_DTYPE_FP64, {batch, sq, heads_q, dv}), lse(FH_DTYPE_FP64, {batch, heads_q, sq});
+  const HostTensor k2 = random_tensor(FH_DTYPE_FP64, {batch, sk, 2, d}, 2115);
+  const HostTensor v2 = random_tensor(FH_DTYPE_FP64, {batch, sk, 2, dv}, 2116);
+  fh::ForwardParams p = fh::default_forward_params();
+  p.q = q.view();
+  p.k = k.view();
+  p.v = v.view();
+  p.out = out.view();
+  fh::ForwardParams with_lse = p, two_kv_heads = p, heads_outer = p;
+  with_lse.lse = lse.view();
+  two_kv_heads.k = k2.view();
+  two_kv_heads.v = v2.view();
+  std::swap(heads_outer.q.stride[1], heads_outer.q.stride[2]);
+  for (const fh::ForwardParams& kept : {with_lse, two_kv_heads, heads_outer}) {
+    const fh::detail::KernelCall call = fh::detail::kernel_call(kept, fh::detail::forward_shape(kept));
+    EXPECT_EQ(call.shape.rows_per_token, 1);
+    EXPECT_EQ(call.shape.heads_q, heads_q);
+  }
+}
+
 }  // namespace

@@ -44,9 +44,11 @@ struct ForwardMainloop {
   static constexpr int kHeadDimV = kHeadDimV_;  // V and O
   static constexpr int kStages = kStages_;
   static constexpr MaskKind kMask = kMask_;
-  using Mask = AttentionMask<kBlockM_, kBlockN_, kMask_>;
-  using Transform = ScoreTransform<kSoftcap_>;
   static constexpr ForwardFeatures kFeatures = kFeatures_;
+  // Packed GQA over several query tokens groups a token's query heads as rows (decoding: the
+  // kernels with a KV cache's code).
+  using Mask = AttentionMask<kBlockM_, kBlockN_, kMask_, /*kGroupedRows=*/holds(kFeatures_, ForwardFeatures::kKvCache)>;
+  using Transform = ScoreTransform<kSoftcap_>;
   static constexpr bool kPacked = holds(kFeatures, ForwardFeatures::kPacked);
   static constexpr bool kSplitKv = holds(kFeatures, ForwardFeatures::kSplitKv);
   static constexpr bool kKvCache = holds(kFeatures, ForwardFeatures::kKvCache);

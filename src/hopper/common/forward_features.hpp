@@ -15,7 +15,8 @@ enum class ForwardFeatures : uint32_t {
   kNone = 0,
   kPacked = 1u << 0,   // cu_seqlens or seqused: packed rows, used lengths, the planned tile list
   kSplitKv = 1u << 1,  // num_splits > 1: float32 partials of each split of the keys
-  kKvCache = 1u << 2,  // cache_seqlens, cache_leftpad, cache_batch_idx (and the append before)
+  kKvCache = 1u << 2,  // cache_seqlens, cache_leftpad, cache_batch_idx (and the append before);
+                       // query rows grouped by token (packed GQA over several tokens)
   kPagedKv = 1u << 3,  // page_table: K and V by page, in TMA chunks or gathered
   kAll = (1u << 4) - 1,
   // qv (absorbed MLA): S = Q K^T + Qv V^T. Not in kAll: only the families the manifest marks qv

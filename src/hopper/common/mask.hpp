@@ -7,6 +7,9 @@
 //   kLocal:  (wl < 0 or j >= p - wl or j < num_sink_tokens) and (wr < 0 or j <= p + wr) and, with
 //            chunk c > 0, floor(p / c) * c <= j < floor(p / c) * c + c.
 // Masks are applied only to the blocks that cross a boundary; blocks wholly outside are skipped.
+// With kGroupedRows (the forward kernels with a KV cache's code: packed GQA over several query
+// tokens, plan/packed_decode.hpp), rows r * g .. r * g + g - 1 are query position r, g =
+// rows_per_token, and seqlen_q counts rows: p = row / g + seqlen_k - seqlen_q / g.
 #pragma once
 
 #include <cmath>
@@ -21,18 +24,20 @@ namespace flashhopper::hopper {
 
 using namespace cute;
 
-// The run-time half of a kLocal mask (the other kinds ignore it).
+// A mask's run-time parameters: a kLocal mask's bounds (the other kinds ignore them), and the rows
+// of a query position (read with kGroupedRows only).
 struct LocalMaskParams {
   int window_left = -1;  // -1: unbounded
   int window_right = -1;
   int num_sink_tokens = 0;
   int chunk = 0;  // 0: none
+  int rows_per_token = 1;
 };
 
 CUTLASS_HOST_DEVICE int floor_div(int a, int b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
 CUTLASS_HOST_DEVICE int ceil_div_pos(int a, int b) { return a <= 0 ? 0 : (a + b - 1) / b; }
 
-template <int kBlockM, int kBlockN, MaskKind kKind>
+template <int kBlockM, int kBlockN, MaskKind kKind, bool kGroupedRows = false>
 struct AttentionMask {
   static constexpr bool kCausal = kKind == MaskKind::kCausal;
   static constexpr bool kLocal = kKind == MaskKind::kLocal;
@@ -43,7 +48,13 @@ struct AttentionMask {
   CUTLASS_HOST_DEVICE AttentionMask(SeqlenInfo const& seq, LocalMaskParams const& local_ = {})
       : seqlen_q(seq.seqlen_q), seqlen_k(seq.seqlen_k), local(local_) {}
 
-  CUTLASS_HOST_DEVICE int offset() const { return seqlen_k - seqlen_q; }
+  CUTLASS_HOST_DEVICE int offset() const {
+    return kGroupedRows ? seqlen_k - seqlen_q / local.rows_per_token : seqlen_k - seqlen_q;
+  }
+  // The query position of a row, aligned with the keys (p above).
+  CUTLASS_HOST_DEVICE int position(int row) const {
+    return (kGroupedRows ? row / local.rows_per_token : row) + offset();
+  }
   CUTLASS_HOST_DEVICE bool has_sinks() const { return kLocal && local.num_sink_tokens > 0; }
 
   // ---- Visible key columns [lo, hi) of the rows [row_first, row_last] (their union) --------------
@@ -53,14 +64,14 @@ struct AttentionMask {
     if constexpr (!kLocal) {
       return 0;
     } else {
-      const int p = row_first + offset();
+      const int p = position(row_first);
       int lo = local.window_left < 0 ? 0 : p - local.window_left;
       if (local.chunk > 0) lo = max(lo, floor_div(p, local.chunk) * local.chunk);
       return max(lo, 0);
     }
   }
   CUTLASS_HOST_DEVICE int cols_hi(int row_last) const {
-    const int p = row_last + offset();
+    const int p = position(row_last);
     int hi = seqlen_k;
     if constexpr (kCausal) hi = min(hi, p + 1);
     if constexpr (kLocal) {
@@ -129,6 +140,7 @@ struct AttentionMask {
 
   // ---- dK/dV kernel: the query blocks key block n_block visits, [m_min, m_max) ------------------
   CUTLASS_DEVICE void query_blocks(int n_block, int& m_min, int& m_max) const {
+    static_assert(!kGroupedRows, "the backward does not group rows");
     const int col_first = n_block * kBlockN;
     const int col_last = min(col_first + kBlockN, seqlen_k) - 1;
     if (col_first >= seqlen_k) {  // keys past the used ones (seqused_k): no row sees them
@@ -170,14 +182,14 @@ struct AttentionMask {
     const int col_first = n_block * kBlockN, col_last = col_first + kBlockN - 1;
     if (col_last >= seqlen_k) return true;
     const int row_first = m_block * kBlockM, row_last = row_first + kBlockM - 1;
-    if constexpr (kCausal) return col_last > row_first + offset();
+    if constexpr (kCausal) return col_last > position(row_first);
     if constexpr (kLocal) {
       // Wholly visible iff every row's interval covers the block: the first row's right end and
       // the last row's left end bound it (a chunk boundary inside the rows always masks).
       if (col_last >= cols_hi(row_first)) return true;
       if (col_first < cols_lo(row_last)) return true;
       if (local.chunk > 0 &&
-          floor_div(row_first + offset(), local.chunk) != floor_div(row_last + offset(), local.chunk))
+          floor_div(position(row_first), local.chunk) != floor_div(position(row_last), local.chunk))
         return true;
     }
     return false;
@@ -230,7 +242,7 @@ struct AttentionMask {
   // Causal: the walk's masked query blocks form the start of [m_block_min, m_block_max); where
   // that run ends (m_block_max when the key block holds padding).
   CUTLASS_DEVICE int masked_query_blocks_end(int n_block, int m_block_min, int m_block_max) const {
-    static_assert(kCausal);
+    static_assert(kCausal && !kGroupedRows);
     const int last_col = (n_block + 1) * kBlockN - 1;
     if (last_col >= seqlen_k) return m_block_max;
     const int diagonal = last_col - offset();  // crossed while m * kBlockM < diagonal
@@ -244,7 +256,7 @@ struct AttentionMask {
   // sink tokens in the block mask the whole walk.
   CUTLASS_DEVICE void unmasked_query_blocks(int n_block, int m_block_min, int m_block_max, int& full_begin,
                                             int& full_end) const {
-    static_assert(kLocal);
+    static_assert(kLocal && !kGroupedRows);
     const int col_first = n_block * kBlockN, col_last = col_first + kBlockN - 1;
     full_begin = full_end = m_block_max;
     if (col_last >= seqlen_k || local.chunk > 0 || col_first < local.num_sink_tokens) return;
@@ -271,7 +283,7 @@ struct AttentionMask {
       int col_end = seqlen_k - col0;
       int col_begin = 0;
       int sink_end = 0;
-      if constexpr (kCausal) col_end = min(col_end, row + offset() + 1 - col0);
+      if constexpr (kCausal) col_end = min(col_end, position(row) + 1 - col0);
       if constexpr (kLocal) {
         col_end = min(col_end, cols_hi(row) - col0);
         col_begin = cols_lo(row) - col0;
