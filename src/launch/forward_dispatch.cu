@@ -51,12 +51,12 @@ int forward_num_splits(const ForwardParams& p, const detail::ProblemShape& s) {
   // Packed queries: the most tiles the sequences can have (their lengths are in device memory).
   const int64_t tiles = s.varlen_q ? max_planned_tiles(s.total_q, s.seqlen_q, s.batch, s.heads_q, tile.block_m)
                                    : (s.seqlen_q + tile.block_m - 1) / tile.block_m * s.heads_q * s.batch;
-  // The partials (float32 O and LSE a split) stay within 1% of the K and V bytes the call reads.
+  // One split's partials (float32 O and LSE) against the K and V bytes the call reads.
   const double kv_bytes = double(s.batch) * s.seqlen_k * s.heads_kv * (s.head_dim + s.head_dim_v) *
                           dtype_size(static_cast<fh_dtype>(p.k.dtype));
   const double split_bytes = double(partial_rows(s)) * (s.head_dim_v + 1) * sizeof(float);
   return detail::choose_num_splits(tiles, (s.seqlen_k + tile.block_n - 1) / tile.block_n, num_sms,
-                                   detail::most_splits_for_workspace(kv_bytes, split_bytes));
+                                   kv_bytes > 0 ? split_bytes / kv_bytes : 1.0);
 }
 
 size_t round_up_256(size_t bytes) { return (bytes + 255) / 256 * 256; }

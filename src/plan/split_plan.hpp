@@ -9,26 +9,27 @@
 
 namespace flashhopper::detail {
 
-// The most splits whose float32 partials (O and LSE, `partial_bytes_per_split` a split) stay
-// within 1% of the K and V bytes the call reads; at least 1.
-inline int64_t most_splits_for_workspace(double kv_bytes, double partial_bytes_per_split) {
-  return std::max<int64_t>(1, int64_t(kv_bytes / (100 * partial_bytes_per_split)));
-}
-
 // Split the keys when the query tiles leave most SMs idle (decoding: a few query rows against long
-// keys): the fewest splits whose waves of tiles use the SMs within 85% as well as the best count
-// does, each split at least two key blocks, at most most_splits.
-inline int choose_num_splits(int64_t tiles, int64_t key_blocks, int num_sms, int64_t most_splits) {
+// keys). A split count's estimated time: the bytes it moves, K and V once plus each split's
+// float32 partials written and read back by the combine, over the share of the SMs its waves of
+// tiles keep busy (one tile an SM reads at about the whole GPU's rate per SM: absorbed MLA,
+// 2026-12-06, batch 128 at 0.86 of copy, batch 32 at 0.26). partial_fraction: one split's partials
+// (O and LSE, float32) over the K and V bytes; small for GQA, about 5% for absorbed MLA at 4k
+// keys (128 query heads' 256-wide partials on one 320-wide KV head). The fewest splits whose time
+// is within 1/0.85 of the best count's, each split at least two key blocks, the partials at most
+// half the K and V bytes.
+inline int choose_num_splits(int64_t tiles, int64_t key_blocks, int num_sms, double partial_fraction) {
   if (tiles <= 0 || num_sms <= 0 || tiles * 5 >= int64_t(num_sms) * 4) return 1;
-  const int most = int(std::min<int64_t>({key_blocks / 2, 128, 2 * int64_t(num_sms), most_splits}));
-  auto efficiency = [&](int splits) {
+  int64_t most = std::min<int64_t>({key_blocks / 2, 128, 2 * int64_t(num_sms)});
+  if (partial_fraction > 0) most = std::min<int64_t>(most, std::max<int64_t>(1, int64_t(0.5 / partial_fraction)));
+  auto time = [&](int64_t splits) {
     const double waves = double(tiles * splits) / num_sms;
-    return waves / std::ceil(waves);
+    return (1 + 2 * splits * partial_fraction) * std::ceil(waves) / waves;
   };
-  double best = 0;
-  for (int splits = 1; splits <= most; ++splits) best = std::max(best, efficiency(splits));
-  for (int splits = 1; splits <= most; ++splits)
-    if (efficiency(splits) >= 0.85 * best) return splits;
+  double best = time(1);
+  for (int64_t splits = 2; splits <= most; ++splits) best = std::min(best, time(splits));
+  for (int64_t splits = 1; splits <= most; ++splits)
+    if (0.85 * time(splits) <= best) return int(splits);
   return 1;
 }
 

@@ -1795,9 +1795,9 @@ TEST(Threads, LastErrorIsPerThread) {
 // ---- The split-KV count of num_splits = 0 (plan/split_plan.hpp) ------------------------------
 
 TEST(SplitPlan, NoSplitWhenTheTilesFillTheGpu) {
-  EXPECT_EQ(fh::detail::choose_num_splits(/*tiles=*/132, /*key_blocks=*/800, /*num_sms=*/132, 1000), 1);
-  EXPECT_EQ(fh::detail::choose_num_splits(106, 800, 132, 1000), 1);  // 106 * 5 >= 132 * 4
-  EXPECT_EQ(fh::detail::choose_num_splits(0, 800, 132, 1000), 1);
+  EXPECT_EQ(fh::detail::choose_num_splits(/*tiles=*/132, /*key_blocks=*/800, /*num_sms=*/132, 0.0), 1);
+  EXPECT_EQ(fh::detail::choose_num_splits(106, 800, 132, 0.0), 1);  // 106 * 5 >= 132 * 4
+  EXPECT_EQ(fh::detail::choose_num_splits(0, 800, 132, 0.0), 1);
 }
 
 TEST(SplitPlan, DecodeSplitsWithinItsBounds) {
@@ -1805,7 +1805,7 @@ TEST(SplitPlan, DecodeSplitsWithinItsBounds) {
   for (int64_t batch : {1, 2, 4, 8}) {
     for (int64_t keys : {4096, 16384, 131072}) {
       const int64_t tiles = 8 * batch, key_blocks = (keys + 159) / 160;
-      const int splits = fh::detail::choose_num_splits(tiles, key_blocks, 132, 1000);
+      const int splits = fh::detail::choose_num_splits(tiles, key_blocks, 132, /*partial_fraction=*/0.0);
       SCOPED_TRACE("batch " + std::to_string(batch) + ", keys " + std::to_string(keys));
       EXPECT_GT(splits, 1);               // 8 to 64 tiles leave most of 132 SMs idle
       EXPECT_LE(splits, key_blocks / 2);  // each split at least two key blocks
@@ -1820,23 +1820,38 @@ TEST(SplitPlan, DecodeSplitsWithinItsBounds) {
   }
 }
 
-TEST(SplitPlan, PartialsStayWithinOnePercentOfTheKeysAndValues) {
-  // One token, GQA 32/8, hdim 128, bf16: K and V bytes against one split's float32 O and LSE rows.
-  for (int64_t batch : {1, 8}) {
-    for (int64_t keys : {1024, 4096, 16384}) {
-      const double kv_bytes = double(batch) * keys * 8 * (128 + 128) * 2;
-      const double partial_bytes = double(batch) * 32 * (128 + 1) * 4;
-      const int64_t most = fh::detail::most_splits_for_workspace(kv_bytes, partial_bytes);
-      const int splits = fh::detail::choose_num_splits(8 * batch, (keys + 159) / 160, 132, most);
+TEST(SplitPlan, SplitsPayForTheirPartials) {
+  // The estimated time of a count: K/V plus its partials written and read, over the SMs' busy share.
+  auto time = [](int64_t tiles, int64_t splits, double fraction) {
+    const double waves = double(tiles * splits) / 132;
+    return (1 + 2 * splits * fraction) * std::ceil(waves) / waves;
+  };
+  // Absorbed MLA, 128 query heads on one KV head packed into one tile a sequence: one split's
+  // float32 partials (128 x 257) against a sequence's K and V (d 64 + dv 256, bf16).
+  for (int64_t batch : {8, 32, 64}) {
+    for (int64_t keys : {4096, 16384, 65536}) {
+      const double fraction = (128.0 * 257 * 4) / (double(keys) * 320 * 2);
+      const int64_t key_blocks = (keys + 63) / 64;
+      const int splits = fh::detail::choose_num_splits(batch, key_blocks, 132, fraction);
       SCOPED_TRACE("batch " + std::to_string(batch) + ", keys " + std::to_string(keys));
-      EXPECT_GE(most, 1);
-      EXPECT_LE(splits, most);
-      if (splits > 1) EXPECT_LE(splits * partial_bytes, 0.01 * kv_bytes);
+      EXPECT_GT(splits, 1);                                          // 8 to 64 tiles leave SMs idle
+      EXPECT_LT(time(batch, splits, fraction), time(batch, 1, fraction));  // and splitting pays
+      EXPECT_LE(splits * fraction, 0.5);                             // partials within half the K/V
+      for (int64_t other = 1; other <= std::min<int64_t>(key_blocks / 2, 128); ++other)
+        if (other * fraction <= 0.5) EXPECT_LE(0.85 * time(batch, splits, fraction), time(batch, other, fraction));
     }
   }
-  // Too few keys for even one split's partials within 1%: no split.
-  EXPECT_EQ(fh::detail::most_splits_for_workspace(1000.0, 1000.0), 1);
-  EXPECT_EQ(fh::detail::choose_num_splits(8, 100, 132, 1), 1);
+  // Partials as large as the keys and values: no split pays.
+  EXPECT_EQ(fh::detail::choose_num_splits(8, 1000, 132, 1.0), 1);
+  EXPECT_EQ(fh::detail::choose_num_splits(8, 1000, 132, 0.6), 1);
+  // GQA 32/8, hdim 128, 16k keys: the partials are small, so the count is about the SMs' alone.
+  for (int64_t batch : {1, 8}) {
+    const double fraction = (32.0 * 129 * 4) / (16384.0 * 8 * 256 * 2);
+    const int with = fh::detail::choose_num_splits(8 * batch, 16384 / 160, 132, fraction);
+    const int without = fh::detail::choose_num_splits(8 * batch, 16384 / 160, 132, 0.0);
+    EXPECT_GT(with, 1);
+    EXPECT_LE(std::abs(with - without), 2) << with << " against " << without;
+  }
 }
 
 namespace {
