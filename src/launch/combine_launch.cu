@@ -62,9 +62,17 @@ int run_combine_as(const CombineParams& p, cudaStream_t stream) {
 
 // The partials are contiguous (ForwardWorkspace's layout): fh_combine's dense case.
 int run_split_kv_combine(const ForwardParams& params, const detail::ProblemShape& shape, float* out_partial,
-                         float* lse_partial, int num_splits, fh_stream_t stream) {
+                         float* lse_partial, int num_splits, fh_stream_t stream, int64_t rows_per_token) {
   CombineParams combine{};
-  if (shape.varlen_q) {  // [S, Hq, total_q, (dv)], as fh_combine takes packed partials
+  if (rows_per_token > 1) {
+    // Several query tokens of one KV head packed (plan/packed_decode.hpp): the partials' rows are
+    // token t's heads j at t * Hq + j, read here as [S, B, Hq, sq, (dv)] into the call's own out
+    // and lse (params and shape: the call as given).
+    const int64_t b = shape.batch, h = shape.heads_q, sq = shape.seqlen_q, dv = shape.head_dim_v;
+    combine.out_partial = make_tensor(out_partial, FH_DTYPE_FP32, {num_splits, b, h, sq, dv},
+                                      {b * sq * h * dv, sq * h * dv, dv, h * dv, 1});
+    combine.lse_partial = make_tensor(lse_partial, FH_DTYPE_FP32, {num_splits, b, h, sq}, {b * sq * h, sq * h, 1, h});
+  } else if (shape.varlen_q) {  // [S, Hq, total_q, (dv)], as fh_combine takes packed partials
     combine.out_partial =
         make_tensor(out_partial, FH_DTYPE_FP32, {num_splits, shape.heads_q, shape.total_q, shape.head_dim_v});
     combine.lse_partial = make_tensor(lse_partial, FH_DTYPE_FP32, {num_splits, shape.heads_q, shape.total_q});

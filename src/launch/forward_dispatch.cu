@@ -134,6 +134,9 @@ int run_forward(const ForwardPlan& plan, void* workspace, fh_stream_t stream) {
         });
       });
   if (err != 0 || parts.num_splits == 1) return err;
+  if (call.shape.rows_per_token > 1)  // several query tokens packed: into the call's own out and lse
+    return run_split_kv_combine(params, shape, parts.out_partial, parts.lse_partial, parts.num_splits, stream,
+                                call.shape.rows_per_token);
   return run_split_kv_combine(call.params, call.shape, parts.out_partial, parts.lse_partial, parts.num_splits,
                               stream);
 }

@@ -54,8 +54,9 @@ Tensor rotated_q_view(const ForwardParams& params, void* data);  // q's shape, c
 // Enqueues the split-KV combine (checked params). Returns the CUDA error of the launch.
 int run_combine(const CombineParams& params, fh_stream_t stream);
 // The combine after a split-KV forward: its num_splits partials (ForwardWorkspace's layout, dense
-// or packed as the queries are) into params.out and params.lse.
+// or packed as the queries are) into params.out and params.lse. rows_per_token > 1: the partials of
+// a call with several query tokens packed (its kernel call's shape), params and shape the call's own.
 int run_split_kv_combine(const ForwardParams& params, const detail::ProblemShape& shape, float* out_partial,
-                         float* lse_partial, int num_splits, fh_stream_t stream);
+                         float* lse_partial, int num_splits, fh_stream_t stream, int64_t rows_per_token = 1);
 
 }  // namespace flashhopper::launch

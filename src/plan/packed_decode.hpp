@@ -16,10 +16,11 @@ namespace flashhopper::detail {
 // - Several query tokens and one KV head (MQA, absorbed MLA; speculative decoding): q [B, sq, Hq, d]
 //   read as [B, sq * Hq, 1, d], row t * Hq + j being token t's head j, the mask kept, its row
 //   positions divided by rows_per_token = Hq (the kernels with a KV cache's code do that). Where q,
-//   out and qv have heads adjacent to tokens (strides Hq * d and d, as contiguous tensors), and no
-//   lse (its [B, Hq, sq] layout would need two strides for the rows).
-// Neither with a learnable sink (one logit per query head), packed batches, or an lse whose heads
-// are not adjacent.
+//   out and qv have heads adjacent to tokens (strides Hq * d and d, as contiguous tensors). The lse
+//   [B, Hq, sq] stays as given: its rows take two strides, which those kernels' epilogue and the
+//   split-KV combine apply (row r: head r % Hq, token r / Hq).
+// Neither with a learnable sink (one logit per query head) nor packed batches; one token not with an
+// lse whose heads are not adjacent.
 struct KernelCall {
   ForwardParams params;
   ProblemShape shape;
@@ -61,12 +62,12 @@ inline KernelCall kernel_call(const ForwardParams& p, const ProblemShape& s) {
     shape.total_q = s.batch * ratio;
     return {packed, shape};
   }
-  const bool several_tokens = s.heads_kv == 1 && !present(p.lse) && tokens_and_heads_are_one_stride(p.q, s.heads_q) &&
+  const bool several_tokens = s.heads_kv == 1 && tokens_and_heads_are_one_stride(p.q, s.heads_q) &&
                               tokens_and_heads_are_one_stride(p.out, s.heads_q) &&
                               tokens_and_heads_are_one_stride(p.qv, s.heads_q);
   if (!several_tokens) return {p, s};
   ForwardParams packed = p;
-  for (Tensor* t : {&packed.q, &packed.out, &packed.qv}) {  // [B, sq, Hq, d] -> [B, sq * Hq, 1, d]
+  for (Tensor* t : {&packed.q, &packed.out, &packed.qv}) {  // [B, sq, Hq, d] -> [B, sq * Hq, 1, d]; lse as given
     if (!present(*t)) continue;  // qv
     t->shape[1] = s.seqlen_q * s.heads_q;
     t->shape[2] = 1;

@@ -337,9 +337,7 @@ struct KvCacheCase {
   int num_splits = 1;
   int page_size = 0;  // > 0: a paged cache, cache_len keys a sequence in shuffled pages
   bool packed_new = false;  // the new keys packed (cu_seqlens_k_new): sequences append 0..seqlen_new
-  // No lse asked for: with one KV head and several query tokens the kernels then pack the tokens'
-  // query heads into one tile's rows (plan/packed_decode.hpp).
-  bool with_lse = true;
+  bool with_lse = true;  // false: no lse asked for
   std::string name() const {
     return "b" + std::to_string(batch) + "_sq" + std::to_string(seqlen_q) + "_h" + std::to_string(heads_q) + "_hkv" +
            std::to_string(heads_kv) + "_rows" + std::to_string(cache_rows) + "_S" + std::to_string(cache_len) +
@@ -502,13 +500,15 @@ std::vector<KvCacheCase> kv_cache_cases() {
     }
   cases.push_back({5, 4, 32, 8, 7, 4096, true, true, true});
   cases.push_back({5, 4, 4, 4, 5, 700, false, true, false, 100});  // a window over the cache
-  // One KV head, several query tokens, no lse: the tokens' query heads packed into one tile's rows,
-  // the mask on each row's token (causal, a window, an append with rotary, split, paged).
+  // One KV head, several query tokens: the tokens' query heads packed into one tile's rows, the
+  // mask on each row's token, the lse written by head and token (causal, a window, an append with
+  // rotary, split, paged), with and without an lse (the causal ones with one are above).
   for (KvCacheCase c : {KvCacheCase{6, 3, 8, 1, 9, 1000, true, true, true}, KvCacheCase{6, 64, 8, 1, 9, 1000, true, true, true},
                         KvCacheCase{5, 4, 4, 1, 5, 700, false, true, false, 100},
                         KvCacheCase{4, 3, 8, 1, 6, 1024, true, true, true, -1, 3, 64, true},
                         KvCacheCase{4, 5, 16, 1, 4, 4096, true, false, false, -1, 0, 0, true, 3},
                         KvCacheCase{4, 3, 8, 1, 4, 1024, true, true, false, -1, 0, 0, true, 1, 16}}) {
+    if (c.window_left >= 0 || c.seqlen_new > 0 || c.num_splits > 1 || c.page_size > 0) cases.push_back(c);
     c.with_lse = false;
     cases.push_back(c);
   }
@@ -598,7 +598,7 @@ struct QvCase {
   int batch, seqlen_q, seqlen_k, heads_q;
   bool causal, kv_cache;
   int num_splits = 1;
-  bool with_lse = true;  // without: several query tokens are packed into one tile's rows
+  bool with_lse = true;
   std::string name() const {
     return "b" + std::to_string(batch) + "_sq" + std::to_string(seqlen_q) + "_sk" + std::to_string(seqlen_k) + "_h" +
            std::to_string(heads_q) + (causal ? "_causal" : "") + (kv_cache ? "_cache" : "") +
@@ -669,9 +669,12 @@ INSTANTIATE_TEST_SUITE_P(Qv, QvGpuTest,
                                            QvCase{3, 1, 1000, 128, false, true, 0},
                                            QvCase{3, 1, 3000, 128, false, true, 5},
                                            QvCase{3, 4, 1000, 128, true, true},
-                                           // Several tokens packed (no lse): a cache, split, and dense.
+                                           // Several tokens packed, with an lse and without: a cache,
+                                           // split, and dense.
                                            QvCase{3, 4, 1000, 128, true, true, 1, false},
+                                           QvCase{3, 4, 3000, 128, true, true, 5},
                                            QvCase{3, 4, 3000, 128, true, true, 5, false},
+                                           QvCase{2, 3, 300, 16, true, false},
                                            QvCase{2, 3, 300, 16, true, false, 1, false}),
                          [](const ::testing::TestParamInfo<QvCase>& info) { return info.param.name(); });
 

@@ -2157,8 +2157,9 @@ TEST(PackedDecode, QueryHeadsAsRowsIsTheSameAttention) {
 // Several query tokens on one KV head (MQA, absorbed MLA, speculative decoding): the tokens' query
 // heads as the rows of one head, row r being token r / Hq's head r % Hq, its position for the mask
 // r / Hq + sk - sq (AttentionMask's kGroupedRows). The views name the same elements, and attention
-// row by row over them with that position gives the call's result; with an lse, several KV heads
-// or heads not adjacent to tokens the call is left as it is.
+// row by row over them with that position gives the call's out, and its lse where the epilogue
+// writes row r's (the lse as given, at head r % Hq and token r / Hq); with several KV heads or heads
+// not adjacent to tokens the call is left as it is.
 TEST(PackedDecode, SeveralTokensOfOneKvHeadAsRowsIsTheSameAttention) {
   const int64_t batch = 2, sq = 3, heads_q = 4, sk = 11, d = 8, dv = 16;
   const HostTensor q = random_tensor(FH_DTYPE_FP64, {batch, sq, heads_q, d}, 2111);
@@ -2174,12 +2175,13 @@ TEST(PackedDecode, SeveralTokensOfOneKvHeadAsRowsIsTheSameAttention) {
                            Variant{"window", 0, 4, 1, 0, false}, Variant{"chunk", 1, -1, -1, 5, false},
                            Variant{"causal qv", 1, -1, -1, 0, true}}) {
     SCOPED_TRACE(m.name);
-    HostTensor out(FH_DTYPE_FP64, {batch, sq, heads_q, dv});
+    HostTensor out(FH_DTYPE_FP64, {batch, sq, heads_q, dv}), lse(FH_DTYPE_FP64, {batch, heads_q, sq});
     fh::ForwardParams p = fh::default_forward_params();
     p.q = q.view();
     p.k = k.view();
     p.v = v.view();
     p.out = out.view();
+    p.lse = lse.view();
     if (m.with_qv) p.qv = qv.view();
     p.causal = m.causal;
     p.window_left = m.window_left;
@@ -2191,8 +2193,12 @@ TEST(PackedDecode, SeveralTokensOfOneKvHeadAsRowsIsTheSameAttention) {
     ASSERT_EQ(call.shape.rows_per_token, heads_q);
     ASSERT_EQ(call.shape.seqlen_q, sq * heads_q);
     ASSERT_EQ(call.shape.heads_q, 1);
+    for (int i = 0; i < 3; ++i) {  // the lse as given
+      EXPECT_EQ(call.params.lse.shape[i], p.lse.shape[i]);
+      EXPECT_EQ(call.params.lse.stride[i], p.lse.stride[i]);
+    }
     const fh::detail::MaskSpec mask = fh::detail::mask_spec(call.params);
-    HostTensor packed_out(FH_DTYPE_FP64, out.shape());
+    HostTensor packed_out(FH_DTYPE_FP64, out.shape()), packed_lse(FH_DTYPE_FP64, lse.shape());
     fh::Tensor packed_o = call.params.out;
     packed_o.data = packed_out.view().data;
     for (int64_t b = 0; b < batch; ++b) {
@@ -2219,6 +2225,8 @@ TEST(PackedDecode, SeveralTokensOfOneKvHeadAsRowsIsTheSameAttention) {
         }
         double sum = 0;
         for (double& s : scores) sum += (s = std::exp(s - max_score));
+        const int64_t g = call.shape.rows_per_token;
+        packed_lse.set({b, r % g, r / g}, max_score + std::log(sum));
         for (int64_t c = 0; c < dv; ++c) {
           double o = 0;
           for (int64_t j = 0; j < sk; ++j) o += scores[j] / sum * v.get({b, j, 0, c});
@@ -2227,10 +2235,11 @@ TEST(PackedDecode, SeveralTokensOfOneKvHeadAsRowsIsTheSameAttention) {
       }
     }
     EXPECT_LE(max_abs_diff(packed_out.view(), out.view()), 1e-12);
+    EXPECT_LE(max_abs_diff(packed_lse.view(), lse.view()), 1e-12);
   }
-  // Left as they are: an lse, two KV heads, heads not adjacent to tokens (q [B, Hq, sq, d] seen as
+  // Left as they are: two KV heads, heads not adjacent to tokens (q [B, Hq, sq, d] seen as
   // [B, sq, Hq, d]).
-  HostTensor out(FH_DTYPE_FP64, {batch, sq, heads_q, dv}), lse(FH_DTYPE_FP64, {batch, heads_q, sq});
+  HostTensor out(FH_DTYPE_FP64, {batch, sq, heads_q, dv});
   const HostTensor k2 = random_tensor(FH_DTYPE_FP64, {batch, sk, 2, d}, 2115);
   const HostTensor v2 = random_tensor(FH_DTYPE_FP64, {batch, sk, 2, dv}, 2116);
   fh::ForwardParams p = fh::default_forward_params();
@@ -2238,12 +2247,11 @@ TEST(PackedDecode, SeveralTokensOfOneKvHeadAsRowsIsTheSameAttention) {
   p.k = k.view();
   p.v = v.view();
   p.out = out.view();
-  fh::ForwardParams with_lse = p, two_kv_heads = p, heads_outer = p;
-  with_lse.lse = lse.view();
+  fh::ForwardParams two_kv_heads = p, heads_outer = p;
   two_kv_heads.k = k2.view();
   two_kv_heads.v = v2.view();
   std::swap(heads_outer.q.stride[1], heads_outer.q.stride[2]);
-  for (const fh::ForwardParams& kept : {with_lse, two_kv_heads, heads_outer}) {
+  for (const fh::ForwardParams& kept : {two_kv_heads, heads_outer}) {
     const fh::detail::KernelCall call = fh::detail::kernel_call(kept, fh::detail::forward_shape(kept));
     EXPECT_EQ(call.shape.rows_per_token, 1);
     EXPECT_EQ(call.shape.heads_q, heads_q);

@@ -7,6 +7,8 @@
 // Columns: the tensor's dv, which may be below kHeadDimV (the TMA store clips the rest, the
 // register stores are predicated). A split-KV tile writes its split's float32 partials instead
 // (O normalised over the split's keys, and its LSE), from registers, for the combine kernel.
+// Packed GQA over several query tokens (kGroupedRows: the kernels with a KV cache's code) keeps the
+// lse [B, Hq, sq] as the caller gave it: row r of the tile is token r / g's query head r % g.
 #pragma once
 
 #include <cmath>
@@ -35,6 +37,7 @@ struct ForwardEpilogue {
   static constexpr int kNumMmaThreads = size(TiledMmaPV{});
   static constexpr bool kPacked = holds(kFeatures, ForwardFeatures::kPacked);
   static constexpr bool kSplitKv = holds(kFeatures, ForwardFeatures::kSplitKv);
+  static constexpr bool kGroupedRows = holds(kFeatures, ForwardFeatures::kKvCache);
 
   using TileShapeO = Shape<Int<kBlockM>, Int<kHeadDimV>>;
   using SmemLayoutO = decltype(tile_to_shape(
@@ -45,6 +48,13 @@ struct ForwardEpilogue {
   using ShapeO = Shape<int32_t, int32_t, int32_t, int32_t>;  // (seqlen_q, dv, heads, batch); packed (total_q, dv, heads, 1)
   using StrideO = Stride<int64_t, _1, int64_t, int64_t>;
   using StrideLse = Stride<_1, int64_t, int64_t>;            // lse (seqlen_q, heads, batch), likewise
+  // The lse's rows with several query tokens packed (kGroupedRows): row r is query head r % g of
+  // token r / g. rows_per_token 1 otherwise.
+  struct GroupedLse {
+    int rows_per_token = 1;
+    int64_t head_stride = 0;
+    int64_t token_stride = 1;
+  };
   using TmaO = decltype(make_tma_copy(
       SM90_TMA_STORE{}, make_tensor(make_gmem_ptr(static_cast<Element*>(nullptr)), ShapeO{}, StrideO{}),
       SmemLayoutO{}, TileShapeO{}, _1{}));
@@ -60,6 +70,7 @@ struct ForwardEpilogue {
     // [splits, batch, heads, rows], contiguous, with o's (rows, dv, heads, batch) extents.
     float* ptr_o_partial = nullptr;
     float* ptr_lse_partial = nullptr;
+    GroupedLse grouped_lse = {};
   };
 
   struct Params {
@@ -72,13 +83,14 @@ struct ForwardEpilogue {
     TmaO tma_o;
     float* ptr_o_partial;
     float* ptr_lse_partial;
+    GroupedLse grouped_lse;
   };
 
   static Params to_underlying_arguments(Arguments const& args) {
     Tensor mO = make_tensor(make_gmem_ptr(args.ptr_o), args.shape_o, args.stride_o);
     TmaO tma_o = make_tma_copy(SM90_TMA_STORE{}, mO, SmemLayoutO{}, TileShapeO{}, _1{});
-    return {args.ptr_o,  args.shape_o, args.stride_o,      args.ptr_lse,        args.stride_lse,
-            args.packed, tma_o,        args.ptr_o_partial, args.ptr_lse_partial};
+    return {args.ptr_o,         args.shape_o, args.stride_o,      args.ptr_lse,         args.stride_lse,
+            args.packed,        tma_o,        args.ptr_o_partial, args.ptr_lse_partial, args.grouped_lse};
   }
 
   CUTLASS_DEVICE static bool split_kv(Params const& params) { return kSplitKv && params.ptr_o_partial != nullptr; }
@@ -93,10 +105,22 @@ struct ForwardEpilogue {
     return domain_offset(make_coord(seq.offset_q, _0{}), mO);
   }
   CUTLASS_DEVICE static auto sequence_lse(Params const& params, WorkTile const& work, SeqlenInfo const& seq) {
-    Tensor mLse = make_tensor(make_gmem_ptr(params.ptr_lse),
-                              make_shape(get<0>(params.shape_o), get<2>(params.shape_o), get<3>(params.shape_o)),
-                              params.stride_lse)(_, work.head, seq.batch_q);
-    return domain_offset(make_coord(seq.offset_q), mLse);
+    if constexpr (kGroupedRows) {
+      // Rows as (query head, token): r -> (r % g, r / g), so each row finds its own head's lse.
+      const GroupedLse& grouped = params.grouped_lse;
+      Tensor mLse = make_tensor(
+          make_gmem_ptr(params.ptr_lse),
+          make_shape(make_shape(grouped.rows_per_token, get<0>(params.shape_o) / grouped.rows_per_token),
+                     get<2>(params.shape_o), get<3>(params.shape_o)),
+          make_stride(make_stride(grouped.head_stride, grouped.token_stride), get<1>(params.stride_lse),
+                      get<2>(params.stride_lse)))(_, work.head, seq.batch_q);
+      return domain_offset(make_coord(seq.offset_q), mLse);
+    } else {
+      Tensor mLse = make_tensor(make_gmem_ptr(params.ptr_lse),
+                                make_shape(get<0>(params.shape_o), get<2>(params.shape_o), get<3>(params.shape_o)),
+                                params.stride_lse)(_, work.head, seq.batch_q);
+      return domain_offset(make_coord(seq.offset_q), mLse);
+    }
   }
   // The tile's split's rows of the partials: (seqlen, dv) and (seqlen), float32.
   CUTLASS_DEVICE static int64_t partial_row0(Params const& params, WorkTile const& work, SeqlenInfo const& seq) {
