@@ -19,12 +19,16 @@ namespace flashhopper::detail {
 //   out and qv have heads adjacent to tokens (strides Hq * d and d, as contiguous tensors). The lse
 //   [B, Hq, sq] stays as given: its rows take two strides, which those kernels' epilogue and the
 //   split-KV combine apply (row r: head r % Hq, token r / Hq).
+//   Up to kMostTokensPacked tokens: where a query tile (64 to 192 rows) would be mostly empty
+//   unpacked; past that the dense kernels, which those calls would leave, do more good.
 // Neither with a learnable sink (one logit per query head) nor packed batches; one token not with an
 // lse whose heads are not adjacent.
 struct KernelCall {
   ForwardParams params;
   ProblemShape shape;
 };
+
+inline constexpr int64_t kMostTokensPacked = 64;
 
 // Whether q-like t [B, sq, Hq, d]'s rows (token, head) form one stride, head fastest.
 inline bool tokens_and_heads_are_one_stride(const Tensor& t, int64_t heads_q) {
@@ -62,7 +66,8 @@ inline KernelCall kernel_call(const ForwardParams& p, const ProblemShape& s) {
     shape.total_q = s.batch * ratio;
     return {packed, shape};
   }
-  const bool several_tokens = s.heads_kv == 1 && tokens_and_heads_are_one_stride(p.q, s.heads_q) &&
+  const bool several_tokens = s.heads_kv == 1 && s.seqlen_q <= kMostTokensPacked &&
+                              tokens_and_heads_are_one_stride(p.q, s.heads_q) &&
                               tokens_and_heads_are_one_stride(p.out, s.heads_q) &&
                               tokens_and_heads_are_one_stride(p.qv, s.heads_q);
   if (!several_tokens) return {p, s};

@@ -2238,7 +2238,7 @@ TEST(PackedDecode, SeveralTokensOfOneKvHeadAsRowsIsTheSameAttention) {
     EXPECT_LE(max_abs_diff(packed_lse.view(), lse.view()), 1e-12);
   }
   // Left as they are: two KV heads, heads not adjacent to tokens (q [B, Hq, sq, d] seen as
-  // [B, sq, Hq, d]).
+  // [B, sq, Hq, d]), more tokens than kMostTokensPacked (a prefill: the dense kernels).
   HostTensor out(FH_DTYPE_FP64, {batch, sq, heads_q, dv});
   const HostTensor k2 = random_tensor(FH_DTYPE_FP64, {batch, sk, 2, d}, 2115);
   const HostTensor v2 = random_tensor(FH_DTYPE_FP64, {batch, sk, 2, dv}, 2116);
@@ -2247,11 +2247,15 @@ TEST(PackedDecode, SeveralTokensOfOneKvHeadAsRowsIsTheSameAttention) {
   p.k = k.view();
   p.v = v.view();
   p.out = out.view();
-  fh::ForwardParams two_kv_heads = p, heads_outer = p;
+  const HostTensor q_long = random_tensor(FH_DTYPE_FP64, {batch, fh::detail::kMostTokensPacked + 1, heads_q, d}, 2117);
+  HostTensor out_long(FH_DTYPE_FP64, {batch, fh::detail::kMostTokensPacked + 1, heads_q, dv});
+  fh::ForwardParams two_kv_heads = p, heads_outer = p, long_prefill = p;
+  long_prefill.q = q_long.view();
+  long_prefill.out = out_long.view();
   two_kv_heads.k = k2.view();
   two_kv_heads.v = v2.view();
   std::swap(heads_outer.q.stride[1], heads_outer.q.stride[2]);
-  for (const fh::ForwardParams& kept : {two_kv_heads, heads_outer}) {
+  for (const fh::ForwardParams& kept : {two_kv_heads, heads_outer, long_prefill}) {
     const fh::detail::KernelCall call = fh::detail::kernel_call(kept, fh::detail::forward_shape(kept));
     EXPECT_EQ(call.shape.rows_per_token, 1);
     EXPECT_EQ(call.shape.heads_q, heads_q);
