@@ -5,7 +5,8 @@
 # builds KERNELS (default bench) with the torch ops, runs the device_check.sh STEPS (default
 # "resources gate tests varlen sanitize python") and, with BENCH_HDIMS set, bench_head_dims.py
 # beside FlashAttention-4 (the peers' env.sh, when $PEERS_ENV exists); with BENCH_SM_MARGIN=N,
-# python -m flashhopper.bench without and with N SMs left free. One line a step goes to
+# python -m flashhopper.bench without and with N SMs left free; with BENCH_MLA=1 (full set), the
+# absorbed-MLA decode rows and split_sweep.py. One line a step goes to
 # $JOB_DIR/out/progress.log; each step's output to $JOB_DIR/out/step_<step>.txt. Usage, from the
 # repository root on the GPU machine (carry the tarball and .gtest/):
 #   CUTLASS_TARBALL=build-bisect/cutlass.tar.xz setsid nohup scripts/device_job.sh > /tmp/job.log 2>&1 < /dev/null &
@@ -59,5 +60,18 @@ if [ -n "${BENCH_SM_MARGIN:-}" ]; then
       --out "$out/bench_margin$margin" > "$out/bench_margin$margin.txt" 2>&1
     log "bench sm_margin $margin rc=$?: $(tail -1 "$out/bench_margin$margin.txt")"
   done
+fi
+if [ -n "${BENCH_MLA:-}" ]; then
+  # Absorbed MLA decode (the full set's qv family): the bench's MLA rows alone, then every split
+  # count beside the chosen one (bench/profile/split_sweep.py), one and four query tokens.
+  log "bench MLA decode"
+  (cd "$out" && PYTHONUNBUFFERED=1 FLASHHOPPER_LIBRARY="$BUILD/libflashhopper.so" PYTHONPATH="$src/python:${PYTHONPATH:-}" \
+    timeout 300 python3 -m flashhopper.bench --decode --batches 32 --cache-lens 16384 --prefill-lens --packed-cache-lens \
+    --mla-cache-lens 4096 16384 65536 --mla-batches 32 128 --out "$out/mla" > "$out/bench_mla.txt" 2>&1)
+  log "bench MLA decode rc=$?"
+  PYTHONUNBUFFERED=1 FLASHHOPPER_LIBRARY="$BUILD/libflashhopper.so" PYTHONPATH="$src/python:${PYTHONPATH:-}" \
+    timeout 300 python3 "$src/bench/profile/split_sweep.py" --mla --batches 32 128 --cache-lens 4096 16384 \
+    --seqlens-q 1 4 > "$out/split_sweep_mla.txt" 2>&1
+  log "split sweep rc=$?: $(tail -1 "$out/split_sweep_mla.txt")"
 fi
 log "ALL DONE"
