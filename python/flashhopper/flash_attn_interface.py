@@ -150,14 +150,11 @@ def _attention(q, k, v, varlen, softmax_scale, causal, qv, q_descale, k_descale,
     """flash_attn_func and flash_attn_varlen_func: the argument checks (flashhopper.interface), then
     the fwd op (whose autograd runs bwd), or the library call alone when no gradient can flow;
     varlen None is the dense layout. With page_table (varlen only), k and v are pages."""
-    if qv is not None and (varlen is not None or page_table is not None):
-        _not_yet("qv", "<tensor>", "qv with packed sequences in flash_attn_varlen_func (it runs in flash_attn_func "
-                 "and flash_attn_with_kvcache)")
     mask = _resolve_options(causal, q_descale, k_descale, v_descale, window_size, attention_chunk, softcap,
                             num_splits, sm_margin)
     if qv is not None:
         return _qv_attention(q, k, v, qv, softmax_scale, mask, num_splits, learnable_sink, sm_margin,
-                             return_attn_probs)
+                             return_attn_probs, varlen, page_table)
     causal, window_left, window_right, softcap, attention_chunk = mask
     q, k, v, softmax_scale, unpadded_dim = _pad_head_dims(q, k, v, softmax_scale)
     if page_table is not None:
@@ -187,16 +184,22 @@ def _attention(q, k, v, varlen, softmax_scale, causal, qv, q_descale, k_descale,
     return (out, softmax_lse) if return_attn_probs else out
 
 
-def _qv_attention(q, k, v, qv, softmax_scale, mask, num_splits, learnable_sink, sm_margin, return_attn_probs):
-    """flash_attn_func with qv (S = Q K^T + Qv V^T, absorbed MLA): forward only, as in FA3, through
-    the KV-cache call over k and v as a whole cache (the fwd_kvcache op when traced); refused where
-    a gradient would be asked for."""
+def _qv_attention(q, k, v, qv, softmax_scale, mask, num_splits, learnable_sink, sm_margin, return_attn_probs,
+                  varlen=None, page_table=None):
+    """flash_attn_func and flash_attn_varlen_func with qv (S = Q K^T + Qv V^T, absorbed MLA): forward
+    only, as in FA3, through the KV-cache call over k and v as a whole cache (packed sequences: its
+    cu_seqlens and seqused; page_table: k and v are pages), the fwd_kvcache op when traced; refused
+    where a gradient would be asked for."""
     if _call_kind(q, k, v, qv, learnable_sink) == _AUTOGRAD:
         raise interface.not_supported(
             "qv: attention with qv has no backward (nor in FA3); call it under torch.no_grad() or with inputs "
             "that do not require grad")
+    packed = {} if varlen is None else dict(
+        cu_seqlens_q=varlen.cu_seqlens_q, max_seqlen_q=varlen.max_seqlen_q, cu_seqlens_k=varlen.cu_seqlens_k,
+        max_seqlen_k=varlen.max_seqlen_k, seqused_q=varlen.seqused_q, seqused_k=varlen.seqused_k)
     out, softmax_lse = _kvcache_forward(q, k, v, mask, softmax_scale, num_splits, qv=qv, learnable_sink=learnable_sink,
-                                        return_lse=True, names={}, sm_margin=sm_margin)
+                                        page_table=page_table, return_lse=True, names={}, sm_margin=sm_margin,
+                                        **packed)
     return (out, softmax_lse) if return_attn_probs else out
 
 

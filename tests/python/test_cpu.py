@@ -407,8 +407,8 @@ def test_refusals_are_flashhopper_errors_of_the_builtin_type():
         flash_attn_func(q.float(), k.float(), v.float())
     assert isinstance(info.value, (flashhopper.FlashHopperError)) and isinstance(info.value, RuntimeError)
     assert isinstance(info.value, ValueError)
-    with pytest.raises(flashhopper.FlashHopperNotSupported, match="qv") as info:
-        fa3.flash_attn_varlen_func(*varlen_args(), qv=torch.zeros(1))
+    with pytest.raises(flashhopper.FlashHopperNotSupported, match="q_descale") as info:
+        fa3.flash_attn_varlen_func(*varlen_args(), q_descale=torch.ones(3, 2))
     assert isinstance(info.value, flashhopper.FlashHopperError) and isinstance(info.value, NotImplementedError)
     with pytest.raises(flashhopper.FlashHopperInvalidArgument, match="window_size"):
         fa3.flash_attn_varlen_func(*varlen_args(), window_size=(-2, 0))
@@ -939,10 +939,10 @@ def test_eager_autograd_runs_the_library_without_the_op(monkeypatch):
         flash_attn_func(q, k[..., :64], v, causal=True)
 
 
-def test_qv_is_forward_only_and_dense_only():
-    """flash_attn_func with qv (absorbed MLA) runs the forward alone, as FA3: inputs that require
-    grad are refused by name before any device check, and so is qv in flash_attn_varlen_func; without
-    grad the call goes on to the checks (here: CPU tensors, refused by device)."""
+def test_qv_is_forward_only():
+    """flash_attn_func and flash_attn_varlen_func with qv (absorbed MLA) run the forward alone, as
+    FA3: inputs that require grad are refused by name before any device check; without grad the
+    call goes on to the checks (here: CPU tensors, refused by device)."""
     q, k, _ = qkv(head_dim=64, requires_grad=True)
     v = torch.randn(*k.shape[:-1], 256, dtype=k.dtype, requires_grad=True)
     qv = torch.randn(*q.shape[:-1], 256, dtype=q.dtype)
@@ -950,8 +950,12 @@ def test_qv_is_forward_only_and_dense_only():
         flash_attn_func(q, k, v, qv=qv)
     with torch.no_grad(), pytest.raises(ValueError, match="must be a CUDA tensor"):
         flash_attn_func(q, k, v, qv=qv)
-    with pytest.raises(NotImplementedError, match="qv.*flash_attn_varlen_func"):
-        fa3.flash_attn_varlen_func(*varlen_args(), qv=torch.zeros(1))
+    q, k, v, *packing = varlen_args(head_dim=64, heads_kv=1)
+    qv, v = torch.randn(*q.shape[:-1], 256, dtype=q.dtype), torch.randn(*k.shape[:-1], 256, dtype=k.dtype)
+    with pytest.raises(flashhopper.FlashHopperNotSupported, match="qv: attention with qv has no backward"):
+        fa3.flash_attn_varlen_func(q.requires_grad_(), k, v, *packing, qv=qv)
+    with torch.no_grad(), pytest.raises(ValueError, match="must be a CUDA tensor"):
+        fa3.flash_attn_varlen_func(q, k, v, *packing, qv=qv)
 
 
 def test_option_checks_are_memoised_by_value_and_type():

@@ -255,6 +255,38 @@ def test_qv_flash_attn_func_against_reference(causal):
     torch.testing.assert_close(lse.double(), lse64, rtol=1e-3, atol=1e-3)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@requires_gpu
+def test_qv_varlen_against_reference(causal):
+    """flash_attn_varlen_func with qv, forward only: packed sequences (one and four query tokens, a
+    longer one, an empty one) of 16 query heads on one KV head against [q, qv] . [k, v] over v per
+    sequence in float64 with the pass rule; lse close."""
+    seqlens_q, seqlens_k, heads_q, d, dv = [1, 4, 0, 37], [700, 300, 5, 413], 16, 64, 256
+    generator = torch.Generator(device="cuda").manual_seed(11 + causal)
+    randn = lambda *shape: torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=generator)  # noqa: E731
+    q, qv = randn(sum(seqlens_q), heads_q, d), randn(sum(seqlens_q), heads_q, dv)
+    k, v = randn(sum(seqlens_k), 1, d), randn(sum(seqlens_k), 1, dv)
+    cu = lambda lengths: torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device="cuda")  # noqa: E731
+    out, lse = run_or_skip(fa3.flash_attn_varlen_func, q, k, v, cu(seqlens_q), cu(seqlens_k), max(seqlens_q),
+                           max(seqlens_k), qv=qv, causal=causal, return_attn_probs=True)
+    assert out.shape == (sum(seqlens_q), heads_q, dv) and lse.shape == (heads_q, sum(seqlens_q))
+    scale, q0, k0 = (d + dv) ** -0.5, 0, 0
+    for length_q, length_k in zip(seqlens_q, seqlens_k):
+        rows, keys = slice(q0, q0 + length_q), slice(k0, k0 + length_k)
+        q0, k0 = q0 + length_q, k0 + length_k
+        if length_q == 0:
+            continue
+        queries = torch.cat([q[rows], qv[rows]], -1)[None]
+        both = torch.cat([k[keys], v[keys]], -1)[None]
+        ref64, lse64 = attention_reference(queries.double(), both.double(), v[keys][None].double(), causal=causal,
+                                           softmax_scale=scale)
+        plain, _ = attention_reference(queries, both, v[keys][None], causal=causal, softmax_scale=scale)
+        ours = out[rows][None].double()
+        assert not ours.isnan().any()
+        assert (ours - ref64).abs().max().item() <= 2 * (plain.double() - ref64).abs().max().item() + OUT_SLACK
+        torch.testing.assert_close(lse[:, rows].double(), lse64[0], rtol=1e-3, atol=1e-3)
+
+
 # (id, dtype, head_dim, batch, seqlen_q, seqlen_k, heads_q, heads_kv, options for flash_attn_func, with_sink).
 # Windows (both sides, one side, with causal, the diagonal only), chunks (multiples of the tile sizes
 # or not, with a window, with causal), softcap (loose and tight), sinks (with rows that see no key,
