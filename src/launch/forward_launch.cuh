@@ -109,12 +109,11 @@ cudaError_t run_forward_hdim(const ForwardParams& p, const detail::ProblemShape&
       s.varlen_q,
       workspace.out_partial,
       workspace.lse_partial};
-  if (s.rows_per_token > 1 && has_lse) {  // lse [B, Hq, sq] as given: row r is head r % g of token r / g
-    if constexpr (Epilogue::kGroupedRows) {
+  // lse [B, Hq, sq] as given: row r is head r % g of token r / g (grouped rows run on such kernels
+  // alone: forward_features above).
+  if constexpr (Epilogue::kGroupedRows) {
+    if (s.rows_per_token > 1 && has_lse)
       epilogue_args.grouped_lse = {int(s.rows_per_token), p.lse.stride[1], p.lse.stride[2]};
-    } else {
-      return cudaErrorInvalidValue;  // the dispatch runs grouped rows on the kKvCache kernels only
-    }
   }
 
   int num_sms = 0, l2_bytes = 0;

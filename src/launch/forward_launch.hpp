@@ -26,7 +26,7 @@ inline hopper::ForwardFeatures forward_features(const ForwardParams& p, const de
   ForwardFeatures f = ForwardFeatures::kNone;
   if (detail::uses_packed_batches(p, s)) f = f | ForwardFeatures::kPacked;
   if (num_splits > 1) f = f | ForwardFeatures::kSplitKv;
-  // The KV cache's kernels also group query rows by token (packed GQA over several tokens).
+  // Query rows grouped by token (packed GQA over several tokens) run where groups_query_rows.
   if (detail::present(p.cache_seqlens) || detail::present(p.cache_leftpad) || detail::present(p.cache_batch_idx) ||
       s.rows_per_token > 1)
     f = f | ForwardFeatures::kKvCache;

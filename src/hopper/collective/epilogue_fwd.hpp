@@ -37,7 +37,7 @@ struct ForwardEpilogue {
   static constexpr int kNumMmaThreads = size(TiledMmaPV{});
   static constexpr bool kPacked = holds(kFeatures, ForwardFeatures::kPacked);
   static constexpr bool kSplitKv = holds(kFeatures, ForwardFeatures::kSplitKv);
-  static constexpr bool kGroupedRows = holds(kFeatures, ForwardFeatures::kKvCache);
+  static constexpr bool kGroupedRows = groups_query_rows(kFeatures);
 
   using TileShapeO = Shape<Int<kBlockM>, Int<kHeadDimV>>;
   using SmemLayoutO = decltype(tile_to_shape(

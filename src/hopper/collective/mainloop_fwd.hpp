@@ -45,9 +45,7 @@ struct ForwardMainloop {
   static constexpr int kStages = kStages_;
   static constexpr MaskKind kMask = kMask_;
   static constexpr ForwardFeatures kFeatures = kFeatures_;
-  // Packed GQA over several query tokens groups a token's query heads as rows (decoding: the
-  // kernels with a KV cache's code).
-  using Mask = AttentionMask<kBlockM_, kBlockN_, kMask_, /*kGroupedRows=*/holds(kFeatures_, ForwardFeatures::kKvCache)>;
+  using Mask = AttentionMask<kBlockM_, kBlockN_, kMask_, /*kGroupedRows=*/groups_query_rows(kFeatures_)>;
   using Transform = ScoreTransform<kSoftcap_>;
   static constexpr bool kPacked = holds(kFeatures, ForwardFeatures::kPacked);
   static constexpr bool kSplitKv = holds(kFeatures, ForwardFeatures::kSplitKv);

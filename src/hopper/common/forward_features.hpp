@@ -31,5 +31,8 @@ constexpr ForwardFeatures operator|(ForwardFeatures a, ForwardFeatures b) {
 constexpr bool holds(ForwardFeatures set, ForwardFeatures features) {
   return (uint32_t(set) & uint32_t(features)) == uint32_t(features);
 }
+// Whether a kernel of this set groups query rows by token (packed GQA over several query tokens,
+// plan/packed_decode.hpp: its mask positions and lse rows): those with the KV cache's code.
+constexpr bool groups_query_rows(ForwardFeatures set) { return holds(set, ForwardFeatures::kKvCache); }
 
 }  // namespace flashhopper::hopper
