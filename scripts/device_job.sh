@@ -6,7 +6,7 @@
 # "resources gate tests varlen sanitize python") and, with BENCH_HDIMS set, bench_head_dims.py
 # beside FlashAttention-4 (the peers' env.sh, when $PEERS_ENV exists); with BENCH_SM_MARGIN=N,
 # python -m flashhopper.bench without and with N SMs left free; with BENCH_MLA=1 (full set), the
-# absorbed-MLA decode rows and split_sweep.py. One line a step goes to
+# absorbed-MLA decode rows and split_sweep.py (MLA and GQA). One line a step goes to
 # $JOB_DIR/out/progress.log; each step's output to $JOB_DIR/out/step_<step>.txt. Usage, from the
 # repository root on the GPU machine (carry the tarball and .gtest/):
 #   CUTLASS_TARBALL=build-bisect/cutlass.tar.xz setsid nohup scripts/device_job.sh > /tmp/job.log 2>&1 < /dev/null &
@@ -73,5 +73,10 @@ if [ -n "${BENCH_MLA:-}" ]; then
     timeout 300 python3 "$src/bench/profile/split_sweep.py" --mla --batches 32 128 --cache-lens 4096 16384 \
     --seqlens-q 1 4 > "$out/split_sweep_mla.txt" 2>&1
   log "split sweep rc=$?: $(tail -1 "$out/split_sweep_mla.txt")"
+  # GQA 32/8 hdim 128 decode at small batches, where the split count matters most.
+  PYTHONUNBUFFERED=1 FLASHHOPPER_LIBRARY="$BUILD/libflashhopper.so" PYTHONPATH="$src/python:${PYTHONPATH:-}" \
+    timeout 200 python3 "$src/bench/profile/split_sweep.py" --batches 1 2 4 --cache-lens 1024 4096 16384 \
+    > "$out/split_sweep_gqa.txt" 2>&1
+  log "split sweep gqa rc=$?: $(tail -1 "$out/split_sweep_gqa.txt")"
 fi
 log "ALL DONE"
