@@ -16,11 +16,17 @@ namespace flashhopper::detail {
 // 2026-12-06, batch 128 at 0.86 of copy, batch 32 at 0.26). partial_fraction: one split's partials
 // (O and LSE, float32) over the K and V bytes; small for GQA, about 5% for absorbed MLA at 4k
 // keys (128 query heads' 256-wide partials on one 320-wide KV head). The fewest splits whose time
-// is within 1/0.85 of the best count's, each split at least two key blocks, the partials at most
-// half the K and V bytes.
+// is within 1/0.85 of the best count's, each split at least kFewestKeyBlocksPerSplit key blocks,
+// the partials at most half the K and V bytes.
+//
+// Each split at least 8 key blocks: below that, a tile's time is its fixed costs (prologue, first
+// loads, the combine's launch), which splitting does not shorten. GQA 32/8 decode at 1k keys ran
+// 0.81-0.87 of one split's speed with 2-16 splits (H100, 2026-12-06, bench/RESULTS.md).
+inline constexpr int64_t kFewestKeyBlocksPerSplit = 8;
+
 inline int choose_num_splits(int64_t tiles, int64_t key_blocks, int num_sms, double partial_fraction) {
   if (tiles <= 0 || num_sms <= 0 || tiles * 5 >= int64_t(num_sms) * 4) return 1;
-  int64_t most = std::min<int64_t>({key_blocks / 2, 128, 2 * int64_t(num_sms)});
+  int64_t most = std::min<int64_t>({key_blocks / kFewestKeyBlocksPerSplit, 128, 2 * int64_t(num_sms)});
   if (partial_fraction > 0) most = std::min<int64_t>(most, std::max<int64_t>(1, int64_t(0.5 / partial_fraction)));
   auto time = [&](int64_t splits) {
     const double waves = double(tiles * splits) / num_sms;

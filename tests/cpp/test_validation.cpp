@@ -1800,6 +1800,16 @@ TEST(SplitPlan, NoSplitWhenTheTilesFillTheGpu) {
   EXPECT_EQ(fh::detail::choose_num_splits(0, 800, 132, 0.0), 1);
 }
 
+TEST(SplitPlan, NoSplitOfShortKeys) {
+  // GQA 32/8 decode at 1k keys (7 blocks of 160): one tile's fixed costs are the time, so one split.
+  for (int64_t batch : {1, 2, 4}) EXPECT_EQ(fh::detail::choose_num_splits(8 * batch, 7, 132, 0.0), 1) << batch;
+  // 2k keys (13 blocks): still one split; 4k (26 blocks): at most three.
+  EXPECT_EQ(fh::detail::choose_num_splits(8, 13, 132, 0.0), 1);
+  const int at_4k = fh::detail::choose_num_splits(8, 26, 132, 0.0);
+  EXPECT_GT(at_4k, 1);
+  EXPECT_LE(at_4k, 3);
+}
+
 TEST(SplitPlan, DecodeSplitsWithinItsBounds) {
   // Decoding, GQA 32/8 packed: 8 tiles a sequence; key blocks of 160 keys.
   for (int64_t batch : {1, 2, 4, 8}) {
@@ -1808,13 +1818,13 @@ TEST(SplitPlan, DecodeSplitsWithinItsBounds) {
       const int splits = fh::detail::choose_num_splits(tiles, key_blocks, 132, /*partial_fraction=*/0.0);
       SCOPED_TRACE("batch " + std::to_string(batch) + ", keys " + std::to_string(keys));
       EXPECT_GT(splits, 1);               // 8 to 64 tiles leave most of 132 SMs idle
-      EXPECT_LE(splits, key_blocks / 2);  // each split at least two key blocks
+      EXPECT_LE(splits, key_blocks / fh::detail::kFewestKeyBlocksPerSplit);  // each split long enough to pay
       // Its waves use the SMs within 85% as well as any other count allowed does.
       auto efficiency = [&](int64_t n) {
         const double waves = double(tiles * n) / 132;
         return waves / std::ceil(waves);
       };
-      for (int64_t other = 1; other <= std::min<int64_t>(key_blocks / 2, 128); ++other)
+      for (int64_t other = 1; other <= std::min<int64_t>(key_blocks / fh::detail::kFewestKeyBlocksPerSplit, 128); ++other)
         EXPECT_GE(efficiency(splits), 0.85 * efficiency(other)) << other << " splits";
     }
   }
@@ -1837,7 +1847,7 @@ TEST(SplitPlan, SplitsPayForTheirPartials) {
       EXPECT_GT(splits, 1);                                          // 8 to 64 tiles leave SMs idle
       EXPECT_LT(time(batch, splits, fraction), time(batch, 1, fraction));  // and splitting pays
       EXPECT_LE(splits * fraction, 0.5);                             // partials within half the K/V
-      for (int64_t other = 1; other <= std::min<int64_t>(key_blocks / 2, 128); ++other)
+      for (int64_t other = 1; other <= std::min<int64_t>(key_blocks / fh::detail::kFewestKeyBlocksPerSplit, 128); ++other)
         if (other * fraction <= 0.5) EXPECT_LE(0.85 * time(batch, splits, fraction), time(batch, other, fraction));
     }
   }

@@ -51,9 +51,19 @@ struct ForwardEpilogue {
   // The lse's rows with several query tokens packed (kGroupedRows): row r is query head r % g of
   // token r / g. rows_per_token 1 otherwise.
   struct GroupedLse {
-    int rows_per_token = 1;
+    cutlass::FastDivmod rows_per_token{};  // a multiply-high, not a division, per row
     int64_t head_stride = 0;
     int64_t token_stride = 1;
+  };
+  // One sequence's lse rows of a grouped tile, addressed as write_lse_rows asks (lse(row)).
+  struct GroupedLseRows {
+    float* ptr;  // the sequence's row 0
+    GroupedLse grouped;
+    CUTLASS_DEVICE float& operator()(int row) const {
+      int token, head;
+      grouped.rows_per_token(token, head, row);
+      return ptr[head * grouped.head_stride + token * grouped.token_stride];
+    }
   };
   using TmaO = decltype(make_tma_copy(
       SM90_TMA_STORE{}, make_tensor(make_gmem_ptr(static_cast<Element*>(nullptr)), ShapeO{}, StrideO{}),
@@ -107,14 +117,11 @@ struct ForwardEpilogue {
   CUTLASS_DEVICE static auto sequence_lse(Params const& params, WorkTile const& work, SeqlenInfo const& seq) {
     if constexpr (kGroupedRows) {
       // Rows as (query head, token): r -> (r % g, r / g), so each row finds its own head's lse.
-      const GroupedLse& grouped = params.grouped_lse;
-      Tensor mLse = make_tensor(
-          make_gmem_ptr(params.ptr_lse),
-          make_shape(make_shape(grouped.rows_per_token, get<0>(params.shape_o) / grouped.rows_per_token),
-                     get<2>(params.shape_o), get<3>(params.shape_o)),
-          make_stride(make_stride(grouped.head_stride, grouped.token_stride), get<1>(params.stride_lse),
-                      get<2>(params.stride_lse)))(_, work.head, seq.batch_q);
-      return domain_offset(make_coord(seq.offset_q), mLse);
+      // These kernels also run ungrouped calls (g = 1, the identity: token_stride 1, as lse's rows),
+      // packed ones included; grouped calls are never packed (offset_q 0).
+      return GroupedLseRows{params.ptr_lse + seq.offset_q + work.head * get<1>(params.stride_lse) +
+                                int64_t(seq.batch_q) * get<2>(params.stride_lse),
+                            params.grouped_lse};
     } else {
       Tensor mLse = make_tensor(make_gmem_ptr(params.ptr_lse),
                                 make_shape(get<0>(params.shape_o), get<2>(params.shape_o), get<3>(params.shape_o)),

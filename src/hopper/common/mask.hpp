@@ -15,6 +15,7 @@
 #include <cmath>
 
 #include <cute/tensor.hpp>
+#include <cutlass/fast_math.h>
 
 #include "hopper/common/mask_kind.hpp"
 #include "hopper/common/seqlen.hpp"
@@ -31,7 +32,10 @@ struct LocalMaskParams {
   int window_right = -1;
   int num_sink_tokens = 0;
   int chunk = 0;  // 0: none
-  int rows_per_token = 1;
+  // Divides by rows_per_token with a multiply-high (the identity when 1): the general kernels, which
+  // packed prefill shares with grouped decode, mask row by row in the loop, where an integer
+  // division cost packed causal prefill 8% (H100, 2026-12-06).
+  cutlass::FastDivmod rows_per_token{};
 };
 
 CUTLASS_HOST_DEVICE int floor_div(int a, int b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
@@ -48,12 +52,18 @@ struct AttentionMask {
   CUTLASS_HOST_DEVICE AttentionMask(SeqlenInfo const& seq, LocalMaskParams const& local_ = {})
       : seqlen_q(seq.seqlen_q), seqlen_k(seq.seqlen_k), local(local_) {}
 
-  CUTLASS_HOST_DEVICE int offset() const {
-    return kGroupedRows ? seqlen_k - seqlen_q / local.rows_per_token : seqlen_k - seqlen_q;
-  }
+  CUTLASS_HOST_DEVICE int offset() const { return seqlen_k - query_token(seqlen_q); }
   // The query position of a row, aligned with the keys (p above).
-  CUTLASS_HOST_DEVICE int position(int row) const {
-    return (kGroupedRows ? row / local.rows_per_token : row) + offset();
+  CUTLASS_HOST_DEVICE int position(int row) const { return query_token(row) + offset(); }
+  // The query token of a row (rows are never negative).
+  CUTLASS_HOST_DEVICE int query_token(int row) const {
+    if constexpr (kGroupedRows) {
+      int token, rest;
+      local.rows_per_token(token, rest, row);
+      return token;
+    } else {
+      return row;
+    }
   }
   CUTLASS_HOST_DEVICE bool has_sinks() const { return kLocal && local.num_sink_tokens > 0; }
 
