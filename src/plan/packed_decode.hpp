@@ -13,9 +13,11 @@ namespace flashhopper::detail {
 //   j of KV head g is query head g * ratio + j), out and lse likewise. Exact where the one row sees
 //   every key of its sequence, as every packed row then does: no mask, causal or a right bound only
 //   (the row is the last position); the kernels then run without a mask.
-// - Several query tokens and one KV head (MQA, absorbed MLA; speculative decoding): q [B, sq, Hq, d]
+// - Several query tokens and one KV head with qv (absorbed MLA, speculative decoding too): q [B, sq, Hq, d]
 //   read as [B, sq * Hq, 1, d], row t * Hq + j being token t's head j, the mask kept, its row
-//   positions divided by rows_per_token = Hq (the kernels with a KV cache's code do that). Where q,
+//   positions divided by rows_per_token = Hq (the qv kernels with a KV cache's code do that; the
+//   others, which packed prefill shares, stay without the division, so MQA leaves such calls as
+//   they are). Where q,
 //   out and qv have heads adjacent to tokens (strides Hq * d and d, as contiguous tensors). The lse
 //   [B, Hq, sq] stays as given: its rows take two strides, which those kernels' epilogue and the
 //   split-KV combine apply (row r: head r % Hq, token r / Hq).
@@ -66,7 +68,7 @@ inline KernelCall kernel_call(const ForwardParams& p, const ProblemShape& s) {
     shape.total_q = s.batch * ratio;
     return {packed, shape};
   }
-  const bool several_tokens = s.heads_kv == 1 && s.seqlen_q <= kMostTokensPacked &&
+  const bool several_tokens = present(p.qv) && s.heads_kv == 1 && s.seqlen_q <= kMostTokensPacked &&
                               tokens_and_heads_are_one_stride(p.q, s.heads_q) &&
                               tokens_and_heads_are_one_stride(p.out, s.heads_q) &&
                               tokens_and_heads_are_one_stride(p.qv, s.heads_q);

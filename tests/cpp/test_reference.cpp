@@ -2171,9 +2171,8 @@ TEST(PackedDecode, SeveralTokensOfOneKvHeadAsRowsIsTheSameAttention) {
     int causal, window_left, window_right, chunk;
     bool with_qv;
   };
-  for (const Variant& m : {Variant{"none", 0, -1, -1, 0, false}, Variant{"causal", 1, -1, -1, 0, false},
-                           Variant{"window", 0, 4, 1, 0, false}, Variant{"chunk", 1, -1, -1, 5, false},
-                           Variant{"causal qv", 1, -1, -1, 0, true}}) {
+  for (const Variant& m : {Variant{"none", 0, -1, -1, 0, true}, Variant{"causal", 1, -1, -1, 0, true},
+                           Variant{"window", 0, 4, 1, 0, true}, Variant{"chunk", 1, -1, -1, 5, true}}) {
     SCOPED_TRACE(m.name);
     HostTensor out(FH_DTYPE_FP64, {batch, sq, heads_q, dv}), lse(FH_DTYPE_FP64, {batch, heads_q, sq});
     fh::ForwardParams p = fh::default_forward_params();
@@ -2237,25 +2236,31 @@ TEST(PackedDecode, SeveralTokensOfOneKvHeadAsRowsIsTheSameAttention) {
     EXPECT_LE(max_abs_diff(packed_out.view(), out.view()), 1e-12);
     EXPECT_LE(max_abs_diff(packed_lse.view(), lse.view()), 1e-12);
   }
-  // Left as they are: two KV heads, heads not adjacent to tokens (q [B, Hq, sq, d] seen as
-  // [B, sq, Hq, d]), more tokens than kMostTokensPacked (a prefill: the dense kernels).
+  // Left as they are: without qv (MQA: the kernels that would group them also run packed prefill),
+  // two KV heads, heads not adjacent to tokens (q [B, Hq, sq, d] seen as [B, sq, Hq, d]), more
+  // tokens than kMostTokensPacked (a prefill: the dense kernels).
   HostTensor out(FH_DTYPE_FP64, {batch, sq, heads_q, dv});
   const HostTensor k2 = random_tensor(FH_DTYPE_FP64, {batch, sk, 2, d}, 2115);
   const HostTensor v2 = random_tensor(FH_DTYPE_FP64, {batch, sk, 2, dv}, 2116);
   fh::ForwardParams p = fh::default_forward_params();
   p.q = q.view();
+  p.qv = qv.view();
   p.k = k.view();
   p.v = v.view();
   p.out = out.view();
+  const HostTensor qv_long = random_tensor(FH_DTYPE_FP64, {batch, fh::detail::kMostTokensPacked + 1, heads_q, dv}, 2118);
   const HostTensor q_long = random_tensor(FH_DTYPE_FP64, {batch, fh::detail::kMostTokensPacked + 1, heads_q, d}, 2117);
   HostTensor out_long(FH_DTYPE_FP64, {batch, fh::detail::kMostTokensPacked + 1, heads_q, dv});
-  fh::ForwardParams two_kv_heads = p, heads_outer = p, long_prefill = p;
+  fh::ForwardParams two_kv_heads = p, heads_outer = p, long_prefill = p, without_qv = p;
+  without_qv.qv = {};
   long_prefill.q = q_long.view();
+  long_prefill.qv = qv_long.view();
   long_prefill.out = out_long.view();
   two_kv_heads.k = k2.view();
   two_kv_heads.v = v2.view();
   std::swap(heads_outer.q.stride[1], heads_outer.q.stride[2]);
-  for (const fh::ForwardParams& kept : {two_kv_heads, heads_outer, long_prefill}) {
+  std::swap(heads_outer.qv.stride[1], heads_outer.qv.stride[2]);
+  for (const fh::ForwardParams& kept : {without_qv, two_kv_heads, heads_outer, long_prefill}) {
     const fh::detail::KernelCall call = fh::detail::kernel_call(kept, fh::detail::forward_shape(kept));
     EXPECT_EQ(call.shape.rows_per_token, 1);
     EXPECT_EQ(call.shape.heads_q, heads_q);

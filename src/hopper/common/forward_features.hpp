@@ -32,7 +32,11 @@ constexpr bool holds(ForwardFeatures set, ForwardFeatures features) {
   return (uint32_t(set) & uint32_t(features)) == uint32_t(features);
 }
 // Whether a kernel of this set groups query rows by token (packed GQA over several query tokens,
-// plan/packed_decode.hpp: its mask positions and lse rows): those with the KV cache's code.
-constexpr bool groups_query_rows(ForwardFeatures set) { return holds(set, ForwardFeatures::kKvCache); }
+// plan/packed_decode.hpp: its mask positions and lse rows): the qv families' with the KV cache's
+// code. Not the others': their general kernels also run packed prefill, which the grouping's
+// per-row division cost 5-8% (bench/RESULTS.md, 2026-12-06 evening).
+constexpr bool groups_query_rows(ForwardFeatures set) {
+  return holds(set, ForwardFeatures::kKvCache) && holds(set, ForwardFeatures::kQv);
+}
 
 }  // namespace flashhopper::hopper
