@@ -161,13 +161,14 @@ for step in "${steps[@]}"; do
         'KvCache/*/%s:' b6_sq1_h32_hkv8_rows7_S4096_causal_leftpad_batchidx_new3_rotary64i_splits3 \
         b4_sq1_h32_hkv1_rows4_S4096_causal_splits3_page16)"
       # qv (absorbed MLA; the full kernel set): dense causal, and decoding 128 query heads of one KV
-      # head, split, one query token and four (their query heads packed into one tile's rows).
+      # head, split, one query token and four (their query heads packed into one tile's rows); the
+      # same at dv 512 (O split over two warpgroups, S's halves exchanged).
       sanitize qv test_forward_gpu "$(printf 'Qv/QvGpuTest.*/%s:' b2_sq300_sk300_h16_causal b3_sq1_sk3000_h128_cache_splits5 \
-        b3_sq4_sk3000_h128_causal_cache_splits5_nolse)"
-      # Several query tokens of one KV head packed into one tile's rows, the mask by token (an append
-      # with rotary before it).
-      sanitize grouped_rows test_forward_gpu \
-        'KvCache/KvCacheGpuTest.*/b4_sq3_h8_hkv1_rows6_S1024_causal_leftpad_batchidx_new3_rotary64i_nolse'
+        b3_sq4_sk3000_h128_causal_cache_splits5_nolse b2_sq300_sk300_h16_causal_dv512 \
+        b3_sq1_sk3000_h128_cache_splits5_dv512 b3_sq4_sk3000_h128_causal_cache_splits5_nolse_dv512)"
+      # Several query tokens of one KV head packed into one tile's rows, the mask by token, the lse
+      # by head and token (qv only: the kernels that group rows; the full kernel set).
+      sanitize grouped_rows test_forward_gpu 'Qv/QvGpuTest.*/b3_sq4_sk1000_h128_causal_cache:Qv/QvGpuTest.*/b3_sq4_sk1000_h128_causal_cache_dv512'
       ;;
     hostile)
       # Extreme and non-finite input values; concurrent calls from threads and streams.

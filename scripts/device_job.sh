@@ -67,11 +67,14 @@ if [ -n "${BENCH_MLA:-}" ]; then
   log "bench MLA decode"
   (cd "$out" && PYTHONUNBUFFERED=1 FLASHHOPPER_LIBRARY="$BUILD/libflashhopper.so" PYTHONPATH="$src/python:${PYTHONPATH:-}" \
     timeout 300 python3 -m flashhopper.bench --decode --batches 32 --cache-lens 16384 --prefill-lens --packed-cache-lens \
-    --mla-cache-lens 4096 16384 65536 --mla-batches 32 128 --out "$out/mla" > "$out/bench_mla.txt" 2>&1)
+    --mla-cache-lens 4096 16384 65536 --mla-batches 32 128 --mla-dvs 256 512 --out "$out/mla" > "$out/bench_mla.txt" 2>&1)
   log "bench MLA decode rc=$?"
   PYTHONUNBUFFERED=1 FLASHHOPPER_LIBRARY="$BUILD/libflashhopper.so" PYTHONPATH="$src/python:${PYTHONPATH:-}" \
     timeout 300 python3 "$src/bench/profile/split_sweep.py" --mla --batches 32 128 --cache-lens 4096 16384 \
     --seqlens-q 1 4 > "$out/split_sweep_mla.txt" 2>&1
+  PYTHONUNBUFFERED=1 FLASHHOPPER_LIBRARY="$BUILD/libflashhopper.so" PYTHONPATH="$src/python:${PYTHONPATH:-}" \
+    timeout 300 python3 "$src/bench/profile/split_sweep.py" --mla --mla-dv 512 --batches 32 128 \
+    --cache-lens 4096 16384 --seqlens-q 1 4 > "$out/split_sweep_mla512.txt" 2>&1
   log "split sweep rc=$?: $(tail -1 "$out/split_sweep_mla.txt")"
   # GQA 32/8 hdim 128 decode at small batches, where the split count matters most.
   PYTHONUNBUFFERED=1 FLASHHOPPER_LIBRARY="$BUILD/libflashhopper.so" PYTHONPATH="$src/python:${PYTHONPATH:-}" \

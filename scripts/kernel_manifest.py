@@ -60,6 +60,7 @@ class HeadDims:
 HEAD_DIMS = [
     HeadDims(64, 64, bf16_set="bench"),
     HeadDims(64, 256, passes=("fwd",), qv=True),  # absorbed MLA: qv against the latent values
+    HeadDims(64, 512, passes=("fwd",), qv=True),  # absorbed MLA at DeepSeek's latent width: O split
     HeadDims(96, 96, extended_gmma=("fwd_unmasked", "bwd")),  # key blocks of 160; dQ's N = 48
     HeadDims(128, 128, bf16_set="dev", extended_gmma=("fwd_unmasked",)),  # key blocks of 160
     HeadDims(192, 128, extended_gmma=("fwd",)),  # MLA prefill; key blocks of 112

@@ -36,7 +36,8 @@ def sweep(batch, seqlen_q, cache_len, heads_q, heads_kv, d, dv, mla, splits, cop
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mla", action="store_true", help="absorbed MLA: 128 heads on 1, d 64 + qv, dv 256")
+    parser.add_argument("--mla", action="store_true", help="absorbed MLA: 128 heads on 1, d 64 + qv, dv --mla-dv")
+    parser.add_argument("--mla-dv", type=int, default=256, help="absorbed MLA's latent width (256 or 512)")
     parser.add_argument("--heads", type=int, nargs=2, default=[32, 8], metavar=("HQ", "HKV"))
     parser.add_argument("--hdim", type=int, default=128)
     parser.add_argument("--batches", type=int, nargs="+", default=[32])
@@ -46,7 +47,7 @@ def main():
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("split_sweep: no CUDA device")
-    heads_q, heads_kv, d, dv = (128, 1, 64, 256) if args.mla else (*args.heads, args.hdim, args.hdim)
+    heads_q, heads_kv, d, dv = (128, 1, 64, args.mla_dv) if args.mla else (*args.heads, args.hdim, args.hdim)
     copy = copy_tbps()
     for seqlen_q in args.seqlens_q:
         for batch in args.batches:

@@ -27,8 +27,8 @@ as the library chooses (0) and unsplit (1), beside the dense-query call of 4 tok
 (split, 0), TFLOP/s (FlashAttention's count, 4 * rows * keys * Hq * d, no mask) and K+V TB/s.
 
 MLA rows (--mla-cache-lens): absorbed MLA decode as DeepSeek's models run it, 128 query heads on
-one KV head, q of head dim 64 with qv against the 256-wide values (the qv family; 512 is not
-compiled yet), 1 and 4 query tokens a sequence (causal), a dense cache and the same keys in
+one KV head, q of head dim 64 with qv against latent values of --mla-dvs widths (256, and 512 as
+DeepSeek's, the qv families), 1 and 4 query tokens a sequence (causal), a dense cache and the same keys in
 shuffled pages of --page-size: K+V TB/s (over the copy's) and TFLOP/s (2 * rows * keys * Hq *
 (d + 2 dv): Q K^T, Qv V^T and P V).
 
@@ -41,6 +41,7 @@ bench_packed_decode_<date>.csv and bench_mla_decode_<date>.csv into --out; print
 import argparse
 import csv
 import datetime
+import itertools
 import os
 
 import torch
@@ -212,6 +213,8 @@ def main(argv=None):
                         help="MLA (qv) decode rows: keys cached a sequence (default: %(default)s; none: no such rows)")
     parser.add_argument("--mla-batches", type=int, nargs="+", default=[32, 128],
                         help="MLA (qv) decode rows: sequences (default: %(default)s)")
+    parser.add_argument("--mla-dvs", type=int, nargs="+", default=[256, 512],
+                        help="MLA (qv) decode rows: latent widths dv (default: %(default)s; 512 is DeepSeek's)")
     parser.add_argument("--out", default="flashhopper-bench",
                         help="folder for the CSVs and plot, created when the run starts (default: %(default)s)")
     args = parser.parse_args(argv)
@@ -249,14 +252,13 @@ def main(argv=None):
     if packed:
         _write_csv(os.path.join(args.out, f"bench_packed_decode_{date}.csv"), packed, list(packed[0]))
     mla = []
-    for cache_len in args.mla_cache_lens:
-        for batch in args.mla_batches:
-            for seqlen_q in (1, 4):
-                row = measure_mla_row(batch, seqlen_q, cache_len, copy, args)
-                if row is not None:
-                    mla.append({"date": date, "gpu": gpu, **row})
-                    _write_csv(os.path.join(args.out, f"bench_mla_decode_{date}.csv"), mla, list(mla[0]))
-                torch.cuda.empty_cache()
+    for dv, cache_len, batch, seqlen_q in itertools.product(args.mla_dvs, args.mla_cache_lens, args.mla_batches,
+                                                            (1, 4)):
+        row = measure_mla_row(batch, seqlen_q, cache_len, dv, copy, args)
+        if row is not None:
+            mla.append({"date": date, "gpu": gpu, **row})
+            _write_csv(os.path.join(args.out, f"bench_mla_decode_{date}.csv"), mla, list(mla[0]))
+        torch.cuda.empty_cache()
     print_tables(rows, prefill, gpu, copy)
     print_packed_table(packed, gpu)
     print_mla_table(mla, gpu, copy)
@@ -342,30 +344,30 @@ def print_packed_table(packed, gpu):
         print(f"{r['cache_len']:7d} {cells} {_fmt(r['packed_vs_dense_q'], '13.2f')} {_fmt(r['max_diff_split'], '11.2g')}")
 
 
-MLA_HEADS, MLA_D, MLA_DV = 128, 64, 256
+MLA_HEADS, MLA_D = 128, 64
 
 
-def measure_mla_row(batch, seqlen_q, cache_len, copy, args):
+def measure_mla_row(batch, seqlen_q, cache_len, dv, copy, args):
     """Absorbed MLA decode (qv): seqlen_q query tokens a sequence (causal) of 128 heads on one KV
-    head against cache_len keys, dense and paged (the same keys in shuffled pages); None where this
-    build has no qv kernels or the cache would not fit."""
-    kv_gib = 2 * batch * cache_len * (MLA_D + MLA_DV) * 2 / 2 ** 30  # dense and the paged copy
+    head against cache_len keys of latent width dv, dense and paged (the same keys in shuffled
+    pages); None where this build has no qv kernels of that width or the cache would not fit."""
+    kv_gib = 2 * batch * cache_len * (MLA_D + dv) * 2 / 2 ** 30  # dense and the paged copy
     if kv_gib > MAX_KV_GIB:
         print(f"skip MLA batch {batch} x {cache_len}: {kv_gib:.0f} GiB of cache", flush=True)
         return None
     q = torch.randn(batch, seqlen_q, MLA_HEADS, MLA_D, device="cuda", dtype=torch.bfloat16)
-    qv = torch.randn(batch, seqlen_q, MLA_HEADS, MLA_DV, device="cuda", dtype=torch.bfloat16)
+    qv = torch.randn(batch, seqlen_q, MLA_HEADS, dv, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(batch, cache_len, 1, MLA_D, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn(batch, cache_len, 1, MLA_DV, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(batch, cache_len, 1, dv, device="cuda", dtype=torch.bfloat16)
     lengths = torch.full((batch,), cache_len, dtype=torch.int32, device="cuda")
     page = args.page_size
     pages = batch * cache_len // page
     order = torch.randperm(pages, device="cuda")
     page_table = order.view(batch, cache_len // page).to(torch.int32)
     k_pages = torch.empty(pages, page, 1, MLA_D, device="cuda", dtype=torch.bfloat16)
-    v_pages = torch.empty(pages, page, 1, MLA_DV, device="cuda", dtype=torch.bfloat16)
+    v_pages = torch.empty(pages, page, 1, dv, device="cuda", dtype=torch.bfloat16)
     k_pages[order] = k.view(pages, page, 1, MLA_D)
-    v_pages[order] = v.view(pages, page, 1, MLA_DV)
+    v_pages[order] = v.view(pages, page, 1, dv)
     causal = seqlen_q > 1
     fns = {"dense": lambda: fh.flash_attn_with_kvcache(q, k, v, qv=qv, cache_seqlens=lengths, causal=causal),
            "paged": lambda: fh.flash_attn_with_kvcache(q, k_pages, v_pages, qv=qv, cache_seqlens=lengths,
@@ -373,20 +375,20 @@ def measure_mla_row(batch, seqlen_q, cache_len, copy, args):
     try:
         diff = (fns["dense"]().float() - fns["paged"]().float()).abs().max().item()
     except NotImplementedError as error:
-        print(f"skip MLA rows: {error}", flush=True)
+        print(f"skip MLA rows of dv {dv}: {error}", flush=True)
         return None
     ms = time_all_ms(fns, warmup=5, rounds=args.rounds, calls=args.calls)
-    kv_bytes = batch * cache_len * (MLA_D + MLA_DV) * 2
-    flops = 2 * batch * seqlen_q * MLA_HEADS * cache_len * (MLA_D + 2 * MLA_DV)
+    kv_bytes = batch * cache_len * (MLA_D + dv) * 2
+    flops = 2 * batch * seqlen_q * MLA_HEADS * cache_len * (MLA_D + 2 * dv)
     row = {"batch": batch, "seqlen_q": seqlen_q, "cache_len": cache_len, "heads_q": MLA_HEADS, "hdim": MLA_D,
-           "hdim_v": MLA_DV, "page_size": page, "copy_tbps": copy}
+           "hdim_v": dv, "page_size": page, "copy_tbps": copy}
     for name in fns:
         row[f"{name}_us"] = ms[name] * 1e3
         row[f"{name}_tbps"] = kv_bytes / (ms[name] * 1e-3) / 1e12
         row[f"{name}_tflops"] = flops / (ms[name] * 1e-3) / 1e12
     row["dense_vs_copy"] = row["dense_tbps"] / copy
     row["max_diff_paged"] = diff
-    print(f"MLA batch {batch:4d} sq {seqlen_q} cache {cache_len:6d}: {row['dense_tbps']:.2f} TB/s "
+    print(f"MLA dv {dv} batch {batch:4d} sq {seqlen_q} cache {cache_len:6d}: {row['dense_tbps']:.2f} TB/s "
           f"{row['dense_tflops']:.0f} TFLOP/s, paged {row['paged_tbps']:.2f} TB/s", flush=True)
     return row
 
@@ -394,12 +396,12 @@ def measure_mla_row(batch, seqlen_q, cache_len, copy, args):
 def print_mla_table(mla, gpu, copy):
     if not mla:
         return
-    print(f"\nabsorbed MLA decode (qv): {MLA_HEADS} heads on 1 KV head, d {MLA_D} + qv against dv {MLA_DV}, bf16, "
+    print(f"\nabsorbed MLA decode (qv): {MLA_HEADS} heads on 1 KV head, d {MLA_D} + qv against the latent dv, bf16, "
           f"{gpu}; K+V TB/s (copy {copy:.2f}) and TFLOP/s")
-    print(f"{'batch':>5} {'sq':>3} {'cache':>7} {'dense TB/s':>10} {'vs copy':>7} {'TFLOP/s':>7} {'paged TB/s':>10} "
-          f"{'TFLOP/s':>7} {'paged diff':>10}")
+    print(f"{'dv':>4} {'batch':>5} {'sq':>3} {'cache':>7} {'dense TB/s':>10} {'vs copy':>7} {'TFLOP/s':>7} "
+          f"{'paged TB/s':>10} {'TFLOP/s':>7} {'paged diff':>10}")
     for r in mla:
-        print(f"{r['batch']:5d} {r['seqlen_q']:3d} {r['cache_len']:7d} {_fmt(r['dense_tbps'], '10.2f')} "
+        print(f"{r['hdim_v']:4d} {r['batch']:5d} {r['seqlen_q']:3d} {r['cache_len']:7d} {_fmt(r['dense_tbps'], '10.2f')} "
               f"{_fmt(r['dense_vs_copy'], '7.2f')} {_fmt(r['dense_tflops'], '7.0f')} {_fmt(r['paged_tbps'], '10.2f')} "
               f"{_fmt(r['paged_tflops'], '7.0f')} {_fmt(r['max_diff_paged'], '10.2g')}")
 

@@ -6,7 +6,7 @@ Same function names, argument names, defaults and return conventions, so that sw
     out = fa3.flash_attn_func(q, k, v, causal=True)
 
 What the kernels do today: q [B, sq, Hq, d], k [B, sk, Hkv, d], v [B, sk, Hkv, dv] in bf16 or
-fp16, any d and dv <= 256 (multiples of 8 run on the next compiled head dim,
+fp16, any d and dv <= 256 (with qv and d <= 64 also dv <= 512; multiples of 8 run on the next compiled head dim,
 flashhopper.compiled_families(); others are zero-padded here to the next multiple of 8, the scale
 staying 1/sqrt(d); development builds of the library: bf16 and d, dv <= 128 only; others raise
 FlashHopperNotSupported, a NotImplementedError), causal or not (bottom-right aligned), local

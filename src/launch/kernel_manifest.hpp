@@ -24,6 +24,8 @@ inline constexpr KernelFamily kKernelFamilies[] = {
     {Pass::kBackward, FH_DTYPE_FP16, 64, 64, 2, false},
     {Pass::kForward, FH_DTYPE_BF16, 64, 256, 2, true},
     {Pass::kForward, FH_DTYPE_FP16, 64, 256, 2, true},
+    {Pass::kForward, FH_DTYPE_BF16, 64, 512, 2, true},
+    {Pass::kForward, FH_DTYPE_FP16, 64, 512, 2, true},
     {Pass::kForward, FH_DTYPE_BF16, 96, 96, 2, false},
     {Pass::kForward, FH_DTYPE_FP16, 96, 96, 2, false},
     {Pass::kBackward, FH_DTYPE_BF16, 96, 96, 2, false},

@@ -500,9 +500,9 @@ std::vector<KvCacheCase> kv_cache_cases() {
     }
   cases.push_back({5, 4, 32, 8, 7, 4096, true, true, true});
   cases.push_back({5, 4, 4, 4, 5, 700, false, true, false, 100});  // a window over the cache
-  // One KV head, several query tokens: the tokens' query heads packed into one tile's rows, the
-  // mask on each row's token, the lse written by head and token (causal, a window, an append with
-  // rotary, split, paged), with and without an lse (the causal ones with one are above).
+  // One KV head, several query tokens (MQA): without qv these are not packed (the qv cases of
+  // QvGpuTest are), so a tile per query head, each row's mask its own (causal, a window, an append
+  // with rotary, split, paged), with and without an lse (the causal ones with one are above).
   for (KvCacheCase c : {KvCacheCase{6, 3, 8, 1, 9, 1000, true, true, true}, KvCacheCase{6, 64, 8, 1, 9, 1000, true, true, true},
                         KvCacheCase{5, 4, 4, 1, 5, 700, false, true, false, 100},
                         KvCacheCase{4, 3, 8, 1, 6, 1024, true, true, true, -1, 3, 64, true},
@@ -590,19 +590,22 @@ std::vector<KvCacheCase> kv_cache_cases() {
 INSTANTIATE_TEST_SUITE_P(KvCache, KvCacheGpuTest, ::testing::ValuesIn(kv_cache_cases()),
                          [](const ::testing::TestParamInfo<KvCacheCase>& info) { return info.param.name(); });
 
-// qv (absorbed MLA: S = Q K^T + Qv V^T, head dim 64, value head dim 256), on the qv family:
+// qv (absorbed MLA: S = Q K^T + Qv V^T, head dim 64, value head dim 256 or 512), on the qv families:
 // dense (sq = sk, causal or not, GQA 16/1) and decoding a KV cache (128 query heads on one KV head,
-// packed into one tile; split-KV chosen and forced; a few query tokens, causal). Against the CPU
-// reference (which computes qv) with the pass rule; out and lse poisoned.
+// packed into one tile; split-KV chosen and forced; a few query tokens, causal). dv 512 (and 384,
+// padded to it) runs the kernels that split O over two warpgroups. Against the CPU reference
+// (which computes qv) with the pass rule; out and lse poisoned.
 struct QvCase {
   int batch, seqlen_q, seqlen_k, heads_q;
   bool causal, kv_cache;
   int num_splits = 1;
   bool with_lse = true;
+  int dv = 256;
   std::string name() const {
     return "b" + std::to_string(batch) + "_sq" + std::to_string(seqlen_q) + "_sk" + std::to_string(seqlen_k) + "_h" +
            std::to_string(heads_q) + (causal ? "_causal" : "") + (kv_cache ? "_cache" : "") +
-           (num_splits != 1 ? "_splits" + std::to_string(num_splits) : "") + (with_lse ? "" : "_nolse");
+           (num_splits != 1 ? "_splits" + std::to_string(num_splits) : "") + (with_lse ? "" : "_nolse") +
+           (dv != 256 ? "_dv" + std::to_string(dv) : "");
   }
 };
 
@@ -610,7 +613,7 @@ class QvGpuTest : public ::testing::TestWithParam<QvCase> {};
 
 TEST_P(QvGpuTest, MatchesReference) {
   const QvCase c = GetParam();
-  const int d = 64, dv = 256;
+  const int d = 64, dv = c.dv;
   HostTensor q = random_tensor(FH_DTYPE_BF16, {c.batch, c.seqlen_q, c.heads_q, d}, 5201);
   HostTensor qv = random_tensor(FH_DTYPE_BF16, {c.batch, c.seqlen_q, c.heads_q, dv}, 5202);
   HostTensor k = random_tensor(FH_DTYPE_BF16, {c.batch, c.seqlen_k, 1, d}, 5203);
@@ -675,7 +678,16 @@ INSTANTIATE_TEST_SUITE_P(Qv, QvGpuTest,
                                            QvCase{3, 4, 3000, 128, true, true, 5},
                                            QvCase{3, 4, 3000, 128, true, true, 5, false},
                                            QvCase{2, 3, 300, 16, true, false},
-                                           QvCase{2, 3, 300, 16, true, false, 1, false}),
+                                           QvCase{2, 3, 300, 16, true, false, 1, false},
+                                           // dv 512: O split over two warpgroups.
+                                           QvCase{2, 300, 300, 16, false, false, 1, true, 512},
+                                           QvCase{2, 300, 300, 16, true, false, 1, true, 512},
+                                           QvCase{1, 77, 1000, 8, false, false, 1, true, 384},
+                                           QvCase{3, 1, 1000, 128, false, true, 1, true, 512},
+                                           QvCase{3, 1, 3000, 128, false, true, 0, true, 512},
+                                           QvCase{3, 1, 3000, 128, false, true, 5, true, 512},
+                                           QvCase{3, 4, 1000, 128, true, true, 1, true, 512},
+                                           QvCase{3, 4, 3000, 128, true, true, 5, false, 512}),
                          [](const ::testing::TestParamInfo<QvCase>& info) { return info.param.name(); });
 
 }  // namespace

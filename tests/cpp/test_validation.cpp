@@ -723,11 +723,19 @@ TEST(ForwardShape, HeadDimAtMost256) {
   EXPECT_REFUSED(check_for_reference(p), "q", "256");
 }
 
-TEST(ForwardShape, ValueHeadDimAtMost256) {
+TEST(ForwardShape, ValueHeadDimAtMost256Or512WithSmallHeadDims) {
   fh::ForwardParams p = dense_forward();
   p.v = fh::make_tensor(p.v.data, FH_DTYPE_BF16, {kBatch, kSeqK, kHeadsKV, 512});
   p.out = fh::make_tensor(p.out.data, FH_DTYPE_BF16, {kBatch, kSeqQ, kHeadsQ, 512});
-  EXPECT_REFUSED(fh::check(p), "v", "value head dims up to 256");
+  EXPECT_REFUSED(fh::check(p), "v", "value head dims up to 256 are supported, or up to 512 where the head dim is at "
+                                    "most 64 (q's is 128)");
+  // d 64: dv up to 512 (FA3's rule), 520 not.
+  p.q = fh::make_tensor(p.q.data, FH_DTYPE_BF16, {kBatch, kSeqQ, kHeadsQ, 64});
+  p.k = fh::make_tensor(p.k.data, FH_DTYPE_BF16, {kBatch, kSeqK, kHeadsKV, 64});
+  EXPECT_PASSES(fh::check(p));
+  p.v = fh::make_tensor(p.v.data, FH_DTYPE_BF16, {kBatch, kSeqK, kHeadsKV, 520});
+  p.out = fh::make_tensor(p.out.data, FH_DTYPE_BF16, {kBatch, kSeqQ, kHeadsQ, 520});
+  EXPECT_REFUSED(fh::check(p), "v", "value head dim) is 520");
 }
 
 // qv takes out's shape (dense and packed) and q's dtype, and is never written over by out.
@@ -1597,8 +1605,8 @@ TEST(KernelFamilies, CallsRunOnTheFamilyThatPadsLeast) {
 
 TEST(KernelFamilies, QvCallsRunOnTheQvFamiliesAlone) {
   // The forward's 64/256 qv family (absorbed MLA) takes the calls with qv of d <= 64 and
-  // dv <= 256, and no call without qv: (64, 256) without qv pads to 256/256. A qv call no qv family
-  // holds is refused by name; the backward has no qv.
+  // dv <= 256, the 64/512 one those of dv <= 512, and no call without qv: (64, 256) without qv pads
+  // to 256/256. A qv call no qv family holds is refused by name; the backward has no qv.
   for (fh_dtype dtype : {FH_DTYPE_BF16, FH_DTYPE_FP16}) {
     for (const auto& [d, dv] : std::vector<std::pair<int, int>>{{64, 256}, {64, 192}, {32, 128}, {64, 64}}) {
       const auto* f = family_for(Pass::kForward, dtype, d, dv, /*qv=*/true);
@@ -1610,8 +1618,14 @@ TEST(KernelFamilies, QvCallsRunOnTheQvFamiliesAlone) {
     ASSERT_NE(plain, nullptr);
     EXPECT_FALSE(plain->qv);
     EXPECT_EQ(std::make_pair(plain->head_dim, plain->head_dim_v), std::make_pair(256, 256));
+    for (int dv : {264, 384, 512}) {
+      const auto* wide = family_for(Pass::kForward, dtype, 64, dv, /*qv=*/true);
+      ASSERT_NE(wide, nullptr) << dv;
+      EXPECT_EQ(std::make_pair(wide->head_dim, wide->head_dim_v), std::make_pair(64, 512)) << dv;
+    }
+    EXPECT_EQ(family_for(Pass::kForward, dtype, 64, 512), nullptr);  // no family without qv
     EXPECT_EQ(family_for(Pass::kForward, dtype, 72, 256, /*qv=*/true), nullptr);
-    EXPECT_EQ(family_for(Pass::kForward, dtype, 64, 264, /*qv=*/true), nullptr);
+    EXPECT_EQ(family_for(Pass::kForward, dtype, 64, 520, /*qv=*/true), nullptr);
     EXPECT_EQ(family_for(Pass::kBackward, dtype, 64, 256, /*qv=*/true), nullptr);
     EXPECT_TRUE(flashhopper::launch::forward_family_takes_qv(dtype, 64, 256));
     EXPECT_FALSE(flashhopper::launch::forward_family_takes_qv(dtype, 128, 128));
@@ -1824,7 +1838,8 @@ TEST(SplitPlan, DecodeSplitsWithinItsBounds) {
         const double waves = double(tiles * n) / 132;
         return waves / std::ceil(waves);
       };
-      for (int64_t other = 1; other <= std::min<int64_t>(key_blocks / fh::detail::kFewestKeyBlocksPerSplit, 128); ++other)
+      const int64_t most = std::min<int64_t>(key_blocks / fh::detail::kFewestKeyBlocksPerSplit, 128);
+      for (int64_t other = 1; other <= most; ++other)
         EXPECT_GE(efficiency(splits), 0.85 * efficiency(other)) << other << " splits";
     }
   }
@@ -1847,7 +1862,8 @@ TEST(SplitPlan, SplitsPayForTheirPartials) {
       EXPECT_GT(splits, 1);                                          // 8 to 64 tiles leave SMs idle
       EXPECT_LT(time(batch, splits, fraction), time(batch, 1, fraction));  // and splitting pays
       EXPECT_LE(splits * fraction, 0.5);                             // partials within half the K/V
-      for (int64_t other = 1; other <= std::min<int64_t>(key_blocks / fh::detail::kFewestKeyBlocksPerSplit, 128); ++other)
+      const int64_t most = std::min<int64_t>(key_blocks / fh::detail::kFewestKeyBlocksPerSplit, 128);
+      for (int64_t other = 1; other <= most; ++other)
         if (other * fraction <= 0.5) EXPECT_LE(0.85 * time(batch, splits, fraction), time(batch, other, fraction));
     }
   }

@@ -220,7 +220,7 @@ def test_not_implemented_dtypes():
             flash_attn_func(*(t.to(torch.float8_e4m3fn) for t in (q, k, v)))
 
 
-@pytest.mark.parametrize("head_dim, head_dim_v", [(128, 64), (192, 128), (64, 256), (96, 59)])
+@pytest.mark.parametrize("head_dim, head_dim_v", [(128, 64), (192, 128), (64, 256), (64, 512), (96, 59)])
 def test_value_head_dim_other_than_head_dim(head_dim, head_dim_v):
     """out takes v's head dim (dense and packed), under fake tensors; past 256 it is refused."""
     with FakeTensorMode():
@@ -1638,12 +1638,12 @@ def test_bench_decode_tables_and_plot(tmp_path, capsys):
     for name, tflops in zip(bench_decode.PACKED_CALLS, (300.0, 120.0, nan)):
         packed.update({f"{name}_us": 50.0, f"{name}_tflops": tflops, f"{name}_tbps": 2.5})
     bench_decode.print_packed_table([packed], "test")
-    mla = {"batch": 32, "seqlen_q": 4, "cache_len": 16384, "dense_tbps": 3.1, "dense_vs_copy": 0.8,
+    mla = {"hdim_v": 512, "batch": 32, "seqlen_q": 4, "cache_len": 16384, "dense_tbps": 3.1, "dense_vs_copy": 0.8,
            "dense_tflops": 610.0, "paged_tbps": nan, "paged_tflops": nan, "max_diff_paged": 0.0}
     bench_decode.print_mla_table([mla], "test", 3.9)
     printed = capsys.readouterr().out
-    assert "absorbed MLA decode (qv): 128 heads on 1 KV head, d 64 + qv against dv 256" in printed
-    assert "\n   32   4   16384       3.10    0.80     610          -       -          0" in printed
+    assert "absorbed MLA decode (qv): 128 heads on 1 KV head, d 64 + qv against the latent dv" in printed
+    assert "\n 512    32   4   16384       3.10    0.80     610          -       -          0" in printed
     assert "decode, GQA 32/8, hdim 128" in printed and "prefill against a cache of 16384 keys" in printed
     assert printed.count("\n   32    4096   3.50") == 1 and "  0.980" in printed
     assert "packed decode: 64 sequences of 1-8 query tokens (288 rows)" in printed

@@ -194,14 +194,16 @@ QV_CASES = [(1, False, 1, False), (1, False, 0, False), (1, True, 3, True), (4, 
 
 @pytest.mark.parametrize("seqlen_q, causal, num_splits, paged", QV_CASES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dv", [256, 512])
 @requires_gpu
-def test_qv_decode_against_reference(dtype, seqlen_q, causal, num_splits, paged):
+def test_qv_decode_against_reference(dv, dtype, seqlen_q, causal, num_splits, paged):
     """flash_attn_with_kvcache with qv (S = Q K^T + Qv V^T, FA3's absorbed MLA): the attention of
     [q, qv] against [k, v] over the values v with scale 1/sqrt(d + dv), in float64; out within twice
     the error of the same attention in plain low precision, lse close. 128 query heads on one KV
-    head, cache lengths of 1, 700 and all 1024 keys."""
-    heads_q, d, dv, capacity = 128, 64, 256, 1024
-    generator = torch.Generator(device="cuda").manual_seed(seqlen_q * 10 + num_splits + paged)
+    head, cache lengths of 1, 700 and all 1024 keys; latent widths 256 and 512 (DeepSeek's, whose
+    kernels split O over two warpgroups)."""
+    heads_q, d, capacity = 128, 64, 1024
+    generator = torch.Generator(device="cuda").manual_seed(seqlen_q * 10 + num_splits + paged + dv)
     randn = lambda *shape: torch.randn(*shape, device="cuda", dtype=dtype, generator=generator)  # noqa: E731
     q, qv = randn(3, seqlen_q, heads_q, d), randn(3, seqlen_q, heads_q, dv)
     k_cache, v_cache = randn(3, capacity, 1, d), randn(3, capacity, 1, dv)

@@ -9,6 +9,11 @@
 // With qv (absorbed MLA, ForwardFeatures::kQv) S = Q K^T + Qv V^T: Qv loads with Q, and the same
 // shared V block is the B operand of Qv V^T (read K-major) before it is P V's (read MN-major), so
 // V of a block loads with its K and stays one block longer.
+// Value head dims past 256 (qv against absorbed MLA's 512-wide latent): one warpgroup's registers
+// cannot hold 64 rows of O, so two warpgroups share the 64 rows and split O's columns. Each computes
+// half of S's contraction (half of d in Q K^T, its half of dv in Qv V^T); they add the halves
+// through shared memory, after which both hold the same S, run the same softmax and keep P in
+// registers for their own half of P V.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -57,21 +62,31 @@ struct ForwardMainloop {
   // 42 local loads/stores in the loop, none per use; bench/RESULTS.md). Elsewhere the code stays
   // as measured.
   static constexpr bool kQDescriptorsPerUse = kHeadDim >= 192 && kFeatures != ForwardFeatures::kNone && !kQv;
-  static constexpr int kNumMmaWarpGroups = kBlockM / 64;
+  static constexpr bool kSplitsO = kHeadDimV > 256;  // O's columns over two warpgroups (above)
+  static constexpr int kRowWarpGroups = kBlockM / 64;
+  static constexpr int kColumnWarpGroups = kSplitsO ? 2 : 1;
+  static_assert(!kSplitsO || (kQv && kRowWarpGroups == 1 && kHeadDim % (16 * kColumnWarpGroups) == 0),
+                "O split over warpgroups: qv kernels of 64-row tiles, d in 16-column slices for each");
+  static constexpr int kNumMmaWarpGroups = kRowWarpGroups * kColumnWarpGroups;
   static constexpr int kNumMmaThreads = kNumMmaWarpGroups * cutlass::NumThreadsPerWarpGroup;
+  // Ping-pong between warpgroups of different rows; those that split O work in step.
+  static constexpr bool kPingPong = kNumMmaWarpGroups > 1 && !kSplitsO;
 
   using TileShapeQK = Shape<Int<kBlockM>, Int<kBlockN>, Int<kHeadDim>>;  // (M, N, d)
   using TileShapePV = Shape<Int<kBlockM>, Int<kHeadDimV>, Int<kBlockN>>;  // (M, dv, N)
 
-  // One 64-row WGMMA atom per consumer warpgroup, stacked along M.
-  using WarpGroupLayout = Layout<Shape<Int<kNumMmaWarpGroups>, _1, _1>>;
-  using TiledMmaQK = decltype(make_tiled_mma(
-      ss_gmma<Element, Shape<_64, Int<kBlockN>, Int<kHeadDim>>>(), WarpGroupLayout{}));
+  // One 64-row WGMMA atom per consumer warpgroup, stacked along M; P V's also side by side along
+  // dv where O is split. S's is one warpgroup's wide: those that split O each compute all of S's
+  // rows and columns, over their half of the contraction.
+  static constexpr int kHeadDimVPerWarpGroup = kHeadDimV / kColumnWarpGroups;
+  using TiledMmaQK = decltype(make_tiled_mma(ss_gmma<Element, Shape<_64, Int<kBlockN>, Int<kHeadDim>>>(),
+                                             Layout<Shape<Int<kRowWarpGroups>, _1, _1>>{}));
   using TiledMmaPV = decltype(make_tiled_mma(
-      GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<kHeadDimV>, Int<kBlockN>>,
+      GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<kHeadDimVPerWarpGroup>, Int<kBlockN>>,
                            GMMA::Major::K, GMMA::Major::MN>(),
-      WarpGroupLayout{}));
-  static_assert(gmma_n<TiledMmaQK> == kBlockN && gmma_n<TiledMmaPV> == kHeadDimV, FLASHHOPPER_GMMA_SPAN_MESSAGE);
+      Layout<Shape<Int<kRowWarpGroups>, Int<kColumnWarpGroups>, _1>>{}));
+  static_assert(gmma_n<TiledMmaQK> == kBlockN && gmma_n<TiledMmaPV> == kHeadDimVPerWarpGroup,
+                FLASHHOPPER_GMMA_SPAN_MESSAGE);
   static constexpr bool kUsesExtendedGmma = uses_extended_gmma<TiledMmaQK, TiledMmaPV>;
 
   // Q and K are K-major (d contiguous). V is stored as Vt (dv, N): dv contiguous, which is the
@@ -94,6 +109,16 @@ struct ForwardMainloop {
   using SmemLayoutVAsB = decltype(tile_to_shape(
       cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element, Int<kBlockN>, Int<kHeadDimV>>(),
       Shape<Int<kBlockN>, Int<kHeadDimV>, Int<kStages>>{}));
+  // Both as each warpgroup's columns of Qv V^T (the whole of them unless O is split): (M, dv / c, c)
+  // and (N, dv / c, c, stages), the same bytes (checked by qv_halves_agree).
+  using SmemLayoutQvHalves = decltype(tile_to_shape(
+      cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element, Int<kBlockM>,
+                                                          Int<kHeadDimVPerWarpGroup>>(),
+      Shape<Int<kBlockM>, Int<kHeadDimVPerWarpGroup>, Int<kColumnWarpGroups>>{}));
+  using SmemLayoutVAsBHalves = decltype(tile_to_shape(
+      cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element, Int<kBlockN>,
+                                                          Int<kHeadDimVPerWarpGroup>>(),
+      Shape<Int<kBlockN>, Int<kHeadDimVPerWarpGroup>, Int<kColumnWarpGroups>, Int<kStages>>{}));
 
   // Global tensors as (seqlen, d, head, batch); Vt as (dv, seqlen, head, batch). Packed batches:
   // (total, d, head, 1), a tile's sequence at its SeqlenInfo's row offset.
@@ -132,6 +157,16 @@ struct ForwardMainloop {
   struct QvStorage<true, Unused> {
     cute::array_aligned<Element, cosize_v<SmemLayoutQv>, 1024> smem_qv;
   };
+  // kSplitsO: each warpgroup's half of S, float, as [buffer][warpgroup][register][thread] (a
+  // thread's registers 128 floats apart: no bank conflicts); two buffers, used by turns.
+  static constexpr int kScoreRegisters = kBlockN / 2;  // S's floats a thread holds: 64 x N / 128
+  template <bool kOn, class = void>
+  struct ScoreExchangeStorage {};
+  template <class Unused>
+  struct ScoreExchangeStorage<true, Unused> {
+    cute::array_aligned<float, 2 * kColumnWarpGroups * kScoreRegisters * cutlass::NumThreadsPerWarpGroup, 128>
+        smem_s;
+  };
   template <bool kOn, class = void>
   struct QvParams {};
   template <class Unused>
@@ -144,7 +179,7 @@ struct ForwardMainloop {
   };
 
   // K and V stages (and Qv's buffer with qv).
-  struct SharedStorageKV : QvStorage<kQv> {
+  struct SharedStorageKV : QvStorage<kQv>, ScoreExchangeStorage<kSplitsO> {
     cute::array_aligned<Element, cosize_v<SmemLayoutK>, 1024> smem_k;
     cute::array_aligned<Element, cosize_v<SmemLayoutVt>, 1024> smem_v;
   };
@@ -372,10 +407,33 @@ struct ForwardMainloop {
                            decltype(get_swizzle_portion(SmemLayoutVAsB{}))>;
   }
 
+  // SmemLayoutQvHalves and SmemLayoutVAsBHalves: the same offsets as SmemLayoutQv and SmemLayoutVAsB
+  // at the corners of atoms and of halves, and the same swizzle.
+  static constexpr bool qv_halves_agree() {
+    constexpr int h = kHeadDimVPerWarpGroup;
+    auto qv = get_nonswizzle_portion(SmemLayoutQv{});
+    auto qv_halves = get_nonswizzle_portion(SmemLayoutQvHalves{});
+    auto v = get_nonswizzle_portion(SmemLayoutVAsB{});
+    auto v_halves = get_nonswizzle_portion(SmemLayoutVAsBHalves{});
+    for (int c : {0, 1, 63, 64, h - 1, h, h + 64, kHeadDimV - 1}) {
+      if (c >= kHeadDimV) continue;
+      for (int m : {0, 1, 7, 8, kBlockM - 1})
+        if (qv(m, c) != qv_halves(m, c % h, c / h)) return false;
+      for (int n : {0, 1, 7, 8, kBlockN - 1})
+        for (int stage : {0, kStages - 1})
+          if (v(n, c, stage) != v_halves(n, c % h, c / h, stage)) return false;
+    }
+    return cute::is_same_v<decltype(get_swizzle_portion(SmemLayoutQv{})),
+                           decltype(get_swizzle_portion(SmemLayoutQvHalves{}))> &&
+           cute::is_same_v<decltype(get_swizzle_portion(SmemLayoutVAsB{})),
+                           decltype(get_swizzle_portion(SmemLayoutVAsBHalves{}))>;
+  }
+
   // qv: the tile's Qv rows, on Q's barrier (its bytes counted in kTmaBytesQAndQv).
   CUTLASS_DEVICE static void load_qv(Params const& params, SharedState const& shared, WorkTile const& work,
                                      SeqlenInfo const& seq) {
     static_assert(v_views_agree(), "Qv V^T must read V's stages where the TMA wrote them");
+    static_assert(qv_halves_agree(), "each warpgroup's Qv V^T must read its columns where the TMA wrote them");
     Tensor sQv = make_tensor(make_smem_ptr(shared.kv.smem_qv.data()), SmemLayoutQv{});
     Tensor mQv = domain_offset(make_coord(seq.offset_q, _0{}),
                                params.tma_qv.get_tma_tensor(params.shape_qv)(_, _, work.head, seq.batch_q));
@@ -397,7 +455,10 @@ struct ForwardMainloop {
 
     TiledMmaQK tiled_mma_qk;
     TiledMmaPV tiled_mma_pv;
-    auto thr_mma_qk = tiled_mma_qk.get_thread_slice(thread_idx);
+    // Warpgroups that split O's columns each hold all of S: the same S thread, column_wg apart.
+    const int column_wg = kSplitsO ? thread_idx / cutlass::NumThreadsPerWarpGroup : 0;
+    auto thr_mma_qk =
+        tiled_mma_qk.get_thread_slice(kSplitsO ? thread_idx % cutlass::NumThreadsPerWarpGroup : thread_idx);
     auto thr_mma_pv = tiled_mma_pv.get_thread_slice(thread_idx);
     Tensor tSrQ = thr_mma_qk.partition_fragment_A(sQ);    // (MMA, MMA_M, MMA_K)
     Tensor tSrK = thr_mma_qk.partition_fragment_B(sK);    // (MMA, MMA_N, MMA_K, PIPE)
@@ -422,11 +483,11 @@ struct ForwardMainloop {
     const int warp_group = thread_idx / cutlass::NumThreadsPerWarpGroup;
     // Ping-pong: wait for this warpgroup's turn at the tensor cores, then pass it on.
     auto take_turn = [&] {
-      if constexpr (kNumMmaWarpGroups > 1)
+      if constexpr (kPingPong)
         named_barrier_sync(2 * cutlass::NumThreadsPerWarpGroup, FwdBarrier::kWarpScheduler0, warp_group);
     };
     auto pass_turn = [&] {
-      if constexpr (kNumMmaWarpGroups > 1)
+      if constexpr (kPingPong)
         named_barrier_arrive(2 * cutlass::NumThreadsPerWarpGroup, FwdBarrier::kWarpScheduler0,
                              (warp_group + 1) % kNumMmaWarpGroups);
     };
@@ -446,21 +507,29 @@ struct ForwardMainloop {
       if constexpr (kQv) wait_stage(shared.pipeline_v, v_ahead);
     };
     // Qv's and V's operands of Qv V^T, (MMA, MMA_M, MMA_K) and (MMA, MMA_N, MMA_K, PIPE), made once
-    // as Q's and K's are (none without qv). (cute::Tensor named: in a lambda of this template the
-    // unqualified name finds flashhopper's.)
+    // as Q's and K's are (none without qv); where O is split, this warpgroup's half of their
+    // columns. (cute::Tensor named: in a lambda of this template the unqualified name finds
+    // flashhopper's.)
     auto qv_operands = [&] {
       if constexpr (kQv) {
-        cute::Tensor sQv = make_tensor(make_smem_ptr(shared.kv.smem_qv.data()), SmemLayoutQv{});
-        cute::Tensor sV = make_tensor(make_smem_ptr(shared.kv.smem_v.data()), SmemLayoutVAsB{});
-        return cute::make_tuple(thr_mma_qk.partition_fragment_A(sQv), thr_mma_qk.partition_fragment_B(sV));
+        cute::Tensor sQv = make_tensor(make_smem_ptr(shared.kv.smem_qv.data()), SmemLayoutQvHalves{});
+        cute::Tensor sV = make_tensor(make_smem_ptr(shared.kv.smem_v.data()), SmemLayoutVAsBHalves{});
+        return cute::make_tuple(thr_mma_qk.partition_fragment_A(sQv)(_, _, _, column_wg),
+                                thr_mma_qk.partition_fragment_B(sV)(_, _, _, column_wg, _));
       } else {
         return cute::tuple<>{};
       }
     }();
+    // Where O is split, each warpgroup's share of Q K^T's 16-column slices of d.
+    constexpr int kSlicesQK = kHeadDim / 16 / kColumnWarpGroups;
+    const int first_slice_qk = column_wg * kSlicesQK;
     auto gemm_s = [&](auto zero_init) {
       if constexpr (kQDescriptorsPerUse) {
         warpgroup_gemm<decltype(zero_init)::value, -1>(tiled_mma_qk, descriptors_per_use(tSrQ),
                                                        tSrK(_, _, _, shared.k_state.index()), tSrS);
+      } else if constexpr (kSplitsO) {
+        warpgroup_gemm<decltype(zero_init)::value, -1, kSlicesQK>(
+            tiled_mma_qk, tSrQ, tSrK(_, _, _, shared.k_state.index()), tSrS, first_slice_qk);
       } else {
         warpgroup_gemm<decltype(zero_init)::value, -1>(tiled_mma_qk, tSrQ, tSrK(_, _, _, shared.k_state.index()), tSrS);
       }
@@ -469,6 +538,27 @@ struct ForwardMainloop {
         warpgroup_gemm<false, -1>(tiled_mma_qk, descriptors_per_use(get<0>(qv_operands)),
                                   get<1>(qv_operands)(_, _, _, v_ahead.index()), tSrS);
         ++v_ahead;
+      }
+    };
+
+    // Where O is split: S is this warpgroup's half of the contraction until the other's is added.
+    // Block k's halves go through buffer k % 2 (the K stages' count, which runs on across tiles),
+    // so one barrier a block suffices: a buffer is written again only after the next block's
+    // barrier, which the other warpgroup reaches after reading it. s0 + s1 and s1 + s0 are the same
+    // float, so both warpgroups hold the same S.
+    auto add_other_half = [&] {
+      if constexpr (kSplitsO) {
+        static_assert(decltype(size(tSrS))::value == kScoreRegisters);
+        constexpr int kThreads = cutlass::NumThreadsPerWarpGroup;
+        constexpr int kBufferFloats = kColumnWarpGroups * kScoreRegisters * kThreads;
+        float* buffer = shared.kv.smem_s.data() + (shared.k_state.count() & 1) * kBufferFloats + thread_idx % kThreads;
+        float* mine = buffer + column_wg * kScoreRegisters * kThreads;
+        float const* theirs = buffer + (1 - column_wg) * kScoreRegisters * kThreads;
+        CUTLASS_PRAGMA_UNROLL
+        for (int r = 0; r < kScoreRegisters; ++r) mine[r * kThreads] = tSrS(r);
+        named_barrier_sync(kNumMmaThreads, FwdBarrier::kScoreExchange);
+        CUTLASS_PRAGMA_UNROLL
+        for (int r = 0; r < kScoreRegisters; ++r) tSrS(r) += theirs[r * kThreads];
       }
     };
 
@@ -483,6 +573,7 @@ struct ForwardMainloop {
     gemm_s(/*kZeroInit=*/cute::true_type{});
     pass_turn();
     warpgroup_wait<0>();
+    add_other_half();
     shared.pipeline_k.consumer_release(shared.k_state);
     ++shared.k_state;
     // Q is free once the tile's last Q K^T is done: the next tile's Q loads during the rest.
@@ -519,6 +610,7 @@ struct ForwardMainloop {
       warpgroup_gemm<false, -1>(tiled_mma_pv, tOrP, tOrVt(_, _, _, shared.v_state.index()), tOrO);
       pass_turn();
       warpgroup_wait<1>();  // S is ready; P V may still run
+      add_other_half();
       shared.pipeline_k.consumer_release(shared.k_state);
       ++shared.k_state;
       if (i == num_blocks - 1) shared.q_empty.arrive();

@@ -9,6 +9,7 @@ namespace flashhopper::hopper {
 enum class FwdBarrier : uint32_t {
   kEpilogue = 0,          // all consumer warpgroups: done with sQ before O overwrites it
   kWarpScheduler0 = 1,    // ping-pong turn of consumer warpgroup 0; 1 and 2 follow
+  kScoreExchange = 4,     // warpgroups splitting O: both halves of S are in shared memory
 };
 
 enum class BwdBarrier : uint32_t {

@@ -32,6 +32,17 @@ struct ForwardTileSize<64, 256, kMasked> {
   static constexpr int kStages = 3;
 };
 
+// hdim 64 with dv 512 and qv (absorbed MLA at DeepSeek's latent width, forward only): O's 512
+// columns are split over two warpgroups of the same 64 rows (ForwardMainloop::kSplitsO), each
+// holding 128 floats of O; the halves of S meet in a 32 KiB exchange buffer. Q, Qv (64 KiB), three
+// K and three V stages of 32 keys (96 KiB): 212 KiB, O from registers. Not tuned yet.
+template <bool kMasked>
+struct ForwardTileSize<64, 512, kMasked> {
+  static constexpr int kBlockM = 64;
+  static constexpr int kBlockN = 32;
+  static constexpr int kStages = 3;
+};
+
 // hdim 128: unmasked takes 160 key columns (2 stages and O staged in shared memory, 224 KiB), the
 // fastest of 128-176; masked keeps 128 (192 KiB), so the blocks at a boundary waste less.
 // (Measurements: bench/RESULTS.md, "Tile and schedule choices".)

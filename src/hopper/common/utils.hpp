@@ -18,19 +18,22 @@ CUTLASS_DEVICE void cp_async_16_zfill(uint32_t smem_addr, void const* gmem, bool
 }
 
 // Issue one warpgroup GEMM C (+)= A B over the K mode. kWait >= 0 waits until at most kWait
-// batches are in flight; -1 returns at once so the caller can overlap other work.
-template <bool kZeroInit, int kWait = 0, class TiledMma, class TensorA, class TensorB, class TensorC>
-CUTLASS_DEVICE void warpgroup_gemm(TiledMma& tiled_mma, TensorA const& tCrA, TensorB const& tCrB,
-                                   TensorC& tCrC) {
+// batches are in flight; -1 returns at once so the caller can overlap other work. kSlicesK > 0:
+// over the K slices [first_slice, first_slice + kSlicesK) alone.
+template <bool kZeroInit, int kWait = 0, int kSlicesK = 0, class TiledMma, class TensorA, class TensorB,
+          class TensorC>
+CUTLASS_DEVICE void warpgroup_gemm(TiledMma& tiled_mma, TensorA const& tCrA, TensorB const& tCrB, TensorC& tCrC,
+                                   int first_slice = 0) {
   constexpr bool kAInRegisters =
       !cute::is_same_v<typename TensorA::engine_type::iterator, GMMA::DescriptorIterator>;
   if constexpr (kAInRegisters) warpgroup_fence_operand(const_cast<TensorA&>(tCrA));
   warpgroup_fence_operand(tCrC);
   warpgroup_arrive();
   if constexpr (kZeroInit) tiled_mma.accumulate_ = GMMA::ScaleOut::Zero;
+  constexpr int kSlices = kSlicesK > 0 ? kSlicesK : decltype(size<2>(tCrA))::value;
   CUTLASS_PRAGMA_UNROLL
-  for (int k = 0; k < size<2>(tCrA); ++k) {
-    cute::gemm(tiled_mma, tCrA(_, _, k), tCrB(_, _, k), tCrC);
+  for (int k = 0; k < kSlices; ++k) {
+    cute::gemm(tiled_mma, tCrA(_, _, first_slice + k), tCrB(_, _, first_slice + k), tCrC);
     tiled_mma.accumulate_ = GMMA::ScaleOut::One;
   }
   warpgroup_commit_batch();

@@ -150,7 +150,7 @@ struct ForwardKernel {
       const int thread_idx = threadIdx.x - cutlass::NumThreadsPerWarpGroup;
       const int mma_warp_group = warp_group - 1;
       // Hand the first ping-pong turn to warpgroup 0.
-      if (mma_warp_group == kNumMmaWarpGroups - 1)
+      if (Mainloop::kPingPong && mma_warp_group == kNumMmaWarpGroups - 1)
         named_barrier_arrive(2 * cutlass::NumThreadsPerWarpGroup, FwdBarrier::kWarpScheduler0, 0);
 
       typename Mainloop::PipelineState pipe_k_read, pipe_v_read;
