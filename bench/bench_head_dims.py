@@ -3,7 +3,7 @@
 `flash_attn.cute` imports: flash-attn-4==4.0.0b36) and cuDNN (PyTorch SDPA's CUDNN_ATTENTION
 backend), forward and backward, bf16, dense batches of 16384 tokens, 2048 / d heads (at least 8),
 for every (d, dv) row of ROWS: the compiled head dims, the padded ones between them (80, 112: they
-run on the next compiled family) and MLA's 192/128.
+run on the next compiled family), MLA's 192/128 and 512 (forward only; no peer runs it).
 
 TFLOP/s: FlashAttention's count, 2 * B * H * sq * sk * (d + dv) forward (half of it causal), 2.5
 times that backward. Backward is timed through autograd (the forward runs once with requires_grad
@@ -33,7 +33,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "python"))
 
 TOTAL_TOKENS, MODEL_DIM = 16384, 2048
-ROWS = [(64, 64), (80, 80), (96, 96), (112, 112), (128, 128), (192, 128), (192, 192), (256, 256)]
+ROWS = [(64, 64), (80, 80), (96, 96), (112, 112), (128, 128), (192, 128), (192, 192), (256, 256), (512, 512)]
 BACKENDS = ("flashhopper", "fa4", "cudnn")
 FIELDS = ["date", "gpu", "pass", "hdim", "hdim_v", "causal", "seqlen", "batch", "heads",
           *(f"{b}_{unit}" for b in BACKENDS for unit in ("ms", "tflops")), "ours_vs_fa4", "ours_vs_cudnn",

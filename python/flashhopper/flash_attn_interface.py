@@ -6,7 +6,7 @@ Same function names, argument names, defaults and return conventions, so that sw
     out = fa3.flash_attn_func(q, k, v, causal=True)
 
 What the kernels do today: q [B, sq, Hq, d], k [B, sk, Hkv, d], v [B, sk, Hkv, dv] in bf16 or
-fp16, any d and dv <= 256 (with qv and d <= 64 also dv <= 512; multiples of 8 run on the next compiled head dim,
+fp16, any d and dv <= 512 (past 256 forward only; multiples of 8 run on the next compiled head dim,
 flashhopper.compiled_families(); others are zero-padded here to the next multiple of 8, the scale
 staying 1/sqrt(d); development builds of the library: bf16 and d, dv <= 128 only; others raise
 FlashHopperNotSupported, a NotImplementedError), causal or not (bottom-right aligned), local
@@ -172,6 +172,13 @@ def _attention(q, k, v, varlen, softmax_scale, causal, qv, q_descale, k_descale,
             out, softmax_lse = ops.fwd(*args)
         else:  # eager with autograd: the op's autograd without the dispatcher (the library checks)
             out, softmax_lse = ops.fwd_eager(*args)
+            # Head dims past the backward's: refused here, once the library has checked the call,
+            # rather than in the backward, far from the call.
+            if max(q.shape[-1], v.shape[-1]) > interface.MAX_BACKWARD_HEAD_DIM:
+                raise interface.not_supported(
+                    f"q: head dims ({q.shape[-1]}, {v.shape[-1]}) run forward only (the backward takes head dims up "
+                    f"to {interface.MAX_BACKWARD_HEAD_DIM}); call it under torch.no_grad() or with inputs that do "
+                    "not require grad")
     else:
         result = interface.forward(q, k, v, causal, softmax_scale, return_lse=bool(return_attn_probs),
                                    window_size=(window_left, window_right), softcap=softcap,

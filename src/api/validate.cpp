@@ -515,13 +515,9 @@ Status check_head_dims(const AttentionArgs& a, const ProblemShape& s, Target tar
     return invalid("q", "shape[", q_head_dim, "] (head dim) is ", s.head_dim, "; head dims up to ", kMaxHeadDim,
                    " are supported");
   }
-  // Past FH_MAX_HEAD_DIM, value head dims up to 512 where d is at most 64, as FA3 (absorbed MLA's
-  // latent width; the kernels take it with qv).
-  constexpr int64_t kMaxWideHeadDimV = 512, kMaxHeadDimWithWideV = 64;
-  if (s.head_dim_v > kMaxHeadDim && (s.head_dim > kMaxHeadDimWithWideV || s.head_dim_v > kMaxWideHeadDimV)) {
+  if (s.head_dim_v > kMaxHeadDim) {
     return invalid("v", "shape[", v_head_dim, "] (value head dim) is ", s.head_dim_v, "; value head dims up to ",
-                   kMaxHeadDim, " are supported, or up to ", kMaxWideHeadDimV, " where the head dim is at most ",
-                   kMaxHeadDimWithWideV, " (q's is ", s.head_dim, ")");
+                   kMaxHeadDim, " are supported");
   }
   if (s.heads_q % s.heads_kv != 0) {
     // [B, H, S, D] (PyTorch SDPA's layout) read as [B, S, H, D] looks exactly so: say how to pass it.

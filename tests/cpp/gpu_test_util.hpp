@@ -118,7 +118,7 @@ inline std::vector<GridCase> padded_head_dim_cases(bool backward) {
   const std::vector<std::pair<fh_dtype, int>> compiled = compiled_families(backward);
   std::vector<GridCase> cases;
   for (fh_dtype dtype : {FH_DTYPE_BF16, FH_DTYPE_FP16})
-    for (int head_dim : {32, 40, 72, 80, 96, 112, 160, 192, 200, 224}) {
+    for (int head_dim : {32, 40, 72, 80, 96, 112, 160, 192, 200, 224, 320, 392}) {
       bool exact = false, runs = false;
       for (const auto& [d_type, d] : compiled) {
         exact |= d_type == dtype && d == head_dim;
@@ -131,9 +131,10 @@ inline std::vector<GridCase> padded_head_dim_cases(bool backward) {
       cases.push_back({dtype, head_dim, false, 1, 600, 500, 4, 2, false, {100, 0, 2, 0, 20.f, true}, true});
     }
   // A value head dim other than the head dim (MLA's 192/128, and both ways; 64/256 and less as MLA's
-  // latent values without qv, on 192/192 or 256/256), run on a family that holds both.
+  // latent values without qv, on 192/192 or 256/256; 64/512 and 320/128 on 512/512, the forward's),
+  // run on a family that holds both.
   for (const auto& [d, dv] : std::vector<std::pair<int, int>>{
-           {192, 128}, {128, 64}, {64, 128}, {96, 40}, {64, 256}, {64, 192}, {32, 160}})
+           {192, 128}, {128, 64}, {64, 128}, {96, 40}, {64, 256}, {64, 192}, {32, 160}, {64, 512}, {320, 128}})
     for (bool causal : {false, true}) {
       bool runs = false;
       for (const auto& [d_type, compiled_d] : compiled) runs |= d_type == FH_DTYPE_BF16 && compiled_d >= std::max(d, dv);

@@ -715,27 +715,25 @@ TEST(ForwardShape, VarlenLseIsHeadsByTotalTokens) {
   EXPECT_REFUSED(fh::check(p), "out", "total query tokens");
 }
 
-TEST(ForwardShape, HeadDimAtMost256) {
+TEST(ForwardShape, HeadDimAtMost512) {
   fh::ForwardParams p = dense_forward();
-  p.q = fh::make_tensor(p.q.data, FH_DTYPE_BF16, {kBatch, kSeqQ, kHeadsQ, 320});
-  p.k = fh::make_tensor(p.k.data, FH_DTYPE_BF16, {kBatch, kSeqK, kHeadsKV, 320});
-  EXPECT_REFUSED(fh::check(p), "q", "head dims up to 256");
-  EXPECT_REFUSED(check_for_reference(p), "q", "256");
+  p.q = fh::make_tensor(p.q.data, FH_DTYPE_BF16, {kBatch, kSeqQ, kHeadsQ, 520});
+  p.k = fh::make_tensor(p.k.data, FH_DTYPE_BF16, {kBatch, kSeqK, kHeadsKV, 520});
+  EXPECT_REFUSED(fh::check(p), "q", "head dims up to 512");
+  EXPECT_REFUSED(check_for_reference(p), "q", "512");
+  p.q = fh::make_tensor(p.q.data, FH_DTYPE_BF16, {kBatch, kSeqQ, kHeadsQ, 512});
+  p.k = fh::make_tensor(p.k.data, FH_DTYPE_BF16, {kBatch, kSeqK, kHeadsKV, 512});
+  EXPECT_PASSES(fh::check(p));
 }
 
-TEST(ForwardShape, ValueHeadDimAtMost256Or512WithSmallHeadDims) {
+TEST(ForwardShape, ValueHeadDimAtMost512) {
   fh::ForwardParams p = dense_forward();
   p.v = fh::make_tensor(p.v.data, FH_DTYPE_BF16, {kBatch, kSeqK, kHeadsKV, 512});
   p.out = fh::make_tensor(p.out.data, FH_DTYPE_BF16, {kBatch, kSeqQ, kHeadsQ, 512});
-  EXPECT_REFUSED(fh::check(p), "v", "value head dims up to 256 are supported, or up to 512 where the head dim is at "
-                                    "most 64 (q's is 128)");
-  // d 64: dv up to 512 (FA3's rule), 520 not.
-  p.q = fh::make_tensor(p.q.data, FH_DTYPE_BF16, {kBatch, kSeqQ, kHeadsQ, 64});
-  p.k = fh::make_tensor(p.k.data, FH_DTYPE_BF16, {kBatch, kSeqK, kHeadsKV, 64});
   EXPECT_PASSES(fh::check(p));
   p.v = fh::make_tensor(p.v.data, FH_DTYPE_BF16, {kBatch, kSeqK, kHeadsKV, 520});
   p.out = fh::make_tensor(p.out.data, FH_DTYPE_BF16, {kBatch, kSeqQ, kHeadsQ, 520});
-  EXPECT_REFUSED(fh::check(p), "v", "value head dim) is 520");
+  EXPECT_REFUSED(fh::check(p), "v", "value head dims up to 512");
 }
 
 // qv takes out's shape (dense and packed) and q's dtype, and is never written over by out.
@@ -1573,7 +1571,17 @@ TEST(KernelFamilies, HeadDimsRunOnTheNextFamily) {
         EXPECT_GE(other.head_dim, f->head_dim) << asked;
   }
   EXPECT_EQ(family_for(Pass::kBackward, FH_DTYPE_FP16, 256, 256)->head_dim, 256);
-  EXPECT_EQ(family_for(Pass::kForward, FH_DTYPE_BF16, 264, 264), nullptr);
+  // Past 256: the forward's 512 (no backward yet); past 512 nothing. FH_MAX_BACKWARD_HEAD_DIM is
+  // the backward families' largest, FH_MAX_HEAD_DIM the forward's.
+  int largest_backward = 0, largest_forward = 0;
+  for (const auto& f : flashhopper::launch::kKernelFamilies)
+    (f.pass == Pass::kBackward ? largest_backward : largest_forward) =
+        std::max(f.pass == Pass::kBackward ? largest_backward : largest_forward, f.head_dim);
+  EXPECT_EQ(largest_backward, FH_MAX_BACKWARD_HEAD_DIM);
+  EXPECT_EQ(largest_forward, FH_MAX_HEAD_DIM);
+  EXPECT_EQ(family_for(Pass::kForward, FH_DTYPE_BF16, 264, 264)->head_dim, 512);
+  EXPECT_EQ(family_for(Pass::kBackward, FH_DTYPE_BF16, 264, 264), nullptr);
+  EXPECT_EQ(family_for(Pass::kForward, FH_DTYPE_BF16, 520, 520), nullptr);
   EXPECT_EQ(family_for(Pass::kForward, FH_DTYPE_FP32, 128, 128), nullptr);
 }
 
@@ -1623,7 +1631,7 @@ TEST(KernelFamilies, QvCallsRunOnTheQvFamiliesAlone) {
       ASSERT_NE(wide, nullptr) << dv;
       EXPECT_EQ(std::make_pair(wide->head_dim, wide->head_dim_v), std::make_pair(64, 512)) << dv;
     }
-    EXPECT_EQ(family_for(Pass::kForward, dtype, 64, 512), nullptr);  // no family without qv
+    EXPECT_EQ(family_for(Pass::kForward, dtype, 64, 512)->head_dim, 512);  // without qv: padded to 512/512
     EXPECT_EQ(family_for(Pass::kForward, dtype, 72, 256, /*qv=*/true), nullptr);
     EXPECT_EQ(family_for(Pass::kForward, dtype, 64, 520, /*qv=*/true), nullptr);
     EXPECT_EQ(family_for(Pass::kBackward, dtype, 64, 256, /*qv=*/true), nullptr);

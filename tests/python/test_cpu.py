@@ -213,6 +213,20 @@ def test_not_implemented_arguments(kwargs, argument):
         fa3.flash_attn_varlen_func(*varlen_args(), **kwargs)
 
 
+def test_forward_only_head_dims_refuse_a_gradient(monkeypatch):
+    """Head dims past the backward's (512) run forward only: a call that asks for a gradient is
+    refused at its forward (after the library's check, which the stub stands for), naming the
+    backward's bound; one within it is not. (The forward itself runs on the GPU only: stubbed.)"""
+    monkeypatch.setattr(fa3.ops, "fwd_eager", lambda q, k, v, *rest: (torch.empty(*q.shape[:-1], v.shape[-1]), None))
+    for head_dim in (512, 320):
+        q, k, v = (torch.randn(1, 8, 2, head_dim, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+        with pytest.raises(NotImplementedError, match=rf"q: head dims \({head_dim}, {head_dim}\) run forward only "
+                                                      r"\(the backward takes head dims up to 256\)"):
+            flash_attn_func(q, k, v)
+    q, k, v = (torch.randn(1, 8, 2, 256, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    assert flash_attn_func(q, k, v).shape == (1, 8, 2, 256)
+
+
 def test_not_implemented_dtypes():
     q, k, v = qkv()
     if hasattr(torch, "float8_e4m3fn"):
@@ -231,8 +245,8 @@ def test_value_head_dim_other_than_head_dim(head_dim, head_dim_v):
         v = torch.empty(*v.shape[:-1], head_dim_v, dtype=v.dtype, device="cuda")
         assert fa3.flash_attn_varlen_func(q, k, v, *varlen).shape == (*q.shape[:-1], head_dim_v)
     q, k, v = qkv()
-    with pytest.raises(ValueError, match=r"v: shape\[3\] \(value head dim\) is 264; value head dims up to 256"):
-        flash_attn_func(q, k, torch.randn(*v.shape[:-1], 264, dtype=v.dtype))
+    with pytest.raises(ValueError, match=r"v: shape\[3\] \(value head dim\) is 520; value head dims up to 512"):
+        flash_attn_func(q, k, torch.randn(*v.shape[:-1], 520, dtype=v.dtype))
 
 
 def test_flash_attn_with_kvcache_checks_its_arguments():
@@ -279,7 +293,7 @@ def test_get_scheduler_metadata_is_the_split_count(monkeypatch):
     refusals = [
         (dict(num_heads_kv=3), ValueError, "k_cache: shape[2] (number of key/value heads) is 3, which does not divide q's number of query heads 8"),
         (dict(batch_size=0), ValueError, "batch_size: is 0; must be at least 1"),
-        (dict(headdim=512), ValueError, "q: shape[3] (head dim) is 512; head dims up to 256 are supported"),
+        (dict(headdim=520), ValueError, "q: shape[3] (head dim) is 520; head dims up to 512 are supported"),
         (dict(cache_seqlens=lengths[:1]), ValueError, "cache_seqlens: shape[0] (batch size) is 1 but q's batch size is 2"),
         (dict(num_splits=300), ValueError, "num_splits: is 300; must be in [0, 256]"),
         (dict(window_size=(-2, 0)), ValueError, "window_size"),
@@ -386,7 +400,7 @@ def _misaligned_stride_q():
     (lambda q, k, v: (q, k, v[:, :50]), "v: shape"),
     (lambda q, k, v: (q, k[..., :64], v), "k: shape\\[3\\] \\(head dim\\) is 64 but q's head dim is 128"),
     (lambda q, k, v: (q, torch.cat([k, k[:, :, :1]], 2), torch.cat([v, v[:, :, :1]], 2)), "k: shape\\[2\\] \\(number of key/value heads\\) is 3, which does not divide"),
-    (lambda q, k, v: tuple(torch.randn(2, 16, 2, 264, dtype=torch.bfloat16) for _ in range(3)), "q: shape\\[3\\] \\(head dim\\) is 264; head dims up to 256"),
+    (lambda q, k, v: tuple(torch.randn(2, 16, 2, 520, dtype=torch.bfloat16) for _ in range(3)), "q: shape\\[3\\] \\(head dim\\) is 520; head dims up to 512"),
     (lambda q, k, v: (q.transpose(-1, -2).contiguous().transpose(-1, -2), k, v), "q: stride\\[3\\] is 8 but the last dim must be contiguous"),
     (lambda q, k, v: (q, k, v.transpose(-1, -2).contiguous().transpose(-1, -2)), "v: stride\\[3\\] is 2 but the last dim must be contiguous"),
     (lambda q, k, v: (_misaligned_stride_q(), k, v), r"q: stride\[0\]"),
@@ -1754,6 +1768,7 @@ def test_limits_mirror_the_c_header():
     header = (ROOT / "include" / "flashhopper" / "flashhopper.h").read_text()
     limits = dict(re.findall(r"#define (FH_MAX_\w+) (\d+)", header))
     assert int(limits["FH_MAX_HEAD_DIM"]) == interface.MAX_HEAD_DIM
+    assert int(limits["FH_MAX_BACKWARD_HEAD_DIM"]) == interface.MAX_BACKWARD_HEAD_DIM
     assert int(limits["FH_MAX_SPLITS"]) == interface.MAX_SPLITS
 
 

@@ -9,11 +9,11 @@
 // With qv (absorbed MLA, ForwardFeatures::kQv) S = Q K^T + Qv V^T: Qv loads with Q, and the same
 // shared V block is the B operand of Qv V^T (read K-major) before it is P V's (read MN-major), so
 // V of a block loads with its K and stays one block longer.
-// Value head dims past 256 (qv against absorbed MLA's 512-wide latent): one warpgroup's registers
-// cannot hold 64 rows of O, so two warpgroups share the 64 rows and split O's columns. Each computes
-// half of S's contraction (half of d in Q K^T, its half of dv in Qv V^T); they add the halves
-// through shared memory, after which both hold the same S, run the same softmax and keep P in
-// registers for their own half of P V.
+// Value head dims past 256 (qv against absorbed MLA's 512-wide latent; head dim 512): one
+// warpgroup's registers cannot hold 64 rows of O, so two warpgroups share the 64 rows and split O's
+// columns. Each computes half of S's contraction (half of d in Q K^T, its half of dv in Qv V^T);
+// they add the halves through shared memory, after which both hold the same S, run the same softmax
+// and keep P in registers for their own half of P V.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -59,14 +59,15 @@ struct ForwardMainloop {
   static constexpr bool kQv = holds(kFeatures, ForwardFeatures::kQv);
   // Q's WGMMA descriptors (one per 16 columns of d) built per use rather than held across the key
   // loop, where holding them spills: the general kernels of head dims 192 and 256 (hdim 256 causal:
-  // 42 local loads/stores in the loop, none per use; bench/RESULTS.md). Elsewhere the code stays
-  // as measured.
-  static constexpr bool kQDescriptorsPerUse = kHeadDim >= 192 && kFeatures != ForwardFeatures::kNone && !kQv;
+  // 42 local loads/stores in the loop, none per use; bench/RESULTS.md), and every kernel of head
+  // dim 512 (dense: 1-22 -> 0 in the loop, as built here). Elsewhere the code stays as measured.
+  static constexpr bool kQDescriptorsPerUse =
+      kHeadDim >= 192 && !kQv && (kFeatures != ForwardFeatures::kNone || kHeadDim > 256);
   static constexpr bool kSplitsO = kHeadDimV > 256;  // O's columns over two warpgroups (above)
   static constexpr int kRowWarpGroups = kBlockM / 64;
   static constexpr int kColumnWarpGroups = kSplitsO ? 2 : 1;
-  static_assert(!kSplitsO || (kQv && kRowWarpGroups == 1 && kHeadDim % (16 * kColumnWarpGroups) == 0),
-                "O split over warpgroups: qv kernels of 64-row tiles, d in 16-column slices for each");
+  static_assert(!kSplitsO || (kRowWarpGroups == 1 && kHeadDim % (16 * kColumnWarpGroups) == 0),
+                "O split over warpgroups: 64-row tiles, d in 16-column slices for each");
   static constexpr int kNumMmaWarpGroups = kRowWarpGroups * kColumnWarpGroups;
   static constexpr int kNumMmaThreads = kNumMmaWarpGroups * cutlass::NumThreadsPerWarpGroup;
   // Ping-pong between warpgroups of different rows; those that split O work in step.
@@ -524,12 +525,15 @@ struct ForwardMainloop {
     constexpr int kSlicesQK = kHeadDim / 16 / kColumnWarpGroups;
     const int first_slice_qk = column_wg * kSlicesQK;
     auto gemm_s = [&](auto zero_init) {
-      if constexpr (kQDescriptorsPerUse) {
-        warpgroup_gemm<decltype(zero_init)::value, -1>(tiled_mma_qk, descriptors_per_use(tSrQ),
-                                                       tSrK(_, _, _, shared.k_state.index()), tSrS);
+      if constexpr (kSplitsO && kQDescriptorsPerUse) {
+        warpgroup_gemm<decltype(zero_init)::value, -1, kSlicesQK>(
+            tiled_mma_qk, descriptors_per_use(tSrQ), tSrK(_, _, _, shared.k_state.index()), tSrS, first_slice_qk);
       } else if constexpr (kSplitsO) {
         warpgroup_gemm<decltype(zero_init)::value, -1, kSlicesQK>(
             tiled_mma_qk, tSrQ, tSrK(_, _, _, shared.k_state.index()), tSrS, first_slice_qk);
+      } else if constexpr (kQDescriptorsPerUse) {
+        warpgroup_gemm<decltype(zero_init)::value, -1>(tiled_mma_qk, descriptors_per_use(tSrQ),
+                                                       tSrK(_, _, _, shared.k_state.index()), tSrS);
       } else {
         warpgroup_gemm<decltype(zero_init)::value, -1>(tiled_mma_qk, tSrQ, tSrK(_, _, _, shared.k_state.index()), tSrS);
       }

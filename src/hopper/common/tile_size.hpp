@@ -43,6 +43,16 @@ struct ForwardTileSize<64, 512, kMasked> {
   static constexpr int kStages = 3;
 };
 
+// hdim 512 (forward): O split over two warpgroups as at 64/512, each also taking half of Q K^T's
+// contraction. Q (64 KiB), two K and two V stages of 32 keys (128 KiB) and the exchange (32 KiB):
+// 224 KiB, O from registers. Not tuned yet.
+template <bool kMasked>
+struct ForwardTileSize<512, 512, kMasked> {
+  static constexpr int kBlockM = 64;
+  static constexpr int kBlockN = 32;
+  static constexpr int kStages = 2;
+};
+
 // hdim 128: unmasked takes 160 key columns (2 stages and O staged in shared memory, 224 KiB), the
 // fastest of 128-176; masked keeps 128 (192 KiB), so the blocks at a boundary waste less.
 // (Measurements: bench/RESULTS.md, "Tile and schedule choices".)
