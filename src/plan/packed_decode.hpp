@@ -2,6 +2,7 @@
 // that the CPU tests can check that it computes the same attention.
 #pragma once
 
+#include "hopper/common/forward_features.hpp"
 #include "plan/problem_shape.hpp"
 
 namespace flashhopper::detail {
@@ -68,7 +69,11 @@ inline KernelCall kernel_call(const ForwardParams& p, const ProblemShape& s) {
     shape.total_q = s.batch * ratio;
     return {packed, shape};
   }
-  const bool several_tokens = present(p.qv) && s.heads_kv == 1 && s.seqlen_q <= kMostTokensPacked &&
+  // The kernels such a call runs on (the KV cache's code, qv where given) must group rows.
+  using hopper::ForwardFeatures;
+  const bool grouped_kernels = hopper::groups_query_rows(
+      ForwardFeatures::kKvCache | (present(p.qv) ? ForwardFeatures::kQv : ForwardFeatures::kNone));
+  const bool several_tokens = grouped_kernels && s.heads_kv == 1 && s.seqlen_q <= kMostTokensPacked &&
                               tokens_and_heads_are_one_stride(p.q, s.heads_q) &&
                               tokens_and_heads_are_one_stride(p.out, s.heads_q) &&
                               tokens_and_heads_are_one_stride(p.qv, s.heads_q);

@@ -7,8 +7,8 @@
 // Columns: the tensor's dv, which may be below kHeadDimV (the TMA store clips the rest, the
 // register stores are predicated). A split-KV tile writes its split's float32 partials instead
 // (O normalised over the split's keys, and its LSE), from registers, for the combine kernel.
-// Packed GQA over several query tokens (kGroupedRows: the kernels with a KV cache's code) keeps the
-// lse [B, Hq, sq] as the caller gave it: row r of the tile is token r / g's query head r % g.
+// Packed GQA over several query tokens (kGroupedRows: the qv kernels with a KV cache's code) keeps
+// the lse [B, Hq, sq] as the caller gave it: row r of the tile is token r / g's query head r % g.
 #pragma once
 
 #include <cmath>

@@ -7,7 +7,7 @@
 //   kLocal:  (wl < 0 or j >= p - wl or j < num_sink_tokens) and (wr < 0 or j <= p + wr) and, with
 //            chunk c > 0, floor(p / c) * c <= j < floor(p / c) * c + c.
 // Masks are applied only to the blocks that cross a boundary; blocks wholly outside are skipped.
-// With kGroupedRows (the forward kernels with a KV cache's code: packed GQA over several query
+// With kGroupedRows (the qv forward kernels with a KV cache's code: packed GQA over several query
 // tokens, plan/packed_decode.hpp), rows r * g .. r * g + g - 1 are query position r, g =
 // rows_per_token, and seqlen_q counts rows: p = row / g + seqlen_k - seqlen_q / g.
 #pragma once
@@ -32,9 +32,9 @@ struct LocalMaskParams {
   int window_right = -1;
   int num_sink_tokens = 0;
   int chunk = 0;  // 0: none
-  // Divides by rows_per_token with a multiply-high (the identity when 1): the general kernels, which
-  // packed prefill shares with grouped decode, mask row by row in the loop, where an integer
-  // division cost packed causal prefill 8% (H100, 2026-12-06).
+  // Divides by rows_per_token with a multiply-high (the identity when 1): the kernels that group
+  // rows mask row by row in the loop, where an integer division cost packed causal prefill 8% when
+  // every general kernel grouped them (H100, 2026-12-06; now the qv ones alone do).
   cutlass::FastDivmod rows_per_token{};
 };
 
