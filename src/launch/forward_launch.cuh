@@ -61,7 +61,7 @@ cudaError_t run_forward_hdim(const ForwardParams& p, const detail::ProblemShape&
   const hopper::SeqlenParams seqlen = seqlen_params(p, s);
   hopper::LocalMaskParams mask_params = local_mask_params(p);
   // Packed GQA over several tokens (the qv kernels with the KV cache's code: groups_query_rows).
-  mask_params.rows_per_token = cutlass::FastDivmod(int(s.rows_per_token));
+  mask_params.rows_per_token = int(s.rows_per_token);
   // (rows, d, heads, batch) views: dense [B, S, H, d]; packed [total, H, d] as one batch.
   const TensorRows q_rows = tensor_rows(p.q, s.varlen_q, seqlen.total_q, batch);
   // A dense K/V's own batch extent: a KV cache indexed by cache_batch_idx has any number of rows;
@@ -114,8 +114,7 @@ cudaError_t run_forward_hdim(const ForwardParams& p, const detail::ProblemShape&
   // alone: forward_features above).
   if constexpr (Epilogue::kGroupedRows) {
     if (s.rows_per_token > 1 && has_lse)
-      epilogue_args.grouped_lse = {cutlass::FastDivmod(int(s.rows_per_token)), p.lse.stride[1],
-                                   p.lse.stride[2]};
+      epilogue_args.grouped_lse = {int(s.rows_per_token), p.lse.stride[1], p.lse.stride[2]};
   }
 
   int num_sms = 0, l2_bytes = 0;

@@ -51,7 +51,7 @@ struct ForwardEpilogue {
   // The lse's rows with several query tokens packed (kGroupedRows): row r is query head r % g of
   // token r / g. rows_per_token 1 otherwise.
   struct GroupedLse {
-    cutlass::FastDivmod rows_per_token{};  // a multiply-high, not a division, per row
+    int rows_per_token = 1;
     int64_t head_stride = 0;
     int64_t token_stride = 1;
   };
@@ -60,8 +60,7 @@ struct ForwardEpilogue {
     float* ptr;  // the sequence's row 0
     GroupedLse grouped;
     CUTLASS_DEVICE float& operator()(int row) const {
-      int token, head;
-      grouped.rows_per_token(token, head, row);
+      const int token = row / grouped.rows_per_token, head = row - token * grouped.rows_per_token;
       return ptr[head * grouped.head_stride + token * grouped.token_stride];
     }
   };

@@ -158,8 +158,9 @@ struct ForwardMainloop {
   struct QvStorage<true, Unused> {
     cute::array_aligned<Element, cosize_v<SmemLayoutQv>, 1024> smem_qv;
   };
-  // kSplitsO: each warpgroup's half of S, float, as [buffer][warpgroup][register][thread] (a
-  // thread's registers 128 floats apart: no bank conflicts); two buffers, used by turns.
+  // kSplitsO: each warpgroup's half of S, float, as [buffer][warpgroup][register / 4][thread][4]
+  // (16-byte accesses, a quarter warp's 128 contiguous bytes: no bank conflicts); two buffers,
+  // used by turns.
   static constexpr int kScoreRegisters = kBlockN / 2;  // S's floats a thread holds: 64 x N / 128
   template <bool kOn, class = void>
   struct ScoreExchangeStorage {};
@@ -552,17 +553,26 @@ struct ForwardMainloop {
     // float, so both warpgroups hold the same S.
     auto add_other_half = [&] {
       if constexpr (kSplitsO) {
-        static_assert(decltype(size(tSrS))::value == kScoreRegisters);
+        static_assert(decltype(size(tSrS))::value == kScoreRegisters && kScoreRegisters % 4 == 0);
         constexpr int kThreads = cutlass::NumThreadsPerWarpGroup;
-        constexpr int kBufferFloats = kColumnWarpGroups * kScoreRegisters * kThreads;
-        float* buffer = shared.kv.smem_s.data() + (shared.k_state.count() & 1) * kBufferFloats + thread_idx % kThreads;
-        float* mine = buffer + column_wg * kScoreRegisters * kThreads;
-        float const* theirs = buffer + (1 - column_wg) * kScoreRegisters * kThreads;
+        constexpr int kQuads = kScoreRegisters / 4;  // 16-byte accesses, conflict-free a quarter warp each
+        float4* buffer = reinterpret_cast<float4*>(shared.kv.smem_s.data()) +
+                         (shared.k_state.count() & 1) * kColumnWarpGroups * kQuads * kThreads +
+                         thread_idx % kThreads;
+        float4* mine = buffer + column_wg * kQuads * kThreads;
+        float4 const* theirs = buffer + (1 - column_wg) * kQuads * kThreads;
         CUTLASS_PRAGMA_UNROLL
-        for (int r = 0; r < kScoreRegisters; ++r) mine[r * kThreads] = tSrS(r);
+        for (int r = 0; r < kQuads; ++r)
+          mine[r * kThreads] = make_float4(tSrS(4 * r), tSrS(4 * r + 1), tSrS(4 * r + 2), tSrS(4 * r + 3));
         named_barrier_sync(kNumMmaThreads, FwdBarrier::kScoreExchange);
         CUTLASS_PRAGMA_UNROLL
-        for (int r = 0; r < kScoreRegisters; ++r) tSrS(r) += theirs[r * kThreads];
+        for (int r = 0; r < kQuads; ++r) {
+          const float4 other = theirs[r * kThreads];
+          tSrS(4 * r) += other.x;
+          tSrS(4 * r + 1) += other.y;
+          tSrS(4 * r + 2) += other.z;
+          tSrS(4 * r + 3) += other.w;
+        }
       }
     };
 

@@ -15,7 +15,6 @@
 #include <cmath>
 
 #include <cute/tensor.hpp>
-#include <cutlass/fast_math.h>
 
 #include "hopper/common/mask_kind.hpp"
 #include "hopper/common/seqlen.hpp"
@@ -32,10 +31,10 @@ struct LocalMaskParams {
   int window_right = -1;
   int num_sink_tokens = 0;
   int chunk = 0;  // 0: none
-  // Divides by rows_per_token with a multiply-high (the identity when 1): the kernels that group
-  // rows mask row by row in the loop, where an integer division cost packed causal prefill 8% when
-  // every general kernel grouped them (H100, 2026-12-06; now the qv ones alone do).
-  cutlass::FastDivmod rows_per_token{};
+  // Read by the kernels that group rows alone (the qv ones with the KV cache's code), whose mask
+  // divides by it row by row. A plain division: cutlass::FastDivmod's multiplier and shift cost
+  // those kernels registers (qv causal general: 112/5 -> 176/30 stack / local ops in the loop).
+  int rows_per_token = 1;
 };
 
 CUTLASS_HOST_DEVICE int floor_div(int a, int b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
@@ -56,15 +55,7 @@ struct AttentionMask {
   // The query position of a row, aligned with the keys (p above).
   CUTLASS_HOST_DEVICE int position(int row) const { return query_token(row) + offset(); }
   // The query token of a row (rows are never negative).
-  CUTLASS_HOST_DEVICE int query_token(int row) const {
-    if constexpr (kGroupedRows) {
-      int token, rest;
-      local.rows_per_token(token, rest, row);
-      return token;
-    } else {
-      return row;
-    }
-  }
+  CUTLASS_HOST_DEVICE int query_token(int row) const { return kGroupedRows ? row / local.rows_per_token : row; }
   CUTLASS_HOST_DEVICE bool has_sinks() const { return kLocal && local.num_sink_tokens > 0; }
 
   // ---- Visible key columns [lo, hi) of the rows [row_first, row_last] (their union) --------------
