@@ -556,18 +556,19 @@ struct ForwardMainloop {
         static_assert(decltype(size(tSrS))::value == kScoreRegisters && kScoreRegisters % 4 == 0);
         constexpr int kThreads = cutlass::NumThreadsPerWarpGroup;
         constexpr int kQuads = kScoreRegisters / 4;  // 16-byte accesses, conflict-free a quarter warp each
-        float4* buffer = reinterpret_cast<float4*>(shared.kv.smem_s.data()) +
-                         (shared.k_state.count() & 1) * kColumnWarpGroups * kQuads * kThreads +
-                         thread_idx % kThreads;
-        float4* mine = buffer + column_wg * kQuads * kThreads;
-        float4 const* theirs = buffer + (1 - column_wg) * kQuads * kThreads;
+        constexpr uint32_t kStride = kThreads * 16;  // bytes from one register quad to the next
+        const uint32_t buffer = cute::cast_smem_ptr_to_uint(shared.kv.smem_s.data()) +
+                                (shared.k_state.count() & 1) * kColumnWarpGroups * kQuads * kStride +
+                                (thread_idx % kThreads) * 16;
+        const uint32_t mine = buffer + column_wg * kQuads * kStride;
+        const uint32_t theirs = buffer + (1 - column_wg) * kQuads * kStride;
         CUTLASS_PRAGMA_UNROLL
         for (int r = 0; r < kQuads; ++r)
-          mine[r * kThreads] = make_float4(tSrS(4 * r), tSrS(4 * r + 1), tSrS(4 * r + 2), tSrS(4 * r + 3));
+          store_shared_16(mine + r * kStride, tSrS(4 * r), tSrS(4 * r + 1), tSrS(4 * r + 2), tSrS(4 * r + 3));
         named_barrier_sync(kNumMmaThreads, FwdBarrier::kScoreExchange);
         CUTLASS_PRAGMA_UNROLL
         for (int r = 0; r < kQuads; ++r) {
-          const float4 other = theirs[r * kThreads];
+          const float4 other = load_shared_16(theirs + r * kStride);
           tSrS(4 * r) += other.x;
           tSrS(4 * r + 1) += other.y;
           tSrS(4 * r + 2) += other.z;

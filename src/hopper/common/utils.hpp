@@ -17,6 +17,20 @@ CUTLASS_DEVICE void cp_async_16_zfill(uint32_t smem_addr, void const* gmem, bool
                "r"(valid ? 16 : 0));
 }
 
+// 16 bytes to and from shared memory by its 32-bit address: st/ld.shared rather than the generic
+// accesses a pointer into the kernel's dynamic shared memory otherwise compiles to. Volatile, so
+// that they keep their order against named barriers.
+CUTLASS_DEVICE void store_shared_16(uint32_t smem_addr, float a, float b, float c, float d) {
+  asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(smem_addr), "f"(a), "f"(b), "f"(c), "f"(d));
+}
+CUTLASS_DEVICE float4 load_shared_16(uint32_t smem_addr) {
+  float4 v;
+  asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+               : "r"(smem_addr));
+  return v;
+}
+
 // Issue one warpgroup GEMM C (+)= A B over the K mode. kWait >= 0 waits until at most kWait
 // batches are in flight; -1 returns at once so the caller can overlap other work. kSlicesK > 0:
 // over the K slices [first_slice, first_slice + kSlicesK) alone.
