@@ -1574,9 +1574,10 @@ TEST(KernelFamilies, HeadDimsRunOnTheNextFamily) {
   // Past 256: the forward's 512 (no backward yet); past 512 nothing. FH_MAX_BACKWARD_HEAD_DIM is
   // the backward families' largest, FH_MAX_HEAD_DIM the forward's.
   int largest_backward = 0, largest_forward = 0;
-  for (const auto& f : flashhopper::launch::kKernelFamilies)
-    (f.pass == Pass::kBackward ? largest_backward : largest_forward) =
-        std::max(f.pass == Pass::kBackward ? largest_backward : largest_forward, f.head_dim);
+  for (const auto& f : flashhopper::launch::kKernelFamilies) {
+    int& largest = f.pass == Pass::kBackward ? largest_backward : largest_forward;
+    largest = std::max(largest, f.head_dim);
+  }
   EXPECT_EQ(largest_backward, FH_MAX_BACKWARD_HEAD_DIM);
   EXPECT_EQ(largest_forward, FH_MAX_HEAD_DIM);
   EXPECT_EQ(family_for(Pass::kForward, FH_DTYPE_BF16, 264, 264)->head_dim, 512);
