@@ -240,21 +240,42 @@ def test_qv_decode_against_reference(dv, dtype, seqlen_q, causal, num_splits, pa
 
 
 @pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dv", [256, 512])
 @requires_gpu
-def test_qv_flash_attn_func_against_reference(causal):
+def test_qv_flash_attn_func_against_reference(causal, dv):
     """flash_attn_func with qv, forward only (inputs that do not require grad): prefill of absorbed
-    MLA, GQA 16/1, sq != sk, against [q, qv] . [k, v] over v in float64 with the pass rule."""
+    MLA, GQA 16/1, sq != sk, latent widths 256 and 512, against [q, qv] . [k, v] over v in float64
+    with the pass rule."""
     q, k, _ = make_inputs(2, 300, 413, 16, 1, 64, torch.bfloat16, seed=3 + causal, requires_grad=False)
-    qv = make_inputs(2, 300, 413, 16, 1, 256, torch.bfloat16, seed=5 + causal, requires_grad=False)[0]
-    v = make_inputs(2, 300, 413, 16, 1, 256, torch.bfloat16, seed=7 + causal, requires_grad=False)[2]
+    qv = make_inputs(2, 300, 413, 16, 1, dv, torch.bfloat16, seed=5 + causal, requires_grad=False)[0]
+    v = make_inputs(2, 300, 413, 16, 1, dv, torch.bfloat16, seed=7 + causal, requires_grad=False)[2]
     out, lse = run_or_skip(flash_attn_func, q, k, v, qv=qv, causal=causal, return_attn_probs=True)
-    assert out.shape == (2, 300, 16, 256)
-    queries, keys, scale = torch.cat([q, qv], -1), torch.cat([k, v], -1), (64 + 256) ** -0.5
+    assert out.shape == (2, 300, 16, dv)
+    queries, keys, scale = torch.cat([q, qv], -1), torch.cat([k, v], -1), (64 + dv) ** -0.5
     ref64, lse64 = attention_reference(queries.double(), keys.double(), v.double(), causal=causal, softmax_scale=scale)
     plain, _ = attention_reference(queries, keys, v, causal=causal, softmax_scale=scale)
     ours_err = (out.double() - ref64).abs().max().item()
     assert ours_err <= 2 * (plain.double() - ref64).abs().max().item() + OUT_SLACK
     torch.testing.assert_close(lse.double(), lse64, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@requires_gpu
+def test_head_dim_512_forward_against_reference(causal):
+    """Head dim 512 (forward only): flash_attn_func against float64 attention with the pass rule,
+    GQA 8/2, sq != sk; a call that asks for a gradient is refused at its forward, naming the
+    backward's bound."""
+    q, k, v = make_inputs(2, 200, 333, 8, 2, 512, torch.bfloat16, seed=11 + causal, requires_grad=False)
+    out, lse = run_or_skip(flash_attn_func, q, k, v, causal=causal, return_attn_probs=True)
+    assert out.shape == q.shape
+    ref64, lse64 = attention_reference(q.double(), k.double(), v.double(), causal=causal)
+    plain, _ = attention_reference(q, k, v, causal=causal)
+    ours_err = (out.double() - ref64).abs().max().item()
+    assert not out.isnan().any()
+    assert ours_err <= 2 * (plain.double() - ref64).abs().max().item() + OUT_SLACK
+    torch.testing.assert_close(lse.double(), lse64, rtol=1e-3, atol=1e-3)
+    with pytest.raises(NotImplementedError, match=r"head dims \(512, 512\) run forward only"):
+        flash_attn_func(q.requires_grad_(), k, v, causal=causal)
 
 
 @pytest.mark.parametrize("causal", [False, True])
