@@ -522,21 +522,17 @@ struct ForwardMainloop {
         return cute::tuple<>{};
       }
     }();
-    // Where O is split, each warpgroup's share of Q K^T's 16-column slices of d.
+    // This warpgroup's share of Q K^T's 16-column slices of d: all of them unless O is split.
     constexpr int kSlicesQK = kHeadDim / 16 / kColumnWarpGroups;
     const int first_slice_qk = column_wg * kSlicesQK;
     auto gemm_s = [&](auto zero_init) {
-      if constexpr (kSplitsO && kQDescriptorsPerUse) {
-        warpgroup_gemm<decltype(zero_init)::value, -1, kSlicesQK>(
-            tiled_mma_qk, descriptors_per_use(tSrQ), tSrK(_, _, _, shared.k_state.index()), tSrS, first_slice_qk);
-      } else if constexpr (kSplitsO) {
-        warpgroup_gemm<decltype(zero_init)::value, -1, kSlicesQK>(
-            tiled_mma_qk, tSrQ, tSrK(_, _, _, shared.k_state.index()), tSrS, first_slice_qk);
-      } else if constexpr (kQDescriptorsPerUse) {
-        warpgroup_gemm<decltype(zero_init)::value, -1>(tiled_mma_qk, descriptors_per_use(tSrQ),
-                                                       tSrK(_, _, _, shared.k_state.index()), tSrS);
+      constexpr bool kZeroInit = decltype(zero_init)::value;
+      if constexpr (kQDescriptorsPerUse) {
+        warpgroup_gemm<kZeroInit, -1, kSlicesQK>(tiled_mma_qk, descriptors_per_use(tSrQ),
+                                                 tSrK(_, _, _, shared.k_state.index()), tSrS, first_slice_qk);
       } else {
-        warpgroup_gemm<decltype(zero_init)::value, -1>(tiled_mma_qk, tSrQ, tSrK(_, _, _, shared.k_state.index()), tSrS);
+        warpgroup_gemm<kZeroInit, -1, kSlicesQK>(tiled_mma_qk, tSrQ, tSrK(_, _, _, shared.k_state.index()), tSrS,
+                                                 first_slice_qk);
       }
       if constexpr (kQv) {
         // Qv's 16 k-slices stay put across the loop: recomputed per use rather than held (utils.hpp).

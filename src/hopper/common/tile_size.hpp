@@ -35,7 +35,8 @@ struct ForwardTileSize<64, 256, kMasked> {
 // hdim 64 with dv 512 and qv (absorbed MLA at DeepSeek's latent width, forward only): O's 512
 // columns are split over two warpgroups of the same 64 rows (ForwardMainloop::kSplitsO), each
 // holding 128 floats of O; the halves of S meet in a 32 KiB exchange buffer. Q, Qv (64 KiB), three
-// K and three V stages of 32 keys (96 KiB): 212 KiB, O from registers. Not tuned yet.
+// K and three V stages of 32 keys (108 KiB) and the exchange: 212 KiB, O from registers. Not tuned
+// yet.
 template <bool kMasked>
 struct ForwardTileSize<64, 512, kMasked> {
   static constexpr int kBlockM = 64;
