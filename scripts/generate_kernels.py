@@ -62,9 +62,10 @@ def cmake_lists(families: list) -> str:
     for kernel_set in manifest.KERNEL_SETS:
         in_set = [f for f in families if f.in_set(kernel_set)]
         lines.append(f"set(FLASHHOPPER_KERNEL_FAMILIES_{kernel_set} {' '.join(f.stem for f in in_set)})")
-        files = " ".join(f"{f.stem}{suffix}" for f in in_set for suffix in manifest.units(f.pass_, f.qv))
+        files = " ".join(f"{f.stem}{suffix}" for f in in_set
+                         for suffix in manifest.units(f.pass_, f.qv, f.dense_only))
         lines.append(f"set(FLASHHOPPER_KERNEL_FILES_{kernel_set} {files})")
-        kernels = sum(len(manifest.variants(f.pass_, f.qv)) for f in in_set)
+        kernels = sum(len(manifest.variants(f.pass_, f.qv, f.dense_only)) for f in in_set)
         lines.append(f"set(FLASHHOPPER_KERNEL_COUNT_{kernel_set} {kernels})")
     return "\n".join(lines) + "\n"
 
@@ -73,7 +74,8 @@ def dispatch_table(families: list) -> str:
     sets = ", ".join(f'"{s}"' for s in manifest.KERNEL_SETS)
     rows = "\n".join(
         f"    {{Pass::{manifest.PASSES[f.pass_]}, {manifest.DTYPES[f.dtype]}, {f.head_dim}, {f.head_dim_v}, "
-        f"{manifest.KERNEL_SETS.index(f.first_set)}, {'true' if f.qv else 'false'}}}," for f in families)
+        f"{manifest.KERNEL_SETS.index(f.first_set)}, {'true' if f.qv else 'false'}, "
+        f"{'true' if f.dense_only else 'false'}}}," for f in families)
     with_qv = (False, True) if any(f.qv for f in families) else (False,)
     feature_sets = ",\n    ".join(manifest.forward_feature_set(v, qv) for qv in with_qv
                              for v in manifest.FORWARD_FEATURE_SETS.values())
@@ -92,7 +94,7 @@ inline constexpr const char* kKernelSets[] = {{{sets}}};
 inline constexpr hopper::ForwardFeatures kForwardFeatureSets[] = {{
     {feature_sets}}};
 
-// (pass, dtype, head dim, value head dim, the first kernel set that compiles it, qv)
+// (pass, dtype, head dim, value head dim, the first kernel set that compiles it, qv, dense only)
 inline constexpr KernelFamily kKernelFamilies[] = {{
 {rows}
 }};
@@ -115,7 +117,7 @@ def outputs() -> dict:
     families = manifest.families()
     files = {}
     for family in families:
-        for suffix, members in manifest.units(family.pass_, family.qv).items():
+        for suffix, members in manifest.units(family.pass_, family.qv, family.dense_only).items():
             files[f"src/hopper/instantiations/{family.stem}{suffix}.cu"] = instantiation_file(family, members)
     files["cmake/kernel_manifest.cmake"] = cmake_lists(families)
     files["src/launch/kernel_manifest.hpp"] = dispatch_table(families)

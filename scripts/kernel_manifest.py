@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import dataclasses
 
-DTYPES = {"bf16": "FH_DTYPE_BF16", "fp16": "FH_DTYPE_FP16"}
+DTYPES = {"bf16": "FH_DTYPE_BF16", "fp16": "FH_DTYPE_FP16", "fp8": "FH_DTYPE_FP8_E4M3"}
+# fp8 (e4m3) inputs: forward only, on the rows that ask for it (HeadDims.fp8), dense batches only
+# for now (the feature set without any; a call with a feature is refused by name).
+FP8 = "fp8"
 PASSES = {"fwd": "kForward", "bwd": "kBackward"}
 
 # Kernel sets, each a superset of the one before: "dev" is what CI and quick checks compile;
@@ -54,18 +57,20 @@ class HeadDims:
     # Forward only: its kernels compute S = Q K^T + Qv V^T (FA3's qv, absorbed MLA) and run the calls
     # with qv, and only those (a call without qv never runs on it, one with qv only on such a row).
     qv: bool = False
+    # Whether it has an fp8 forward family too (full set; dense batches only).
+    fp8: bool = False
 
 
 # The backward of a forward-only row runs on the next row that has one (padded).
 HEAD_DIMS = [
-    HeadDims(64, 64, bf16_set="bench"),
+    HeadDims(64, 64, bf16_set="bench", fp8=True),
     HeadDims(64, 256, passes=("fwd",), qv=True),  # absorbed MLA: qv against the latent values
     HeadDims(64, 512, passes=("fwd",), qv=True),  # absorbed MLA at DeepSeek's latent width: O split
     HeadDims(96, 96, extended_gmma=("fwd_unmasked", "bwd")),  # key blocks of 160; dQ's N = 48
-    HeadDims(128, 128, bf16_set="dev", extended_gmma=("fwd_unmasked",)),  # key blocks of 160
+    HeadDims(128, 128, bf16_set="dev", extended_gmma=("fwd_unmasked",), fp8=True),  # key blocks of 160
     HeadDims(192, 128, extended_gmma=("fwd",)),  # MLA prefill; key blocks of 112
     HeadDims(192, 192, extended_gmma=("fwd",)),  # key blocks of 112
-    HeadDims(256, 256, bf16_set="bench", extended_gmma=("fwd",)),  # key blocks of 80
+    HeadDims(256, 256, bf16_set="bench", extended_gmma=("fwd",), fp8=True),  # key blocks of 80
     HeadDims(512, 512, passes=("fwd",)),  # Gemma-style; O split over two warpgroups
 ]
 
@@ -80,8 +85,15 @@ class Family:
     extended_gmma: tuple[str, ...] = ()  # its row's
     qv: bool = False  # its row's
 
+    @property
+    def dense_only(self) -> bool:
+        """Whether it compiles the forward's feature set without any feature alone (fp8 for now)."""
+        return self.dtype == FP8
+
     def uses_extended_gmma(self, mask_kind: str) -> bool:
         """Whether its instantiation with this MaskKind enumerator compiles CuTe's extended shapes."""
+        if self.dtype == FP8:
+            return False  # its tiles (ForwardTileSizeFp8) take 32-key slices of CuTe's default N
         return self.pass_ in self.extended_gmma or (
             self.pass_ == "fwd" and mask_kind == "kNone" and "fwd_unmasked" in self.extended_gmma)
 
@@ -101,6 +113,8 @@ def families() -> list[Family]:
             if pass_ not in row.passes:
                 continue
             for dtype in DTYPES:
+                if dtype == FP8 and not (row.fp8 and pass_ == "fwd"):
+                    continue
                 first = row.bf16_set if dtype == "bf16" else "full"
                 out.append(Family(pass_, dtype, row.head_dim, row.head_dim_v, first, row.extended_gmma,
                                   row.qv and pass_ == "fwd"))
@@ -115,19 +129,20 @@ def forward_feature_set(enumerator: str, qv: bool) -> str:
     return f"{feature_set} | hopper::ForwardFeatures::{QV_FEATURE}" if qv else feature_set
 
 
-def feature_sets(pass_: str, qv: bool = False) -> dict[str, str]:
+def feature_sets(pass_: str, qv: bool = False, dense_only: bool = False) -> dict[str, str]:
     """{file suffix: the launch's last template argument (a ForwardFeatures expression, or kPacked)}."""
     if pass_ == "fwd":
-        return {suffix: forward_feature_set(v, qv) for suffix, v in FORWARD_FEATURE_SETS.items()}
+        return {suffix: forward_feature_set(v, qv) for suffix, v in FORWARD_FEATURE_SETS.items()
+                if not dense_only or v == "kNone"}
     return BACKWARD_FEATURE_SETS
 
 
-def variants(pass_: str, qv: bool = False) -> list[tuple[str, str, str, str]]:
+def variants(pass_: str, qv: bool = False, dense_only: bool = False) -> list[tuple[str, str, str, str]]:
     """(name suffix, MaskKind enumerator, softcap, features) compiled for every family of the pass."""
-    return [variant for unit in units(pass_, qv).values() for variant in unit]
+    return [variant for unit in units(pass_, qv, dense_only).values() for variant in unit]
 
 
-def units(pass_: str, qv: bool = False) -> dict[str, list[tuple[str, str, str, str]]]:
+def units(pass_: str, qv: bool = False, dense_only: bool = False) -> dict[str, list[tuple[str, str, str, str]]]:
     """The instantiation files of every family of the pass, {file suffix: its variants}: one file a
     feature set, holding each mask kind and softcap. The variants of a file share most of the
     compiler's work (CuTe's layout algebra on the same tiles), so one file of six costs about what
@@ -135,4 +150,4 @@ def units(pass_: str, qv: bool = False) -> dict[str, list[tuple[str, str, str, s
     "Build time")."""
     return {features_suffix: [(f"{mask}{suffix}{features_suffix}", kind, softcap, feature_set)
                               for mask, kind in MASKS.items() for suffix, softcap in SOFTCAP.items()]
-            for features_suffix, feature_set in feature_sets(pass_, qv).items()}
+            for features_suffix, feature_set in feature_sets(pass_, qv, dense_only).items()}

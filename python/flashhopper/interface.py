@@ -96,6 +96,7 @@ def compiled_families() -> list:
     families = (_ffi.KernelFamilyStruct * max(count, 1))()
     lib.fh_compiled_families(families, count)
     dtypes = {code: dtype for dtype, code in _DTYPES.items()}
+    dtypes[_ffi.DTYPE_FP8_E4M3] = torch.float8_e4m3fn  # forward families of fp8 inputs (dense batches)
     return [KernelFamily("backward" if f.backward else "forward", dtypes[f.dtype], f.head_dim, f.head_dim_v)
             for f in families[:count]]
 

@@ -398,10 +398,7 @@ Status check_attention_dtypes(const AttentionArgs& a, Target target, bool fp8_al
     inputs.push_back(FH_DTYPE_FP32);
     inputs.push_back(FH_DTYPE_FP64);
   }
-  // fp8 passes the checks (the reference runs it) but no kernel does yet: the list says so.
-  const char* reason = !fp8_allowed                        ? " (the backward takes no fp8)"
-                       : target == Target::kHostReference ? ""
-                                                          : " (fp8_e4m3 inputs have no kernels yet)";
+  const char* reason = !fp8_allowed ? " (the backward takes no fp8)" : "";
   FLASHHOPPER_RETURN_IF_INVALID(check_dtype(a.q, "q", inputs, reason));
   const auto input = static_cast<fh_dtype>(a.q.dtype);
   for (const auto& [tensor, name] : NamedTensors{{&a.k, "k"}, {&a.v, "v"}}) {

@@ -43,10 +43,19 @@ constexpr bool forward_family_takes_qv(fh_dtype dtype, int head_dim, int head_di
   return false;
 }
 
+// Whether the forward family of these compiled sizes compiles the dense feature set alone.
+constexpr bool forward_family_dense_only(fh_dtype dtype, int head_dim, int head_dim_v) {
+  for (const KernelFamily& f : kKernelFamilies)
+    if (f.pass == Pass::kForward && f.dtype == dtype && f.head_dim == head_dim && f.head_dim_v == head_dim_v)
+      return f.dense_only;
+  return false;
+}
+
 // "forward bf16 hdim 128", "backward fp16 hdim 192, dv 128" or "forward bf16 hdim 64, dv 256, qv".
 inline std::string family_name(const KernelFamily& f) {
   std::string name = std::string(f.pass == Pass::kForward ? "forward " : "backward ") +
-                     (f.dtype == FH_DTYPE_BF16 ? "bf16" : "fp16") + " hdim " + std::to_string(f.head_dim);
+                     (f.dtype == FH_DTYPE_BF16 ? "bf16" : f.dtype == FH_DTYPE_FP16 ? "fp16" : "fp8_e4m3") + " hdim " +
+                     std::to_string(f.head_dim);
   if (f.head_dim_v != f.head_dim) name += ", dv " + std::to_string(f.head_dim_v);
   if (f.qv) name += ", qv";
   return name;
@@ -58,15 +67,18 @@ inline std::string family_unsupported_reason(Pass pass, fh_dtype dtype, int64_t 
   const std::string dims = "head dim " + std::to_string(head_dim) +
                            (head_dim_v != head_dim ? " with value head dim " + std::to_string(head_dim_v) : "") +
                            (qv ? " and qv" : "");
-  if (dtype != FH_DTYPE_BF16 && dtype != FH_DTYPE_FP16) return "only bf16 and fp16 kernels exist";
+  if (dtype != FH_DTYPE_BF16 && dtype != FH_DTYPE_FP16 && dtype != FH_DTYPE_FP8_E4M3)
+    return "only bf16, fp16 and fp8_e4m3 kernels exist";
   const KernelFamily* f = family_for(pass, dtype, head_dim, head_dim_v, qv);
   if (f == nullptr) {
     std::string known;
     for (const KernelFamily& k : kKernelFamilies)
       if (k.pass == pass && k.dtype == dtype && k.qv == qv)
         known += (known.empty() ? "" : ", ") + std::to_string(k.head_dim) + "/" + std::to_string(k.head_dim_v);
-    return dims + ": no kernel family" + (qv ? " with qv" : "") + " holds it (head dim / value head dim: " + known +
-           ")";
+    const std::string dtype_name = dtype == FH_DTYPE_FP8_E4M3 ? " for fp8_e4m3" : "";
+    if (known.empty()) return dims + ": no kernel family" + (qv ? " with qv" : "") + dtype_name + " exists";
+    return dims + ": no kernel family" + (qv ? " with qv" : "") + dtype_name +
+           " holds it (head dim / value head dim: " + known + ")";
   }
   if (!built(*f)) {
     const std::string set = kBuiltKernelSet < 0 ? "none" : kKernelSets[kBuiltKernelSet];

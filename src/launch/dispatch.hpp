@@ -73,11 +73,12 @@ auto with_variant(hopper::MaskKind mask, bool softcap, F&& f) {
 
 namespace dispatch_detail {
 // Set kIndex, if a family of that qv-ness compiled it (a qv family only the sets with kQv, the
-// others only those without) and it holds `needed`.
-template <bool kQvFamily, size_t kIndex, class R, class F>
+// others only those without; a dense-only family only kNone) and it holds `needed`.
+template <bool kQvFamily, bool kDenseOnly, size_t kIndex, class R, class F>
 bool try_feature_set(hopper::ForwardFeatures needed, F& f, R* result) {
   constexpr hopper::ForwardFeatures kSet = kForwardFeatureSets[kIndex];
-  if constexpr (hopper::holds(kSet, hopper::ForwardFeatures::kQv) == kQvFamily) {
+  if constexpr (hopper::holds(kSet, hopper::ForwardFeatures::kQv) == kQvFamily &&
+                (!kDenseOnly || kSet == hopper::ForwardFeatures::kNone)) {
     if (hopper::holds(kSet, needed)) {
       *result = f(std::integral_constant<hopper::ForwardFeatures, kSet>{});
       return true;
@@ -86,19 +87,19 @@ bool try_feature_set(hopper::ForwardFeatures needed, F& f, R* result) {
   return false;
 }
 
-template <bool kQvFamily, size_t... kIndex, class R, class F>
+template <bool kQvFamily, bool kDenseOnly, size_t... kIndex, class R, class F>
 R with_feature_set(std::index_sequence<kIndex...>, hopper::ForwardFeatures needed, R otherwise, F& f) {
   R result = otherwise;
-  (try_feature_set<kQvFamily, kIndex>(needed, f, &result) || ...);
+  (try_feature_set<kQvFamily, kDenseOnly, kIndex>(needed, f, &result) || ...);
   return result;
 }
 }  // namespace dispatch_detail
 
-// f(features) with the first forward feature set that a family of this qv-ness compiled and that
-// holds `needed`, as a tag; `otherwise` when none does.
-template <bool kQvFamily, class R, class F>
+// f(features) with the first forward feature set that a family of this qv-ness (and density)
+// compiled and that holds `needed`, as a tag; `otherwise` when none does.
+template <bool kQvFamily, bool kDenseOnly, class R, class F>
 R with_forward_features(hopper::ForwardFeatures needed, R otherwise, F&& f) {
-  return dispatch_detail::with_feature_set<kQvFamily>(std::make_index_sequence<std::size(kForwardFeatureSets)>{},
+  return dispatch_detail::with_feature_set<kQvFamily, kDenseOnly>(std::make_index_sequence<std::size(kForwardFeatureSets)>{},
                                                       needed, otherwise, f);
 }
 

@@ -29,9 +29,10 @@ struct TileExtent {
 TileExtent forward_tile(const ForwardParams& p, const detail::ProblemShape& s) {
   const bool masked = mask_kind(p) != hopper::MaskKind::kNone;
   const KernelFamily* family = forward_family(p, s);
-  return visit_built_family<Pass::kForward>(family, TileExtent{}, [&](auto, auto head_dim, auto head_dim_v) {
-    using Unmasked = hopper::ForwardTileSize<decltype(head_dim)::value, decltype(head_dim_v)::value, false>;
-    using Masked = hopper::ForwardTileSize<decltype(head_dim)::value, decltype(head_dim_v)::value, true>;
+  return visit_built_family<Pass::kForward>(family, TileExtent{}, [&](auto dtype, auto head_dim, auto head_dim_v) {
+    constexpr bool kFp8 = dtype.value == FH_DTYPE_FP8_E4M3;
+    using Unmasked = hopper::ForwardTile<kFp8, decltype(head_dim)::value, decltype(head_dim_v)::value, false>;
+    using Masked = hopper::ForwardTile<kFp8, decltype(head_dim)::value, decltype(head_dim_v)::value, true>;
     static_assert(Unmasked::kBlockM == Masked::kBlockM);
     return masked ? TileExtent{Masked::kBlockM, Masked::kBlockN} : TileExtent{Unmasked::kBlockM, Unmasked::kBlockN};
   });
@@ -45,6 +46,8 @@ int64_t partial_rows(const detail::ProblemShape& s) {
 
 int forward_num_splits(const ForwardParams& p, const detail::ProblemShape& s) {
   if (p.num_splits != 0) return p.num_splits;
+  const KernelFamily* family = forward_family(p, s);
+  if (family != nullptr && family->dense_only) return 1;  // its kernels take no splits
   const TileExtent tile = forward_tile(p, s);
   int num_sms = 0, l2_bytes = 0;
   if (tile.block_m == 0 || usable_sms_and_l2(p.sm_margin, &num_sms, &l2_bytes) != cudaSuccess) return 1;
@@ -60,6 +63,21 @@ int forward_num_splits(const ForwardParams& p, const detail::ProblemShape& s) {
 }
 
 size_t round_up_256(size_t bytes) { return (bytes + 255) / 256 * 256; }
+
+// The arguments that ask for these features, for a refusal.
+std::string feature_arguments(hopper::ForwardFeatures f) {
+  using hopper::ForwardFeatures;
+  std::string names;
+  auto add = [&](ForwardFeatures one, const char* what) {
+    if (hopper::holds(f, one)) names += (names.empty() ? "" : ", ") + std::string(what);
+  };
+  add(ForwardFeatures::kPacked, "packed or used lengths (cu_seqlens_q/k, seqused_q/k)");
+  add(ForwardFeatures::kSplitKv, "split-KV (num_splits > 1)");
+  add(ForwardFeatures::kKvCache, "a KV cache (cache_seqlens, cache_leftpad, cache_batch_idx)");
+  add(ForwardFeatures::kPagedKv, "a paged KV cache (page_table)");
+  add(ForwardFeatures::kQv, "qv");
+  return names;
+}
 }  // namespace
 
 std::string forward_unsupported_reason(const ForwardParams& p, const detail::ProblemShape& s) {
@@ -72,11 +90,18 @@ std::string forward_unsupported_reason(const ForwardParams& p, const detail::Pro
   if (s.paged && s.num_pages * s.page_size > INT32_MAX)
     return "a paged KV cache of " + std::to_string(s.num_pages) + " pages of " + std::to_string(s.page_size) +
            " tokens: the kernels take at most 2^31 - 1 cached tokens";
-  if (p.q.dtype == FH_DTYPE_FP8_E4M3) return "fp8 e4m3 inputs are not supported yet";
   if (mask.num_sink_tokens > 0 && mask.attention_chunk > 0)
     return "num_sink_tokens together with attention_chunk is not supported by the kernels";
-  return family_unsupported_reason(Pass::kForward, static_cast<fh_dtype>(p.q.dtype), s.head_dim, s.head_dim_v,
-                                   detail::present(p.qv));
+  std::string reason = family_unsupported_reason(Pass::kForward, static_cast<fh_dtype>(p.q.dtype), s.head_dim,
+                                                 s.head_dim_v, detail::present(p.qv));
+  if (!reason.empty()) return reason;
+  // A dense-only family (fp8 for now) runs dense batches: no packed rows, KV cache, pages or splits.
+  if (forward_family(p, s)->dense_only) {
+    const hopper::ForwardFeatures features = forward_features(p, s, p.num_splits);
+    if (features != hopper::ForwardFeatures::kNone)
+      return "fp8_e4m3 inputs run dense batches only for now, without " + feature_arguments(features);
+  }
+  return {};
 }
 
 ForwardPlan plan_forward(const ForwardParams& p, const detail::ProblemShape& s) {
@@ -128,7 +153,8 @@ int run_forward(const ForwardPlan& plan, void* workspace, fh_stream_t stream) {
       forward_family(call.params, call.shape), mask_kind(call.params), call.params.softcap > 0.f,
       [&](auto dtype, auto head_dim, auto head_dim_v, auto mask, auto softcap) {
         constexpr bool kQvFamily = forward_family_takes_qv(dtype.value, head_dim.value, head_dim_v.value);
-        return with_forward_features<kQvFamily>(features, cudaErrorInvalidValue, [&](auto feature_set) {
+        constexpr bool kDenseOnly = forward_family_dense_only(dtype.value, head_dim.value, head_dim_v.value);
+        return with_forward_features<kQvFamily, kDenseOnly>(features, cudaErrorInvalidValue, [&](auto feature_set) {
           return run_forward_hdim<dtype.value, head_dim.value, head_dim_v.value, mask.value, softcap.value,
                                   feature_set.value>(call.params, call.shape, parts, stream);
         });

@@ -26,11 +26,13 @@ template <fh_dtype kDType, int kHeadDim, int kHeadDimV, hopper::MaskKind kMask, 
           hopper::ForwardFeatures kFeatures>
 struct ForwardKernelOf {
   using Element = typename ElementOf<kDType>::type;
-  using Tile = hopper::ForwardTileSize<kHeadDim, kHeadDimV, /*kMasked=*/kMask != hopper::MaskKind::kNone>;
+  static constexpr bool kMasked = kMask != hopper::MaskKind::kNone;
+  using Tile = hopper::ForwardTile<kDType == FH_DTYPE_FP8_E4M3, kHeadDim, kHeadDimV, kMasked>;
   using Mainloop = hopper::ForwardMainloop<Element, Tile::kBlockM, Tile::kBlockN, kHeadDim, kHeadDimV, Tile::kStages,
                                            kMask, kSoftcap, kFeatures>;
   using Epilogue =
-      hopper::ForwardEpilogue<Element, Tile::kBlockM, kHeadDimV, typename Mainloop::TiledMmaPV, kFeatures>;
+      hopper::ForwardEpilogue<OutputElementOf<Element>, Tile::kBlockM, kHeadDimV, typename Mainloop::TiledMmaPV,
+                              kFeatures>;
   // Causal tiles differ in length (longest first); a window's are alike, and those run together
   // share their K/V in L2 when the blocks of a head go together.
   using Scheduler = hopper::PersistentTileScheduler</*kLongestFirst=*/kMask == hopper::MaskKind::kCausal,
@@ -101,8 +103,16 @@ cudaError_t run_forward_hdim(const ForwardParams& p, const detail::ProblemShape&
   const bool has_lse = p.lse.data != nullptr;
   const int64_t lse_head_stride = !has_lse ? 0 : (s.varlen_q ? p.lse.stride[0] : p.lse.stride[1]);
   const int64_t lse_batch_stride = !has_lse || s.varlen_q ? 0 : p.lse.stride[0];
+  if constexpr (kDType == FH_DTYPE_FP8_E4M3) {  // [B, Hkv] each, or absent
+    auto descale = [](const fh_tensor& t) {
+      return hopper::Descale{static_cast<float const*>(t.data), t.data ? t.stride[0] : 0, t.data ? t.stride[1] : 0};
+    };
+    mainloop_args.q_descale = descale(p.q_descale);
+    mainloop_args.k_descale = descale(p.k_descale);
+    mainloop_args.v_descale = descale(p.v_descale);
+  }
   typename Epilogue::Arguments epilogue_args{
-      static_cast<Element*>(p.out.data),
+      static_cast<typename Epilogue::Element*>(p.out.data),
       make_shape(o_rows.rows, dv, heads_q, o_rows.batch),
       make_stride(o_rows.row_stride, _1{}, o_rows.head_stride, o_rows.batch_stride),
       static_cast<float*>(p.lse.data),

@@ -15,6 +15,7 @@ struct KernelFamily {
   int head_dim_v;
   int first_set;  // index into kKernelSets of the smallest set that compiles it
   bool qv;        // forward: runs the calls with qv (S = Q K^T + Qv V^T), and only those
+  bool dense_only;  // forward: compiles no ForwardFeatures (fp8 for now): calls with any are refused
 };
 
 }  // namespace flashhopper::launch

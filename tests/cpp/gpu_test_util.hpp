@@ -76,7 +76,7 @@ struct GridCase {
 
   std::string name() const {
     std::ostringstream s;
-    s << (dtype == FH_DTYPE_BF16 ? "bf16" : "fp16") << "_d" << head_dim << (causal ? "_causal" : "_full") << "_b"
+    s << (dtype == FH_DTYPE_BF16 ? "bf16" : dtype == FH_DTYPE_FP16 ? "fp16" : "fp8") << "_d" << head_dim << (causal ? "_causal" : "_full") << "_b"
       << batch << "_sq" << seqlen_q << "_sk" << seqlen_k << "_h" << heads_q << "_hkv" << heads_kv
       << (heads_major_layout ? "_bhsd" : "") << (head_dim_v > 0 ? "_dv" + std::to_string(head_dim_v) : "")
       << features.tag() << (num_splits != 1 ? "_splits" + std::to_string(num_splits) : "");
@@ -102,11 +102,12 @@ inline std::vector<FamilyDims> compiled_family_dims(bool backward) {
       out.push_back({fh_dtype(f.dtype), f.head_dim, f.head_dim_v == f.head_dim ? 0 : f.head_dim_v});
   return out;
 }
-// The (dtype, head dim) of each compiled family whose value head dim is its head dim.
-inline std::vector<std::pair<fh_dtype, int>> compiled_families(bool backward) {
+// The (dtype, head dim) of each compiled family whose value head dim is its head dim; the fp8 ones
+// (forward, dense batches only) where asked for.
+inline std::vector<std::pair<fh_dtype, int>> compiled_families(bool backward, bool with_fp8 = false) {
   std::vector<std::pair<fh_dtype, int>> out;
   for (const FamilyDims& f : compiled_family_dims(backward))
-    if (f.head_dim_v == 0) out.emplace_back(f.dtype, f.head_dim);
+    if (f.head_dim_v == 0 && (with_fp8 || f.dtype != FH_DTYPE_FP8_E4M3)) out.emplace_back(f.dtype, f.head_dim);
   return out;
 }
 
@@ -141,6 +142,14 @@ inline std::vector<GridCase> padded_head_dim_cases(bool backward) {
       if (runs) cases.push_back({FH_DTYPE_BF16, d, causal, 2, 300, 257, 4, 2, false, {}, true, dv});
     }
   return cases;
+}
+
+// fp8 descale factors [B, Hkv] in [0, 2), float32.
+inline HostTensor make_descale_factors(int batch, int heads_kv, uint32_t seed) {
+  HostTensor t = random_tensor(FH_DTYPE_FP32, {batch, heads_kv}, seed);
+  float* x = static_cast<float*>(t.data());
+  for (int i = 0; i < batch * heads_kv; ++i) x[i] = std::fmod(std::fabs(x[i]) * 1.7f, 2.f);
+  return t;
 }
 
 // Learnable-sink logits, one a query head, around the scores' own scale (so the sink matters).

@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <deque>
 #include <sstream>
 #include <string>
 #include <utility>
@@ -45,13 +46,26 @@ TEST_P(ForwardGpuTest, MatchesReference) {
   HostTensor q = make_input(c.dtype, c.batch, c.seqlen_q, c.heads_q, c.head_dim, c.heads_major_layout, seed);
   HostTensor k = make_input(c.dtype, c.batch, c.seqlen_k, c.heads_kv, c.head_dim, c.heads_major_layout, seed + 1);
   HostTensor v = make_input(c.dtype, c.batch, c.seqlen_k, c.heads_kv, c.value_dim(), c.heads_major_layout, seed + 2);
-  HostTensor out(c.dtype, {c.batch, c.seqlen_q, c.heads_q, c.output_columns(c.value_dim())});
+  const bool fp8 = c.dtype == FH_DTYPE_FP8_E4M3;
+  const fh_dtype out_dtype = fp8 ? FH_DTYPE_BF16 : c.dtype;  // fp8 attention writes bf16
+  HostTensor out(out_dtype, {c.batch, c.seqlen_q, c.heads_q, c.output_columns(c.value_dim())});
   HostTensor lse(FH_DTYPE_FP32, {c.batch, c.heads_q, c.seqlen_q});
 
   HostTensor sink = make_sink_logits(c.heads_q, seed + 3);
   DeviceTensor d_q(q), d_k(k), d_v(v), d_out(out), d_lse(lse), d_sink(sink);
   ASSERT_TRUE(d_q.ok() && d_k.ok() && d_v.ok() && d_out.ok() && d_lse.ok() && d_sink.ok());
   CUDA_CHECK(d_sink.upload(sink));
+  // fp8: q/k/v_descale [B, Hkv], each factor its own in [0, 2) (FA3's tests' range).
+  std::vector<HostTensor> descales;
+  std::deque<DeviceTensor> d_descales;  // not movable: a deque keeps them in place
+  if (fp8) {
+    for (uint32_t i = 0; i < 3; ++i) {
+      descales.push_back(make_descale_factors(c.batch, c.heads_kv, seed + 10 + i));
+      d_descales.emplace_back(descales.back());
+      ASSERT_TRUE(d_descales.back().ok());
+      CUDA_CHECK(d_descales.back().upload(descales.back()));
+    }
+  }
   CUDA_CHECK(d_q.upload(q));
   CUDA_CHECK(d_k.upload(k));
   CUDA_CHECK(d_v.upload(v));
@@ -73,6 +87,11 @@ TEST_P(ForwardGpuTest, MatchesReference) {
   p.num_splits = c.num_splits;
   c.features.apply(p);
   if (c.features.learnable_sink) p.learnable_sink = d_sink.view();
+  if (fp8) {
+    p.q_descale = d_descales[0].view();
+    p.k_descale = d_descales[1].view();
+    p.v_descale = d_descales[2].view();
+  }
 
   size_t workspace_bytes = 0;
   Status status = workspace_size(p, &workspace_bytes);
@@ -97,9 +116,14 @@ TEST_P(ForwardGpuTest, MatchesReference) {
   host.k = bshd_view(k, c.heads_major_layout);
   host.v = bshd_view(v, c.heads_major_layout);
   if (c.features.learnable_sink) host.learnable_sink = sink.view();
+  if (fp8) {
+    host.q_descale = descales[0].view();
+    host.k_descale = descales[1].view();
+    host.v_descale = descales[2].view();
+  }
   HostTensor out_exact(FH_DTYPE_FP64, {c.batch, c.seqlen_q, c.heads_q, c.value_dim()});
   HostTensor lse_exact(FH_DTYPE_FP64, {c.batch, c.heads_q, c.seqlen_q});
-  HostTensor out_plain(c.dtype, {c.batch, c.seqlen_q, c.heads_q, c.value_dim()});
+  HostTensor out_plain(out_dtype, {c.batch, c.seqlen_q, c.heads_q, c.value_dim()});
   HostTensor lse_plain(FH_DTYPE_FP32, {c.batch, c.heads_q, c.seqlen_q});
   ASSERT_NO_FATAL_FAILURE(reference_outputs(host, out_exact, lse_exact, out_plain, lse_plain));
 
@@ -130,7 +154,7 @@ std::vector<GridCase> forward_cases() {
       {1, 2048, 2048, 2, 1, false},    {4, 300, 300, 16, 4, true},   {1, 4097, 4097, 1, 1, false},
   };
   std::vector<GridCase> cases;
-  for (const auto& [dtype, head_dim] : compiled_families(/*backward=*/false))
+  for (const auto& [dtype, head_dim] : compiled_families(/*backward=*/false, /*with_fp8=*/true))
     for (bool causal : {false, true})
       for (const Shape& s : shapes)
         cases.push_back({dtype, head_dim, causal, s.batch, s.seqlen_q, s.seqlen_k, s.heads_q, s.heads_kv,

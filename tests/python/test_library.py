@@ -26,7 +26,7 @@ def test_compiled_families_are_manifest_rows():
         import kernel_manifest
     finally:
         sys.path.pop(0)
-    names = {"bf16": torch.bfloat16, "fp16": torch.float16}
+    names = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.float8_e4m3fn}
     rows = {("forward" if f.pass_ == "fwd" else "backward", names[f.dtype], f.head_dim, f.head_dim_v)
             for f in kernel_manifest.families()}
     families = flashhopper.compiled_families()

@@ -14,6 +14,11 @@
 // columns. Each computes half of S's contraction (half of d in Q K^T, its half of dv in Qv V^T);
 // they add the halves through shared memory, after which both hold the same S, run the same softmax
 // and keep P in registers for their own half of P V.
+// fp8 (e4m3): WGMMA reads 8-bit operands K-major only, so P V's B operand must hold V with the keys
+// contiguous, not as stored. The TMA loads V as stored (a key a row) into staging buffers, and the
+// producer warpgroup's other three warps transpose each into the buffers P V reads (transpose_v),
+// in the key order in which P's registers hold the keys (key_of_fp8_slot). P is 2^8 times the
+// probability there (OnlineSoftmax's kProbabilityLog2), and q/k/v_descale scale S and O per tile.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -24,6 +29,7 @@
 #include <cutlass/pipeline/pipeline.hpp>
 
 #include "hopper/collective/paged_kv_loads.hpp"
+#include "hopper/common/descale.hpp"
 #include "hopper/common/forward_features.hpp"
 #include "hopper/common/gmma_shapes.hpp"
 #include "hopper/common/mask.hpp"
@@ -72,6 +78,11 @@ struct ForwardMainloop {
   static constexpr int kNumMmaThreads = kNumMmaWarpGroups * cutlass::NumThreadsPerWarpGroup;
   // Ping-pong between warpgroups of different rows; those that split O work in step.
   static constexpr bool kPingPong = kNumMmaWarpGroups > 1 && !kSplitsO;
+  static constexpr bool kTransposesV = sizeof(Element) == 1;  // fp8 (above)
+  static_assert(!kTransposesV || (!kQv && !kPagedKv && !kSplitsO && kBlockN % 32 == 0),
+                "fp8: dense K/V without qv, 64 rows of O a warpgroup, key blocks of whole 32-key MMA slices");
+  static constexpr int kTransposeThreads = 3 * cutlass::NumThreadsPerWarp;  // the producer's warps 1-3
+  static constexpr int kProbabilityLog2 = kTransposesV ? 8 : 0;
 
   using TileShapeQK = Shape<Int<kBlockM>, Int<kBlockN>, Int<kHeadDim>>;  // (M, N, d)
   using TileShapePV = Shape<Int<kBlockM>, Int<kHeadDimV>, Int<kBlockN>>;  // (M, dv, N)
@@ -84,26 +95,31 @@ struct ForwardMainloop {
                                              Layout<Shape<Int<kRowWarpGroups>, _1, _1>>{}));
   using TiledMmaPV = decltype(make_tiled_mma(
       GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<kHeadDimVPerWarpGroup>, Int<kBlockN>>,
-                           GMMA::Major::K, GMMA::Major::MN>(),
+                           GMMA::Major::K, kTransposesV ? GMMA::Major::K : GMMA::Major::MN>(),
       Layout<Shape<Int<kRowWarpGroups>, Int<kColumnWarpGroups>, _1>>{}));
   static_assert(gmma_n<TiledMmaQK> == kBlockN && gmma_n<TiledMmaPV> == kHeadDimVPerWarpGroup,
                 FLASHHOPPER_GMMA_SPAN_MESSAGE);
   static constexpr bool kUsesExtendedGmma = uses_extended_gmma<TiledMmaQK, TiledMmaPV>;
 
   // Q and K are K-major (d contiguous). V is stored as Vt (dv, N): dv contiguous, which is the
-  // MN-major B operand of P V, so the TMA writes it straight into the layout the MMA reads.
+  // MN-major B operand of P V, so the TMA writes it straight into the layout the MMA reads; with
+  // fp8, N contiguous (K-major), written by transpose_v.
   using SmemLayoutQ = decltype(tile_to_shape(
       cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element, Int<kBlockM>, Int<kHeadDim>>(),
       Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   using SmemLayoutK = decltype(tile_to_shape(
       cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element, Int<kBlockN>, Int<kHeadDim>>(),
       Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
-  using SmemLayoutVt = decltype(tile_to_shape(
+  using SmemLayoutVtMN = decltype(tile_to_shape(
       cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::MN, Element, Int<kHeadDimV>, Int<kBlockN>>(),
       Shape<Int<kHeadDimV>, Int<kBlockN>, Int<kStages>>{}, Step<_2, _1, _3>{}));
+  using SmemLayoutVtK = decltype(tile_to_shape(
+      cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element, Int<kHeadDimV>, Int<kBlockN>>(),
+      Shape<Int<kHeadDimV>, Int<kBlockN>, Int<kStages>>{}));
+  using SmemLayoutVt = cute::conditional_t<kTransposesV, SmemLayoutVtK, SmemLayoutVtMN>;
   // qv: Qv (M, dv) K-major as Q; V's stages read as the K-major B operand (N, dv) of Qv V^T. Both
   // tile the same 128-byte swizzle atom (dv contiguous, 8 keys), N first: (n, c, s) of the one
-  // is (c, n, s) of the other (checked below).
+  // is (c, n, s) of the other (checked below). fp8: SmemLayoutVAsB is V's staging buffers.
   using SmemLayoutQv = decltype(tile_to_shape(
       cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element, Int<kBlockM>, Int<kHeadDimV>>(),
       Shape<Int<kBlockM>, Int<kHeadDimV>>{}));
@@ -133,12 +149,19 @@ struct ForwardMainloop {
   using TmaK = decltype(make_tma_copy(
       SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), ShapeQKV{}, StrideQK{}),
       take<0, 2>(SmemLayoutK{}), Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
-  using TmaVt = decltype(make_tma_copy(
+  using TmaVtMN = decltype(make_tma_copy(
       SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), ShapeQKV{}, StrideVt{}),
       take<0, 2>(SmemLayoutVt{}), Shape<Int<kHeadDimV>, Int<kBlockN>>{}, _1{}));
+  // fp8: V as stored, (seqlen, dv, head, batch), into a staging buffer (N, dv).
+  using TmaVStaged = decltype(make_tma_copy(
+      SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), ShapeQKV{}, StrideQK{}),
+      take<0, 2>(SmemLayoutVAsB{}), Shape<Int<kBlockN>, Int<kHeadDimV>>{}, _1{}));
+  using TmaVt = cute::conditional_t<kTransposesV, TmaVStaged, TmaVtMN>;
 
   using Pipeline = cutlass::PipelineTmaAsync<kStages>;
   using PipelineState = cutlass::PipelineState<kStages>;
+  // fp8: transposed V stages, from transpose_v's threads to the MMA warpgroups.
+  using PipelineVt = cutlass::PipelineAsync<kStages>;
   // A paged KV cache's loads (kPagedKv only).
   using Paged = PagedKvLoads<Element, kBlockN, kHeadDim, kHeadDimV, SmemLayoutK, SmemLayoutVt, ShapeQKV, StrideQK,
                              StrideVt, Pipeline, PipelineState>;
@@ -180,8 +203,16 @@ struct ForwardMainloop {
     ShapeQKV shape_qv;
   };
 
-  // K and V stages (and Qv's buffer with qv).
-  struct SharedStorageKV : QvStorage<kQv>, ScoreExchangeStorage<kSplitsO> {
+  // fp8: V's staging buffers, as the TMA writes them (SmemLayoutVAsB).
+  template <bool kOn, class = void>
+  struct VStagingStorage {};
+  template <class Unused>
+  struct VStagingStorage<true, Unused> {
+    cute::array_aligned<Element, cosize_v<SmemLayoutVAsB>, 1024> smem_v_staged;
+  };
+
+  // K and V stages (and Qv's buffer with qv, V's staging buffers with fp8).
+  struct SharedStorageKV : QvStorage<kQv>, ScoreExchangeStorage<kSplitsO>, VStagingStorage<kTransposesV> {
     cute::array_aligned<Element, cosize_v<SmemLayoutK>, 1024> smem_k;
     cute::array_aligned<Element, cosize_v<SmemLayoutVt>, 1024> smem_v;
   };
@@ -213,6 +244,8 @@ struct ForwardMainloop {
     Element const* ptr_qv = nullptr;
     ShapeQKV shape_qv{};
     StrideQK stride_qv{};
+    // fp8: the true q, k and v are the stored ones times these [B, Hkv] factors (null: 1).
+    Descale q_descale{}, k_descale{}, v_descale{};
   };
 
   struct Params : QvParams<kQv> {
@@ -230,6 +263,7 @@ struct ForwardMainloop {
     cutlass::FastDivmod heads_per_kv_head;
     SeqlenParams seqlen;
     typename Paged::Params paged;  // paged only
+    Descale q_descale, k_descale, v_descale;  // fp8 only
   };
 
   // The producer's threads: one, or a warp or the warpgroup for a paged cache.
@@ -252,11 +286,21 @@ struct ForwardMainloop {
     Tensor mQ = make_tensor(make_gmem_ptr(args.ptr_q), args.shape_q, args.stride_q);
     Tensor mK = make_tensor(make_gmem_ptr(args.ptr_k), args.shape_k, args.stride_k);
     Tensor mVt = make_tensor(make_gmem_ptr(args.ptr_v), args.shape_vt, args.stride_vt);
+    // fp8: V as stored, (seqlen, dv, head, batch), for the staging loads.
+    Tensor mV = make_tensor(make_gmem_ptr(args.ptr_v), select<1, 0, 2, 3>(args.shape_vt),
+                            make_stride(get<1>(args.stride_vt), _1{}, get<2>(args.stride_vt), get<3>(args.stride_vt)));
     TmaQ tma_q = make_tma_copy(SM90_TMA_LOAD{}, mQ, SmemLayoutQ{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{});
     TmaK tma_k = make_tma_copy(SM90_TMA_LOAD{}, mK, take<0, 2>(SmemLayoutK{}),
                                Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{});
-    TmaVt tma_vt = make_tma_copy(SM90_TMA_LOAD{}, mVt, take<0, 2>(SmemLayoutVt{}),
-                                 Shape<Int<kHeadDimV>, Int<kBlockN>>{}, _1{});
+    TmaVt tma_vt = [&] {
+      if constexpr (kTransposesV) {
+        return make_tma_copy(SM90_TMA_LOAD{}, mV, take<0, 2>(SmemLayoutVAsB{}), Shape<Int<kBlockN>, Int<kHeadDimV>>{},
+                             _1{});
+      } else {
+        return make_tma_copy(SM90_TMA_LOAD{}, mVt, take<0, 2>(SmemLayoutVt{}), Shape<Int<kHeadDimV>, Int<kBlockN>>{},
+                             _1{});
+      }
+    }();
     const int heads_per_kv_head = get<2>(args.shape_q) / get<2>(args.shape_k);
     const float scale = Transform::softmax_scale(args.softmax_scale, args.softcap);
     typename Paged::Params paged;
@@ -284,7 +328,10 @@ struct ForwardMainloop {
             args.learnable_sink,
             cutlass::FastDivmod(heads_per_kv_head),
             args.seqlen,
-            paged};
+            paged,
+            args.q_descale,
+            args.k_descale,
+            args.v_descale};
   }
 
   CUTLASS_DEVICE static void prefetch_tma_descriptors(Params const& params) {
@@ -320,6 +367,10 @@ struct ForwardMainloop {
     int& q_phase;
     Element* smem_q;
     SharedStorageKV& kv;
+    // fp8: the transposed V stages' pipeline (P V waits on it instead of pipeline_v) and, for
+    // transpose_v's threads, their write state in it.
+    PipelineVt* pipeline_vt = nullptr;
+    PipelineState* vt_state = nullptr;
   };
 
   // Producer: called by producer_threads threads. Loads K/V
@@ -337,16 +388,28 @@ struct ForwardMainloop {
                               params.tma_q.get_tma_tensor(params.shape_q)(_, _, work.head, seq.batch_q));  // (sq, d)
     Tensor mK = domain_offset(make_coord(seq.offset_k, _0{}),
                               params.tma_k.get_tma_tensor(params.shape_k)(_, _, head_kv, seq.batch_k));  // (sk, d)
-    Tensor mVt = domain_offset(make_coord(_0{}, seq.offset_k),
-                               params.tma_vt.get_tma_tensor(params.shape_vt)(_, _, head_kv, seq.batch_k));  // (dv, sk)
     Tensor gQ = local_tile(mQ, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(work.block, _0{}));  // (M, d)
     Tensor gK = local_tile(mK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, _0{}));  // (N, d, n)
-    Tensor gVt = local_tile(mVt, Shape<Int<kHeadDimV>, Int<kBlockN>>{}, make_coord(_0{}, _));  // (dv, N, n)
 
     auto [tQgQ, tQsQ] = tma_partition(params.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
     auto tma_k_parts = tma_partition(params.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
-    auto tma_v_parts =
-        tma_partition(params.tma_vt, _0{}, Layout<_1>{}, group_modes<0, 2>(sVt), group_modes<0, 2>(gVt));
+    // V's blocks (dv, N, n) into its stages, or with fp8 as stored, (N, dv, n), into the staging buffers.
+    auto tma_v_parts = [&] {
+      if constexpr (kTransposesV) {
+        cute::Tensor sV = make_tensor(make_smem_ptr(shared.kv.smem_v_staged.data()), SmemLayoutVAsB{});
+        cute::Tensor mV = domain_offset(
+            make_coord(seq.offset_k, _0{}),
+            params.tma_vt.get_tma_tensor(select<1, 0, 2, 3>(params.shape_vt))(_, _, head_kv, seq.batch_k));  // (sk, dv)
+        cute::Tensor gV = local_tile(mV, Shape<Int<kBlockN>, Int<kHeadDimV>>{}, make_coord(_, _0{}));
+        return tma_partition(params.tma_vt, _0{}, Layout<_1>{}, group_modes<0, 2>(sV), group_modes<0, 2>(gV));
+      } else {
+        cute::Tensor mVt = domain_offset(
+            make_coord(_0{}, seq.offset_k),
+            params.tma_vt.get_tma_tensor(params.shape_vt)(_, _, head_kv, seq.batch_k));  // (dv, sk)
+        cute::Tensor gVt = local_tile(mVt, Shape<Int<kHeadDimV>, Int<kBlockN>>{}, make_coord(_0{}, _));
+        return tma_partition(params.tma_vt, _0{}, Layout<_1>{}, group_modes<0, 2>(sVt), group_modes<0, 2>(gVt));
+      }
+    }();
 
     // Plain tensors rather than structured bindings: lambdas capture them (C++17).
     Tensor tKgK = get<0>(tma_k_parts);  // (TMA, n)
@@ -467,7 +530,10 @@ struct ForwardMainloop {
     Tensor tOrVt = thr_mma_pv.partition_fragment_B(sVt);  // (MMA, MMA_N, MMA_K, PIPE)
 
     Tensor tSrS = partition_fragment_C(tiled_mma_qk, select<0, 1>(TileShapeQK{}));  // (MMA, MMA_M, MMA_N)
-    Tensor tOrP = make_tensor<Element>(accumulator_as_a_operand(tSrS.layout()));
+    Tensor tOrP = make_tensor<Element>([&] {
+      if constexpr (kTransposesV) return fp8_operand_layout(tSrS.layout());
+      else return accumulator_as_a_operand(tSrS.layout());
+    }());
     Tensor scores = make_tensor(tSrS.data(), accumulator_rowcol(tSrS.layout()));     // (rows, cols)
     Tensor tScS = thr_mma_qk.partition_C(make_identity_tensor(select<0, 1>(TileShapeQK{})));
     Tensor coords = make_tensor(tScS.data(), accumulator_rowcol(tScS.layout()));
@@ -476,10 +542,13 @@ struct ForwardMainloop {
     float o_scale[kRows];
 
     const Mask mask = make_mask(params, seq);
+    // fp8: the tile's own (descaled) transform; elsewhere the parameters' (read where used).
+    const Transform tile_transform = kTransposesV ? tile_scale(params, work, seq).transform : Transform{};
     const int num_blocks = blocks.count();
     // The score transform, then the mask where the block crosses its boundary.
     auto mask_scores = [&](int n_block) {
-      params.transform.apply(scores);
+      if constexpr (kTransposesV) tile_transform.apply(scores);
+      else params.transform.apply(scores);
       if (mask.crosses_boundary(work.block, n_block)) mask.apply(scores, coords, work.block, n_block);
     };
     const int warp_group = thread_idx / cutlass::NumThreadsPerWarpGroup;
@@ -497,13 +566,18 @@ struct ForwardMainloop {
     // A gathered stage was written by cp.async, through the generic proxy; the WGMMAs read it
     // through the async proxy.
     const bool gathered = kPagedKv && params.paged.mode == PagedMode::kGather;
-    auto wait_stage = [&](Pipeline& pipeline, PipelineState& state) {
+    auto wait_stage = [&](auto& pipeline, PipelineState& state) {
       pipeline.consumer_wait(state);
       if (gathered) cutlass::arch::fence_view_async_shared();
     };
 
     // S = Q K^T (+ Qv V^T with qv, V of the same block: the V stage `v_ahead`, one block ahead of
     // the one P V reads; the second wait on a stage returns at once).
+    // P V's V stages: pipeline_v's, or with fp8 the transposed ones.
+    auto& pipeline_pv = [&]() -> auto& {
+      if constexpr (kTransposesV) return *shared.pipeline_vt;
+      else return shared.pipeline_v;
+    }();
     PipelineState v_ahead = shared.v_state;
     auto wait_v_ahead = [&] {
       if constexpr (kQv) wait_stage(shared.pipeline_v, v_ahead);
@@ -603,10 +677,11 @@ struct ForwardMainloop {
     auto write_p = [&](bool pv_in_flight) {
       warpgroup_wait<0>();
       if (pv_in_flight) {
-        shared.pipeline_v.consumer_release(shared.v_state);
+        pipeline_pv.consumer_release(shared.v_state);
         ++shared.v_state;
       }
-      convert_into(tSrS, tOrP);
+      if constexpr (kTransposesV) fp8_operand_from_scores(tSrS, tOrP);
+      else convert_into(tSrS, tOrP);
     };
     for (int i = 1; i < num_blocks; ++i) {
       n_block = blocks.at(i);
@@ -617,7 +692,7 @@ struct ForwardMainloop {
       gemm_s(cute::true_type{});
       // O shrinks for the previous block's maximum while Q K^T runs, before P V adds to it.
       scale_rows(o_rowcol, o_scale);
-      wait_stage(shared.pipeline_v, shared.v_state);
+      wait_stage(pipeline_pv, shared.v_state);
       warpgroup_gemm<false, -1>(tiled_mma_pv, tOrP, tOrVt(_, _, _, shared.v_state.index()), tOrO);
       pass_turn();
       warpgroup_wait<1>();  // S is ready; P V may still run
@@ -632,13 +707,94 @@ struct ForwardMainloop {
     // Last block: P V only.
     write_p(num_blocks > 1);
     scale_rows(o_rowcol, o_scale);
-    wait_stage(shared.pipeline_v, shared.v_state);
+    wait_stage(pipeline_pv, shared.v_state);
     take_turn();
     warpgroup_gemm<false, -1>(tiled_mma_pv, tOrP, tOrVt(_, _, _, shared.v_state.index()), tOrO);
     pass_turn();
     warpgroup_wait<0>();
-    shared.pipeline_v.consumer_release(shared.v_state);
+    pipeline_pv.consumer_release(shared.v_state);
     ++shared.v_state;
+  }
+
+  // fp8: slot s of a 32-key slice of P V's operands holds key key_of_fp8_slot(s) of the slice, the
+  // key of P's byte s in fp8_operand_from_scores (utils.hpp): of slot 16 h + 4 t + i, the
+  // accumulator's key column 8 (2 h + i / 2) + 2 t + i % 2.
+  static constexpr CUTLASS_HOST_DEVICE int key_of_fp8_slot(int slot) {
+    const int h = slot / 16, t = slot % 16 / 4, i = slot % 4;
+    return 16 * h + 8 * (i / 2) + 2 * t + i % 2;
+  }
+
+  // fp8, the producer's warps 1-3 (kTransposeThreads, `thread` their index): each of the tile's
+  // num_blocks V blocks from its staging buffer (N, dv) into P V's stage (dv, N) in key_of_fp8_slot's
+  // order. A thread moves 4 x 4 bytes at a time: 4 slots (keys of the staging buffer's rows) by 4
+  // columns of dv, four 32-bit loads, a byte transpose, four 32-bit stores. Lanes take 4 column
+  // groups x 4 slot groups x 2, so that a warp's loads and stores spread over the banks of both
+  // 128-byte swizzles.
+  CUTLASS_DEVICE static void transpose_v(SharedState const& shared, int num_blocks, int thread) {
+    static_assert(kTransposesV);
+    Tensor sV = make_tensor(make_smem_ptr(shared.kv.smem_v_staged.data()), SmemLayoutVAsB{});  // (N, dv, stages)
+    Tensor sVt = make_tensor(make_smem_ptr(shared.kv.smem_v.data()), SmemLayoutVt{});         // (dv, N, stages)
+    constexpr int kColumnGroups = kHeadDimV / 4, kSlotGroups = kBlockN / 4;
+    static_assert(kColumnGroups % 4 == 0 && kSlotGroups % 8 == 0);
+    constexpr int kUnits = kColumnGroups * kSlotGroups;
+    PipelineVt& pipeline_vt = *shared.pipeline_vt;
+    PipelineState& vt_state = *shared.vt_state;
+    for (int block = 0; block < num_blocks; ++block) {
+      shared.pipeline_v.consumer_wait(shared.v_state);
+      pipeline_vt.producer_acquire(vt_state);
+      const int from = shared.v_state.index(), to = vt_state.index();
+      // Not unrolled: unrolled, the units' addresses were hoisted out of the block loop and spilled
+      // (the producer keeps few registers).
+#pragma unroll 1
+      for (int unit = thread; unit < kUnits; unit += kTransposeThreads) {
+        // unit bits: 0-1 column group % 4, 2-3 slot group % 4, 4 (slot group / 4) % 2; then the rest.
+        const int rest = unit >> 5;
+        const int column = 4 * ((rest % (kColumnGroups / 4)) * 4 + (unit & 3));
+        const int slot = 4 * (((rest / (kColumnGroups / 4)) * 2 + ((unit >> 4) & 1)) * 4 + ((unit >> 2) & 3));
+        const int slice = slot / 32 * 32;
+        uint32_t rows[4];
+        CUTLASS_PRAGMA_UNROLL
+        for (int j = 0; j < 4; ++j)
+          rows[j] = load_shared_u32(cast_smem_ptr_to_uint(&sV(slice + key_of_fp8_slot(slot % 32 + j), column, from)));
+        // rows[j] byte c -> columns[c] byte j.
+        const uint32_t low01 = __byte_perm(rows[0], rows[1], 0x5140), high01 = __byte_perm(rows[0], rows[1], 0x7362);
+        const uint32_t low23 = __byte_perm(rows[2], rows[3], 0x5140), high23 = __byte_perm(rows[2], rows[3], 0x7362);
+        const uint32_t columns[4] = {__byte_perm(low01, low23, 0x5410), __byte_perm(low01, low23, 0x7632),
+                                     __byte_perm(high01, high23, 0x5410), __byte_perm(high01, high23, 0x7632)};
+        CUTLASS_PRAGMA_UNROLL
+        for (int c = 0; c < 4; ++c) store_shared_u32(cast_smem_ptr_to_uint(&sVt(column + c, slot, to)), columns[c]);
+      }
+      shared.pipeline_v.consumer_release(shared.v_state);
+      ++shared.v_state;
+      // The stores went through the generic proxy; the WGMMAs read through the async proxy.
+      cutlass::arch::fence_view_async_shared();
+      pipeline_vt.producer_commit(vt_state);
+      ++vt_state;
+    }
+  }
+
+  // The tile's softmax scale, its transform (softcap's pre-tanh scale) and O's factor: with fp8,
+  // q_descale * k_descale scales S (the transform's scale with softcap, else the softmax's) and
+  // v_descale O, for the tile's batch and KV head; elsewhere the parameters' own.
+  struct TileScale {
+    float softmax_scale, softmax_scale_log2;
+    Transform transform;
+    float o_factor;
+  };
+  CUTLASS_DEVICE static TileScale tile_scale(Params const& params, WorkTile const& work, SeqlenInfo const& seq) {
+    TileScale t{params.softmax_scale, params.softmax_scale_log2, params.transform, 1.f};
+    if constexpr (kTransposesV) {
+      const int head_kv = params.heads_per_kv_head.divide(work.head);
+      const float qk = params.q_descale.at(seq.batch_q, head_kv) * params.k_descale.at(seq.batch_q, head_kv);
+      if constexpr (Transform::kSoftcap) {
+        t.transform.pre_tanh_scale *= qk;
+      } else {
+        t.softmax_scale *= qk;
+        t.softmax_scale_log2 *= qk;
+      }
+      t.o_factor = params.v_descale.at(seq.batch_q, head_kv);
+    }
+    return t;
   }
 };
 

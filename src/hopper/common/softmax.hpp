@@ -33,11 +33,19 @@ CUTLASS_DEVICE float exp2_fma(float x) {
 
 // kFmaExpEvery > 0: every kFmaExpEvery-th exponent of a row goes through exp2_fma, which relieves
 // the SFU where it is the bottleneck (softcap's tanh takes a second SFU op per score).
-template <int kRows, int kFmaExpEvery = 0>
+// kProbabilityLog2 > 0: P is 2^kProbabilityLog2 times the probability (up to 256 for 8, below
+// e4m3's 448), so that P rounded to fp8 keeps its small values normal; the sum carries the same
+// factor, so O's normalisation cancels it, and the LSE takes it out.
+template <int kRows, int kFmaExpEvery = 0, int kProbabilityLog2 = 0>
 struct OnlineSoftmax {
   float row_max[kRows];
   float row_sum[kRows];
   float scale_log2;  // softmax_scale * log2(e)
+  // An LSE from sums that carry P's factor, without it.
+  static CUTLASS_DEVICE float without_probability_factor(float lse) {
+    if constexpr (kProbabilityLog2 == 0) return lse;
+    return lse - float(kProbabilityLog2) * float(M_LN2);
+  }
 
   CUTLASS_DEVICE explicit OnlineSoftmax(float scale_log2_) : scale_log2(scale_log2_) {
     CUTLASS_PRAGMA_UNROLL
@@ -68,10 +76,11 @@ struct OnlineSoftmax {
         o_scale[m] = row_max[m] == -INFINITY ? 0.f : exp2f(row_max[m] * scale_log2 - max_scaled);
       }
       row_max[m] = block_max;
+      const float exponent_shift = kProbabilityLog2 == 0 ? max_scaled : max_scaled - float(kProbabilityLog2);
       float sum = 0.f;
       CUTLASS_PRAGMA_UNROLL
       for (int n = 0; n < size<1>(s); ++n) {
-        const float x = s(m, n) * scale_log2 - max_scaled;
+        const float x = s(m, n) * scale_log2 - exponent_shift;
         if constexpr (kFmaExpEvery > 0) {
           s(m, n) = n % kFmaExpEvery == kFmaExpEvery - 1 ? exp2_fma(x) : exp2f(x);
         } else {
@@ -96,13 +105,14 @@ struct OnlineSoftmax {
         const float max_log2 = row_max[m] == -INFINITY ? -INFINITY : row_max[m] * scale_log2;
         const float new_max = fmaxf(max_log2, sink_log2);
         const float shrink = max_log2 == -INFINITY ? 0.f : exp2f(max_log2 - new_max);
-        sum = sum * shrink + exp2f(sink_log2 - new_max);
+        const float sink_exponent = sink_log2 - new_max;
+        sum = sum * shrink + exp2f(kProbabilityLog2 == 0 ? sink_exponent : sink_exponent + float(kProbabilityLog2));
         o_scale[m] = shrink / sum;
-        lse[m] = new_max * float(M_LN2) + logf(sum);
+        lse[m] = without_probability_factor(new_max * float(M_LN2) + logf(sum));
       } else {
         const bool empty = sum == 0.f;  // a NaN sum (a NaN input) stays NaN in O and LSE
         o_scale[m] = empty ? 0.f : 1.f / sum;
-        lse[m] = empty ? -INFINITY : row_max[m] * softmax_scale + logf(sum);
+        lse[m] = empty ? -INFINITY : without_probability_factor(row_max[m] * softmax_scale + logf(sum));
       }
     }
   }

@@ -6,6 +6,8 @@
 // dv/2 and S kBlockN/2 floats a thread.
 #pragma once
 
+#include <type_traits>
+
 namespace flashhopper::hopper {
 
 // Per (head dim, value head dim), the families of scripts/kernel_manifest.py. kMasked: causal or
@@ -90,6 +92,23 @@ struct ForwardTileSize<256, 256, kMasked> {
   static constexpr int kBlockN = 80;
   static constexpr int kStages = 2;
 };
+
+// fp8 (e4m3) forward, per head dim: two consumer warpgroups (the producer's transposing warps need
+// registers a third would take), key blocks in whole 32-key MMA slices. Shared memory counts V
+// twice, staged as loaded and transposed: (kBlockM * d + kStages * kBlockN * (d + 2 dv)) bytes,
+// O's bf16 kBlockM * dv * 2 beside it where that fits. Chosen to fit, not tuned yet.
+template <int kHeadDim, int kHeadDimV, bool kMasked>
+struct ForwardTileSizeFp8 {
+  static_assert(kHeadDim == kHeadDimV && (kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256));
+  static constexpr int kBlockM = 128;
+  static constexpr int kBlockN = kHeadDim == 256 ? 64 : 128;  // 256: 128 K + 64 Q = 192 KiB
+  static constexpr int kStages = 2;
+};
+
+// The forward's tile of a family: fp8's table or the 16-bit one.
+template <bool kFp8, int kHeadDim, int kHeadDimV, bool kMasked>
+using ForwardTile = std::conditional_t<kFp8, ForwardTileSizeFp8<kHeadDim, kHeadDimV, kMasked>,
+                                       ForwardTileSize<kHeadDim, kHeadDimV, kMasked>>;
 
 // The backward's tunables per head dim. A CTA owns kBlockN keys (K, V and the dK, dV
 // accumulators stay put) and walks the query blocks of kBlockM rows; two MMA warpgroups split S

@@ -31,6 +31,15 @@ CUTLASS_DEVICE float4 load_shared_16(uint32_t smem_addr) {
   return v;
 }
 
+CUTLASS_DEVICE uint32_t load_shared_u32(uint32_t smem_addr) {
+  uint32_t v;
+  asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(v) : "r"(smem_addr));
+  return v;
+}
+CUTLASS_DEVICE void store_shared_u32(uint32_t smem_addr, uint32_t v) {
+  asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(smem_addr), "r"(v));
+}
+
 // Issue one warpgroup GEMM C (+)= A B over the K mode. kWait >= 0 waits until at most kWait
 // batches are in flight; -1 returns at once so the caller can overlap other work. kSlicesK > 0:
 // over the K slices [first_slice, first_slice + kSlicesK) alone.
@@ -84,6 +93,41 @@ CUTLASS_DEVICE auto accumulator_as_a_operand(Layout acc) {
   auto chunks = logical_divide(get<0>(acc), Shape<Underscore, Underscore, _2>{});  // (2, 2, (2, N/16))
   return make_layout(make_layout(get<0>(chunks), get<1>(chunks), get<2, 0>(chunks)), get<1>(acc),
                      coalesce(make_layout(get<2, 1>(chunks), get<2>(acc))));
+}
+
+// fp8: S's accumulator ((2, 2, N/8), MMA_M, 1) as the 8-bit register A operand of O += P V,
+// ((4, 2, 2), MMA_M, N/32): 16 bytes a 32-key slice. WGMMA wants a thread's bytes to be keys
+// 4t .. 4t + 3 and 16 + 4t .. 16 + 4t + 3 of a slice (t = lane % 4, rows r and r + 8), where the
+// accumulator holds keys 2t, 2t + 1 of every 8. fp8_operand_from_scores keeps each value in its
+// thread and takes them in register order; the B operand's rows take the keys in the same order
+// (ForwardMainloop::key_of_fp8_slot), so that each product pairs the same key.
+template <class Layout>
+CUTLASS_DEVICE auto fp8_operand_layout(Layout acc) {
+  static_assert(decltype(size<0>(acc))::value % 16 == 0 && decltype(size<2>(acc))::value == 1);
+  constexpr int kSlices = decltype(size<0>(acc))::value / 16;
+  return make_layout(make_shape(Shape<_4, _2, _2>{}, get<1>(acc).shape(), Int<kSlices>{}));
+}
+
+// Byte (i, r, h) of slice k (fp8_operand_layout) = accumulator value (i % 2, r, 4k + 2h + i / 2),
+// rounded to e4m3 (saturating: P is at most 2^8 here).
+template <class TensorS, class TensorP>
+CUTLASS_DEVICE void fp8_operand_from_scores(TensorS const& s, TensorP& p) {
+  using Fp8 = typename TensorP::value_type;
+  static_assert(sizeof(Fp8) == 1 && decltype(size(s))::value == decltype(size(p))::value);
+  constexpr int kQuads = decltype(size(s))::value / 4;  // 4 bytes a (r, h, k)
+  cutlass::NumericArrayConverter<Fp8, float, 4, cutlass::FloatRoundStyle::round_to_nearest> convert;
+  auto* out = reinterpret_cast<cutlass::Array<Fp8, 4>*>(p.data());
+  CUTLASS_PRAGMA_UNROLL
+  for (int q = 0; q < kQuads; ++q) {
+    const int r = q % 2, hk = q / 2;  // hk = h + 2k: accumulator chunks 2 hk and 2 hk + 1
+    const int first = 2 * r + 8 * hk;  // value (0, r, 2 hk): e + 2 r + 4 j
+    cutlass::Array<float, 4> x;
+    x[0] = s(first);
+    x[1] = s(first + 1);
+    x[2] = s(first + 4);
+    x[3] = s(first + 5);
+    out[q] = convert(x);
+  }
 }
 
 // Elementwise conversion between register tensors of the same size, packed (cvt.rn.bf16x2.f32).

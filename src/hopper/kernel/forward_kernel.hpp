@@ -1,6 +1,7 @@
 // The forward kernel: warp roles, register split, shared storage and the persistent tile loop.
-// Warpgroup 0 is the producer (one thread issues every TMA load; a warp or all four gather a paged cache);
-// warpgroups 1.. are consumers that run the mainloop and the epilogue on the same tile, 64 rows each.
+// Warpgroup 0 is the producer (one thread issues every TMA load; a warp or all four gather a paged cache;
+// with fp8 warps 1-3 transpose V); warpgroups 1.. are consumers that run the mainloop and the
+// epilogue on the same tile, 64 rows each.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -25,13 +26,16 @@ struct ForwardKernel {
   using Epilogue = Epilogue_;
   using Scheduler = Scheduler_;
   using Element = typename Mainloop::Element;
+  using ElementOut = typename Epilogue::Element;  // O's: Element's, bf16 for fp8
+  static constexpr bool kTransposesV = Mainloop::kTransposesV;
 
   static constexpr int kNumMmaWarpGroups = Mainloop::kNumMmaWarpGroups;
   static constexpr int kNumMmaThreads = Mainloop::kNumMmaThreads;
   static constexpr int kNumThreads = kNumMmaThreads + cutlass::NumThreadsPerWarpGroup;
-  // 64K registers a CTA: the producer keeps the minimum, the consumers take the rest.
-  static constexpr int kProducerRegisters = kNumMmaWarpGroups == 2 ? 24 : 32;
-  static constexpr int kConsumerRegisters = kNumMmaWarpGroups == 2 ? 240 : 160;
+  // 64K registers a CTA: the producer keeps the minimum, the consumers take the rest; with fp8 the
+  // producer's V transpose needs some (its 16 bytes in flight, their addresses).
+  static constexpr int kProducerRegisters = kTransposesV ? 56 : kNumMmaWarpGroups == 2 ? 24 : 32;
+  static constexpr int kConsumerRegisters = kNumMmaWarpGroups == 2 ? (kTransposesV ? 224 : 240) : 160;
   static_assert(kNumMmaWarpGroups == 2 || kNumMmaWarpGroups == 3);
   // setmaxnreg moves registers within the CTA's launch allocation, so the split must fit in it:
   // else the consumers' increase waits forever (a 32-register producer beside two 240-register
@@ -42,7 +46,7 @@ struct ForwardKernel {
                 "the register split exceeds the CTA's launch allocation");
 
   static constexpr int kSmemLimit = kSmemLimitBytes;
-  static constexpr int kOBytes = cosize_v<typename Epilogue::SmemLayoutO> * sizeof(Element);
+  static constexpr int kOBytes = cosize_v<typename Epilogue::SmemLayoutO> * sizeof(ElementOut);
   static constexpr int kQKVBytes = cosize_v<typename Mainloop::SmemLayoutQ> * sizeof(Element) +
                                    int(sizeof(typename Mainloop::SharedStorageKV));
   // O goes registers -> shared memory -> TMA store when its buffer fits beside Q, K and V;
@@ -52,7 +56,14 @@ struct ForwardKernel {
   // for its store before the next Q could load.)
   static constexpr bool kOStagedInSmem = kQKVBytes + kOBytes + 1024 <= kSmemLimit;
 
-  struct Barriers {
+  // fp8: the transposed V stages' barriers (none elsewhere, so the other kernels' layout stays).
+  template <bool kOn, class = void>
+  struct TransposedVBarriers {};
+  template <class Unused>
+  struct TransposedVBarriers<true, Unused> {
+    typename Mainloop::PipelineVt::SharedStorage pipeline_vt;
+  };
+  struct Barriers : TransposedVBarriers<kTransposesV> {
     cutlass::arch::ClusterTransactionBarrier q_full;
     cutlass::arch::ClusterBarrier q_empty;
     typename Mainloop::Pipeline::SharedStorage pipeline_k;
@@ -61,7 +72,7 @@ struct ForwardKernel {
   };
   struct SharedStorageWithO {
     cute::array_aligned<Element, cosize_v<typename Mainloop::SmemLayoutQ>, 1024> smem_q;
-    cute::array_aligned<Element, cosize_v<typename Epilogue::SmemLayoutO>, 1024> smem_o;
+    cute::array_aligned<ElementOut, cosize_v<typename Epilogue::SmemLayoutO>, 1024> smem_o;
     typename Mainloop::SharedStorageKV kv;
     Barriers barriers;
   };
@@ -81,7 +92,7 @@ struct ForwardKernel {
   };
 
   // O's shared-memory buffer, where the kernel has one (kOStagedInSmem), else null.
-  CUTLASS_DEVICE static Element* o_buffer(SharedStorage& storage) {
+  CUTLASS_DEVICE static ElementOut* o_buffer(SharedStorage& storage) {
     if constexpr (kOStagedInSmem) {
       return storage.smem_o.data();
     } else {
@@ -102,7 +113,8 @@ struct ForwardKernel {
     SharedStorage& storage = *reinterpret_cast<SharedStorage*>(smem_buf);
     const int warp_group = cutlass::canonical_warp_group_idx();
 
-    const int producer_threads = Mainloop::producer_threads(params.mainloop);
+    const int producer_threads =
+        kTransposesV ? cutlass::NumThreadsPerWarpGroup : Mainloop::producer_threads(params.mainloop);
     const int producer_warps = (producer_threads + cutlass::NumThreadsPerWarp - 1) / cutlass::NumThreadsPerWarp;
     if (threadIdx.x == 0) {
       // Receivers of the tiles: a thread of each producer warp and the MMA threads but the taker.
@@ -117,8 +129,26 @@ struct ForwardKernel {
     const auto kv_stage = Mainloop::kv_stage_completion(params.mainloop);
     Pipeline pipeline_k = make_tma_pipeline<Pipeline>(storage.barriers.pipeline_k, warp_group, kNumMmaThreads,
                                                       kv_stage.bytes_k, kv_stage.arrivals);
-    Pipeline pipeline_v = make_tma_pipeline<Pipeline>(storage.barriers.pipeline_v, warp_group, kNumMmaThreads,
+    // With fp8 V's TMA stages are consumed by the transposing warps, whose output the MMAs consume.
+    Pipeline pipeline_v = make_tma_pipeline<Pipeline>(storage.barriers.pipeline_v, warp_group,
+                                                      kTransposesV ? Mainloop::kTransposeThreads : kNumMmaThreads,
                                                       kv_stage.bytes_v, kv_stage.arrivals);
+    using PipelineVt = typename Mainloop::PipelineVt;
+    auto pipeline_vt_if_fp8 = [&] {
+      if constexpr (kTransposesV) {
+        typename PipelineVt::Params vt;
+        vt.role = warp_group == 0 ? PipelineVt::ThreadCategory::Producer : PipelineVt::ThreadCategory::Consumer;
+        vt.producer_arv_count = Mainloop::kTransposeThreads;
+        vt.consumer_arv_count = kNumMmaThreads;
+        return PipelineVt(storage.barriers.pipeline_vt, vt);
+      } else {
+        return cute::tuple<>{};
+      }
+    }();
+    PipelineVt* const pipeline_vt = [&]() -> PipelineVt* {
+      if constexpr (kTransposesV) return &pipeline_vt_if_fp8;
+      else return nullptr;
+    }();
 
     cutlass::arch::fence_barrier_init();
     __syncthreads();
@@ -131,9 +161,21 @@ struct ForwardKernel {
       auto pipe_k_write = cutlass::make_producer_start_state<Pipeline>();
       auto pipe_v_write = cutlass::make_producer_start_state<Pipeline>();
       int q_empty_phase = 1;  // the buffer starts empty: the first wait passes
-      const typename Mainloop::SharedState shared{pipeline_k, pipeline_v, pipe_k_write, pipe_v_write,
-                                                  storage.barriers.q_full, storage.barriers.q_empty,
-                                                  q_empty_phase, storage.smem_q.data(), storage.kv};
+      // fp8's transposing warps read V's TMA stages and write the transposed ones.
+      typename Mainloop::PipelineState pipe_v_staged_read;
+      auto pipe_vt_write = cutlass::make_producer_start_state<PipelineVt>();
+      const bool transposes = kTransposesV && cutlass::canonical_warp_idx_sync() % 4 != 0;
+      const typename Mainloop::SharedState shared{pipeline_k,
+                                                  pipeline_v,
+                                                  pipe_k_write,
+                                                  transposes ? pipe_v_staged_read : pipe_v_write,
+                                                  storage.barriers.q_full,
+                                                  storage.barriers.q_empty,
+                                                  q_empty_phase,
+                                                  storage.smem_q.data(),
+                                                  storage.kv,
+                                                  pipeline_vt,
+                                                  &pipe_vt_write};
       const bool lane0 = cutlass::canonical_lane_idx() == 0;
       for (int k = 0;; ++k) {
         int tile = lane0 ? Scheduler::tile_at(params.scheduler, storage.barriers.tiles, k, false) : 0;
@@ -143,7 +185,15 @@ struct ForwardKernel {
         const SeqlenInfo seq = Mainloop::seqlen_info(params.mainloop, work);
         const auto blocks = key_blocks(params, seq, work);
         if (blocks.count() == 0) continue;  // consumers write zeros; nothing to load
-        Mainloop::load(params.mainloop, shared, work, seq, blocks);
+        if constexpr (kTransposesV) {
+          if (transposes) {
+            Mainloop::transpose_v(shared, blocks.count(), int(threadIdx.x) - cutlass::NumThreadsPerWarp);
+          } else if (lane0) {
+            Mainloop::load(params.mainloop, shared, work, seq, blocks);
+          }
+        } else {
+          Mainloop::load(params.mainloop, shared, work, seq, blocks);
+        }
       }
     } else {  // consumers
       cutlass::arch::warpgroup_reg_alloc<kConsumerRegisters>();
@@ -155,9 +205,16 @@ struct ForwardKernel {
 
       typename Mainloop::PipelineState pipe_k_read, pipe_v_read;
       int q_full_phase = 0;
-      const typename Mainloop::SharedState shared{pipeline_k, pipeline_v, pipe_k_read, pipe_v_read,
-                                                  storage.barriers.q_full, storage.barriers.q_empty,
-                                                  q_full_phase, storage.smem_q.data(), storage.kv};
+      const typename Mainloop::SharedState shared{pipeline_k,
+                                                  pipeline_v,
+                                                  pipe_k_read,
+                                                  pipe_v_read,
+                                                  storage.barriers.q_full,
+                                                  storage.barriers.q_empty,
+                                                  q_full_phase,
+                                                  storage.smem_q.data(),
+                                                  storage.kv,
+                                                  pipeline_vt};
       typename Mainloop::TiledMmaPV tiled_mma_pv;
       for (int k = 0;; ++k) {
         const int tile = Scheduler::tile_at(params.scheduler, storage.barriers.tiles, k, thread_idx == 0);
@@ -174,10 +231,16 @@ struct ForwardKernel {
         }
         Tensor tOrO = partition_fragment_C(tiled_mma_pv, select<0, 1>(typename Mainloop::TileShapePV{}));
         constexpr int kRows = 2;  // rows of the accumulator a thread holds
-        OnlineSoftmax<kRows, Mainloop::Transform::kFmaExpEvery> softmax(params.mainloop.softmax_scale_log2);
+        const auto scale = Mainloop::tile_scale(params.mainloop, work, seq);
+        OnlineSoftmax<kRows, Mainloop::Transform::kFmaExpEvery, Mainloop::kProbabilityLog2> softmax(
+            scale.softmax_scale_log2);
         Mainloop::mma(params.mainloop, shared, tOrO, softmax, thread_idx, work, seq, blocks);
         float o_scale[kRows], lse[kRows];
-        softmax.finalize(params.mainloop.softmax_scale, o_scale, lse, sink_log2);
+        softmax.finalize(scale.softmax_scale, o_scale, lse, sink_log2);
+        if constexpr (kTransposesV) {
+          CUTLASS_PRAGMA_UNROLL
+          for (int m = 0; m < kRows; ++m) o_scale[m] *= scale.o_factor;
+        }
         Tensor o_rowcol = make_tensor(tOrO.data(), accumulator_rowcol(tOrO.layout()));
         scale_rows(o_rowcol, o_scale);
         // Rows past seqused_q: O = 0, LSE = -inf.
