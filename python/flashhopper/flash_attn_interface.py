@@ -61,15 +61,11 @@ def _not_yet(argument: str, value, what: str):
     raise interface.not_supported(f"{argument}={value!r}: {what} is not supported by FlashHopper yet")
 
 
-def _resolve_options(causal, q_descale, k_descale, v_descale, window_size, attention_chunk, softcap,
-                     num_splits, sm_margin):
-    """Refuses what FlashHopper cannot do yet (NotImplementedError), checks the mask and score options
-    (ValueError); returns (causal, window_left, window_right, softcap, attention_chunk) for the op,
-    with FA3's rule that causal forces the right bound to 0. (The other FA3 rule, a bound covering
-    the whole sequence is no bound, is applied by the op, where the lengths are concrete.)"""
-    for name, descale in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
-        if descale is not None:
-            _not_yet(name, "<tensor>", "fp8 attention (descale factors)")
+def _resolve_options(causal, window_size, attention_chunk, softcap, num_splits, sm_margin):
+    """Checks the mask and score options (ValueError); returns (causal, window_left, window_right,
+    softcap, attention_chunk) for the op, with FA3's rule that causal forces the right bound to 0.
+    (The other FA3 rule, a bound covering the whole sequence is no bound, is applied by the op,
+    where the lengths are concrete.)"""
     return _memoised(_check_options, causal, window_size, softcap, attention_chunk, num_splits, sm_margin)
 
 
@@ -150,8 +146,11 @@ def _attention(q, k, v, varlen, softmax_scale, causal, qv, q_descale, k_descale,
     """flash_attn_func and flash_attn_varlen_func: the argument checks (flashhopper.interface), then
     the fwd op (whose autograd runs bwd), or the library call alone when no gradient can flow;
     varlen None is the dense layout. With page_table (varlen only), k and v are pages."""
-    mask = _resolve_options(causal, q_descale, k_descale, v_descale, window_size, attention_chunk, softcap,
-                            num_splits, sm_margin)
+    mask = _resolve_options(causal, window_size, attention_chunk, softcap, num_splits, sm_margin)
+    descales = (q_descale, k_descale, v_descale)
+    if any(d is not None for d in descales) or (isinstance(q, torch.Tensor) and interface.output_dtype(q) != q.dtype):
+        return _fp8_attention(q, k, v, varlen, softmax_scale, mask, num_splits, sm_margin, return_attn_probs,
+                              learnable_sink, page_table, qv, descales)
     if qv is not None:
         return _qv_attention(q, k, v, qv, softmax_scale, mask, num_splits, learnable_sink, sm_margin,
                              return_attn_probs, varlen, page_table)
@@ -180,7 +179,7 @@ def _attention(q, k, v, varlen, softmax_scale, causal, qv, q_descale, k_descale,
                     f"to {interface.MAX_BACKWARD_HEAD_DIM}); call it under torch.no_grad() or with inputs that do "
                     "not require grad")
     else:
-        result = interface.forward(q, k, v, causal, softmax_scale, return_lse=bool(return_attn_probs),
+        return interface.forward(q, k, v, causal, softmax_scale, return_lse=bool(return_attn_probs),
                                    window_size=(window_left, window_right), softcap=softcap,
                                    attention_chunk=attention_chunk, learnable_sink=learnable_sink,
                                    varlen=None if varlen is None else interface.as_varlen(*varlen),
@@ -189,6 +188,31 @@ def _attention(q, k, v, varlen, softmax_scale, causal, qv, q_descale, k_descale,
     if unpadded_dim is not None:
         out = out[..., :unpadded_dim].contiguous()
     return (out, softmax_lse) if return_attn_probs else out
+
+
+def _fp8_attention(q, k, v, varlen, softmax_scale, mask, num_splits, sm_margin, return_attn_probs, learnable_sink,
+                   page_table, qv, descales):
+    """flash_attn_func and flash_attn_varlen_func with fp8 inputs (float8_e4m3fn, FA3's descale
+    factors; or descales given, which the library refuses for other dtypes): forward only, as in
+    FA3, eager; out is bf16. The library says which calls its fp8 kernels run (dense batches)."""
+    if qv is not None or page_table is not None:
+        name = "qv" if qv is not None else "page_table"
+        raise interface.not_supported(f"{name}: not with fp8 inputs (FlashHopper's fp8 path takes plain q, k, v)")
+    kind = _call_kind(q, k, v, learnable_sink, *descales)
+    if kind == _TRACED:
+        raise interface.not_supported("q: fp8 attention under torch.compile or torch.export is not supported yet "
+                                      "(eager calls run it)")
+    if kind == _AUTOGRAD:
+        raise interface.not_supported("q: fp8 attention has no backward (as in FA3); call it under torch.no_grad() "
+                                      "or with inputs that do not require grad")
+    causal, window_left, window_right, softcap, attention_chunk = mask
+    q_descale, k_descale, v_descale = descales
+    return interface.forward(q, k, v, causal, softmax_scale, return_lse=bool(return_attn_probs),
+                             window_size=(window_left, window_right), softcap=softcap,
+                             attention_chunk=attention_chunk, learnable_sink=learnable_sink,
+                             varlen=None if varlen is None else interface.as_varlen(*varlen),
+                             num_splits=num_splits, sm_margin=sm_margin, q_descale=q_descale,
+                             k_descale=k_descale, v_descale=v_descale)
 
 
 def _qv_attention(q, k, v, qv, softmax_scale, mask, num_splits, learnable_sink, sm_margin, return_attn_probs,

@@ -29,6 +29,8 @@ from ._ffi import FlashHopperError
 
 _DTYPES = {torch.bfloat16: _ffi.DTYPE_BF16, torch.float16: _ffi.DTYPE_FP16, torch.float32: _ffi.DTYPE_FP32,
            torch.int32: _ffi.DTYPE_INT32}
+if hasattr(torch, "float8_e4m3fn"):  # fp8 inputs (forward; the library's rules say where)
+    _DTYPES[torch.float8_e4m3fn] = _ffi.DTYPE_FP8_E4M3
 _FP8_DTYPES = tuple(getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
                                                       "float8_e5m2fnuz") if hasattr(torch, name))
 # FH_MAX_HEAD_DIM, FH_MAX_BACKWARD_HEAD_DIM and FH_MAX_SPLITS of include/flashhopper/flashhopper.h
@@ -96,7 +98,6 @@ def compiled_families() -> list:
     families = (_ffi.KernelFamilyStruct * max(count, 1))()
     lib.fh_compiled_families(families, count)
     dtypes = {code: dtype for dtype, code in _DTYPES.items()}
-    dtypes[_ffi.DTYPE_FP8_E4M3] = torch.float8_e4m3fn  # forward families of fp8 inputs (dense batches)
     return [KernelFamily("backward" if f.backward else "forward", dtypes[f.dtype], f.head_dim, f.head_dim_v)
             for f in families[:count]]
 
@@ -182,8 +183,8 @@ def _dtype_code(name: str, t) -> int:
     code = _DTYPES.get(t.dtype)
     if code is None:
         if t.dtype in _FP8_DTYPES:
-            raise not_supported(f"{name}: dtype {t.dtype}: fp8 attention is not supported by FlashHopper yet "
-                                "(bfloat16 or float16)")
+            raise not_supported(f"{name}: dtype {t.dtype}: of the fp8 dtypes FlashHopper takes torch.float8_e4m3fn "
+                                "alone (FA3's)")
         raise invalid_argument(f"{name}: dtype {t.dtype} is not supported (torch.bfloat16 or torch.float16 inputs, "
                                "torch.float32 lse and sinks, torch.int32 lengths and indices)")
     return code
@@ -233,8 +234,13 @@ def _metadata_views(named) -> Optional[list]:
     return views
 
 
+def output_dtype(q: torch.Tensor) -> torch.dtype:
+    """The dtype of the out a call allocates: q's, bf16 for fp8 inputs (the library's rule)."""
+    return torch.bfloat16 if _DTYPES.get(q.dtype) == _ffi.DTYPE_FP8_E4M3 else q.dtype
+
+
 def _output_stand_ins(q, v, first_index: int, out: bool, lse: bool) -> list:
-    """Stand-ins for the outputs a call allocates: out (*q.shape[:-1], v.shape[-1]) in q's dtype and
+    """Stand-ins for the outputs a call allocates: out (*q.shape[:-1], v.shape[-1]) in output_dtype(q) and
     lse (lse_shape(q), float32), where q's and v's ranks let them be formed (else the C check
     refuses q or v first)."""
     if not (isinstance(q, torch.Tensor) and isinstance(v, torch.Tensor) and q.dim() in (3, 4) and v.dim() >= 1
@@ -242,7 +248,8 @@ def _output_stand_ins(q, v, first_index: int, out: bool, lse: bool) -> list:
         return []
     views = []
     if out:
-        views.append(("out", _stand_in(first_index, _dtype_code("q", q), (*q.shape[:-1], v.shape[-1]))))
+        _dtype_code("q", q)  # q's dtype refused by its name first
+        views.append(("out", _stand_in(first_index, _DTYPES[output_dtype(q)], (*q.shape[:-1], v.shape[-1]))))
     if lse:
         views.append(("lse", _stand_in(first_index + 1, _ffi.DTYPE_FP32, lse_shape(q))))
     return views
@@ -494,7 +501,7 @@ _NO_MASK = (False, -1, -1, 0.0, 0)
 
 
 def check_forward(q, k, v, *, out=None, return_lse=False, learnable_sink=None, varlen=None, softmax_scale=None,
-                  mask=_NO_MASK, num_splits=1, sm_margin=0) -> None:
+                  mask=_NO_MASK, num_splits=1, sm_margin=0, descales=(None, None, None)) -> None:
     """A forward call's arguments as forward() takes them (mask: check_mask_args's tuple): the
     conversions here, then the library's fh_forward_check on their metadata, with stand-ins for
     the outputs the call would allocate. No data is read; no device is needed."""
@@ -502,7 +509,8 @@ def check_forward(q, k, v, *, out=None, return_lse=False, learnable_sink=None, v
     check_sm_margin(sm_margin)
     check_softmax_scale(softmax_scale)
     check_varlen(varlen)
-    named = [("q", q), ("k", k), ("v", v), ("out", out), ("learnable_sink", learnable_sink), *varlen_tensors(varlen)]
+    named = [("q", q), ("k", k), ("v", v), ("out", out), ("learnable_sink", learnable_sink), *varlen_tensors(varlen),
+             *_descale_tensors(descales)]
     views = _metadata_views(named)
     params = _ffi.ForwardParams()
     _ffi.lib().fh_forward_params_init(ctypes.byref(params))
@@ -668,14 +676,22 @@ def _varlen_sizes(varlen) -> tuple:
     return () if varlen is None else (varlen.max_seqlen_q, varlen.max_seqlen_k)
 
 
+def _descale_tensors(descales) -> list:
+    """fp8's (q_descale, k_descale, v_descale) as named tensors."""
+    return list(zip(("q_descale", "k_descale", "v_descale"), descales))
+
+
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
             softmax_scale: float | None = None, out: torch.Tensor | None = None,
             return_lse: bool = False, *, window_size=(-1, -1), softcap: float = 0.0,
             attention_chunk: int = 0, learnable_sink: torch.Tensor | None = None, varlen: Varlen | None = None,
-            num_splits: int = 1, sm_margin: int = 0):
+            num_splits: int = 1, sm_margin: int = 0, q_descale: torch.Tensor | None = None,
+            k_descale: torch.Tensor | None = None, v_descale: torch.Tensor | None = None):
     """Attention forward. q [B, sq, Hq, d], k [B, sk, Hkv, d], v [B, sk, Hkv, d] on one CUDA
-    device (bf16 or fp16). Returns out [B, sq, Hq, d] (and lse [B, Hq, sq] float32 when
-    return_lse). softmax_scale None means 1/sqrt(d); causal is aligned bottom-right.
+    device (bf16, fp16, or float8_e4m3fn with a bf16 out: dense batches, forward only). Returns
+    out [B, sq, Hq, d] (and lse [B, Hq, sq] float32 when return_lse). softmax_scale None means
+    1/sqrt(d); causal is aligned bottom-right. fp8: q_descale, k_descale, v_descale float32
+    [B, Hkv] (each optional) are the factors of the stored values (true = stored * factor).
     With varlen (a Varlen: cu_seqlens, max_seqlen, seqused), the packed layout: q [total_q, Hq, d],
     k/v [total_k, Hkv, d], out [total_q, Hq, d], lse [Hq, total_q]; the mask is aligned
     bottom-right within each sequence.
@@ -689,21 +705,23 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = Fa
     partials are combined (split-KV; dense or packed queries), 0 lets the library choose from the shapes
     (more than one only where the query tiles leave most SMs idle), 1 does not split. sm_margin
     leaves that many SMs free for other kernels (FA3's argument)."""
-    key = _plan_key("forward", (q, k, v, out, learnable_sink, *_varlen_fields(varlen)),
+    descales = (q_descale, k_descale, v_descale)
+    key = _plan_key("forward", (q, k, v, out, learnable_sink, *_varlen_fields(varlen), *descales),
                     (causal, softmax_scale, return_lse, window_size, softcap, attention_chunk, num_splits, sm_margin,
                      *_varlen_sizes(varlen)))
     plan = _PLANS.get(key) if key is not None else None
     if plan is None:
         mask = check_mask_args(causal, window_size, softcap, attention_chunk)
         check_forward(q, k, v, out=out, return_lse=return_lse, learnable_sink=learnable_sink, varlen=varlen,
-                      softmax_scale=softmax_scale, mask=mask, num_splits=num_splits, sm_margin=sm_margin)
+                      softmax_scale=softmax_scale, mask=mask, num_splits=num_splits, sm_margin=sm_margin,
+                      descales=descales)
         check_devices([("q", q), ("k", k), ("v", v), ("out", out), ("learnable_sink", learnable_sink)]
-                      + varlen_tensors(varlen))
+                      + varlen_tensors(varlen) + _descale_tensors(descales))
     if out is None:
-        out = torch.empty((*q.shape[:-1], v.shape[-1]), dtype=q.dtype, device=q.device)
+        out = torch.empty((*q.shape[:-1], v.shape[-1]), dtype=output_dtype(q), device=q.device)
     lse = torch.empty(lse_shape(q), dtype=torch.float32, device=q.device) if return_lse else None
     named = (("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse), ("learnable_sink", learnable_sink),
-             *varlen_tensors(varlen))
+             *varlen_tensors(varlen), *_descale_tensors(descales))
     lib = _ffi.lib()
     if plan is None:
         params = _ffi.ForwardParams()

@@ -200,9 +200,6 @@ def test_module_alias_import():
 # What the kernels cannot do yet: NotImplementedError naming the argument, before device checks
 
 @pytest.mark.parametrize("kwargs, argument", [
-    (dict(q_descale=torch.ones(2, 2)), "q_descale"),
-    (dict(k_descale=torch.ones(2, 2)), "k_descale"),
-    (dict(v_descale=torch.ones(2, 2)), "v_descale"),
     (dict(softmax_scale=0.0), "softmax_scale"),
 ])
 def test_not_implemented_arguments(kwargs, argument):
@@ -228,10 +225,38 @@ def test_forward_only_head_dims_refuse_a_gradient(monkeypatch):
 
 
 def test_not_implemented_dtypes():
+    """fp8 dtypes other than float8_e4m3fn (FA3's) are refused by name."""
     q, k, v = qkv()
-    if hasattr(torch, "float8_e4m3fn"):
-        with pytest.raises(NotImplementedError, match="q: dtype"):
-            flash_attn_func(*(t.to(torch.float8_e4m3fn) for t in (q, k, v)))
+    for name in ("float8_e5m2", "float8_e4m3fnuz"):
+        if hasattr(torch, name):
+            with pytest.raises(NotImplementedError, match="q: dtype .* takes torch.float8_e4m3fn alone"):
+                flash_attn_func(*(t.to(getattr(torch, name)) for t in (q, k, v)))
+
+
+@pytest.mark.parametrize("name", ["q_descale", "k_descale", "v_descale"])
+def test_descales_apply_to_fp8_inputs_only(name):
+    """Descale factors with bf16 inputs: the library's rule, naming the factor (dense and packed)."""
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match=rf"{name}: is given but q is bf16; descale factors apply to fp8_e4m3"):
+        flash_attn_func(q, k, v, **{name: torch.ones(2, 2)})
+    with pytest.raises(ValueError, match=rf"{name}: is given but q is bf16"):
+        fa3.flash_attn_varlen_func(*varlen_args(), **{name: torch.ones(2, 2)})
+
+
+def test_fp8_is_forward_only_eager_and_dense():
+    """fp8 inputs: out is bf16 (the library's check runs on a bf16 stand-in for it); a call that
+    asks for a gradient, one with qv or a page table is refused by name before any device check."""
+    if not hasattr(torch, "float8_e4m3fn"):
+        pytest.skip("this PyTorch has no float8_e4m3fn")
+    q, k, v = (t.to(torch.float8_e4m3fn) for t in qkv())
+    with pytest.raises(ValueError, match="q: expected a CUDA tensor|must be on a CUDA device|device"):
+        flash_attn_func(q, k, v)  # checked as fp8 with a bf16 out, then refused for the CPU device
+    descale = torch.ones(2, 2)
+    q_grad = q.to(torch.float32).requires_grad_().to(torch.float8_e4m3fn)
+    with pytest.raises(NotImplementedError, match="fp8 attention has no backward"):
+        flash_attn_func(q_grad, k, v, q_descale=descale)
+    with pytest.raises(NotImplementedError, match="qv: not with fp8 inputs"):
+        flash_attn_func(q, k, v, qv=torch.zeros(2, 64, 2, 64, dtype=torch.bfloat16))
 
 
 @pytest.mark.parametrize("head_dim, head_dim_v", [(128, 64), (192, 128), (64, 256), (64, 512), (96, 59)])
@@ -421,8 +446,8 @@ def test_refusals_are_flashhopper_errors_of_the_builtin_type():
         flash_attn_func(q.float(), k.float(), v.float())
     assert isinstance(info.value, (flashhopper.FlashHopperError)) and isinstance(info.value, RuntimeError)
     assert isinstance(info.value, ValueError)
-    with pytest.raises(flashhopper.FlashHopperNotSupported, match="q_descale") as info:
-        fa3.flash_attn_varlen_func(*varlen_args(), q_descale=torch.ones(3, 2))
+    with pytest.raises(flashhopper.FlashHopperNotSupported, match="qv: not with fp8 inputs") as info:
+        fa3.flash_attn_varlen_func(*varlen_args(), q_descale=torch.ones(3, 2), qv=torch.zeros(1))
     assert isinstance(info.value, flashhopper.FlashHopperError) and isinstance(info.value, NotImplementedError)
     with pytest.raises(flashhopper.FlashHopperInvalidArgument, match="window_size"):
         fa3.flash_attn_varlen_func(*varlen_args(), window_size=(-2, 0))
@@ -977,7 +1002,7 @@ def test_option_checks_are_memoised_by_value_and_type():
     the result; the same value in another type is checked anew (sm_margin=True is refused after
     sm_margin=1 passed), and a refused value is refused on every call."""
     fa3._CHECKED.clear()
-    plain = (False, None, None, None, (-1, -1), 0, 0.0, 1, 0)  # causal, descales, window, ...
+    plain = (False, (-1, -1), 0, 0.0, 1, 0)  # causal, window, chunk, softcap, num_splits, sm_margin
     first = fa3._resolve_options(*plain)
     assert first == (False, -1, -1, 0.0, 0) and fa3._resolve_options(*plain) is first and len(fa3._CHECKED) == 1
     assert fa3._resolve_options(1, *plain[1:]) == (True, -1, 0, 0.0, 0) and len(fa3._CHECKED) == 2
@@ -986,10 +1011,8 @@ def test_option_checks_are_memoised_by_value_and_type():
         with pytest.raises(ValueError, match="sm_margin: expected an int, got bool"):
             fa3._resolve_options(*plain[:-1], True)
         with pytest.raises(ValueError, match="window_size"):
-            fa3._resolve_options(False, None, None, None, (1.5, 0), 0, 0.0, 1, 0)
-    assert fa3._resolve_options(False, None, None, None, [-1, -1], 0, 0.0, 1, 0) == first  # a list: not memoised
-    with pytest.raises(NotImplementedError, match="q_descale"):
-        fa3._resolve_options(False, torch.ones(1), *plain[2:])
+            fa3._resolve_options(False, (1.5, 0), 0, 0.0, 1, 0)
+    assert fa3._resolve_options(False, [-1, -1], 0, 0.0, 1, 0) == first  # a list: not memoised
 
 
 @pytest.mark.parametrize("causal, window, expected", [

@@ -118,7 +118,7 @@ def test_private_entry_points_refuse_by_name():
         fa3._flash_attn_forward(q, q, q, sm_margin=4.0)
     with pytest.raises(ValueError, match="sm_margin: expected an int"):
         fa3._flash_attn_backward(q, q, q, q, q, lse, sm_margin=None)
-    with pytest.raises(NotImplementedError, match="q_descale"):
+    with pytest.raises(ValueError, match="q_descale: is given but q is bf16"):
         fa3._flash_attn_forward(q, q, q, q_descale=torch.ones(1, 2))
     with pytest.raises(NotImplementedError, match="cu_seqlens_k"):  # a KV-cache call over packed keys
         fa3._flash_attn_forward(q, q, q, kv_batch_idx=torch.zeros(1, dtype=torch.int32),

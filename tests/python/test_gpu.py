@@ -22,7 +22,8 @@ import flashhopper.flash_attn_interface as fa3
 from flashhopper import FlashHopperNotSupported, flash_attn_func
 
 from support import (FA3_NAMES, attention_block_and_input, attention_reference, capture_graph, cross_layer_cases,
-                     expect_replay_matches_eager, refused_argument, requires_gpu, varlen_attention_reference)
+                     expect_replay_matches_eager, refused_argument, requires_gpu, varlen_attention_reference,
+                     visible_keys)
 
 OUT_SLACK = 1e-5
 GRAD_SLACK = 1e-4
@@ -276,6 +277,39 @@ def test_head_dim_512_forward_against_reference(causal):
     torch.testing.assert_close(lse.double(), lse64, rtol=1e-3, atol=1e-3)
     with pytest.raises(NotImplementedError, match=r"head dims \(512, 512\) run forward only"):
         flash_attn_func(q.requires_grad_(), k, v, causal=causal)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+@requires_gpu
+def test_fp8_forward_against_reference(head_dim, causal):
+    """fp8 (float8_e4m3fn) with descales [B, Hkv] in [0, 2): flash_attn_func's bf16 out against float64
+    attention on the dequantised inputs, within twice the error of a plain fp8 implementation (P
+    rounded to e4m3 as it is, O to bf16) plus the slack; lse close; GQA 8/2, sq != sk."""
+    if not hasattr(torch, "float8_e4m3fn"):
+        pytest.skip("this PyTorch has no float8_e4m3fn")
+    generator = torch.Generator(device="cuda").manual_seed(head_dim + causal)
+    q, k, v = (torch.randn(2, length, heads, head_dim, device="cuda", generator=generator).to(torch.float8_e4m3fn)
+               for length, heads in ((300, 8), (517, 2), (517, 2)))
+    q_descale, k_descale, v_descale = (2 * torch.rand(2, 2, device="cuda", generator=generator) for _ in range(3))
+    out, lse = run_or_skip(flash_attn_func, q, k, v, causal=causal, q_descale=q_descale, k_descale=k_descale,
+                           v_descale=v_descale, return_attn_probs=True)
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape and not out.isnan().any()
+    group = lambda t, factor: t.double() * factor.double().view(2, 1, 2, 1).repeat_interleave(  # noqa: E731
+        t.shape[2] // 2, dim=2)
+    qd, kd, vd = group(q, q_descale), group(k, k_descale), group(v, v_descale)
+    ref64, lse64 = attention_reference(qd, kd, vd, causal=causal, softmax_scale=head_dim ** -0.5)
+    # The plain fp8 implementation: float32 scores and softmax, P rounded to e4m3, O to bf16.
+    scores = (qd.float().transpose(1, 2) * head_dim ** -0.5) @ kd.float().repeat_interleave(4, 2).permute(0, 2, 3, 1)
+    visible = visible_keys(300, 517, causal, (-1, -1), 0, device="cuda")
+    scores = scores.masked_fill(~visible, float("-inf"))
+    p = torch.exp(scores - scores.amax(-1, keepdim=True))
+    plain = (p.to(torch.float8_e4m3fn).float() @ vd.float().repeat_interleave(4, 2).transpose(1, 2)) / p.sum(-1, True)
+    plain = plain.to(torch.bfloat16).transpose(1, 2)
+    ours_err = (out.double() - ref64).abs().max().item()
+    plain_err = (plain.double() - ref64).abs().max().item()
+    assert ours_err <= 2 * plain_err + OUT_SLACK, (ours_err, plain_err)
+    torch.testing.assert_close(lse.double(), lse64, rtol=1e-3, atol=1e-3)
 
 
 @pytest.mark.parametrize("causal", [False, True])
