@@ -596,8 +596,8 @@ struct ForwardMainloop {
         return cute::tuple<>{};
       }
     }();
-    // This warpgroup's share of Q K^T's 16-column slices of d: all of them unless O is split.
-    constexpr int kSlicesQK = kHeadDim / 16 / kColumnWarpGroups;
+    // This warpgroup's share of Q K^T's MMA slices of d (16 columns, 32 with fp8): all of them unless O is split.
+    constexpr int kSlicesQK = decltype(size<2>(tSrQ))::value / kColumnWarpGroups;
     const int first_slice_qk = column_wg * kSlicesQK;
     auto gemm_s = [&](auto zero_init) {
       constexpr bool kZeroInit = decltype(zero_init)::value;
