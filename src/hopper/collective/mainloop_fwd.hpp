@@ -724,6 +724,23 @@ struct ForwardMainloop {
     return 16 * h + 8 * (i / 2) + 2 * t + i % 2;
   }
 
+  // fp8: byte v of slice k of a thread's P (fp8_operand_from_scores) is, by CuTe's layouts of the
+  // two MMAs, the accumulator value of the same row and of the key that P V's stage holds at that
+  // byte's k (key_of_fp8_slot): every byte, at the threads of each lane bit and warp and at the first
+  // and last slice (the layouts are linear in those; all 128 threads exceed nvcc's constexpr budget).
+  static constexpr bool fp8_keys_agree() {
+    using ALayout = typename TiledMmaPV::Atom::Traits::ALayout;  // (thread, byte) -> m + 64 k of a 64 x 32 slice
+    using CLayout = typename TiledMmaQK::Atom::Traits::CLayout;  // (thread, value) -> m + 64 n of 64 x kBlockN
+    for (int thread : {0, 1, 2, 3, 4, 8, 16, 31, 32, 64, 96, 127})
+      for (int slice : {0, kBlockN / 32 - 1})
+        for (int byte = 0; byte < 16; ++byte) {
+          const int i = byte % 4, r = byte / 4 % 2, h = byte / 8;
+          const int a = ALayout{}(thread, byte), c = CLayout{}(thread, i % 2 + 2 * r + 4 * (4 * slice + 2 * h + i / 2));
+          if (a % 64 != c % 64 || c / 64 != 32 * slice + key_of_fp8_slot(a / 64)) return false;
+        }
+    return true;
+  }
+
   // fp8, the producer's warps 1-3 (kTransposeThreads, `thread` their index): each of the tile's
   // num_blocks V blocks from its staging buffer (N, dv) into P V's stage (dv, N) in key_of_fp8_slot's
   // order. A thread moves 4 x 4 bytes at a time: 4 slots (keys of the staging buffer's rows) by 4
@@ -732,6 +749,7 @@ struct ForwardMainloop {
   // 128-byte swizzles.
   CUTLASS_DEVICE static void transpose_v(SharedState const& shared, int num_blocks, int thread) {
     static_assert(kTransposesV);
+    static_assert(fp8_keys_agree(), "P's bytes and V's transposed keys must pair the same key");
     Tensor sV = make_tensor(make_smem_ptr(shared.kv.smem_v_staged.data()), SmemLayoutVAsB{});  // (N, dv, stages)
     Tensor sVt = make_tensor(make_smem_ptr(shared.kv.smem_v.data()), SmemLayoutVt{});         // (dv, N, stages)
     constexpr int kColumnGroups = kHeadDimV / 4, kSlotGroups = kBlockN / 4;
