@@ -182,15 +182,21 @@ struct ForwardMainloop {
     cute::array_aligned<Element, cosize_v<SmemLayoutQv>, 1024> smem_qv;
   };
   // kSplitsO: each warpgroup's half of S, float, as [buffer][warpgroup][register / 4][thread][4]
-  // (16-byte accesses, a quarter warp's 128 contiguous bytes: no bank conflicts); two buffers,
-  // used by turns.
+  // (16-byte accesses, a quarter warp's 128 contiguous bytes: no bank conflicts); two buffers used
+  // by turns where they fit beside Q, Qv, K and V, else one.
   static constexpr int kScoreRegisters = kBlockN / 2;  // S's floats a thread holds: 64 x N / 128
+  static constexpr int kExchangeBufferBytes =
+      kColumnWarpGroups * kScoreRegisters * cutlass::NumThreadsPerWarpGroup * int(sizeof(float));
+  static constexpr int kBytesBesideExchange =
+      int((cosize_v<SmemLayoutQ> + cosize_v<SmemLayoutK> + cosize_v<SmemLayoutVt> + (kQv ? cosize_v<SmemLayoutQv> : 0)) *
+          sizeof(Element)) +
+      1024;  // the barriers and alignment
+  static constexpr int kExchangeBuffers = kBytesBesideExchange + 2 * kExchangeBufferBytes <= kSmemLimitBytes ? 2 : 1;
   template <bool kOn, class = void>
   struct ScoreExchangeStorage {};
   template <class Unused>
   struct ScoreExchangeStorage<true, Unused> {
-    cute::array_aligned<float, 2 * kColumnWarpGroups * kScoreRegisters * cutlass::NumThreadsPerWarpGroup, 128>
-        smem_s;
+    cute::array_aligned<float, kExchangeBuffers * kExchangeBufferBytes / sizeof(float), 128> smem_s;
   };
   template <bool kOn, class = void>
   struct QvParams {};
@@ -619,19 +625,21 @@ struct ForwardMainloop {
     // Where O is split: S is this warpgroup's half of the contraction until the other's is added.
     // Block k's halves go through buffer k % 2 (the K stages' count, which runs on across tiles),
     // so one barrier a block suffices: a buffer is written again only after the next block's
-    // barrier, which the other warpgroup reaches after reading it. s0 + s1 and s1 + s0 are the same
-    // float, so both warpgroups hold the same S.
+    // barrier, which the other warpgroup reaches after reading it. With one buffer a second barrier
+    // before the writes waits until both have read the previous block's halves. s0 + s1 and s1 + s0
+    // are the same float, so both warpgroups hold the same S.
     auto add_other_half = [&] {
       if constexpr (kSplitsO) {
         static_assert(decltype(size(tSrS))::value == kScoreRegisters && kScoreRegisters % 4 == 0);
         constexpr int kThreads = cutlass::NumThreadsPerWarpGroup;
         constexpr int kQuads = kScoreRegisters / 4;  // 16-byte accesses, conflict-free a quarter warp each
         constexpr uint32_t kStride = kThreads * 16;  // bytes from one register quad to the next
+        const uint32_t turn = kExchangeBuffers == 2 ? shared.k_state.count() & 1 : 0;
         const uint32_t buffer = cute::cast_smem_ptr_to_uint(shared.kv.smem_s.data()) +
-                                (shared.k_state.count() & 1) * kColumnWarpGroups * kQuads * kStride +
-                                (thread_idx % kThreads) * 16;
+                                turn * kColumnWarpGroups * kQuads * kStride + (thread_idx % kThreads) * 16;
         const uint32_t mine = buffer + column_wg * kQuads * kStride;
         const uint32_t theirs = buffer + (1 - column_wg) * kQuads * kStride;
+        if constexpr (kExchangeBuffers == 1) named_barrier_sync(kNumMmaThreads, FwdBarrier::kScoreExchange);
         CUTLASS_PRAGMA_UNROLL
         for (int r = 0; r < kQuads; ++r)
           store_shared_16(mine + r * kStride, tSrS(4 * r), tSrS(4 * r + 1), tSrS(4 * r + 2), tSrS(4 * r + 3));
