@@ -6,7 +6,8 @@
 # "resources gate tests varlen sanitize python") and, with BENCH_HDIMS set, bench_head_dims.py
 # beside FlashAttention-4 (the peers' env.sh, when $PEERS_ENV exists); with BENCH_SM_MARGIN=N,
 # python -m flashhopper.bench without and with N SMs left free; with BENCH_MLA=1 (full set), the
-# absorbed-MLA decode rows and split_sweep.py (MLA and GQA). One line a step goes to
+# absorbed-MLA decode rows and split_sweep.py (MLA and GQA); with BENCH_FP8=1 (full set), python -m
+# flashhopper.bench --fp8. One line a step goes to
 # $JOB_DIR/out/progress.log; each step's output to $JOB_DIR/out/step_<step>.txt. Usage, from the
 # repository root on the GPU machine (carry the tarball and .gtest/):
 #   CUTLASS_TARBALL=build-bisect/cutlass.tar.xz setsid nohup scripts/device_job.sh > /tmp/job.log 2>&1 < /dev/null &
@@ -60,6 +61,13 @@ if [ -n "${BENCH_SM_MARGIN:-}" ]; then
       --out "$out/bench_margin$margin" > "$out/bench_margin$margin.txt" 2>&1
     log "bench sm_margin $margin rc=$?: $(tail -1 "$out/bench_margin$margin.txt")"
   done
+fi
+if [ -n "${BENCH_FP8:-}" ]; then
+  # The fp8 forward beside our bf16 and cuDNN (full set: the fp8 families), 16k tokens a run.
+  log "bench fp8"
+  PYTHONUNBUFFERED=1 FLASHHOPPER_LIBRARY="$BUILD/libflashhopper.so" PYTHONPATH="$src/python:${PYTHONPATH:-}" \
+    timeout 400 python3 -m flashhopper.bench --fp8 --out "$out/fp8" > "$out/bench_fp8.txt" 2>&1
+  log "bench fp8 rc=$?: $(tail -1 "$out/bench_fp8.txt")"
 fi
 if [ -n "${BENCH_MLA:-}" ]; then
   # Absorbed MLA decode (the full set's qv family): the bench's MLA rows alone, then every split

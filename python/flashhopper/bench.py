@@ -23,6 +23,7 @@ peers' install; its backward timed through autograd as SDPA's), with the ratio t
     (bench/benchmark_attention.py is the same script; scripts/device_check.sh bench runs it)
     python -m flashhopper.bench --decode [...]: decoding against a KV cache (flashhopper.bench_decode)
     python -m flashhopper.bench --gate [...]: the speed gate against bench/baseline_<gpu>.csv (flashhopper.gate)
+    python -m flashhopper.bench --fp8 [...]: the fp8 forward beside bf16 and cuDNN (flashhopper.bench_fp8)
 
 Each measured row prints one progress line: [row/total] the numbers, elapsed seconds. The PNG needs
 matplotlib (imported only to plot); without it the plot is skipped with a message.
@@ -82,6 +83,9 @@ def main(argv=None):
     if "--decode" in argv:  # the decode benchmark, with its own options
         from .bench_decode import main as decode_main
         return decode_main([a for a in argv if a != "--decode"])
+    if "--fp8" in argv:  # fp8 forward beside bf16, with its own options
+        from .bench_fp8 import main as fp8_main
+        return fp8_main([a for a in argv if a != "--fp8"])
     if "--gate" in argv:  # the speed gate against the recorded baseline, with its own options
         from .gate import main as gate_main
         return gate_main([a for a in argv if a != "--gate"])

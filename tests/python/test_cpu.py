@@ -1630,12 +1630,14 @@ def test_bench_help_and_outputs(tmp_path):
     with pytest.raises(SystemExit) as exit_info:
         bench.main(["--help"])
     assert exit_info.value.code == 0
-    with pytest.raises(SystemExit) as exit_info:
-        bench.main(["--decode", "--help"])
-    assert exit_info.value.code == 0
-    # Where the kernels cannot run: one line, exit code 1, no output folder (both benchmarks).
+    for mode in ("--decode", "--fp8"):
+        with pytest.raises(SystemExit) as exit_info:
+            bench.main([mode, "--help"])
+        assert exit_info.value.code == 0
+    # Where the kernels cannot run: one line, exit code 1, no output folder (every benchmark).
     assert bench.main(["--out", str(tmp_path / "never")]) == 1
     assert bench.main(["--decode", "--out", str(tmp_path / "never")]) == 1
+    assert bench.main(["--fp8", "--out", str(tmp_path / "never")]) == 1
     assert not (tmp_path / "never").exists()
     nan = float("nan")
     rows = []
