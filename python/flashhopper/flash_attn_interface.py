@@ -179,7 +179,7 @@ def _attention(q, k, v, varlen, softmax_scale, causal, qv, q_descale, k_descale,
                     f"to {interface.MAX_BACKWARD_HEAD_DIM}); call it under torch.no_grad() or with inputs that do "
                     "not require grad")
     else:
-        return interface.forward(q, k, v, causal, softmax_scale, return_lse=bool(return_attn_probs),
+        result = interface.forward(q, k, v, causal, softmax_scale, return_lse=bool(return_attn_probs),
                                    window_size=(window_left, window_right), softcap=softcap,
                                    attention_chunk=attention_chunk, learnable_sink=learnable_sink,
                                    varlen=None if varlen is None else interface.as_varlen(*varlen),

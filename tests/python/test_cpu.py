@@ -1429,6 +1429,21 @@ def test_flash_attn_func_pads_odd_head_dims(monkeypatch, head_dim):
     assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
 
 
+@pytest.mark.parametrize("return_lse", [False, True])
+def test_flash_attn_func_unpads_without_autograd(monkeypatch, return_lse):
+    """The plain path (no gradient can flow: the library call alone) cuts the padded head dim off too,
+    with and without the lse."""
+    def fake_forward(q, k, v, causal, softmax_scale, return_lse=False, **options):
+        out = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=q.dtype)
+        return (out, torch.zeros(q.shape[0], q.shape[2], q.shape[1])) if return_lse else out
+
+    monkeypatch.setattr(fa3.interface, "forward", fake_forward)
+    q, k, v = qkv(seqlen_q=9, seqlen_k=13, heads_q=2, heads_kv=2, head_dim=59)
+    result = flash_attn_func(q, k, v, return_attn_probs=return_lse)
+    out = result[0] if return_lse else result
+    assert out.shape == q.shape and out.is_contiguous()
+
+
 def test_fake_tensor_prop_through_flash_attn_func():
     """flash_attn_func's output under FakeTensorMode matches the reference's shapes."""
     q, k, v = qkv(seqlen_q=40, seqlen_k=72, heads_q=4, heads_kv=4)
