@@ -99,8 +99,8 @@ R with_feature_set(std::index_sequence<kIndex...>, hopper::ForwardFeatures neede
 // compiled and that holds `needed`, as a tag; `otherwise` when none does.
 template <bool kQvFamily, bool kDenseOnly, class R, class F>
 R with_forward_features(hopper::ForwardFeatures needed, R otherwise, F&& f) {
-  return dispatch_detail::with_feature_set<kQvFamily, kDenseOnly>(std::make_index_sequence<std::size(kForwardFeatureSets)>{},
-                                                      needed, otherwise, f);
+  return dispatch_detail::with_feature_set<kQvFamily, kDenseOnly>(
+      std::make_index_sequence<std::size(kForwardFeatureSets)>{}, needed, otherwise, f);
 }
 
 // run(dtype, head_dim, head_dim_v, mask, softcap), all as tags, for `family`'s instantiation of

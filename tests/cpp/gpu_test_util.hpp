@@ -76,8 +76,8 @@ struct GridCase {
 
   std::string name() const {
     std::ostringstream s;
-    s << (dtype == FH_DTYPE_BF16 ? "bf16" : dtype == FH_DTYPE_FP16 ? "fp16" : "fp8") << "_d" << head_dim << (causal ? "_causal" : "_full") << "_b"
-      << batch << "_sq" << seqlen_q << "_sk" << seqlen_k << "_h" << heads_q << "_hkv" << heads_kv
+    s << (dtype == FH_DTYPE_BF16 ? "bf16" : dtype == FH_DTYPE_FP16 ? "fp16" : "fp8") << "_d" << head_dim
+      << (causal ? "_causal" : "_full") << "_b" << batch << "_sq" << seqlen_q << "_sk" << seqlen_k << "_h" << heads_q << "_hkv" << heads_kv
       << (heads_major_layout ? "_bhsd" : "") << (head_dim_v > 0 ? "_dv" + std::to_string(head_dim_v) : "")
       << features.tag() << (num_splits != 1 ? "_splits" + std::to_string(num_splits) : "");
     return s.str();

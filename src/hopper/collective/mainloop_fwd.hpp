@@ -188,8 +188,8 @@ struct ForwardMainloop {
   static constexpr int kExchangeBufferBytes =
       kColumnWarpGroups * kScoreRegisters * cutlass::NumThreadsPerWarpGroup * int(sizeof(float));
   static constexpr int kBytesBesideExchange =
-      int((cosize_v<SmemLayoutQ> + cosize_v<SmemLayoutK> + cosize_v<SmemLayoutVt> + (kQv ? cosize_v<SmemLayoutQv> : 0)) *
-          sizeof(Element)) +
+      int((cosize_v<SmemLayoutQ> + cosize_v<SmemLayoutK> + cosize_v<SmemLayoutVt> +
+           (kQv ? cosize_v<SmemLayoutQv> : 0)) * sizeof(Element)) +
       1024;  // the barriers and alignment
   static constexpr int kExchangeBuffers = kBytesBesideExchange + 2 * kExchangeBufferBytes <= kSmemLimitBytes ? 2 : 1;
   template <bool kOn, class = void>
