@@ -1660,7 +1660,8 @@ TEST(KernelFamilies, CompiledFamiliesQuery) {
   bool forward_bf16_128 = false, backward_bf16_128 = false;  // in every kernel set
   for (int32_t i = 0; i < count; ++i) {
     const fh_kernel_family& f = families[size_t(i)];
-    EXPECT_TRUE(f.dtype == FH_DTYPE_BF16 || f.dtype == FH_DTYPE_FP16);
+    EXPECT_TRUE(f.dtype == FH_DTYPE_BF16 || f.dtype == FH_DTYPE_FP16 ||
+                (f.dtype == FH_DTYPE_FP8_E4M3 && !f.backward));  // fp8: forward families only
     const auto* row = family_for(f.backward ? Pass::kBackward : Pass::kForward, fh_dtype(f.dtype), f.head_dim,
                                  f.head_dim_v);
     ASSERT_NE(row, nullptr);
@@ -1697,6 +1698,30 @@ TEST(KernelFamilies, UncompiledFamilyIsRefusedByName) {
     EXPECT_THAT(status.message, HasSubstr("head dim 200 runs on the forward bf16 hdim 256 kernels"));
     EXPECT_THAT(status.message, HasSubstr("-DFLASHHOPPER_KERNELS=bench"));
   }
+}
+
+// fp8 inputs run on the fp8 families (the full set), dense batches only: a build without them refuses
+// by the family's name and the set that has it; one with them refuses split-KV naming num_splits.
+TEST(KernelFamilies, Fp8RunsDenseBatchesOnTheFullSet) {
+  if (!fh_built_with_cuda()) GTEST_SKIP() << "a build without CUDA refuses every run as NO_DEVICE";
+  fh::ForwardParams p = fh::default_forward_params();
+  p.q = fh::make_tensor(fake_pointer(0), FH_DTYPE_FP8_E4M3, {kBatch, kSeqQ, kHeadsQ, 128});
+  p.k = fh::make_tensor(fake_pointer(1), FH_DTYPE_FP8_E4M3, {kBatch, kSeqK, kHeadsKV, 128});
+  p.v = fh::make_tensor(fake_pointer(2), FH_DTYPE_FP8_E4M3, {kBatch, kSeqK, kHeadsKV, 128});
+  p.out = fh::make_tensor(fake_pointer(3), FH_DTYPE_BF16, {kBatch, kSeqQ, kHeadsQ, 128});
+  fh::Status status = fh::forward(p, nullptr, 0, nullptr);
+  EXPECT_NE(status.code, FH_SUCCESS);
+  if (!compiled(false, FH_DTYPE_FP8_E4M3, 128)) {
+    EXPECT_EQ(status.code, FH_ERROR_NOT_SUPPORTED);
+    EXPECT_THAT(status.message, HasSubstr("runs on the forward fp8_e4m3 hdim 128 kernels"));
+    EXPECT_THAT(status.message, HasSubstr("-DFLASHHOPPER_KERNELS=full"));
+    return;
+  }
+  EXPECT_NE(status.code, FH_ERROR_NOT_SUPPORTED) << status.message;
+  p.num_splits = 3;
+  status = fh::forward(p, nullptr, 0, nullptr);
+  EXPECT_EQ(status.code, FH_ERROR_NOT_SUPPORTED);
+  EXPECT_THAT(status.message, HasSubstr("fp8_e4m3 inputs run dense batches only for now, without split-KV"));
 }
 
 }  // namespace
