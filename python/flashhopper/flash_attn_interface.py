@@ -179,11 +179,8 @@ def _attention(q, k, v, varlen, softmax_scale, causal, qv, q_descale, k_descale,
                     f"to {interface.MAX_BACKWARD_HEAD_DIM}); call it under torch.no_grad() or with inputs that do "
                     "not require grad")
     else:
-        result = interface.forward(q, k, v, causal, softmax_scale, return_lse=bool(return_attn_probs),
-                                   window_size=(window_left, window_right), softcap=softcap,
-                                   attention_chunk=attention_chunk, learnable_sink=learnable_sink,
-                                   varlen=None if varlen is None else interface.as_varlen(*varlen),
-                                   num_splits=num_splits, sm_margin=sm_margin)
+        result = _library_forward(q, k, v, varlen, softmax_scale, mask, num_splits, sm_margin, return_attn_probs,
+                                  learnable_sink)
         out, softmax_lse = result if return_attn_probs else (result, None)
     if unpadded_dim is not None:
         out = out[..., :unpadded_dim].contiguous()
@@ -205,9 +202,16 @@ def _fp8_attention(q, k, v, varlen, softmax_scale, mask, num_splits, sm_margin, 
     if kind == _AUTOGRAD:
         raise interface.not_supported("q: fp8 attention has no backward (as in FA3); call it under torch.no_grad() "
                                       "or with inputs that do not require grad")
+    return _library_forward(q, k, v, varlen, softmax_scale, mask, num_splits, sm_margin, return_attn_probs,
+                            learnable_sink, descales)
+
+
+def _library_forward(q, k, v, varlen, softmax_scale, mask, num_splits, sm_margin, return_lse, learnable_sink,
+                     descales=(None, None, None)):
+    """The library call alone (no gradient can flow): interface.forward's out, or (out, lse)."""
     causal, window_left, window_right, softcap, attention_chunk = mask
     q_descale, k_descale, v_descale = descales
-    return interface.forward(q, k, v, causal, softmax_scale, return_lse=bool(return_attn_probs),
+    return interface.forward(q, k, v, causal, softmax_scale, return_lse=bool(return_lse),
                              window_size=(window_left, window_right), softcap=softcap,
                              attention_chunk=attention_chunk, learnable_sink=learnable_sink,
                              varlen=None if varlen is None else interface.as_varlen(*varlen),

@@ -152,9 +152,8 @@ int run_forward(const ForwardPlan& plan, void* workspace, fh_stream_t stream) {
   const int err = visit_instantiation<Pass::kForward>(
       forward_family(call.params, call.shape), mask_kind(call.params), call.params.softcap > 0.f,
       [&](auto dtype, auto head_dim, auto head_dim_v, auto mask, auto softcap) {
-        constexpr bool kQvFamily = forward_family_takes_qv(dtype.value, head_dim.value, head_dim_v.value);
-        constexpr bool kDenseOnly = forward_family_dense_only(dtype.value, head_dim.value, head_dim_v.value);
-        return with_forward_features<kQvFamily, kDenseOnly>(features, cudaErrorInvalidValue, [&](auto feature_set) {
+        constexpr KernelFamily kRow = forward_family_row(dtype.value, head_dim.value, head_dim_v.value);
+        return with_forward_features<kRow.qv, kRow.dense_only>(features, cudaErrorInvalidValue, [&](auto feature_set) {
           return run_forward_hdim<dtype.value, head_dim.value, head_dim_v.value, mask.value, softcap.value,
                                   feature_set.value>(call.params, call.shape, parts, stream);
         });
