@@ -5,7 +5,8 @@
 # builds KERNELS (default bench) with the torch ops, runs the device_check.sh STEPS (default
 # "resources gate tests varlen sanitize python") and, with BENCH_HDIMS set, bench_head_dims.py
 # beside FlashAttention-4 (the peers' env.sh, when $PEERS_ENV exists); with BENCH_SM_MARGIN=N,
-# python -m flashhopper.bench without and with N SMs left free; with BENCH_MLA=1 (full set), the
+# python -m flashhopper.bench without and with N SMs left free; with BENCH_DENSE, python -m
+# flashhopper.bench beside the peers for each ';'-separated argument list; with BENCH_MLA=1 (full set), the
 # absorbed-MLA decode rows and split_sweep.py (MLA and GQA); with BENCH_FP8=1 (full set), python -m
 # flashhopper.bench --fp8. One line a step goes to
 # $JOB_DIR/out/progress.log; each step's output to $JOB_DIR/out/step_<step>.txt. Usage, from the
@@ -48,6 +49,30 @@ if [ -n "${BENCH_HDIMS:-}" ]; then
     --out "$out/head_dims" > "$out/head_dims.txt" 2>&1
   log "head_dims rc=$?: $(tail -1 "$out/head_dims.txt")"
 fi
+if [ -n "${BENCH_FP8:-}" ]; then
+  # The fp8 forward beside our bf16 and cuDNN (full set: the fp8 families), 16k tokens a run.
+  log "bench fp8"
+  PYTHONUNBUFFERED=1 FLASHHOPPER_LIBRARY="$BUILD/libflashhopper.so" PYTHONPATH="$src/python:${PYTHONPATH:-}" \
+    timeout 400 python3 -m flashhopper.bench --fp8 --out "$out/fp8" > "$out/bench_fp8.txt" 2>&1
+  log "bench fp8 rc=$?: $(tail -1 "$out/bench_fp8.txt")"
+fi
+if [ -n "${BENCH_DENSE:-}" ]; then
+  # python -m flashhopper.bench beside the peers (FA4's column where they import), one run a
+  # ';'-separated argument list, e.g. BENCH_DENSE="--hdims 128 --seqlens 1024 4096 16384;--hdims 64 256 --seqlens 8192".
+  peers="${PEERS_ENV:-/tmp/peers/env.sh}"
+  # shellcheck disable=SC1090
+  [ -f "$peers" ] && source "$peers"
+  n=0
+  IFS=';' read -ra dense_runs <<< "$BENCH_DENSE"
+  for args in "${dense_runs[@]}"; do
+    n=$((n + 1))
+    log "bench dense $n: $args"
+    # shellcheck disable=SC2086
+    PYTHONUNBUFFERED=1 FLASHHOPPER_LIBRARY="$BUILD/libflashhopper.so" PYTHONPATH="$src/python:${PYTHONPATH:-}" \
+      timeout 400 python3 -m flashhopper.bench $args --out "$out/dense$n" > "$out/bench_dense$n.txt" 2>&1
+    log "bench dense $n rc=$?: $(tail -1 "$out/bench_dense$n.txt")"
+  done
+fi
 if [ -n "${BENCH_SM_MARGIN:-}" ]; then
   # python -m flashhopper.bench (FA4's column where the peers import, peak memory) without and with
   # BENCH_SM_MARGIN SMs left free, hdim 128 at 4k and 16k tokens a sequence.
@@ -61,13 +86,6 @@ if [ -n "${BENCH_SM_MARGIN:-}" ]; then
       --out "$out/bench_margin$margin" > "$out/bench_margin$margin.txt" 2>&1
     log "bench sm_margin $margin rc=$?: $(tail -1 "$out/bench_margin$margin.txt")"
   done
-fi
-if [ -n "${BENCH_FP8:-}" ]; then
-  # The fp8 forward beside our bf16 and cuDNN (full set: the fp8 families), 16k tokens a run.
-  log "bench fp8"
-  PYTHONUNBUFFERED=1 FLASHHOPPER_LIBRARY="$BUILD/libflashhopper.so" PYTHONPATH="$src/python:${PYTHONPATH:-}" \
-    timeout 400 python3 -m flashhopper.bench --fp8 --out "$out/fp8" > "$out/bench_fp8.txt" 2>&1
-  log "bench fp8 rc=$?: $(tail -1 "$out/bench_fp8.txt")"
 fi
 if [ -n "${BENCH_MLA:-}" ]; then
   # Absorbed MLA decode (the full set's qv family): the bench's MLA rows alone, then every split
