@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Writes, from the kernel manifest (scripts/kernel_manifest.py):
 - the explicit instantiations under src/hopper/instantiations/, a file per family and feature set
-  holding each mask kind and softcap (manifest.units: few enough files that the kernels of one
+  holding each mask kind and softcap (Family.units: few enough files that the kernels of one
   share the compiler's work, enough of them to spread a build over all cores);
 - cmake/kernel_manifest.cmake: each kernel set's families and instantiations, from which
   cmake/kernels.cmake lists the sources;
@@ -31,7 +31,7 @@ LAUNCH = {  # header, function, its parameter types, the kernel's composition (i
 
 
 def instantiation_file(family: manifest.Family, members: list) -> str:
-    """One file of explicit instantiations: a family's variants of one feature set (manifest.units).
+    """One file of explicit instantiations: a family's variants of one feature set (Family.units).
     A comment line before each names the variant (bench/bisect_build.sh stubs variants by it)."""
     header, function, parameters, composition = LAUNCH[family.pass_]
     extended = any(family.uses_extended_gmma(kind) for _, kind, _, _ in members)
@@ -63,9 +63,9 @@ def cmake_lists(families: list) -> str:
         in_set = [f for f in families if f.in_set(kernel_set)]
         lines.append(f"set(FLASHHOPPER_KERNEL_FAMILIES_{kernel_set} {' '.join(f.stem for f in in_set)})")
         files = " ".join(f"{f.stem}{suffix}" for f in in_set
-                         for suffix in manifest.units(f.pass_, f.qv, f.dense_only))
+                         for suffix in f.units())
         lines.append(f"set(FLASHHOPPER_KERNEL_FILES_{kernel_set} {files})")
-        kernels = sum(len(manifest.variants(f.pass_, f.qv, f.dense_only)) for f in in_set)
+        kernels = sum(len(f.variants()) for f in in_set)
         lines.append(f"set(FLASHHOPPER_KERNEL_COUNT_{kernel_set} {kernels})")
     return "\n".join(lines) + "\n"
 
@@ -75,10 +75,16 @@ def dispatch_table(families: list) -> str:
     rows = "\n".join(
         f"    {{Pass::{manifest.PASSES[f.pass_]}, {manifest.DTYPES[f.dtype]}, {f.head_dim}, {f.head_dim_v}, "
         f"{manifest.KERNEL_SETS.index(f.first_set)}, {'true' if f.qv else 'false'}, "
-        f"{'true' if f.dense_only else 'false'}}}," for f in families)
-    with_qv = (False, True) if any(f.qv for f in families) else (False,)
-    feature_sets = ",\n    ".join(manifest.forward_feature_set(v, qv) for qv in with_qv
-                             for v in manifest.FORWARD_FEATURE_SETS.values())
+        f"{f.general_features if f.pass_ == 'fwd' else 'hopper::ForwardFeatures::kNone'}}}," for f in families)
+    # Each family's own sets, base (no feature) first: the dispatch tries a family's sets in this order.
+    forward = [f for f in families if f.pass_ == "fwd"]
+    feature_sets = []
+    for qv in sorted({f.qv for f in forward}):
+        for feature_set in [manifest.forward_feature_set(manifest.FORWARD_FEATURE_SETS[""], qv)] + [
+                f.general_features for f in forward if f.qv == qv]:
+            if feature_set not in feature_sets:
+                feature_sets.append(feature_set)
+    feature_sets = ",\n    ".join(feature_sets)
     return f"""// {HEADER}
 #pragma once
 
@@ -89,12 +95,13 @@ namespace flashhopper::launch {{
 
 inline constexpr const char* kKernelSets[] = {{{sets}}};
 
-// The forward's compiled feature sets, in the order the dispatch tries them (those with kQv: the
-// qv families').
+// The forward's compiled feature sets, in the order the dispatch tries them: a family compiles
+// the set without features (with kQv, a qv family's) and its general_features.
 inline constexpr hopper::ForwardFeatures kForwardFeatureSets[] = {{
     {feature_sets}}};
 
-// (pass, dtype, head dim, value head dim, the first kernel set that compiles it, qv, dense only)
+// (pass, dtype, head dim, value head dim, the first kernel set that compiles it, qv, the forward's
+// general features)
 inline constexpr KernelFamily kKernelFamilies[] = {{
 {rows}
 }};
@@ -117,7 +124,7 @@ def outputs() -> dict:
     families = manifest.families()
     files = {}
     for family in families:
-        for suffix, members in manifest.units(family.pass_, family.qv, family.dense_only).items():
+        for suffix, members in family.units().items():
             files[f"src/hopper/instantiations/{family.stem}{suffix}.cu"] = instantiation_file(family, members)
     files["cmake/kernel_manifest.cmake"] = cmake_lists(families)
     files["src/launch/kernel_manifest.hpp"] = dispatch_table(families)

@@ -15,8 +15,8 @@ from __future__ import annotations
 import dataclasses
 
 DTYPES = {"bf16": "FH_DTYPE_BF16", "fp16": "FH_DTYPE_FP16", "fp8": "FH_DTYPE_FP8_E4M3"}
-# fp8 (e4m3) inputs: forward only, on the rows that ask for it (HeadDims.fp8), dense batches only
-# for now (the feature set without any; a call with a feature is refused by name).
+# fp8 (e4m3) inputs: forward only, on the rows that ask for it (HeadDims.fp8), every feature but a
+# paged cache (FP8_GENERAL_FEATURES; a call with pages is refused by name).
 FP8 = "fp8"
 PASSES = {"fwd": "kForward", "bwd": "kBackward"}
 
@@ -36,6 +36,8 @@ SOFTCAP = {"": "false", "_softcap": "true"}
 # kQv besides (QV_FEATURE).
 FORWARD_FEATURE_SETS = {"": "kNone", "_general": "kAll"}
 QV_FEATURE = "kQv"
+# What an fp8 family's general kernels hold instead of kAll (forward_features.hpp: no pages).
+FP8_GENERAL_FEATURES = "kUnpaged"
 
 # And into every backward family: whether its kernels take packed batches (cu_seqlens, seqused),
 # file suffix -> kPacked. A call with packed batches runs on "true", any other on "false", which
@@ -86,9 +88,30 @@ class Family:
     qv: bool = False  # its row's
 
     @property
-    def dense_only(self) -> bool:
-        """Whether it compiles the forward's feature set without any feature alone (fp8 for now)."""
-        return self.dtype == FP8
+    def general_features(self) -> str:
+        """Forward: the ForwardFeatures enumerator of its general kernels (and kQv, a qv family's)."""
+        return forward_feature_set(FP8_GENERAL_FEATURES if self.dtype == FP8 else FORWARD_FEATURE_SETS["_general"],
+                                   self.qv)
+
+    def feature_sets(self) -> dict[str, str]:
+        """{file suffix: the launch's last template argument (a ForwardFeatures expression, or kPacked)}."""
+        if self.pass_ != "fwd":
+            return BACKWARD_FEATURE_SETS
+        return {"": forward_feature_set(FORWARD_FEATURE_SETS[""], self.qv), "_general": self.general_features}
+
+    def units(self) -> dict[str, list[tuple[str, str, str, str]]]:
+        """Its instantiation files, {file suffix: its variants}: one file a feature set, holding each
+        mask kind and softcap. The variants of a file share most of the compiler's work (CuTe's
+        layout algebra on the same tiles), so one file of six costs about what two files of one
+        would; kernels of different feature sets share much less (docs/kernel_families.md, "Build
+        time")."""
+        return {features_suffix: [(f"{mask}{suffix}{features_suffix}", kind, softcap, feature_set)
+                                  for mask, kind in MASKS.items() for suffix, softcap in SOFTCAP.items()]
+                for features_suffix, feature_set in self.feature_sets().items()}
+
+    def variants(self) -> list[tuple[str, str, str, str]]:
+        """(name suffix, MaskKind enumerator, softcap, features) of each of its kernels."""
+        return [variant for unit in self.units().values() for variant in unit]
 
     def uses_extended_gmma(self, mask_kind: str) -> bool:
         """Whether its instantiation with this MaskKind enumerator compiles CuTe's extended shapes."""
@@ -129,25 +152,3 @@ def forward_feature_set(enumerator: str, qv: bool) -> str:
     return f"{feature_set} | hopper::ForwardFeatures::{QV_FEATURE}" if qv else feature_set
 
 
-def feature_sets(pass_: str, qv: bool = False, dense_only: bool = False) -> dict[str, str]:
-    """{file suffix: the launch's last template argument (a ForwardFeatures expression, or kPacked)}."""
-    if pass_ == "fwd":
-        return {suffix: forward_feature_set(v, qv) for suffix, v in FORWARD_FEATURE_SETS.items()
-                if not dense_only or v == "kNone"}
-    return BACKWARD_FEATURE_SETS
-
-
-def variants(pass_: str, qv: bool = False, dense_only: bool = False) -> list[tuple[str, str, str, str]]:
-    """(name suffix, MaskKind enumerator, softcap, features) compiled for every family of the pass."""
-    return [variant for unit in units(pass_, qv, dense_only).values() for variant in unit]
-
-
-def units(pass_: str, qv: bool = False, dense_only: bool = False) -> dict[str, list[tuple[str, str, str, str]]]:
-    """The instantiation files of every family of the pass, {file suffix: its variants}: one file a
-    feature set, holding each mask kind and softcap. The variants of a file share most of the
-    compiler's work (CuTe's layout algebra on the same tiles), so one file of six costs about what
-    two files of one would; kernels of different feature sets share much less (docs/kernel_families.md,
-    "Build time")."""
-    return {features_suffix: [(f"{mask}{suffix}{features_suffix}", kind, softcap, feature_set)
-                              for mask, kind in MASKS.items() for suffix, softcap in SOFTCAP.items()]
-            for features_suffix, feature_set in feature_sets(pass_, qv, dense_only).items()}

@@ -33,7 +33,7 @@ def variant_names() -> dict:
     """{instantiation file stem: {(MaskKind enumerator, softcap): the variant's name}}."""
     names = {}
     for family in manifest.families():
-        for suffix, members in manifest.units(family.pass_, family.qv).items():
+        for suffix, members in family.units().items():
             names[family.stem + suffix] = {(kind, softcap == "true"): f"{family.stem}_{name}"
                                            for name, kind, softcap, _ in members}
     return names

@@ -191,7 +191,8 @@ def _fp8_attention(q, k, v, varlen, softmax_scale, mask, num_splits, sm_margin, 
                    page_table, qv, descales):
     """flash_attn_func and flash_attn_varlen_func with fp8 inputs (float8_e4m3fn, FA3's descale
     factors; or descales given, which the library refuses for other dtypes): forward only, as in
-    FA3, eager; out is bf16. The library says which calls its fp8 kernels run (dense batches)."""
+    FA3, eager; out is bf16. The library says which calls its fp8 kernels run (all but a paged
+    cache)."""
     if qv is not None or page_table is not None:
         name = "qv" if qv is not None else "page_table"
         raise interface.not_supported(f"{name}: not with fp8 inputs (FlashHopper's fp8 path takes plain q, k, v)")
@@ -243,12 +244,15 @@ def _kvcache_forward(q, k_cache, v_cache, mask, softmax_scale, num_splits, *, k=
                      cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, page_table=None, cu_seqlens_q=None,
                      max_seqlen_q=None, cu_seqlens_k_new=None, cu_seqlens_k=None, max_seqlen_k=None, seqused_q=None,
                      seqused_k=None, learnable_sink=None, return_lse=True, names=interface._KVCACHE_NAMES,
-                     sm_margin=0):
+                     sm_margin=0, descales=(None, None, None)):
     """(out, lse) of the library's forward with the KV-cache fields: traced (torch.compile,
     torch.export), the fwd_kvcache op, which tells the tracer that an append writes k_cache and
     v_cache; eager, the library call without the dispatcher's host work (lse None unless
-    return_lse; names as interface.forward_with_kvcache's)."""
-    if _call_kind(q, k_cache, v_cache) == _TRACED:
+    return_lse; names as interface.forward_with_kvcache's). fp8 (descales, or fp8 inputs): eager only."""
+    if _call_kind(q, k_cache, v_cache, *descales) == _TRACED:
+        if any(d is not None for d in descales) or (isinstance(q, torch.Tensor) and interface.output_dtype(q) != q.dtype):
+            raise interface.not_supported("q: fp8 attention under torch.compile or torch.export is not supported yet "
+                                          "(eager calls run it)")
         causal, window_left, window_right, softcap, attention_chunk = mask
         return ops.fwd_kvcache(
             q, k_cache, v_cache, k, v, qv, rotary_cos, rotary_sin, rotary_seqlens, bool(rotary_interleaved),
@@ -261,7 +265,8 @@ def _kvcache_forward(q, k_cache, v_cache, mask, softmax_scale, num_splits, *, k=
         cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, page_table=page_table, cu_seqlens_q=cu_seqlens_q,
         max_seqlen_q=max_seqlen_q, softmax_scale=softmax_scale, mask=mask, num_splits=num_splits,
         return_lse=return_lse, cu_seqlens_k_new=cu_seqlens_k_new, cu_seqlens_k=cu_seqlens_k, max_seqlen_k=max_seqlen_k,
-        seqused_q=seqused_q, seqused_k=seqused_k, learnable_sink=learnable_sink, names=names, sm_margin=sm_margin)
+        seqused_q=seqused_q, seqused_k=seqused_k, learnable_sink=learnable_sink, names=names, sm_margin=sm_margin,
+        descales=descales)
     return result if return_lse else (result, None)
 
 
@@ -526,14 +531,13 @@ def flash_attn_with_kvcache(
     include/flashhopper/flashhopper.h). Returns out, or (out, softmax_lse) with return_softmax_lse.
 
     The arguments are checked (ValueError naming the argument). The kernels run all of that, split
-    over the keys (num_splits; 0 chooses from the shapes), packed queries too; fp8 descales raise
-    FlashHopperNotSupported (a NotImplementedError); sm_margin leaves SMs free as flash_attn_func's.
+    over the keys (num_splits; 0 chooses from the shapes), packed queries too; fp8 (float8_e4m3fn q
+    and cache with q/k/v_descale [B, Hkv], out bf16) eagerly on an unpaged cache without appending
+    (others raise FlashHopperNotSupported, a NotImplementedError); sm_margin leaves SMs free as
+    flash_attn_func's.
     scheduler_metadata (from get_scheduler_metadata) gives the split-KV count. Under torch.compile
     or torch.export (fake tensors) it runs as the flashhopper::fwd_kvcache op, whose schema marks
     k_cache and v_cache as written."""
-    for name, descale in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
-        if descale is not None:
-            _not_yet(name, "<tensor>", "fp8 attention (descale factors)")
     if scheduler_metadata is not None:
         num_splits = _planned_splits(scheduler_metadata, num_splits)
     mask = _memoised(_check_kvcache_options, causal, window_size, softcap, attention_chunk, sm_margin, softmax_scale)
@@ -547,7 +551,8 @@ def flash_attn_with_kvcache(
         rotary_sin=rotary_sin, rotary_seqlens=rotary_seqlens, rotary_interleaved=rotary_interleaved,
         cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
         page_table=page_table, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q,
-        cu_seqlens_k_new=cu_seqlens_k_new, return_lse=bool(return_softmax_lse), sm_margin=sm_margin)
+        cu_seqlens_k_new=cu_seqlens_k_new, return_lse=bool(return_softmax_lse), sm_margin=sm_margin,
+        descales=(q_descale, k_descale, v_descale))
     return (out, softmax_lse) if return_softmax_lse else out
 
 
@@ -614,8 +619,8 @@ def get_scheduler_metadata(batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, 
         raise interface.invalid_argument(f"page_size: is {page_size}; must be at least 1")
     if not isinstance(qkv_dtype, torch.dtype):
         raise interface.invalid_argument(f"qkv_dtype: expected a torch.dtype, got {type(qkv_dtype).__name__}")
-    if qkv_dtype in interface._FP8_DTYPES:
-        _not_yet("qkv_dtype", qkv_dtype, "fp8 attention")
+    if qkv_dtype in interface._FP8_DTYPES and qkv_dtype not in interface._DTYPES:
+        _not_yet("qkv_dtype", qkv_dtype, "fp8 attention other than torch.float8_e4m3fn (FA3's)")
     splits = interface._int_option("num_splits", num_splits, "it")
     mask = interface.check_mask_args(causal, window_size, 0.0, attention_chunk)
     # The rest is the call's: the library checks the tensors these sizes describe (meta tensors:

@@ -809,7 +809,8 @@ def _renamed(error: FlashHopperError, names: dict) -> FlashHopperError:
 # forward_with_kvcache's tensors, by the C ABI's names, in the order it takes them.
 _KVCACHE_FIELDS = ("q", "k", "v", "k_new", "v_new", "qv", "rotary_cos", "rotary_sin", "cache_seqlens",
                    "cache_batch_idx", "cache_leftpad", "page_table", "cu_seqlens_q", "rotary_seqlens",
-                   "cu_seqlens_k_new", "cu_seqlens_k", "seqused_q", "seqused_k", "learnable_sink")
+                   "cu_seqlens_k_new", "cu_seqlens_k", "seqused_q", "seqused_k", "learnable_sink", "q_descale",
+                   "k_descale", "v_descale")
 
 
 def forward_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *, k_new=None, v_new=None,
@@ -818,7 +819,7 @@ def forward_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                          cu_seqlens_q=None, max_seqlen_q=None, softmax_scale=None, mask=(False, -1, -1, 0.0, 0),
                          num_splits=0, return_lse=False, cu_seqlens_k_new=None, cu_seqlens_k=None,
                          max_seqlen_k=None, seqused_q=None, seqused_k=None, learnable_sink=None,
-                         names=_KVCACHE_NAMES, sm_margin=0, check_only=False):
+                         names=_KVCACHE_NAMES, sm_margin=0, check_only=False, descales=(None, None, None)):
     """Attention against a KV cache, in FA3's flash_attn_with_kvcache's terms (k_new/v_new are its k
     and v; packed [total_new, Hkv, d] with cu_seqlens_k_new, which is ignored without them): the C
     ABI's fields of include/flashhopper/flashhopper.h ("KV cache extras"). With page_table,
@@ -827,12 +828,13 @@ def forward_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     library choose the split-KV count from the shapes. Returns out, or (out, lse) with return_lse.
     The library checks what is not checked here and names the argument as the caller does (names:
     the C ABI's names to the caller's; flash_attn_varlen_func's are the C ABI's own). check_only:
-    the argument checks but the devices' alone, for fake tensors (the fake op's); returns None."""
+    the argument checks but the devices' alone, for fake tensors (the fake op's); returns None.
+    descales: fp8's (q_descale, k_descale, v_descale), as forward()'s."""
     if k_new is None and v_new is None:
         cu_seqlens_k_new = None  # nothing appended (as FA3, which ignores it then)
     tensors = (q, k_cache, v_cache, k_new, v_new, qv, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                cache_leftpad, page_table, cu_seqlens_q, rotary_seqlens, cu_seqlens_k_new, cu_seqlens_k, seqused_q,
-               seqused_k, learnable_sink)
+               seqused_k, learnable_sink, *descales)
     inputs = tuple(zip(_KVCACHE_FIELDS, tensors))
     key = _plan_key("forward_with_kvcache", tensors,
                     (max_seqlen_q, max_seqlen_k, rotary_interleaved, softmax_scale, mask, num_splits, return_lse,
@@ -849,7 +851,7 @@ def forward_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
             return None
         if plan is None:
             check_devices([(names.get(name, name), t) for name, t in inputs])
-        out = torch.empty((*q.shape[:-1], v_cache.shape[-1]), dtype=q.dtype, device=q.device)
+        out = torch.empty((*q.shape[:-1], v_cache.shape[-1]), dtype=output_dtype(q), device=q.device)
         lse = torch.empty(lse_shape(q), dtype=torch.float32, device=q.device) if return_lse else None
         named = (*inputs, ("out", out), ("lse", lse))
         if plan is None:

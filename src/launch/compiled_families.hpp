@@ -40,7 +40,7 @@ constexpr const KernelFamily* family_for(Pass pass, fh_dtype dtype, int64_t head
 constexpr KernelFamily forward_family_row(fh_dtype dtype, int head_dim, int head_dim_v) {
   for (const KernelFamily& f : kKernelFamilies)
     if (f.pass == Pass::kForward && f.dtype == dtype && f.head_dim == head_dim && f.head_dim_v == head_dim_v) return f;
-  return KernelFamily{Pass::kForward, dtype, head_dim, head_dim_v, 0, false, false};
+  return KernelFamily{Pass::kForward, dtype, head_dim, head_dim_v, 0, false, hopper::ForwardFeatures::kAll};
 }
 
 // Whether the forward family of these compiled sizes is a qv one.
@@ -48,11 +48,15 @@ constexpr bool forward_family_takes_qv(fh_dtype dtype, int head_dim, int head_di
   return forward_family_row(dtype, head_dim, head_dim_v).qv;
 }
 
+// "bf16", "fp16" or "fp8_e4m3": a kernel dtype as messages name it.
+constexpr const char* dtype_label(fh_dtype dtype) {
+  return dtype == FH_DTYPE_BF16 ? "bf16" : dtype == FH_DTYPE_FP16 ? "fp16" : "fp8_e4m3";
+}
+
 // "forward bf16 hdim 128", "backward fp16 hdim 192, dv 128" or "forward bf16 hdim 64, dv 256, qv".
 inline std::string family_name(const KernelFamily& f) {
-  std::string name = std::string(f.pass == Pass::kForward ? "forward " : "backward ") +
-                     (f.dtype == FH_DTYPE_BF16 ? "bf16" : f.dtype == FH_DTYPE_FP16 ? "fp16" : "fp8_e4m3") + " hdim " +
-                     std::to_string(f.head_dim);
+  std::string name = std::string(f.pass == Pass::kForward ? "forward " : "backward ") + dtype_label(f.dtype) +
+                     " hdim " + std::to_string(f.head_dim);
   if (f.head_dim_v != f.head_dim) name += ", dv " + std::to_string(f.head_dim_v);
   if (f.qv) name += ", qv";
   return name;

@@ -47,7 +47,7 @@ int64_t partial_rows(const detail::ProblemShape& s) {
 int forward_num_splits(const ForwardParams& p, const detail::ProblemShape& s) {
   if (p.num_splits != 0) return p.num_splits;
   const KernelFamily* family = forward_family(p, s);
-  if (family != nullptr && family->dense_only) return 1;  // its kernels take no splits
+  if (family != nullptr && !hopper::holds(family->general_features, hopper::ForwardFeatures::kSplitKv)) return 1;
   const TileExtent tile = forward_tile(p, s);
   int num_sms = 0, l2_bytes = 0;
   if (tile.block_m == 0 || usable_sms_and_l2(p.sm_margin, &num_sms, &l2_bytes) != cudaSuccess) return 1;
@@ -92,15 +92,17 @@ std::string forward_unsupported_reason(const ForwardParams& p, const detail::Pro
            " tokens: the kernels take at most 2^31 - 1 cached tokens";
   if (mask.num_sink_tokens > 0 && mask.attention_chunk > 0)
     return "num_sink_tokens together with attention_chunk is not supported by the kernels";
+  if (s.append_kv && p.q.dtype == FH_DTYPE_FP8_E4M3)
+    return "k_new and v_new: appending to an fp8_e4m3 KV cache is not supported (the append kernel writes bf16 "
+           "and fp16 caches)";
   std::string reason = family_unsupported_reason(Pass::kForward, static_cast<fh_dtype>(p.q.dtype), s.head_dim,
                                                  s.head_dim_v, detail::present(p.qv));
   if (!reason.empty()) return reason;
-  // A dense-only family (fp8 for now) runs dense batches: no packed rows, KV cache, pages or splits.
-  if (forward_family(p, s)->dense_only) {
-    const hopper::ForwardFeatures features = forward_features(p, s, p.num_splits);
-    if (features != hopper::ForwardFeatures::kNone)
-      return "fp8_e4m3 inputs run dense batches only for now, without " + feature_arguments(features);
-  }
+  // A family whose general kernels lack a feature (fp8's: pages) refuses the calls that use it.
+  const hopper::ForwardFeatures general = forward_family(p, s)->general_features;
+  if (const hopper::ForwardFeatures features = forward_features(p, s, p.num_splits); !hopper::holds(general, features))
+    return std::string(dtype_label(static_cast<fh_dtype>(p.q.dtype))) + " inputs do not run with " +
+           feature_arguments(features & ~general) + " for now";
   return {};
 }
 
@@ -153,7 +155,7 @@ int run_forward(const ForwardPlan& plan, void* workspace, fh_stream_t stream) {
       forward_family(call.params, call.shape), mask_kind(call.params), call.params.softcap > 0.f,
       [&](auto dtype, auto head_dim, auto head_dim_v, auto mask, auto softcap) {
         constexpr KernelFamily kRow = forward_family_row(dtype.value, head_dim.value, head_dim_v.value);
-        return with_forward_features<kRow.qv, kRow.dense_only>(features, cudaErrorInvalidValue, [&](auto feature_set) {
+        return with_forward_features<kRow.general_features>(features, cudaErrorInvalidValue, [&](auto feature_set) {
           return run_forward_hdim<dtype.value, head_dim.value, head_dim_v.value, mask.value, softcap.value,
                                   feature_set.value>(call.params, call.shape, parts, stream);
         });

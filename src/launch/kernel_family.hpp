@@ -3,6 +3,7 @@
 #pragma once
 
 #include "flashhopper/flashhopper.h"
+#include "hopper/common/forward_features.hpp"
 
 namespace flashhopper::launch {
 
@@ -15,7 +16,9 @@ struct KernelFamily {
   int head_dim_v;
   int first_set;  // index into kKernelSets of the smallest set that compiles it
   bool qv;        // forward: runs the calls with qv (S = Q K^T + Qv V^T), and only those
-  bool dense_only;  // forward: compiles no ForwardFeatures (fp8 for now): calls with any are refused
+  // Forward: the features of its general kernels (kAll, or fp8's kUnpaged; with kQv, a qv family's).
+  // It compiles these and none (kNone, or kQv); a call using features beyond them is refused.
+  hopper::ForwardFeatures general_features;
 };
 
 }  // namespace flashhopper::launch

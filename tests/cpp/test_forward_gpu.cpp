@@ -191,7 +191,7 @@ std::vector<GridCase> split_kv_cases() {
       {true, 1, 7, 777, 2, 1, 4, {-1, -1, 0, 100}},
   };
   std::vector<GridCase> cases;
-  for (const auto& [dtype, head_dim] : compiled_families(/*backward=*/false))
+  for (const auto& [dtype, head_dim] : compiled_families(/*backward=*/false, /*with_fp8=*/true))
     for (const Row& r : rows) {
       GridCase c{dtype, head_dim, r.causal, r.batch, r.seqlen_q, r.seqlen_k, r.heads_q, r.heads_kv, false, r.f};
       c.num_splits = r.num_splits;

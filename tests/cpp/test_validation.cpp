@@ -1700,9 +1700,10 @@ TEST(KernelFamilies, UncompiledFamilyIsRefusedByName) {
   }
 }
 
-// fp8 inputs run on the fp8 families (the full set), dense batches only: a build without them refuses
-// by the family's name and the set that has it; one with them refuses split-KV naming num_splits.
-TEST(KernelFamilies, Fp8RunsDenseBatchesOnTheFullSet) {
+// fp8 inputs run on the fp8 families (the full set), with every feature but a paged cache and the
+// append: a build without them refuses by the family's name and the set that has it; one with them
+// runs split-KV and packed rows and refuses page_table and k_new by name.
+TEST(KernelFamilies, Fp8RunsUnpagedCallsOnTheFullSet) {
   if (!fh_built_with_cuda()) GTEST_SKIP() << "a build without CUDA refuses every run as NO_DEVICE";
   fh::ForwardParams p = fh::default_forward_params();
   p.q = fh::make_tensor(fake_pointer(0), FH_DTYPE_FP8_E4M3, {kBatch, kSeqQ, kHeadsQ, 128});
@@ -1720,8 +1721,24 @@ TEST(KernelFamilies, Fp8RunsDenseBatchesOnTheFullSet) {
   EXPECT_NE(status.code, FH_ERROR_NOT_SUPPORTED) << status.message;
   p.num_splits = 3;
   status = fh::forward(p, nullptr, 0, nullptr);
+  EXPECT_NE(status.code, FH_ERROR_NOT_SUPPORTED) << status.message;
+
+  fh::ForwardParams paged = paged_forward();
+  paged.k_new = paged.v_new = {};
+  for (fh::Tensor* t : {&paged.q, &paged.k, &paged.v}) t->dtype = FH_DTYPE_FP8_E4M3;
+  status = fh::forward(paged, nullptr, 0, nullptr);
   EXPECT_EQ(status.code, FH_ERROR_NOT_SUPPORTED);
-  EXPECT_THAT(status.message, HasSubstr("fp8_e4m3 inputs run dense batches only for now, without split-KV"));
+  EXPECT_THAT(status.message, HasSubstr("fp8_e4m3 inputs do not run with a paged KV cache (page_table) for now"));
+
+  fh::ForwardParams append = paged_forward();
+  append.page_table = {};
+  append.k = fh::make_tensor(fake_pointer(1), FH_DTYPE_FP8_E4M3, {kBatch, kSeqK, kHeadsKV, kDim});
+  append.v = fh::make_tensor(fake_pointer(2), FH_DTYPE_FP8_E4M3, {kBatch, kSeqK, kHeadsKV, kDimV});
+  for (fh::Tensor* t : {&append.q, &append.k_new, &append.v_new}) t->dtype = FH_DTYPE_FP8_E4M3;
+  status = fh::forward(append, nullptr, 0, nullptr);
+  EXPECT_EQ(status.code, FH_ERROR_NOT_SUPPORTED);
+  EXPECT_THAT(status.message, HasSubstr("k_new"));
+  EXPECT_THAT(status.message, HasSubstr("fp8_e4m3"));
 }
 
 }  // namespace

@@ -259,6 +259,32 @@ def test_fp8_is_forward_only_eager_and_dense():
         flash_attn_func(q, k, v, qv=torch.zeros(2, 64, 2, 64, dtype=torch.bfloat16))
 
 
+def test_fp8_kvcache_takes_descales_eagerly():
+    """flash_attn_with_kvcache hands fp8's descales to the library, which checks them ([B, Hkv]);
+    traced fp8 calls are refused by name; get_scheduler_metadata plans float8_e4m3fn calls and
+    refuses the other fp8 dtypes naming qkv_dtype."""
+    if not hasattr(torch, "float8_e4m3fn"):
+        pytest.skip("this PyTorch has no float8_e4m3fn")
+    q = torch.randn(2, 1, 8, 64).to(torch.float8_e4m3fn)
+    cache = torch.randn(2, 128, 2, 64).to(torch.float8_e4m3fn)
+    lengths = torch.tensor([5, 9], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"q_descale: shape\[0\] \(batch size\) is 3"):
+        fa3.flash_attn_with_kvcache(q, cache, cache, cache_seqlens=lengths, q_descale=torch.ones(3, 2))
+    with pytest.raises(ValueError, match="v_descale: dtype"):
+        fa3.flash_attn_with_kvcache(q, cache, cache, cache_seqlens=lengths, v_descale=torch.ones(2, 2).double())
+    with pytest.raises(ValueError, match="q: must be a CUDA tensor"):  # checked as fp8 with a bf16 out
+        fa3.flash_attn_with_kvcache(q, cache, cache, cache_seqlens=lengths, k_descale=torch.ones(2, 2))
+    with FakeTensorMode():
+        fake = [torch.empty(t.shape, dtype=t.dtype, device="cuda") for t in (q, cache, lengths)]
+        with pytest.raises(NotImplementedError, match="fp8 attention under torch.compile"):
+            fa3.flash_attn_with_kvcache(fake[0], fake[1], fake[1], cache_seqlens=fake[2])
+    plan = fa3.get_scheduler_metadata(2, 1, 128, 8, 2, 64, lengths, qkv_dtype=torch.float8_e4m3fn)
+    assert plan.tolist() == [0]
+    if hasattr(torch, "float8_e5m2"):
+        with pytest.raises(NotImplementedError, match="qkv_dtype=torch.float8_e5m2"):
+            fa3.get_scheduler_metadata(2, 1, 128, 8, 2, 64, lengths, qkv_dtype=torch.float8_e5m2)
+
+
 @pytest.mark.parametrize("head_dim, head_dim_v", [(128, 64), (192, 128), (64, 256), (64, 512), (96, 59)])
 def test_value_head_dim_other_than_head_dim(head_dim, head_dim_v):
     """out takes v's head dim (dense and packed), under fake tensors; past 256 it is refused."""
@@ -289,7 +315,7 @@ def test_flash_attn_with_kvcache_checks_its_arguments():
         (dict(cache_leftpad=lengths[:1]), ValueError, "cache_leftpad: shape[0] (batch size) is 1 but q's batch size is 2"),
         (dict(q=q[:, 0], cu_seqlens_q=torch.tensor([0, 1, 2], dtype=torch.int32)), ValueError, "max_seqlen_q"),
         (dict(window_size=(-2, 0)), ValueError, "window_size"),
-        (dict(k_descale=torch.ones(2, 2)), NotImplementedError, "k_descale"),
+        (dict(k_descale=torch.ones(2, 2)), ValueError, "k_descale: is given but q is bf16; descale factors apply"),
         (dict(k=new, v=new, cu_seqlens_k_new=lengths), ValueError,
          "k: ndim is 4 but"),
         (dict(k=new[:, 0], v=new[:, 0], cu_seqlens_k_new=lengths), ValueError,

@@ -80,7 +80,7 @@ struct ForwardMainloop {
   static constexpr bool kPingPong = kNumMmaWarpGroups > 1 && !kSplitsO;
   static constexpr bool kTransposesV = sizeof(Element) == 1;  // fp8 (above)
   static_assert(!kTransposesV || (!kQv && !kPagedKv && !kSplitsO && kBlockN % 32 == 0),
-                "fp8: dense K/V without qv, 64 rows of O a warpgroup, key blocks of whole 32-key MMA slices");
+                "fp8: unpaged K/V without qv, 64 rows of O a warpgroup, key blocks of whole 32-key MMA slices");
   static constexpr int kTransposeThreads = 3 * cutlass::NumThreadsPerWarp;  // the producer's warps 1-3
   static constexpr int kProbabilityLog2 = kTransposesV ? 8 : 0;
 
@@ -811,14 +811,15 @@ struct ForwardMainloop {
     TileScale t{params.softmax_scale, params.softmax_scale_log2, params.transform, 1.f};
     if constexpr (kTransposesV) {
       const int head_kv = params.heads_per_kv_head.divide(work.head);
-      const float qk = params.q_descale.at(seq.batch_q, head_kv) * params.k_descale.at(seq.batch_q, head_kv);
+      // A factor a sequence: its index in the batch (batch_q is 0 for packed rows).
+      const float qk = params.q_descale.at(seq.batch, head_kv) * params.k_descale.at(seq.batch, head_kv);
       if constexpr (Transform::kSoftcap) {
         t.transform.pre_tanh_scale *= qk;
       } else {
         t.softmax_scale *= qk;
         t.softmax_scale_log2 *= qk;
       }
-      t.o_factor = params.v_descale.at(seq.batch_q, head_kv);
+      t.o_factor = params.v_descale.at(seq.batch, head_kv);
     }
     return t;
   }

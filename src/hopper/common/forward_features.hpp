@@ -19,6 +19,9 @@ enum class ForwardFeatures : uint32_t {
                        // query rows grouped by token (packed GQA over several tokens)
   kPagedKv = 1u << 3,  // page_table: K and V by page, in TMA chunks or gathered
   kAll = (1u << 4) - 1,
+  // The fp8 families' general kernels: every feature but a paged cache (their V blocks go as
+  // stored into staging buffers for the in-kernel transpose; the paged loads write (dv, N) stages).
+  kUnpaged = kPacked | kSplitKv | kKvCache,
   // qv (absorbed MLA): S = Q K^T + Qv V^T. Not in kAll: only the families the manifest marks qv
   // compile it (both their sets carry it), and they run calls with qv only.
   kQv = 1u << 4,
@@ -27,6 +30,10 @@ enum class ForwardFeatures : uint32_t {
 constexpr ForwardFeatures operator|(ForwardFeatures a, ForwardFeatures b) {
   return ForwardFeatures(uint32_t(a) | uint32_t(b));
 }
+constexpr ForwardFeatures operator&(ForwardFeatures a, ForwardFeatures b) {
+  return ForwardFeatures(uint32_t(a) & uint32_t(b));
+}
+constexpr ForwardFeatures operator~(ForwardFeatures a) { return ForwardFeatures(~uint32_t(a)); }
 // Whether `set` holds every feature of `features`.
 constexpr bool holds(ForwardFeatures set, ForwardFeatures features) {
   return (uint32_t(set) & uint32_t(features)) == uint32_t(features);
