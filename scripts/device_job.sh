@@ -7,7 +7,7 @@
 # beside FlashAttention-4 (the peers' env.sh, when $PEERS_ENV exists); with BENCH_SM_MARGIN=N,
 # python -m flashhopper.bench without and with N SMs left free; with BENCH_DENSE, python -m
 # flashhopper.bench beside the peers for each ';'-separated argument list; with BENCH_MLA=1 (full set), the
-# absorbed-MLA decode rows and split_sweep.py (MLA and GQA); with BENCH_FP8=1 (full set), python -m
+# absorbed-MLA decode rows and split_sweep.py (MLA and GQA); with BENCH_FP8=1 (bench set up), python -m
 # flashhopper.bench --fp8. One line a step goes to
 # $JOB_DIR/out/progress.log; each step's output to $JOB_DIR/out/step_<step>.txt. Usage, from the
 # repository root on the GPU machine (carry the tarball and .gtest/):
@@ -50,7 +50,7 @@ if [ -n "${BENCH_HDIMS:-}" ]; then
   log "head_dims rc=$?: $(tail -1 "$out/head_dims.txt")"
 fi
 if [ -n "${BENCH_FP8:-}" ]; then
-  # The fp8 forward beside our bf16 and cuDNN (full set: the fp8 families), 16k tokens a run.
+  # The fp8 forward beside our bf16 and cuDNN (the bench set up: the fp8 families), 16k tokens a run.
   log "bench fp8"
   PYTHONUNBUFFERED=1 FLASHHOPPER_LIBRARY="$BUILD/libflashhopper.so" PYTHONPATH="$src/python:${PYTHONPATH:-}" \
     timeout 400 python3 -m flashhopper.bench --fp8 --out "$out/fp8" > "$out/bench_fp8.txt" 2>&1

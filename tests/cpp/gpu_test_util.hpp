@@ -103,7 +103,7 @@ inline std::vector<FamilyDims> compiled_family_dims(bool backward) {
   return out;
 }
 // The (dtype, head dim) of each compiled family whose value head dim is its head dim; the fp8 ones
-// (forward, dense batches only) where asked for.
+// (forward only; no paged cache) where asked for.
 inline std::vector<std::pair<fh_dtype, int>> compiled_families(bool backward, bool with_fp8 = false) {
   std::vector<std::pair<fh_dtype, int>> out;
   for (const FamilyDims& f : compiled_family_dims(backward))

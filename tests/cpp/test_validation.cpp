@@ -1700,10 +1700,10 @@ TEST(KernelFamilies, UncompiledFamilyIsRefusedByName) {
   }
 }
 
-// fp8 inputs run on the fp8 families (the full set), with every feature but a paged cache and the
+// fp8 inputs run on the fp8 families (the bench set up), with every feature but a paged cache and the
 // append: a build without them refuses by the family's name and the set that has it; one with them
 // runs split-KV and packed rows and refuses page_table and k_new by name.
-TEST(KernelFamilies, Fp8RunsUnpagedCallsOnTheFullSet) {
+TEST(KernelFamilies, Fp8RunsUnpagedCallsFromTheBenchSet) {
   if (!fh_built_with_cuda()) GTEST_SKIP() << "a build without CUDA refuses every run as NO_DEVICE";
   fh::ForwardParams p = fh::default_forward_params();
   p.q = fh::make_tensor(fake_pointer(0), FH_DTYPE_FP8_E4M3, {kBatch, kSeqQ, kHeadsQ, 128});
@@ -1715,7 +1715,7 @@ TEST(KernelFamilies, Fp8RunsUnpagedCallsOnTheFullSet) {
   if (!compiled(false, FH_DTYPE_FP8_E4M3, 128)) {
     EXPECT_EQ(status.code, FH_ERROR_NOT_SUPPORTED);
     EXPECT_THAT(status.message, HasSubstr("runs on the forward fp8_e4m3 hdim 128 kernels"));
-    EXPECT_THAT(status.message, HasSubstr("-DFLASHHOPPER_KERNELS=full"));
+    EXPECT_THAT(status.message, HasSubstr("-DFLASHHOPPER_KERNELS=bench"));
     return;
   }
   EXPECT_NE(status.code, FH_ERROR_NOT_SUPPORTED) << status.message;

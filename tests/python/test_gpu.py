@@ -279,6 +279,26 @@ def test_head_dim_512_forward_against_reference(causal):
         flash_attn_func(q.requires_grad_(), k, v, causal=causal)
 
 
+def dequantised(t, factors):
+    """An fp8 [B, s, Hkv or Hq, d] tensor times its descale factors [B, Hkv], in float64."""
+    heads_kv = factors.shape[1]
+    return t.double() * factors.double().view(factors.shape[0], 1, heads_kv, 1).repeat_interleave(
+        t.shape[2] // heads_kv, dim=2)
+
+
+def plain_fp8_attention(qd, kd, vd, causal, scale):
+    """The plain fp8 implementation over dequantised [B, s, H, d] inputs: float32 scores and
+    softmax, P rounded to e4m3 as it is, O to bf16. Every row must see a key."""
+    group = qd.shape[2] // kd.shape[2]
+    kf, vf = (t.float().repeat_interleave(group, 2) for t in (kd, vd))
+    scores = (qd.float().transpose(1, 2) * scale) @ kf.permute(0, 2, 3, 1)
+    visible = visible_keys(qd.shape[1], kd.shape[1], causal, (-1, -1), 0, device=qd.device)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    p = torch.exp(scores - scores.amax(-1, keepdim=True))
+    plain = (p.to(torch.float8_e4m3fn).float() @ vf.transpose(1, 2)) / p.sum(-1, True)
+    return plain.to(torch.bfloat16).transpose(1, 2)
+
+
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
 @requires_gpu
@@ -295,21 +315,70 @@ def test_fp8_forward_against_reference(head_dim, causal):
     out, lse = run_or_skip(flash_attn_func, q, k, v, causal=causal, q_descale=q_descale, k_descale=k_descale,
                            v_descale=v_descale, return_attn_probs=True)
     assert out.dtype == torch.bfloat16 and out.shape == q.shape and not out.isnan().any()
-    group = lambda t, factor: t.double() * factor.double().view(2, 1, 2, 1).repeat_interleave(  # noqa: E731
-        t.shape[2] // 2, dim=2)
-    qd, kd, vd = group(q, q_descale), group(k, k_descale), group(v, v_descale)
+    qd, kd, vd = (dequantised(t, factor) for t, factor in ((q, q_descale), (k, k_descale), (v, v_descale)))
     ref64, lse64 = attention_reference(qd, kd, vd, causal=causal, softmax_scale=head_dim ** -0.5)
-    # The plain fp8 implementation: float32 scores and softmax, P rounded to e4m3, O to bf16.
-    scores = (qd.float().transpose(1, 2) * head_dim ** -0.5) @ kd.float().repeat_interleave(4, 2).permute(0, 2, 3, 1)
-    visible = visible_keys(300, 517, causal, (-1, -1), 0, device="cuda")
-    scores = scores.masked_fill(~visible, float("-inf"))
-    p = torch.exp(scores - scores.amax(-1, keepdim=True))
-    plain = (p.to(torch.float8_e4m3fn).float() @ vd.float().repeat_interleave(4, 2).transpose(1, 2)) / p.sum(-1, True)
-    plain = plain.to(torch.bfloat16).transpose(1, 2)
+    plain = plain_fp8_attention(qd, kd, vd, causal, head_dim ** -0.5)
     ours_err = (out.double() - ref64).abs().max().item()
     plain_err = (plain.double() - ref64).abs().max().item()
     assert ours_err <= 2 * plain_err + OUT_SLACK, (ours_err, plain_err)
     torch.testing.assert_close(lse.double(), lse64, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@requires_gpu
+def test_fp8_kvcache_and_varlen_against_reference(head_dim):
+    """fp8 with descales beyond dense batches: flash_attn_with_kvcache over an unpaged cache
+    (cache_seqlens of the whole cache, 0, 1 and part of it; two causal query tokens; split-KV
+    chosen and forced) and flash_attn_varlen_func over packed sequences (an empty one among them),
+    each sequence against float64 attention on its dequantised inputs within twice the plain fp8
+    error plus the slack, lse close; rows that see no key give 0."""
+    if not hasattr(torch, "float8_e4m3fn"):
+        pytest.skip("this PyTorch has no float8_e4m3fn")
+    generator = torch.Generator(device="cuda").manual_seed(head_dim)
+    fp8 = lambda *shape: torch.randn(*shape, device="cuda", generator=generator).to(torch.float8_e4m3fn)  # noqa: E731
+    factors = lambda batch: [2 * torch.rand(batch, 2, device="cuda", generator=generator) for _ in range(3)]  # noqa: E731
+    scale = head_dim ** -0.5
+
+    def check(out, lse, q, k, v, descales, causal):  # one sequence: [1, s, H, d], lse [1, H, sq]
+        qd, kd, vd = (dequantised(t, f) for t, f in zip((q, k, v), descales))
+        ref64, lse64 = attention_reference(qd, kd, vd, causal=causal, softmax_scale=scale)
+        plain = plain_fp8_attention(qd, kd, vd, causal, scale)
+        assert not out.isnan().any()
+        ours_err, plain_err = (out.double() - ref64).abs().max().item(), (plain.double() - ref64).abs().max().item()
+        assert ours_err <= 2 * plain_err + OUT_SLACK, (ours_err, plain_err)
+        torch.testing.assert_close(lse.double(), lse64, rtol=1e-3, atol=1e-3)
+
+    q, k_cache, v_cache = fp8(4, 2, 8, head_dim), fp8(4, 1000, 2, head_dim), fp8(4, 1000, 2, head_dim)
+    lengths = [1000, 0, 1, 613]
+    descales = factors(4)
+    for num_splits in (0, 3):
+        out, lse = run_or_skip(fa3.flash_attn_with_kvcache, q, k_cache, v_cache,
+                               cache_seqlens=torch.tensor(lengths, dtype=torch.int32, device="cuda"), causal=True,
+                               q_descale=descales[0], k_descale=descales[1], v_descale=descales[2],
+                               num_splits=num_splits, return_softmax_lse=True)
+        assert out.dtype == torch.bfloat16 and out.shape == q.shape
+        for b, length in enumerate(lengths):
+            if length == 0:
+                assert (out[b] == 0).all() and (lse[b] == float("-inf")).all()
+                continue
+            check(out[b:b + 1], lse[b:b + 1], q[b:b + 1], k_cache[b:b + 1, :length], v_cache[b:b + 1, :length],
+                  [f[b:b + 1] for f in descales], causal=True)
+
+    seqlens_q, seqlens_k = [3, 0, 200, 64], [500, 7, 200, 1000]
+    q, k, v = fp8(sum(seqlens_q), 8, head_dim), fp8(sum(seqlens_k), 2, head_dim), fp8(sum(seqlens_k), 2, head_dim)
+    descales = factors(4)
+    cu = lambda lengths: torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device="cuda")  # noqa: E731
+    out, lse = run_or_skip(fa3.flash_attn_varlen_func, q, k, v, cu(seqlens_q), cu(seqlens_k), max(seqlens_q),
+                           max(seqlens_k), causal=True, q_descale=descales[0], k_descale=descales[1],
+                           v_descale=descales[2], return_attn_probs=True)
+    assert out.dtype == torch.bfloat16 and lse.shape == (8, sum(seqlens_q))
+    q0, k0 = 0, 0
+    for b, (length_q, length_k) in enumerate(zip(seqlens_q, seqlens_k)):
+        rows, keys = slice(q0, q0 + length_q), slice(k0, k0 + length_k)
+        q0, k0 = q0 + length_q, k0 + length_k
+        if length_q > 0:
+            check(out[rows][None], lse[:, rows][None], q[rows][None], k[keys][None], v[keys][None],
+                  [f[b:b + 1] for f in descales], causal=True)
 
 
 @pytest.mark.parametrize("causal", [False, True])
