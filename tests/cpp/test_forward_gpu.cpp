@@ -141,10 +141,12 @@ TEST_P(ForwardGpuTest, MatchesReference) {
   EXPECT_FALSE(has_nan(lse.view())) << "unwritten (poisoned) or NaN elements in lse";
   EXPECT_LE(out_err, 2 * out_plain_err + 1e-5) << "out: ours " << out_err << ", plain " << out_plain_err;
   // fp8: Hopper's 8-bit MMA keeps about 14 bits of the sum while accumulating (DeepSeek-V3's report
-  // measured it), so S, and the LSE with it, carry error that the plain implementation's float32
-  // sums do not: fp8's LSE takes 1e-3 more (the Python test's tolerance; a wrong S is off by far more).
-  const double lse_slack = fp8 ? 1e-3 : 1e-5;
-  EXPECT_LE(lse_err, 2 * lse_plain_err + lse_slack) << "lse: ours " << lse_err << ", plain " << lse_plain_err;
+  // measured it), so S, and the LSE with it, carry error relative to S's size that the plain
+  // implementation's float32 sums do not: fp8's LSE takes 1e-3 of its size more (the Python test's
+  // rtol and atol; measured 1e-3 to 8e-3 on an H100; a wrong S is off by far more).
+  const double lse_slack = fp8 ? 1e-3 * (1 + max_abs_finite(lse_exact.view())) : 1e-5;
+  EXPECT_LE(lse_err, 2 * lse_plain_err + lse_slack)
+      << "lse: ours " << lse_err << ", plain " << lse_plain_err << ", largest " << max_abs_finite(lse_exact.view());
 }
 
 std::vector<GridCase> forward_cases() {

@@ -209,6 +209,16 @@ inline double max_abs_diff(const Tensor& a, const Tensor& b) {
   return saw_nan ? std::numeric_limits<double>::quiet_NaN() : worst;
 }
 
+// max |a| over its finite elements (an lse's -inf rows left out).
+inline double max_abs_finite(const Tensor& a) {
+  double worst = 0;
+  for_each_index(shape_of(a), [&](const std::vector<int64_t>& i) {
+    const double x = read(a, i);
+    if (std::isfinite(x)) worst = std::max(worst, std::fabs(x));
+  });
+  return worst;
+}
+
 inline double max_abs(const Tensor& a) {
   double worst = 0;
   for_each_index(shape_of(a), [&](const std::vector<int64_t>& i) {

@@ -312,8 +312,8 @@ TEST_P(VarlenForwardGpuTest, MatchesReference) {
   EXPECT_FALSE(has_nan(pp.inside_q(out))) << "unwritten (poisoned) or NaN rows of out inside the sequences";
   EXPECT_FALSE(has_nan(pp.inside_lse(lse))) << "unwritten (poisoned) or NaN lse inside the sequences";
   EXPECT_LE(out_err, 2 * out_plain_err + kOutSlack) << "out: ours " << out_err << ", plain " << out_plain_err;
-  // fp8's LSE takes 1e-3 more: its S GEMM accumulates with fewer bits (test_forward_gpu.cpp).
-  const double lse_slack = c.fp8() ? 1e-3 : kOutSlack;
+  // fp8's LSE takes 1e-3 of its size more: its S GEMM accumulates with fewer bits (test_forward_gpu.cpp).
+  const double lse_slack = c.fp8() ? 1e-3 * (1 + max_abs_finite(pp.inside_lse(lse_exact))) : kOutSlack;
   EXPECT_LE(lse_err, 2 * lse_plain_err + lse_slack) << "lse: ours " << lse_err << ", plain " << lse_plain_err;
   EXPECT_TRUE(all_nan(narrow(out.view(), 0, pp.in_q, kExtraTokens))) << "out written outside every sequence";
   EXPECT_TRUE(all_nan(narrow(lse.view(), 1, pp.in_q, kExtraTokens))) << "lse written outside every sequence";

@@ -288,14 +288,16 @@ def dequantised(t, factors):
 
 def plain_fp8_attention(qd, kd, vd, causal, scale):
     """The plain fp8 implementation over dequantised [B, s, H, d] inputs: float32 scores and
-    softmax, P rounded to e4m3 as it is, O to bf16. Every row must see a key."""
+    softmax, P rounded to e4m3 as it is, O to bf16 (0 for a row that sees no key)."""
     group = qd.shape[2] // kd.shape[2]
     kf, vf = (t.float().repeat_interleave(group, 2) for t in (kd, vd))
     scores = (qd.float().transpose(1, 2) * scale) @ kf.permute(0, 2, 3, 1)
     visible = visible_keys(qd.shape[1], kd.shape[1], causal, (-1, -1), 0, device=qd.device)
     scores = scores.masked_fill(~visible, float("-inf"))
-    p = torch.exp(scores - scores.amax(-1, keepdim=True))
-    plain = (p.to(torch.float8_e4m3fn).float() @ vf.transpose(1, 2)) / p.sum(-1, True)
+    row_max = scores.amax(-1, keepdim=True)
+    p = torch.exp(scores - torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max))
+    denom = p.sum(-1, True)
+    plain = (p.to(torch.float8_e4m3fn).float() @ vf.transpose(1, 2)) / torch.where(denom == 0, 1.0, denom)
     return plain.to(torch.bfloat16).transpose(1, 2)
 
 
