@@ -749,46 +749,104 @@ struct ForwardMainloop {
     return true;
   }
 
+  // fp8: byte offsets in the staging buffers (N, dv, stages) and in P V's stages (dv, N, stages),
+  // as CuTe's swizzled layouts place them (transpose_offsets_agree). Both tile 8-row swizzle atoms
+  // of `w`-byte rows (128, or 64 where the row is 64 bytes), rows first: a row's offset in its atom
+  // is row * w with its 16-byte chunk index XORed by the row (w = 128) or row / 2 (w = 64). That
+  // offset is XOR-linear in the row, which the transpose's address arithmetic relies on.
+  static constexpr int kStagedRowBytes = kHeadDimV % 128 == 0 ? 128 : 64;
+  static constexpr int kVtRowBytes = kBlockN % 128 == 0 ? 128 : 64;
+  static constexpr CUTLASS_HOST_DEVICE int atom_row_offset(int row, int w) {
+    return row * w ^ ((w == 128 ? row : row >> 1 & 3) << 4);
+  }
+  static constexpr CUTLASS_HOST_DEVICE int staged_v_offset(int key, int column, int stage) {
+    constexpr int w = kStagedRowBytes;
+    return stage * kBlockN * kHeadDimV + column / w * (kBlockN * w) + key / 8 * (8 * w) +
+           (atom_row_offset(key % 8, w) ^ column % w);
+  }
+  static constexpr CUTLASS_HOST_DEVICE int vt_offset(int column, int slot, int stage) {
+    constexpr int w = kVtRowBytes;
+    return stage * kHeadDimV * kBlockN + slot / w * (kHeadDimV * w) + column / 8 * (8 * w) +
+           (atom_row_offset(column % 8, w) ^ slot % w);
+  }
+  static constexpr bool transpose_offsets_agree() {
+    for (int n : {0, 1, 4, 7, 8, 13, 31, 32, kBlockN - 1})
+      for (int c : {0, 1, 8, 15, 16, 63, kHeadDimV / 2, kHeadDimV - 1})
+        for (int stage : {0, kStages - 1})
+          if (int(SmemLayoutVAsB{}(n, c, stage)) != staged_v_offset(n, c, stage) ||
+              int(SmemLayoutVtK{}(c, n, stage)) != vt_offset(c, n, stage))
+            return false;
+    return true;
+  }
+
   // fp8, the producer's warps 1-3 (kTransposeThreads, `thread` their index): each of the tile's
   // num_blocks V blocks from its staging buffer (N, dv) into P V's stage (dv, N) in key_of_fp8_slot's
-  // order. A thread moves 4 x 4 bytes at a time: 4 slots (keys of the staging buffer's rows) by 4
-  // columns of dv, four 32-bit loads, a byte transpose, four 32-bit stores. Lanes take 4 column
-  // groups x 4 slot groups x 2, so that a warp's loads and stores spread over the banks of both
-  // 128-byte swizzles.
+  // order. A half-warp moves 16 slots by 64 columns a step, a lane (g, h) = (lane % 8, lane / 8 % 2)
+  // 8 slots (8 h .. 8 h + 7) by 8 columns (8 g .. 8 g + 7): eight 64-bit loads (a key each), an
+  // 8 x 8 byte transpose (48 PRMT), eight 64-bit stores (a column each). Its loads read two keys 4
+  // apart (slot bit 3 is key bit 2), whose swizzles put their halves of a 128-byte row on different
+  // banks. Its stores would all write the same column of 8 (the same swizzled chunk) at once, so lane
+  // g takes its columns in the order c ^ g (in the transpose's first PRMTs) and the half-warp's
+  // stores fall on 16 different 8-byte banks. Addresses: a base a step, then one XOR or add each
+  // (the layouts' XOR-linearity); CuTe's general layout arithmetic cost 17 instructions an address.
   CUTLASS_DEVICE static void transpose_v(SharedState const& shared, int num_blocks, int thread) {
     static_assert(kTransposesV);
     static_assert(fp8_keys_agree(), "P's bytes and V's transposed keys must pair the same key");
-    Tensor sV = make_tensor(make_smem_ptr(shared.kv.smem_v_staged.data()), SmemLayoutVAsB{});  // (N, dv, stages)
-    Tensor sVt = make_tensor(make_smem_ptr(shared.kv.smem_v.data()), SmemLayoutVt{});         // (dv, N, stages)
-    constexpr int kColumnGroups = kHeadDimV / 4, kSlotGroups = kBlockN / 4;
-    static_assert(kColumnGroups % 4 == 0 && kSlotGroups % 8 == 0);
-    constexpr int kUnits = kColumnGroups * kSlotGroups;
+    static_assert(transpose_offsets_agree(), "the transpose's offsets must be CuTe's layouts'");
+    constexpr int kSlotChunks = kBlockN / 16, kColumnChunks = kHeadDimV / 64;
+    static_assert(kBlockN % 32 == 0 && kHeadDimV % 64 == 0 && kTransposeThreads % 16 == 0 && kBlockN <= 128);
+    constexpr int kTiles = kSlotChunks * kColumnChunks, kHalfWarps = kTransposeThreads / 16;
+    const int half_warp = thread / 16, g = thread % 8, h = thread / 8 % 2;
+    // Lane g's column order c ^ g as PRMT selectors over a key's 8 bytes (lo, hi): columns 0-3, 4-7.
+    uint32_t select_low = 0, select_high = 0;
+    CUTLASS_PRAGMA_UNROLL
+    for (int c = 0; c < 4; ++c) {
+      select_low |= uint32_t(c ^ g) << (4 * c);
+      select_high |= uint32_t((4 + c) ^ g) << (4 * c);
+    }
+    const uint32_t column_order = uint32_t(atom_row_offset(g, kVtRowBytes));
+    const uint32_t staged = cast_smem_ptr_to_uint(shared.kv.smem_v_staged.data());
+    const uint32_t transposed = cast_smem_ptr_to_uint(shared.kv.smem_v.data());
+    // The XORs act on whole addresses: both buffers start on a swizzle atom's repeat (as the TMA's
+    // 128-byte swizzle and the WGMMA descriptors already require).
+    if ((staged | transposed) % 1024 != 0) __trap();
     PipelineVt& pipeline_vt = *shared.pipeline_vt;
     PipelineState& vt_state = *shared.vt_state;
     for (int block = 0; block < num_blocks; ++block) {
       shared.pipeline_v.consumer_wait(shared.v_state);
       pipeline_vt.producer_acquire(vt_state);
       const int from = shared.v_state.index(), to = vt_state.index();
-      // Not unrolled: unrolled, the units' addresses were hoisted out of the block loop and spilled
-      // (the producer keeps few registers).
 #pragma unroll 1
-      for (int unit = thread; unit < kUnits; unit += kTransposeThreads) {
-        // unit bits: 0-1 column group % 4, 2-3 slot group % 4, 4 (slot group / 4) % 2; then the rest.
-        const int rest = unit >> 5;
-        const int column = 4 * ((rest % (kColumnGroups / 4)) * 4 + (unit & 3));
-        const int slot = 4 * (((rest / (kColumnGroups / 4)) * 2 + ((unit >> 4) & 1)) * 4 + ((unit >> 2) & 3));
-        const int slice = slot / 32 * 32;
-        uint32_t rows[4];
+      for (int tile = half_warp; tile < kTiles; tile += kHalfWarps) {
+        const int slot = tile % kSlotChunks * 16 + 8 * h, column = tile / kSlotChunks * 64 + 8 * g;
+        // key_of_fp8_slot moves bits: of an 8-aligned slot plus j < 8, the slot's key plus j's, and
+        // the slot's key is 0 or 4 mod 8 where j's is below 4 (so rows add as they XOR).
+        const int key = slot / 32 * 32 + key_of_fp8_slot(slot % 32);
+        const uint32_t load_base = staged + uint32_t(staged_v_offset(key, column, from));
+        uint32_t lo[8], hi[8];
         CUTLASS_PRAGMA_UNROLL
-        for (int j = 0; j < 4; ++j)
-          rows[j] = load_shared_u32(cast_smem_ptr_to_uint(&sV(slice + key_of_fp8_slot(slot % 32 + j), column, from)));
-        // rows[j] byte c -> columns[c] byte j.
-        const uint32_t low01 = __byte_perm(rows[0], rows[1], 0x5140), high01 = __byte_perm(rows[0], rows[1], 0x7362);
-        const uint32_t low23 = __byte_perm(rows[2], rows[3], 0x5140), high23 = __byte_perm(rows[2], rows[3], 0x7362);
-        const uint32_t columns[4] = {__byte_perm(low01, low23, 0x5410), __byte_perm(low01, low23, 0x7632),
-                                     __byte_perm(high01, high23, 0x5410), __byte_perm(high01, high23, 0x7632)};
+        for (int j = 0; j < 8; ++j) {
+          constexpr int kW = kStagedRowBytes;
+          const int key_j = key_of_fp8_slot(j);
+          load_shared_u32x2((load_base ^ uint32_t(atom_row_offset(key_j % 8, kW))) + uint32_t(key_j / 8 * 8 * kW),
+                            lo[j], hi[j]);
+        }
+        uint32_t ordered[2][8];  // [columns 0-3 or 4-7 in lane g's order][key]
         CUTLASS_PRAGMA_UNROLL
-        for (int c = 0; c < 4; ++c) store_shared_u32(cast_smem_ptr_to_uint(&sVt(column + c, slot, to)), columns[c]);
+        for (int j = 0; j < 8; ++j) {
+          ordered[0][j] = __byte_perm(lo[j], hi[j], select_low);
+          ordered[1][j] = __byte_perm(lo[j], hi[j], select_high);
+        }
+        const uint32_t store_base = (transposed + uint32_t(vt_offset(column, slot, to))) ^ column_order;
+        CUTLASS_PRAGMA_UNROLL
+        for (int half = 0; half < 2; ++half) {
+          uint32_t first[4], second[4];  // column 4 half + c (lane order): slots 0-3, 4-7
+          transpose_bytes_4x4({ordered[half][0], ordered[half][1], ordered[half][2], ordered[half][3]}, first);
+          transpose_bytes_4x4({ordered[half][4], ordered[half][5], ordered[half][6], ordered[half][7]}, second);
+          CUTLASS_PRAGMA_UNROLL
+          for (int c = 0; c < 4; ++c)
+            store_shared_u32x2(store_base ^ uint32_t(atom_row_offset(4 * half + c, kVtRowBytes)), first[c], second[c]);
+        }
       }
       shared.pipeline_v.consumer_release(shared.v_state);
       ++shared.v_state;

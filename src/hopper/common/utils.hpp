@@ -39,6 +39,23 @@ CUTLASS_DEVICE uint32_t load_shared_u32(uint32_t smem_addr) {
 CUTLASS_DEVICE void store_shared_u32(uint32_t smem_addr, uint32_t v) {
   asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(smem_addr), "r"(v));
 }
+// 8 bytes at an 8-byte aligned shared address, as (bytes 0-3, bytes 4-7).
+CUTLASS_DEVICE void load_shared_u32x2(uint32_t smem_addr, uint32_t& lo, uint32_t& hi) {
+  asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(lo), "=r"(hi) : "r"(smem_addr));
+}
+CUTLASS_DEVICE void store_shared_u32x2(uint32_t smem_addr, uint32_t lo, uint32_t hi) {
+  asm volatile("st.shared.v2.u32 [%0], {%1, %2};\n" ::"r"(smem_addr), "r"(lo), "r"(hi));
+}
+
+// A 4 x 4 byte transpose: byte c of rows[j] becomes byte j of columns[c].
+CUTLASS_DEVICE void transpose_bytes_4x4(uint32_t const (&rows)[4], uint32_t (&columns)[4]) {
+  const uint32_t low01 = __byte_perm(rows[0], rows[1], 0x5140), high01 = __byte_perm(rows[0], rows[1], 0x7362);
+  const uint32_t low23 = __byte_perm(rows[2], rows[3], 0x5140), high23 = __byte_perm(rows[2], rows[3], 0x7362);
+  columns[0] = __byte_perm(low01, low23, 0x5410);
+  columns[1] = __byte_perm(low01, low23, 0x7632);
+  columns[2] = __byte_perm(high01, high23, 0x5410);
+  columns[3] = __byte_perm(high01, high23, 0x7632);
+}
 
 // Issue one warpgroup GEMM C (+)= A B over the K mode. kWait >= 0 waits until at most kWait
 // batches are in flight; -1 returns at once so the caller can overlap other work. kSlicesK > 0:
