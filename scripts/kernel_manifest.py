@@ -15,8 +15,8 @@ from __future__ import annotations
 import dataclasses
 
 DTYPES = {"bf16": "FH_DTYPE_BF16", "fp16": "FH_DTYPE_FP16", "fp8": "FH_DTYPE_FP8_E4M3"}
-# fp8 (e4m3) inputs: forward only, on the rows that ask for it (HeadDims.fp8), every feature but a
-# paged cache (FP8_GENERAL_FEATURES; a call with pages is refused by name).
+# fp8 (e4m3) inputs: forward only, on the rows that ask for it (HeadDims.fp8), every forward
+# feature (paged caches in TMA chunks: page sizes of a multiple of 16, no cache_leftpad).
 FP8 = "fp8"
 FP8_SET = "bench"  # the kernel set that first compiles the fp8 families
 PASSES = {"fwd": "kForward", "bwd": "kBackward"}
@@ -37,8 +37,6 @@ SOFTCAP = {"": "false", "_softcap": "true"}
 # kQv besides (QV_FEATURE).
 FORWARD_FEATURE_SETS = {"": "kNone", "_general": "kAll"}
 QV_FEATURE = "kQv"
-# What an fp8 family's general kernels hold instead of kAll (forward_features.hpp: no pages).
-FP8_GENERAL_FEATURES = "kUnpaged"
 
 # And into every backward family: whether its kernels take packed batches (cu_seqlens, seqused),
 # file suffix -> kPacked. A call with packed batches runs on "true", any other on "false", which
@@ -60,8 +58,7 @@ class HeadDims:
     # Forward only: its kernels compute S = Q K^T + Qv V^T (FA3's qv, absorbed MLA) and run the calls
     # with qv, and only those (a call without qv never runs on it, one with qv only on such a row).
     qv: bool = False
-    # Whether it has an fp8 forward family too (bench set: its speed marks are timed there; every
-    # forward feature but a paged cache).
+    # Whether it has an fp8 forward family too (bench set: its speed marks are timed there).
     fp8: bool = False
 
 
@@ -91,9 +88,10 @@ class Family:
 
     @property
     def general_features(self) -> str:
-        """Forward: the ForwardFeatures enumerator of its general kernels (and kQv, a qv family's)."""
-        return forward_feature_set(FP8_GENERAL_FEATURES if self.dtype == FP8 else FORWARD_FEATURE_SETS["_general"],
-                                   self.qv)
+        """Forward: the ForwardFeatures enumerator of its general kernels (and kQv, a qv family's). A
+        family whose general kernels left a feature out would name that here; the dispatch refuses
+        the calls that use it (forward_unsupported_reason)."""
+        return forward_feature_set(FORWARD_FEATURE_SETS["_general"], self.qv)
 
     def feature_sets(self) -> dict[str, str]:
         """{file suffix: the launch's last template argument (a ForwardFeatures expression, or kPacked)}."""

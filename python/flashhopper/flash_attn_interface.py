@@ -191,11 +191,10 @@ def _fp8_attention(q, k, v, varlen, softmax_scale, mask, num_splits, sm_margin, 
                    page_table, qv, descales):
     """flash_attn_func and flash_attn_varlen_func with fp8 inputs (float8_e4m3fn, FA3's descale
     factors; or descales given, which the library refuses for other dtypes): forward only, as in
-    FA3, eager; out is bf16. The library says which calls its fp8 kernels run (all but a paged
-    cache)."""
-    if qv is not None or page_table is not None:
-        name = "qv" if qv is not None else "page_table"
-        raise interface.not_supported(f"{name}: not with fp8 inputs (FlashHopper's fp8 path takes plain q, k, v)")
+    FA3, eager; out is bf16. With page_table (varlen), k and v are pages, read through the KV-cache
+    call. The library says which calls its fp8 kernels run."""
+    if qv is not None:
+        raise interface.not_supported("qv: not with fp8 inputs (FlashHopper's fp8 path takes plain q, k, v)")
     kind = _call_kind(q, k, v, learnable_sink, *descales)
     if kind == _TRACED:
         raise interface.not_supported("q: fp8 attention under torch.compile or torch.export is not supported yet "
@@ -203,6 +202,15 @@ def _fp8_attention(q, k, v, varlen, softmax_scale, mask, num_splits, sm_margin, 
     if kind == _AUTOGRAD:
         raise interface.not_supported("q: fp8 attention has no backward (as in FA3); call it under torch.no_grad() "
                                       "or with inputs that do not require grad")
+    if page_table is not None:
+        interface.check_varlen(varlen)
+        out, lse = _kvcache_forward(q, k, v, mask, softmax_scale, num_splits, page_table=page_table,
+                                    cu_seqlens_q=varlen.cu_seqlens_q, max_seqlen_q=varlen.max_seqlen_q,
+                                    cu_seqlens_k=varlen.cu_seqlens_k, max_seqlen_k=varlen.max_seqlen_k,
+                                    seqused_q=varlen.seqused_q, seqused_k=varlen.seqused_k,
+                                    learnable_sink=learnable_sink, return_lse=bool(return_attn_probs), names={},
+                                    sm_margin=sm_margin, descales=descales)
+        return (out, lse) if return_attn_probs else out
     return _library_forward(q, k, v, varlen, softmax_scale, mask, num_splits, sm_margin, return_attn_probs,
                             learnable_sink, descales)
 

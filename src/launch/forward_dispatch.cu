@@ -95,6 +95,11 @@ std::string forward_unsupported_reason(const ForwardParams& p, const detail::Pro
   if (s.append_kv && p.q.dtype == FH_DTYPE_FP8_E4M3)
     return "k_new and v_new: appending to an fp8_e4m3 KV cache is not supported (the append kernel writes bf16 "
            "and fp16 caches)";
+  // fp8's producer loads with one warp (the others transpose V), so its pages go in TMA chunks:
+  // whole 16-key chunks from each sequence's first key.
+  if (s.paged && p.q.dtype == FH_DTYPE_FP8_E4M3 && (s.page_size % 16 != 0 || detail::present(p.cache_leftpad)))
+    return "page_table: fp8_e4m3 inputs take pages of a multiple of 16 keys without cache_leftpad (page size " +
+           std::to_string(s.page_size) + (detail::present(p.cache_leftpad) ? ", with cache_leftpad)" : ")");
   std::string reason = family_unsupported_reason(Pass::kForward, static_cast<fh_dtype>(p.q.dtype), s.head_dim,
                                                  s.head_dim_v, detail::present(p.qv));
   if (!reason.empty()) return reason;

@@ -13,7 +13,6 @@ inline constexpr const char* kKernelSets[] = {"dev", "bench", "full"};
 inline constexpr hopper::ForwardFeatures kForwardFeatureSets[] = {
     hopper::ForwardFeatures::kNone,
     hopper::ForwardFeatures::kAll,
-    hopper::ForwardFeatures::kUnpaged,
     hopper::ForwardFeatures::kNone | hopper::ForwardFeatures::kQv,
     hopper::ForwardFeatures::kAll | hopper::ForwardFeatures::kQv};
 
@@ -22,7 +21,7 @@ inline constexpr hopper::ForwardFeatures kForwardFeatureSets[] = {
 inline constexpr KernelFamily kKernelFamilies[] = {
     {Pass::kForward, FH_DTYPE_BF16, 64, 64, 1, false, hopper::ForwardFeatures::kAll},
     {Pass::kForward, FH_DTYPE_FP16, 64, 64, 2, false, hopper::ForwardFeatures::kAll},
-    {Pass::kForward, FH_DTYPE_FP8_E4M3, 64, 64, 1, false, hopper::ForwardFeatures::kUnpaged},
+    {Pass::kForward, FH_DTYPE_FP8_E4M3, 64, 64, 1, false, hopper::ForwardFeatures::kAll},
     {Pass::kBackward, FH_DTYPE_BF16, 64, 64, 1, false, hopper::ForwardFeatures::kNone},
     {Pass::kBackward, FH_DTYPE_FP16, 64, 64, 2, false, hopper::ForwardFeatures::kNone},
     {Pass::kForward, FH_DTYPE_BF16, 64, 256, 2, true, hopper::ForwardFeatures::kAll | hopper::ForwardFeatures::kQv},
@@ -35,7 +34,7 @@ inline constexpr KernelFamily kKernelFamilies[] = {
     {Pass::kBackward, FH_DTYPE_FP16, 96, 96, 2, false, hopper::ForwardFeatures::kNone},
     {Pass::kForward, FH_DTYPE_BF16, 128, 128, 0, false, hopper::ForwardFeatures::kAll},
     {Pass::kForward, FH_DTYPE_FP16, 128, 128, 2, false, hopper::ForwardFeatures::kAll},
-    {Pass::kForward, FH_DTYPE_FP8_E4M3, 128, 128, 1, false, hopper::ForwardFeatures::kUnpaged},
+    {Pass::kForward, FH_DTYPE_FP8_E4M3, 128, 128, 1, false, hopper::ForwardFeatures::kAll},
     {Pass::kBackward, FH_DTYPE_BF16, 128, 128, 0, false, hopper::ForwardFeatures::kNone},
     {Pass::kBackward, FH_DTYPE_FP16, 128, 128, 2, false, hopper::ForwardFeatures::kNone},
     {Pass::kForward, FH_DTYPE_BF16, 192, 128, 2, false, hopper::ForwardFeatures::kAll},
@@ -48,7 +47,7 @@ inline constexpr KernelFamily kKernelFamilies[] = {
     {Pass::kBackward, FH_DTYPE_FP16, 192, 192, 2, false, hopper::ForwardFeatures::kNone},
     {Pass::kForward, FH_DTYPE_BF16, 256, 256, 1, false, hopper::ForwardFeatures::kAll},
     {Pass::kForward, FH_DTYPE_FP16, 256, 256, 2, false, hopper::ForwardFeatures::kAll},
-    {Pass::kForward, FH_DTYPE_FP8_E4M3, 256, 256, 1, false, hopper::ForwardFeatures::kUnpaged},
+    {Pass::kForward, FH_DTYPE_FP8_E4M3, 256, 256, 1, false, hopper::ForwardFeatures::kAll},
     {Pass::kBackward, FH_DTYPE_BF16, 256, 256, 1, false, hopper::ForwardFeatures::kNone},
     {Pass::kBackward, FH_DTYPE_FP16, 256, 256, 2, false, hopper::ForwardFeatures::kNone},
     {Pass::kForward, FH_DTYPE_BF16, 512, 512, 2, false, hopper::ForwardFeatures::kAll},

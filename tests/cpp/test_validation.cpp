@@ -1700,10 +1700,11 @@ TEST(KernelFamilies, UncompiledFamilyIsRefusedByName) {
   }
 }
 
-// fp8 inputs run on the fp8 families (the bench set up), with every feature but a paged cache and the
-// append: a build without them refuses by the family's name and the set that has it; one with them
-// runs split-KV and packed rows and refuses page_table and k_new by name.
-TEST(KernelFamilies, Fp8RunsUnpagedCallsFromTheBenchSet) {
+// fp8 inputs run on the fp8 families (the bench set up), with every feature but the append and pages
+// that would be gathered: a build without them refuses by the family's name and the set that has
+// it; one with them runs split-KV, packed rows and pages of a multiple of 16 keys, and refuses
+// other page sizes, cache_leftpad with pages, and k_new by name.
+TEST(KernelFamilies, Fp8RunsFromTheBenchSet) {
   if (!fh_built_with_cuda()) GTEST_SKIP() << "a build without CUDA refuses every run as NO_DEVICE";
   fh::ForwardParams p = fh::default_forward_params();
   p.q = fh::make_tensor(fake_pointer(0), FH_DTYPE_FP8_E4M3, {kBatch, kSeqQ, kHeadsQ, 128});
@@ -1723,12 +1724,21 @@ TEST(KernelFamilies, Fp8RunsUnpagedCallsFromTheBenchSet) {
   status = fh::forward(p, nullptr, 0, nullptr);
   EXPECT_NE(status.code, FH_ERROR_NOT_SUPPORTED) << status.message;
 
-  fh::ForwardParams paged = paged_forward();
+  fh::ForwardParams paged = paged_forward();  // pages of 64 keys
   paged.k_new = paged.v_new = {};
   for (fh::Tensor* t : {&paged.q, &paged.k, &paged.v}) t->dtype = FH_DTYPE_FP8_E4M3;
   status = fh::forward(paged, nullptr, 0, nullptr);
+  EXPECT_NE(status.code, FH_ERROR_NOT_SUPPORTED) << status.message;
+  fh::ForwardParams odd_pages = paged;
+  odd_pages.k.shape[1] = odd_pages.v.shape[1] = 24;
+  status = fh::forward(odd_pages, nullptr, 0, nullptr);
   EXPECT_EQ(status.code, FH_ERROR_NOT_SUPPORTED);
-  EXPECT_THAT(status.message, HasSubstr("fp8_e4m3 inputs do not run with a paged KV cache (page_table) for now"));
+  EXPECT_THAT(status.message, HasSubstr("page_table: fp8_e4m3 inputs take pages of a multiple of 16 keys"));
+  fh::ForwardParams leftpad = paged;
+  leftpad.cache_leftpad = fh::make_tensor(fake_pointer(9), FH_DTYPE_INT32, {kBatch});
+  status = fh::forward(leftpad, nullptr, 0, nullptr);
+  EXPECT_EQ(status.code, FH_ERROR_NOT_SUPPORTED);
+  EXPECT_THAT(status.message, HasSubstr("with cache_leftpad"));
 
   fh::ForwardParams append = paged_forward();
   append.page_table = {};

@@ -331,9 +331,10 @@ def test_fp8_forward_against_reference(head_dim, causal):
 def test_fp8_kvcache_and_varlen_against_reference(head_dim):
     """fp8 with descales beyond dense batches: flash_attn_with_kvcache over an unpaged cache
     (cache_seqlens of the whole cache, 0, 1 and part of it; two causal query tokens; split-KV
-    chosen and forced) and flash_attn_varlen_func over packed sequences (an empty one among them),
-    each sequence against float64 attention on its dequantised inputs within twice the plain fp8
-    error plus the slack, lse close; rows that see no key give 0."""
+    chosen and forced) and over the same keys in shuffled pages of 16 and 64, flash_attn_varlen_func
+    over those pages and over packed sequences (an empty one among them), each sequence against
+    float64 attention on its dequantised inputs within twice the plain fp8 error plus the slack,
+    lse close; rows that see no key give 0."""
     if not hasattr(torch, "float8_e4m3fn"):
         pytest.skip("this PyTorch has no float8_e4m3fn")
     generator = torch.Generator(device="cuda").manual_seed(head_dim)
@@ -365,6 +366,36 @@ def test_fp8_kvcache_and_varlen_against_reference(head_dim):
                 continue
             check(out[b:b + 1], lse[b:b + 1], q[b:b + 1], k_cache[b:b + 1, :length], v_cache[b:b + 1, :length],
                   [f[b:b + 1] for f in descales], causal=True)
+
+    # The same keys in shuffled pages (noise in the pages no sequence uses).
+    lengths_t = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    for page_size in (16, 64):
+        per_sequence = -(-1000 // page_size)
+        shuffle = torch.randperm(4 * per_sequence + 3, generator=torch.Generator().manual_seed(page_size))
+        table = shuffle[:4 * per_sequence].view(4, per_sequence).to(device="cuda", dtype=torch.int32)
+        k_pages = fp8(4 * per_sequence + 3, page_size, 2, head_dim)
+        v_pages = fp8(4 * per_sequence + 3, page_size, 2, head_dim)
+        for b in range(4):
+            for i in range(per_sequence):
+                rows = slice(i * page_size, min((i + 1) * page_size, 1000))
+                k_pages[table[b, i], :rows.stop - rows.start] = k_cache[b, rows]
+                v_pages[table[b, i], :rows.stop - rows.start] = v_cache[b, rows]
+        out, lse = run_or_skip(fa3.flash_attn_with_kvcache, q, k_pages, v_pages, cache_seqlens=lengths_t,
+                               page_table=table, causal=True, q_descale=descales[0], k_descale=descales[1],
+                               v_descale=descales[2], return_softmax_lse=True)
+        cu_keys = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device="cuda")
+        cu_queries = torch.arange(0, 9, 2, dtype=torch.int32, device="cuda")
+        packed_out, packed_lse = run_or_skip(
+            fa3.flash_attn_varlen_func, q.flatten(0, 1), k_pages, v_pages, cu_queries, cu_keys, 2, max(lengths),
+            page_table=table, causal=True, q_descale=descales[0], k_descale=descales[1], v_descale=descales[2],
+            return_attn_probs=True)
+        for b, length in enumerate(lengths):
+            if length == 0:
+                assert (out[b] == 0).all() and (packed_out[2 * b:2 * b + 2] == 0).all()
+                continue
+            inputs = (q[b:b + 1], k_cache[b:b + 1, :length], v_cache[b:b + 1, :length], [f[b:b + 1] for f in descales])
+            check(out[b:b + 1], lse[b:b + 1], *inputs, causal=True)
+            check(packed_out[2 * b:2 * b + 2][None], packed_lse[:, 2 * b:2 * b + 2][None], *inputs, causal=True)
 
     seqlens_q, seqlens_k = [3, 0, 200, 64], [500, 7, 200, 1000]
     q, k, v = fp8(sum(seqlens_q), 8, head_dim), fp8(sum(seqlens_k), 2, head_dim), fp8(sum(seqlens_k), 2, head_dim)

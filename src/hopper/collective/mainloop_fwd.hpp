@@ -79,8 +79,8 @@ struct ForwardMainloop {
   // Ping-pong between warpgroups of different rows; those that split O work in step.
   static constexpr bool kPingPong = kNumMmaWarpGroups > 1 && !kSplitsO;
   static constexpr bool kTransposesV = sizeof(Element) == 1;  // fp8 (above)
-  static_assert(!kTransposesV || (!kQv && !kPagedKv && !kSplitsO && kBlockN % 32 == 0),
-                "fp8: unpaged K/V without qv, 64 rows of O a warpgroup, key blocks of whole 32-key MMA slices");
+  static_assert(!kTransposesV || (!kQv && !kSplitsO && kBlockN % 32 == 0),
+                "fp8: no qv, 64 rows of O a warpgroup, key blocks of whole 32-key MMA slices");
   static constexpr int kTransposeThreads = 3 * cutlass::NumThreadsPerWarp;  // the producer's warps 1-3
   static constexpr int kProbabilityLog2 = kTransposesV ? 8 : 0;
 
@@ -162,9 +162,10 @@ struct ForwardMainloop {
   using PipelineState = cutlass::PipelineState<kStages>;
   // fp8: transposed V stages, from transpose_v's threads to the MMA warpgroups.
   using PipelineVt = cutlass::PipelineAsync<kStages>;
-  // A paged KV cache's loads (kPagedKv only).
-  using Paged = PagedKvLoads<Element, kBlockN, kHeadDim, kHeadDimV, SmemLayoutK, SmemLayoutVt, ShapeQKV, StrideQK,
-                             StrideVt, Pipeline, PipelineState>;
+  // A paged KV cache's loads (kPagedKv only); with fp8, of V as stored into the staging buffers.
+  using Paged = PagedKvLoads<Element, kBlockN, kHeadDim, kHeadDimV, SmemLayoutK,
+                             cute::conditional_t<kTransposesV, SmemLayoutVAsB, SmemLayoutVt>, ShapeQKV, StrideQK,
+                             cute::conditional_t<kTransposesV, StrideQK, StrideVt>, Pipeline, PipelineState, kTransposesV>;
   using PagedMode = typename Paged::PagedMode;
 
   static constexpr uint32_t kTmaBytesQ = cosize_v<SmemLayoutQ> * sizeof(Element);
@@ -311,8 +312,14 @@ struct ForwardMainloop {
     const float scale = Transform::softmax_scale(args.softmax_scale, args.softcap);
     typename Paged::Params paged;
     if (kPagedKv && args.page_table != nullptr) {
-      paged = Paged::make(mK, mVt, args.page_table, args.page_table_stride, args.page_table_rows, args.page_size,
-                          /*keys_start_mid_page=*/args.seqlen.cache_leftpad != nullptr);
+      const bool keys_start_mid_page = args.seqlen.cache_leftpad != nullptr;
+      if constexpr (kTransposesV) {
+        paged = Paged::make(mK, mV, args.page_table, args.page_table_stride, args.page_table_rows, args.page_size,
+                            keys_start_mid_page);
+      } else {
+        paged = Paged::make(mK, mVt, args.page_table, args.page_table_stride, args.page_table_rows, args.page_size,
+                            keys_start_mid_page);
+      }
     }
     QvParams<kQv> qv{};
     if constexpr (kQv) {
@@ -423,6 +430,17 @@ struct ForwardMainloop {
     Tensor tVgVt = get<0>(tma_v_parts);
     Tensor tVsVt = get<1>(tma_v_parts);
 
+    // V's stages as the producer writes them, and their per-page view: with fp8 the staging
+    // buffers (N, dv) and V as stored, else P V's stages (dv, N) and Vt.
+    auto v_stages = [&] {  // not const: nvcc took the stage lambda's reference to a const one for a dangling one
+      if constexpr (kTransposesV) {
+        return make_tensor(make_smem_ptr(shared.kv.smem_v_staged.data()), SmemLayoutVAsB{});
+      } else {
+        return sVt;
+      }
+    }();
+    const ShapeQKV v_pages = kTransposesV ? ShapeQKV(select<1, 0, 2, 3>(params.shape_vt)) : params.shape_vt;
+
     // Every producer thread runs this (producer_threads); thread 0 alone arms the barriers and
     // issues the other loads.
     const bool leader = threadIdx.x == 0;
@@ -431,13 +449,15 @@ struct ForwardMainloop {
       Pipeline& pipeline = kIsV ? shared.pipeline_v : shared.pipeline_k;
       PipelineState& state = kIsV ? shared.v_state : shared.k_state;
       auto const& stages = [&]() -> auto const& {
-        if constexpr (kIsV) return sVt; else return sK;
+        if constexpr (kIsV) return v_stages; else return sK;
       }();
       if (kPagedKv && params.paged.mode == PagedMode::kGather) {
+        // fp8's producer loads with one warp (the others transpose): the dispatch refuses what gathers.
+        if constexpr (kTransposesV) __trap();
         Paged::template gather_stage<kIsV>(params.paged, pipeline, state, stages, seq, head_kv, n_block);
       } else if (kPagedKv && params.paged.mode != PagedMode::kNone) {
-        Paged::template load_chunks_stage<kIsV>(params.paged, kIsV ? params.shape_vt : params.shape_k, pipeline,
-                                                state, stages, seq, head_kv, n_block);
+        Paged::template load_chunks_stage<kIsV>(params.paged, kIsV ? v_pages : params.shape_k, pipeline, state,
+                                                stages, seq, head_kv, n_block);
       } else if constexpr (kIsV) {
         tma_load_stage(pipeline, state, params.tma_vt, tVgVt(_, n_block), tVsVt);
       } else {

@@ -6,7 +6,10 @@
 // chunks would straddle pages. Fewer keys a box load slower; the gather slower still
 // (bench/RESULTS.md). A sequence's row of the page table is its batch_k (cache_batch_idx picks it)
 // and its key i the position offset_k + i (cache_leftpad) of that row. ForwardMainloop compiles
-// this in only with ForwardFeatures::kPagedKv.
+// this in only with ForwardFeatures::kPagedKv. kVAsStored (fp8): V is viewed and staged as K is,
+// (page_size, dv, heads, pages) into (N, dv) stages that the kernel transposes itself; such a
+// kernel's producer has one warp for loads, so it takes the TMA chunk modes only (the dispatch
+// refuses the page sizes and cache_leftpad that gather).
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -22,7 +25,7 @@ namespace flashhopper::hopper {
 using namespace cute;
 
 template <class Element, int kBlockN, int kHeadDim, int kHeadDimV, class SmemLayoutK, class SmemLayoutVt,
-          class ShapeQKV, class StrideQK, class StrideVt, class Pipeline, class PipelineState>
+          class ShapeQKV, class StrideQK, class StrideVt, class Pipeline, class PipelineState, bool kVAsStored = false>
 struct PagedKvLoads {
   static constexpr int kPageRowsLarge = 32;
   static constexpr int kPageRowsSmall = 16;
@@ -32,8 +35,8 @@ struct PagedKvLoads {
   template <int kRows>
   using PageChunkK = Shape<Int<kRows>, Int<kHeadDim>>;
   template <int kRows>
-  using PageChunkVt = Shape<Int<kHeadDimV>, Int<kRows>>;
-  // The TMA loads of one chunk of kRows keys, K's and Vt's.
+  using PageChunkVt = cute::conditional_t<kVAsStored, Shape<Int<kRows>, Int<kHeadDimV>>, Shape<Int<kHeadDimV>, Int<kRows>>>;
+  // The TMA loads of one chunk of kRows keys, K's and Vt's (V's as stored with kVAsStored).
   template <int kRows_>
   struct PageChunkTmas {
     static constexpr int kRows = kRows_;
@@ -105,8 +108,13 @@ struct PagedKvLoads {
       params.mode = PagedMode::kGather;
       params.k = {raw_pointer_cast(mK.data()), get<3>(mK.stride()), get<0>(mK.stride()), get<2>(mK.stride()),
                   int(get<1>(mK.shape()))};
-      params.v = {raw_pointer_cast(mVt.data()), get<3>(mVt.stride()), get<1>(mVt.stride()), get<2>(mVt.stride()),
-                  int(get<0>(mVt.shape()))};
+      if constexpr (kVAsStored) {
+        params.v = {raw_pointer_cast(mVt.data()), get<3>(mVt.stride()), get<0>(mVt.stride()), get<2>(mVt.stride()),
+                    int(get<1>(mVt.shape()))};
+      } else {
+        params.v = {raw_pointer_cast(mVt.data()), get<3>(mVt.stride()), get<1>(mVt.stride()), get<2>(mVt.stride()),
+                    int(get<0>(mVt.shape()))};
+      }
     }
     params.page_table = page_table;
     params.page_table_stride = page_table_stride;
@@ -258,7 +266,7 @@ struct PagedKvLoads {
         make_tensor(make_smem_ptr(reinterpret_cast<Element*>(uintptr_t(stage_base))), StageLayout{});
     const int stage = state.index();
     auto shared_address = [&](int key, int col) {
-      Element const& e = kIsV ? shared_addresses(col, key, stage) : shared_addresses(key, col, stage);
+      Element const& e = kIsV && !kVAsStored ? shared_addresses(col, key, stage) : shared_addresses(key, col, stage);
       return uint32_t(reinterpret_cast<uintptr_t>(&e));
     };
     const uint32_t key_group_bytes = shared_address(kKeysPerCopy, 0) - shared_address(0, 0);
@@ -286,10 +294,13 @@ struct PagedKvLoads {
     ++state;
   }
 
-  // Chunk c of kRows keys of a K tile (keys, d) or a Vt tile (dv, keys).
+  // Chunk c of kRows keys of a K tile (keys, d) or a Vt tile (dv, keys) (a V tile (keys, dv) with
+  // kVAsStored).
   template <bool kIsV, int kRows, class Tensor2>
   CUTLASS_DEVICE static auto key_chunk(Tensor2 const& tile, int c) {
-    if constexpr (kIsV) {
+    if constexpr (kIsV && kVAsStored) {
+      return local_tile(tile, PageChunkVt<kRows>{}, make_coord(c, _0{}));
+    } else if constexpr (kIsV) {
       return local_tile(tile, PageChunkVt<kRows>{}, make_coord(_0{}, c));
     } else {
       return local_tile(tile, PageChunkK<kRows>{}, make_coord(c, _0{}));

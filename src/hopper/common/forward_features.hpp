@@ -19,9 +19,6 @@ enum class ForwardFeatures : uint32_t {
                        // query rows grouped by token (packed GQA over several tokens)
   kPagedKv = 1u << 3,  // page_table: K and V by page, in TMA chunks or gathered
   kAll = (1u << 4) - 1,
-  // The fp8 families' general kernels: every feature but a paged cache (their V blocks go as
-  // stored into staging buffers for the in-kernel transpose; the paged loads write (dv, N) stages).
-  kUnpaged = kPacked | kSplitKv | kKvCache,
   // qv (absorbed MLA): S = Q K^T + Qv V^T. Not in kAll: only the families the manifest marks qv
   // compile it (both their sets carry it), and they run calls with qv only.
   kQv = 1u << 4,

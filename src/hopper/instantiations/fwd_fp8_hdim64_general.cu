@@ -3,31 +3,31 @@
 
 namespace flashhopper::launch {
 // fwd_fp8_hdim64_full_general
-template cudaError_t run_forward_hdim<FH_DTYPE_FP8_E4M3, 64, 64, hopper::MaskKind::kNone, false, hopper::ForwardFeatures::kUnpaged>(
+template cudaError_t run_forward_hdim<FH_DTYPE_FP8_E4M3, 64, 64, hopper::MaskKind::kNone, false, hopper::ForwardFeatures::kAll>(
     const ForwardParams&, const detail::ProblemShape&, const ForwardWorkspace&, cudaStream_t);
 // fwd_fp8_hdim64_full_softcap_general
-template cudaError_t run_forward_hdim<FH_DTYPE_FP8_E4M3, 64, 64, hopper::MaskKind::kNone, true, hopper::ForwardFeatures::kUnpaged>(
+template cudaError_t run_forward_hdim<FH_DTYPE_FP8_E4M3, 64, 64, hopper::MaskKind::kNone, true, hopper::ForwardFeatures::kAll>(
     const ForwardParams&, const detail::ProblemShape&, const ForwardWorkspace&, cudaStream_t);
 // fwd_fp8_hdim64_causal_general
-template cudaError_t run_forward_hdim<FH_DTYPE_FP8_E4M3, 64, 64, hopper::MaskKind::kCausal, false, hopper::ForwardFeatures::kUnpaged>(
+template cudaError_t run_forward_hdim<FH_DTYPE_FP8_E4M3, 64, 64, hopper::MaskKind::kCausal, false, hopper::ForwardFeatures::kAll>(
     const ForwardParams&, const detail::ProblemShape&, const ForwardWorkspace&, cudaStream_t);
 // fwd_fp8_hdim64_causal_softcap_general
-template cudaError_t run_forward_hdim<FH_DTYPE_FP8_E4M3, 64, 64, hopper::MaskKind::kCausal, true, hopper::ForwardFeatures::kUnpaged>(
+template cudaError_t run_forward_hdim<FH_DTYPE_FP8_E4M3, 64, 64, hopper::MaskKind::kCausal, true, hopper::ForwardFeatures::kAll>(
     const ForwardParams&, const detail::ProblemShape&, const ForwardWorkspace&, cudaStream_t);
 // fwd_fp8_hdim64_local_general
-template cudaError_t run_forward_hdim<FH_DTYPE_FP8_E4M3, 64, 64, hopper::MaskKind::kLocal, false, hopper::ForwardFeatures::kUnpaged>(
+template cudaError_t run_forward_hdim<FH_DTYPE_FP8_E4M3, 64, 64, hopper::MaskKind::kLocal, false, hopper::ForwardFeatures::kAll>(
     const ForwardParams&, const detail::ProblemShape&, const ForwardWorkspace&, cudaStream_t);
 // fwd_fp8_hdim64_local_softcap_general
-template cudaError_t run_forward_hdim<FH_DTYPE_FP8_E4M3, 64, 64, hopper::MaskKind::kLocal, true, hopper::ForwardFeatures::kUnpaged>(
+template cudaError_t run_forward_hdim<FH_DTYPE_FP8_E4M3, 64, 64, hopper::MaskKind::kLocal, true, hopper::ForwardFeatures::kAll>(
     const ForwardParams&, const detail::ProblemShape&, const ForwardWorkspace&, cudaStream_t);
 
 // The file reads CuTe's extended shapes exactly when one of its kernels uses them.
 static_assert(bool(FLASHHOPPER_EXTENDED_GMMA_SHAPES) ==
-              (ForwardKernelOf<FH_DTYPE_FP8_E4M3, 64, 64, hopper::MaskKind::kNone, false, hopper::ForwardFeatures::kUnpaged>::kUsesExtendedGmma ||
-              ForwardKernelOf<FH_DTYPE_FP8_E4M3, 64, 64, hopper::MaskKind::kNone, true, hopper::ForwardFeatures::kUnpaged>::kUsesExtendedGmma ||
-              ForwardKernelOf<FH_DTYPE_FP8_E4M3, 64, 64, hopper::MaskKind::kCausal, false, hopper::ForwardFeatures::kUnpaged>::kUsesExtendedGmma ||
-              ForwardKernelOf<FH_DTYPE_FP8_E4M3, 64, 64, hopper::MaskKind::kCausal, true, hopper::ForwardFeatures::kUnpaged>::kUsesExtendedGmma ||
-              ForwardKernelOf<FH_DTYPE_FP8_E4M3, 64, 64, hopper::MaskKind::kLocal, false, hopper::ForwardFeatures::kUnpaged>::kUsesExtendedGmma ||
-              ForwardKernelOf<FH_DTYPE_FP8_E4M3, 64, 64, hopper::MaskKind::kLocal, true, hopper::ForwardFeatures::kUnpaged>::kUsesExtendedGmma),
+              (ForwardKernelOf<FH_DTYPE_FP8_E4M3, 64, 64, hopper::MaskKind::kNone, false, hopper::ForwardFeatures::kAll>::kUsesExtendedGmma ||
+              ForwardKernelOf<FH_DTYPE_FP8_E4M3, 64, 64, hopper::MaskKind::kNone, true, hopper::ForwardFeatures::kAll>::kUsesExtendedGmma ||
+              ForwardKernelOf<FH_DTYPE_FP8_E4M3, 64, 64, hopper::MaskKind::kCausal, false, hopper::ForwardFeatures::kAll>::kUsesExtendedGmma ||
+              ForwardKernelOf<FH_DTYPE_FP8_E4M3, 64, 64, hopper::MaskKind::kCausal, true, hopper::ForwardFeatures::kAll>::kUsesExtendedGmma ||
+              ForwardKernelOf<FH_DTYPE_FP8_E4M3, 64, 64, hopper::MaskKind::kLocal, false, hopper::ForwardFeatures::kAll>::kUsesExtendedGmma ||
+              ForwardKernelOf<FH_DTYPE_FP8_E4M3, 64, 64, hopper::MaskKind::kLocal, true, hopper::ForwardFeatures::kAll>::kUsesExtendedGmma),
               FLASHHOPPER_GMMA_SET_MESSAGE);
 }  // namespace flashhopper::launch

@@ -188,7 +188,7 @@ struct ForwardKernel {
         if constexpr (kTransposesV) {
           if (transposes) {
             Mainloop::transpose_v(shared, blocks.count(), int(threadIdx.x) - cutlass::NumThreadsPerWarp);
-          } else if (lane0) {
+          } else if (int(threadIdx.x) < Mainloop::producer_threads(params.mainloop)) {  // a lane, or warp 0 paged
             Mainloop::load(params.mainloop, shared, work, seq, blocks);
           }
         } else {
