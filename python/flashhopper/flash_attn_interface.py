@@ -611,7 +611,8 @@ def get_scheduler_metadata(batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, 
     nothing to precompute on the GPU: the plan is the split-KV count, num_splits (0: the library's
     choice, which is the same for every call of these shapes), as an int32 CPU tensor of shape [1].
     The arguments are checked as flash_attn_with_kvcache checks them (ValueError naming the
-    argument; NotImplementedError for what FlashHopper cannot run: fp8). pack_gqa is a hint and is
+    argument; NotImplementedError for what FlashHopper cannot run: fp8 other than float8_e4m3fn).
+    pack_gqa is a hint and is
     ignored; so is sm_margin (the call's own sm_margin applies when the library chooses)."""
     sizes = {"batch_size": batch_size, "max_seqlen_q": max_seqlen_q, "num_heads_q": num_heads_q,
              "num_heads_kv": num_heads_kv, "headdim": headdim}

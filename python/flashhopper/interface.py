@@ -7,10 +7,11 @@ max_seqlen_q/k, seqused_q/k), FlashAttention's packed one (q [total_q, Hq, d], l
 
 Argument checks: this layer refuses what the C ABI cannot see (Python types, torch dtypes without a
 C counterpart, values that would change on their way into the C types: ValueError naming the
-argument; fp8 dtypes: NotImplementedError), then the library's own check (fh_forward_check,
-fh_backward_check), which holds every rule on dtypes, ranks, shapes, strides, lengths and option
-ranges and names the argument (FlashHopperError: FlashHopperInvalidArgument is also a ValueError,
-FlashHopperNotSupported also a NotImplementedError), then devices. Nothing is launched on any error.
+argument; fp8 dtypes but float8_e4m3fn: NotImplementedError), then the library's own check
+(fh_forward_check, fh_backward_check), which holds every rule on dtypes, ranks, shapes, strides,
+lengths and option ranges and names the argument (FlashHopperError: FlashHopperInvalidArgument is
+also a ValueError, FlashHopperNotSupported also a NotImplementedError), then devices. Nothing is
+launched on any error.
 These checks depend only on the tensors' metadata and the options, so they run once per kind of
 call (see "Launch plans"); the library checks every call again in full, data pointers included.
 No call here synchronises with the host (cu_seqlens and seqused are never read here): outputs and

@@ -92,9 +92,9 @@ std::string forward_unsupported_reason(const ForwardParams& p, const detail::Pro
            " tokens: the kernels take at most 2^31 - 1 cached tokens";
   if (mask.num_sink_tokens > 0 && mask.attention_chunk > 0)
     return "num_sink_tokens together with attention_chunk is not supported by the kernels";
-  if (s.append_kv && p.q.dtype == FH_DTYPE_FP8_E4M3)
-    return "k_new and v_new: appending to an fp8_e4m3 KV cache is not supported (the append kernel writes bf16 "
-           "and fp16 caches)";
+  // fp8 appends as stored; rotating e4m3 values through e4m3 tables would lose the angle's precision.
+  if (s.append_kv && p.q.dtype == FH_DTYPE_FP8_E4M3 && detail::present(p.rotary_cos))
+    return "rotary_cos: fp8_e4m3 inputs take no rotary embedding in the append (rotate before quantising)";
   // fp8's producer loads with one warp (the others transpose V), so its pages go in TMA chunks:
   // whole 16-key chunks from each sequence's first key.
   if (s.paged && p.q.dtype == FH_DTYPE_FP8_E4M3 && (s.page_size % 16 != 0 || detail::present(p.cache_leftpad)))

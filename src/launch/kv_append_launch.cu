@@ -91,7 +91,8 @@ int run_kv_append(const ForwardParams& p, const detail::ProblemShape& s, void* q
   switch (p.q.dtype) {
     case FH_DTYPE_BF16: return run_as<cutlass::bfloat16_t>(p, s, q_rotated, st);
     case FH_DTYPE_FP16: return run_as<cutlass::half_t>(p, s, q_rotated, st);
-    default: return int(cudaErrorInvalidValue);  // refused before (the kernels take bf16 and fp16)
+    case FH_DTYPE_FP8_E4M3: return run_as<cutlass::float_e4m3_t>(p, s, q_rotated, st);  // no rotary (refused)
+    default: return int(cudaErrorInvalidValue);  // refused before
   }
 }
 

@@ -1700,10 +1700,10 @@ TEST(KernelFamilies, UncompiledFamilyIsRefusedByName) {
   }
 }
 
-// fp8 inputs run on the fp8 families (the bench set up), with every feature but the append and pages
-// that would be gathered: a build without them refuses by the family's name and the set that has
-// it; one with them runs split-KV, packed rows and pages of a multiple of 16 keys, and refuses
-// other page sizes, cache_leftpad with pages, and k_new by name.
+// fp8 inputs run on the fp8 families (the bench set up), with every feature but pages that would be
+// gathered and a rotated append: a build without them refuses by the family's name and the set
+// that has it; one with them runs split-KV, packed rows, pages of a multiple of 16 keys and the
+// append, and refuses other page sizes, cache_leftpad with pages, and rotary tables by name.
 TEST(KernelFamilies, Fp8RunsFromTheBenchSet) {
   if (!fh_built_with_cuda()) GTEST_SKIP() << "a build without CUDA refuses every run as NO_DEVICE";
   fh::ForwardParams p = fh::default_forward_params();
@@ -1746,9 +1746,12 @@ TEST(KernelFamilies, Fp8RunsFromTheBenchSet) {
   append.v = fh::make_tensor(fake_pointer(2), FH_DTYPE_FP8_E4M3, {kBatch, kSeqK, kHeadsKV, kDimV});
   for (fh::Tensor* t : {&append.q, &append.k_new, &append.v_new}) t->dtype = FH_DTYPE_FP8_E4M3;
   status = fh::forward(append, nullptr, 0, nullptr);
+  EXPECT_NE(status.code, FH_ERROR_NOT_SUPPORTED) << status.message;
+  append.rotary_cos = fh::make_tensor(fake_pointer(25), FH_DTYPE_FP8_E4M3, {kSeqK, kDim / 4});
+  append.rotary_sin = fh::make_tensor(fake_pointer(26), FH_DTYPE_FP8_E4M3, {kSeqK, kDim / 4});
+  status = fh::forward(append, nullptr, 0, nullptr);
   EXPECT_EQ(status.code, FH_ERROR_NOT_SUPPORTED);
-  EXPECT_THAT(status.message, HasSubstr("k_new"));
-  EXPECT_THAT(status.message, HasSubstr("fp8_e4m3"));
+  EXPECT_THAT(status.message, HasSubstr("rotary_cos: fp8_e4m3 inputs take no rotary embedding"));
 }
 
 }  // namespace

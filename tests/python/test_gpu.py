@@ -331,10 +331,11 @@ def test_fp8_forward_against_reference(head_dim, causal):
 def test_fp8_kvcache_and_varlen_against_reference(head_dim):
     """fp8 with descales beyond dense batches: flash_attn_with_kvcache over an unpaged cache
     (cache_seqlens of the whole cache, 0, 1 and part of it; two causal query tokens; split-KV
-    chosen and forced) and over the same keys in shuffled pages of 16 and 64, flash_attn_varlen_func
-    over those pages and over packed sequences (an empty one among them), each sequence against
-    float64 attention on its dequantised inputs within twice the plain fp8 error plus the slack,
-    lse close; rows that see no key give 0."""
+    chosen and forced; two new keys appended) and over the same keys in shuffled pages of 16 and 64,
+    flash_attn_varlen_func over those pages and over packed sequences (an empty one among them),
+    each sequence against float64 attention on its dequantised inputs within twice the plain fp8
+    error plus the slack, lse close; rows that see no key give 0; the append writes its keys and
+    values bit for bit and nothing else."""
     if not hasattr(torch, "float8_e4m3fn"):
         pytest.skip("this PyTorch has no float8_e4m3fn")
     generator = torch.Generator(device="cuda").manual_seed(head_dim)
@@ -366,6 +367,23 @@ def test_fp8_kvcache_and_varlen_against_reference(head_dim):
                 continue
             check(out[b:b + 1], lse[b:b + 1], q[b:b + 1], k_cache[b:b + 1, :length], v_cache[b:b + 1, :length],
                   [f[b:b + 1] for f in descales], causal=True)
+
+    # Two new keys and values appended (as stored) to a copy of the cache, then attended to.
+    k_new, v_new = fp8(4, 2, 2, head_dim), fp8(4, 2, 2, head_dim)
+    k_appended, v_appended = k_cache.clone(), v_cache.clone()
+    before = [min(length, 998) for length in lengths]
+    out, lse = run_or_skip(fa3.flash_attn_with_kvcache, q, k_appended, v_appended, k=k_new, v=v_new,
+                           cache_seqlens=torch.tensor(before, dtype=torch.int32, device="cuda"), causal=True,
+                           q_descale=descales[0], k_descale=descales[1], v_descale=descales[2], return_softmax_lse=True)
+    bits = lambda t: t.view(torch.uint8)  # noqa: E731
+    for b, length in enumerate(before):
+        for cache, appended, new in ((k_cache, k_appended, k_new), (v_cache, v_appended, v_new)):
+            assert torch.equal(bits(appended[b, length:length + 2]), bits(new[b]))
+            assert torch.equal(bits(appended[b, :length]), bits(cache[b, :length]))
+            assert torch.equal(bits(appended[b, length + 2:]), bits(cache[b, length + 2:]))
+        keys = slice(0, length + 2)
+        check(out[b:b + 1], lse[b:b + 1], q[b:b + 1], k_appended[b:b + 1, keys], v_appended[b:b + 1, keys],
+              [f[b:b + 1] for f in descales], causal=True)
 
     # The same keys in shuffled pages (noise in the pages no sequence uses).
     lengths_t = torch.tensor(lengths, dtype=torch.int32, device="cuda")
