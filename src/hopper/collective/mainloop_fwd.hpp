@@ -814,7 +814,7 @@ struct ForwardMainloop {
     static_assert(fp8_keys_agree(), "P's bytes and V's transposed keys must pair the same key");
     static_assert(transpose_offsets_agree(), "the transpose's offsets must be CuTe's layouts'");
     constexpr int kSlotChunks = kBlockN / 16, kColumnChunks = kHeadDimV / 64;
-    static_assert(kBlockN % 32 == 0 && kHeadDimV % 64 == 0 && kTransposeThreads % 16 == 0 && kBlockN <= 128);
+    static_assert(kBlockN % 32 == 0 && kHeadDimV % 64 == 0 && kTransposeThreads % 16 == 0);
     constexpr int kTiles = kSlotChunks * kColumnChunks, kHalfWarps = kTransposeThreads / 16;
     const int half_warp = thread / 16, g = thread % 8, h = thread / 8 % 2;
     // Lane g's column order c ^ g as PRMT selectors over a key's 8 bytes (lo, hi): columns 0-3, 4-7.
