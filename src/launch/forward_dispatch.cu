@@ -103,7 +103,7 @@ std::string forward_unsupported_reason(const ForwardParams& p, const detail::Pro
   std::string reason = family_unsupported_reason(Pass::kForward, static_cast<fh_dtype>(p.q.dtype), s.head_dim,
                                                  s.head_dim_v, detail::present(p.qv));
   if (!reason.empty()) return reason;
-  // A family whose general kernels lack a feature (fp8's: pages) refuses the calls that use it.
+  // A family whose general kernels leave a feature out (none does today) refuses the calls that use it.
   const hopper::ForwardFeatures general = forward_family(p, s)->general_features;
   if (const hopper::ForwardFeatures features = forward_features(p, s, p.num_splits); !hopper::holds(general, features))
     return std::string(dtype_label(static_cast<fh_dtype>(p.q.dtype))) + " inputs do not run with " +

@@ -432,7 +432,7 @@ struct ForwardMainloop {
 
     // V's stages as the producer writes them, and their per-page view: with fp8 the staging
     // buffers (N, dv) and V as stored, else P V's stages (dv, N) and Vt.
-    auto v_stages = [&] {  // not const: nvcc took the stage lambda's reference to a const one for a dangling one
+    auto v_stages = [&] {  // not const: with const, nvcc warned that the stage lambda returns a dangling reference
       if constexpr (kTransposesV) {
         return make_tensor(make_smem_ptr(shared.kv.smem_v_staged.data()), SmemLayoutVAsB{});
       } else {
@@ -805,7 +805,7 @@ struct ForwardMainloop {
   // 8 slots (8 h .. 8 h + 7) by 8 columns (8 g .. 8 g + 7): eight 64-bit loads (a key each), an
   // 8 x 8 byte transpose (48 PRMT), eight 64-bit stores (a column each). Its loads read two keys 4
   // apart (slot bit 3 is key bit 2), whose swizzles put their halves of a 128-byte row on different
-  // banks. Its stores would all write the same column of 8 (the same swizzled chunk) at once, so lane
+  // banks (64-byte rows, dv 64: two ways on the same). Its stores would all write the same column of 8 (the same swizzled chunk) at once, so lane
   // g takes its columns in the order c ^ g (in the transpose's first PRMTs) and the half-warp's
   // stores fall on 16 different 8-byte banks. Addresses: a base a step, then one XOR or add each
   // (the layouts' XOR-linearity); CuTe's general layout arithmetic cost 17 instructions an address.
