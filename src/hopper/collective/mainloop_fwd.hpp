@@ -165,7 +165,8 @@ struct ForwardMainloop {
   // A paged KV cache's loads (kPagedKv only); with fp8, of V as stored into the staging buffers.
   using Paged = PagedKvLoads<Element, kBlockN, kHeadDim, kHeadDimV, SmemLayoutK,
                              cute::conditional_t<kTransposesV, SmemLayoutVAsB, SmemLayoutVt>, ShapeQKV, StrideQK,
-                             cute::conditional_t<kTransposesV, StrideQK, StrideVt>, Pipeline, PipelineState, kTransposesV>;
+                             cute::conditional_t<kTransposesV, StrideQK, StrideVt>, Pipeline, PipelineState,
+                             kTransposesV>;
   using PagedMode = typename Paged::PagedMode;
 
   static constexpr uint32_t kTmaBytesQ = cosize_v<SmemLayoutQ> * sizeof(Element);
@@ -805,9 +806,9 @@ struct ForwardMainloop {
   // 8 slots (8 h .. 8 h + 7) by 8 columns (8 g .. 8 g + 7): eight 64-bit loads (a key each), an
   // 8 x 8 byte transpose (48 PRMT), eight 64-bit stores (a column each). Its loads read two keys 4
   // apart (slot bit 3 is key bit 2), whose swizzles put their halves of a 128-byte row on different
-  // banks (64-byte rows, dv 64: two ways on the same). Its stores would all write the same column of 8 (the same swizzled chunk) at once, so lane
-  // g takes its columns in the order c ^ g (in the transpose's first PRMTs) and the half-warp's
-  // stores fall on 16 different 8-byte banks. Addresses: a base a step, then one XOR or add each
+  // banks (64-byte rows, dv 64: two ways on the same). Its stores would all write the same column
+  // of 8 (the same swizzled chunk) at once, so lane g takes its columns in the order c ^ g (in the
+  // transpose's first PRMTs) and the half-warp's stores fall on 16 different 8-byte banks. Addresses: a base a step, then one XOR or add each
   // (the layouts' XOR-linearity); CuTe's general layout arithmetic cost 17 instructions an address.
   CUTLASS_DEVICE static void transpose_v(SharedState const& shared, int num_blocks, int thread) {
     static_assert(kTransposesV);
