@@ -808,8 +808,9 @@ struct ForwardMainloop {
   // apart (slot bit 3 is key bit 2), whose swizzles put their halves of a 128-byte row on different
   // banks (64-byte rows, dv 64: two ways on the same). Its stores would all write the same column
   // of 8 (the same swizzled chunk) at once, so lane g takes its columns in the order c ^ g (in the
-  // transpose's first PRMTs) and the half-warp's stores fall on 16 different 8-byte banks. Addresses: a base a step, then one XOR or add each
-  // (the layouts' XOR-linearity); CuTe's general layout arithmetic cost 17 instructions an address.
+  // transpose's first PRMTs) and the half-warp's stores fall on 16 different 8-byte banks.
+  // Addresses: a base a step, then one XOR or add each (the layouts' XOR-linearity); CuTe's general
+  // layout arithmetic cost 17 instructions an address.
   CUTLASS_DEVICE static void transpose_v(SharedState const& shared, int num_blocks, int thread) {
     static_assert(kTransposesV);
     static_assert(fp8_keys_agree(), "P's bytes and V's transposed keys must pair the same key");

@@ -35,7 +35,8 @@ struct PagedKvLoads {
   template <int kRows>
   using PageChunkK = Shape<Int<kRows>, Int<kHeadDim>>;
   template <int kRows>
-  using PageChunkVt = cute::conditional_t<kVAsStored, Shape<Int<kRows>, Int<kHeadDimV>>, Shape<Int<kHeadDimV>, Int<kRows>>>;
+  using PageChunkVt =
+      cute::conditional_t<kVAsStored, Shape<Int<kRows>, Int<kHeadDimV>>, Shape<Int<kHeadDimV>, Int<kRows>>>;
   // The TMA loads of one chunk of kRows keys, K's and Vt's (V's as stored with kVAsStored).
   template <int kRows_>
   struct PageChunkTmas {
