@@ -107,6 +107,7 @@ int64_t element_bytes(const Tensor& t) { return static_cast<int64_t>(dtype_size(
 // How the kernels reach a tensor, which decides its stride and alignment rules.
 enum class Access {
   kTma,      // bulk tensor copies: last dim contiguous, other strides and the base 16-byte aligned
+  kTmaColumnMajor,  // as kTma with dim 1 contiguous instead: fp8's v [B, S, Hkv, dv], keys contiguous
   kRows,     // element loads/stores along a contiguous last dim (lse, sequence lengths, page table, sinks)
   kStrided,  // element loads at any stride (descale factors)
 };
@@ -214,14 +215,19 @@ Status check_strides_and_alignment(const Arg& arg, Target target) {
   if (target != Target::kKernel) return {};  // the CPU reference reads any layout
 
   const int64_t bytes = element_bytes(t);
-  if (arg.access != Access::kStrided && t.stride[last] != 1) {
-    return invalid(arg.name, "stride[", last, "] is ", t.stride[last],
-                   " but the last dim must be contiguous (stride 1) for the kernels");
+  const bool tma = arg.access == Access::kTma || arg.access == Access::kTmaColumnMajor;
+  const int contiguous = arg.access == Access::kTmaColumnMajor ? 1 : last;
+  if (arg.access != Access::kStrided && t.stride[contiguous] != 1) {
+    const char* rule = arg.access == Access::kTmaColumnMajor
+                           ? " but a column-major v must have its keys contiguous"
+                           : " but the last dim must be contiguous (stride 1) for the kernels";
+    return invalid(arg.name, "stride[", contiguous, "] is ", t.stride[contiguous], rule);
   }
-  if (arg.access == Access::kTma) {
+  if (tma) {
     // Element sizes divide 16, so "stride * bytes is a multiple of 16" is this, without overflow.
     const int64_t granule = kTmaAlignment / bytes;
-    for (int dim = 0; dim < last; ++dim) {
+    for (int dim = 0; dim <= last; ++dim) {
+      if (dim == contiguous) continue;
       if (t.stride[dim] % granule != 0) {
         return invalid(arg.name, "stride[", dim, "] is ", t.stride[dim], ", not a multiple of ", granule,
                        " elements (16 bytes of ", dtype_name(t.dtype), "); TMA needs 16-byte aligned strides");
@@ -234,13 +240,13 @@ Status check_strides_and_alignment(const Arg& arg, Target target) {
       }
     }
   }
-  const int64_t alignment = arg.access == Access::kTma ? kTmaAlignment : bytes;
+  const int64_t alignment = tma ? kTmaAlignment : bytes;
   const auto address = reinterpret_cast<uintptr_t>(t.data);
   if (address % static_cast<uintptr_t>(alignment) != 0) {
     char hex[24];
     std::snprintf(hex, sizeof(hex), "0x%llx", static_cast<unsigned long long>(address));
     return invalid(arg.name, "data pointer ", hex, " is not ", alignment, "-byte aligned",
-                   arg.access == Access::kTma ? "; TMA needs 16-byte aligned base addresses" : "");
+                   tma ? "; TMA needs 16-byte aligned base addresses" : "");
   }
   return {};
 }
@@ -924,7 +930,7 @@ Status validate(const ForwardParams& params, Target target) {
   const std::vector<Arg> tensors{
       {&p.q, "q", Access::kTma},
       {&p.k, "k", Access::kTma},
-      {&p.v, "v", Access::kTma},
+      {&p.v, "v", v_column_major(p) ? Access::kTmaColumnMajor : Access::kTma},
       {&p.out, "out", Access::kTma},
       {&p.lse, "lse", Access::kRows},
       {&p.cu_seqlens_q, "cu_seqlens_q", Access::kRows},

@@ -95,6 +95,9 @@ std::string forward_unsupported_reason(const ForwardParams& p, const detail::Pro
   // fp8 appends as stored; rotating e4m3 values through e4m3 tables would lose the angle's precision.
   if (s.append_kv && p.q.dtype == FH_DTYPE_FP8_E4M3 && detail::present(p.rotary_cos))
     return "rotary_cos: fp8_e4m3 inputs take no rotary embedding in the append (rotate before quantising)";
+  if (detail::v_column_major(p) && (s.paged || s.append_kv))
+    return std::string("v: column-major (keys contiguous) runs without ") +
+           (s.paged ? "page_table" : "k_new and v_new") + "; pages and appends take a row-major v";
   // fp8's producer loads with one warp (the others transpose V), so its pages go in TMA chunks:
   // whole 16-key chunks from each sequence's first key.
   if (s.paged && p.q.dtype == FH_DTYPE_FP8_E4M3 && (s.page_size % 16 != 0 || detail::present(p.cache_leftpad)))

@@ -110,6 +110,8 @@ cudaError_t run_forward_hdim(const ForwardParams& p, const detail::ProblemShape&
     mainloop_args.q_descale = descale(p.q_descale);
     mainloop_args.k_descale = descale(p.k_descale);
     mainloop_args.v_descale = descale(p.v_descale);
+    // [B, S, Hkv, dv] with the keys contiguous: loaded as P V's operand (the shape above holds).
+    if (detail::v_column_major(p)) mainloop_args.v_column_stride = p.v.stride[3];
   }
   typename Epilogue::Arguments epilogue_args{
       static_cast<typename Epilogue::Element*>(p.out.data),

@@ -52,6 +52,14 @@ struct MaskSpec {
 
 inline bool present(const Tensor& t) { return t.data != nullptr; }
 
+// fp8's v may come column-major: [B, S, Hkv, dv] with the keys contiguous (FA3's V_colmajor),
+// which the kernels load as P V's operand, with no transpose. Any other v has its last dim
+// contiguous (the validation's rule).
+inline bool v_column_major(const ForwardParams& p) {
+  return p.q.dtype == FH_DTYPE_FP8_E4M3 && p.v.ndim == 4 && p.v.shape[3] > 1 && p.v.stride[3] != 1 &&
+         p.v.stride[1] == 1;
+}
+
 // Whether a call (either pass) needs the kernels for packed batches: cu_seqlens, or seqused,
 // which a dense layout may carry too (rows past it take no part).
 template <class Params>

@@ -70,6 +70,7 @@ struct GridCase {
   bool guard_columns = false;
   int head_dim_v = 0;  // v's, out's and dout's head dim; 0: head_dim
   int num_splits = 1;  // the forward's split-KV count (0: the library's choice)
+  bool v_column_major = false;  // fp8: v stored [B, Hkv, dv, S], passed as a [B, S, Hkv, dv] view
   int value_dim() const { return head_dim_v > 0 ? head_dim_v : head_dim; }
   // A tensor of `dim` columns as the kernel writes it: with the guard columns.
   int output_columns(int dim) const;
@@ -79,7 +80,8 @@ struct GridCase {
     s << (dtype == FH_DTYPE_BF16 ? "bf16" : dtype == FH_DTYPE_FP16 ? "fp16" : "fp8") << "_d" << head_dim
       << (causal ? "_causal" : "_full") << "_b" << batch << "_sq" << seqlen_q << "_sk" << seqlen_k << "_h" << heads_q << "_hkv" << heads_kv
       << (heads_major_layout ? "_bhsd" : "") << (head_dim_v > 0 ? "_dv" + std::to_string(head_dim_v) : "")
-      << features.tag() << (num_splits != 1 ? "_splits" + std::to_string(num_splits) : "");
+      << features.tag() << (num_splits != 1 ? "_splits" + std::to_string(num_splits) : "")
+      << (v_column_major ? "_vcolumns" : "");
     return s.str();
   }
 };

@@ -45,7 +45,10 @@ TEST_P(ForwardGpuTest, MatchesReference) {
   const uint32_t seed = uint32_t(std::hash<std::string>{}(c.name()));
   HostTensor q = make_input(c.dtype, c.batch, c.seqlen_q, c.heads_q, c.head_dim, c.heads_major_layout, seed);
   HostTensor k = make_input(c.dtype, c.batch, c.seqlen_k, c.heads_kv, c.head_dim, c.heads_major_layout, seed + 1);
-  HostTensor v = make_input(c.dtype, c.batch, c.seqlen_k, c.heads_kv, c.value_dim(), c.heads_major_layout, seed + 2);
+  HostTensor v =
+      c.v_column_major
+          ? random_tensor(c.dtype, {c.batch, c.heads_kv, c.value_dim(), c.seqlen_k}, seed + 2)
+          : make_input(c.dtype, c.batch, c.seqlen_k, c.heads_kv, c.value_dim(), c.heads_major_layout, seed + 2);
   const bool fp8 = c.dtype == FH_DTYPE_FP8_E4M3;
   const fh_dtype out_dtype = fp8 ? FH_DTYPE_BF16 : c.dtype;  // fp8 attention writes bf16
   HostTensor out(out_dtype, {c.batch, c.seqlen_q, c.heads_q, c.output_columns(c.value_dim())});
@@ -81,6 +84,7 @@ TEST_P(ForwardGpuTest, MatchesReference) {
     p.k = permute(p.k, {0, 2, 1, 3});
     p.v = permute(p.v, {0, 2, 1, 3});
   }
+  if (c.v_column_major) p.v = permute(d_v.view(), {0, 3, 1, 2});  // keys contiguous
   p.out = narrow(d_out.view(), 3, 0, c.value_dim());
   p.lse = d_lse.view();
   p.causal = c.causal;
@@ -114,7 +118,7 @@ TEST_P(ForwardGpuTest, MatchesReference) {
   host.num_splits = 1;  // the reference's split writes partials; the kernel's combine gives out and lse
   host.q = bshd_view(q, c.heads_major_layout);
   host.k = bshd_view(k, c.heads_major_layout);
-  host.v = bshd_view(v, c.heads_major_layout);
+  host.v = c.v_column_major ? permute(v.view(), {0, 3, 1, 2}) : bshd_view(v, c.heads_major_layout);
   if (c.features.learnable_sink) host.learnable_sink = sink.view();
   if (fp8) {
     host.q_descale = descales[0].view();
@@ -203,6 +207,34 @@ std::vector<GridCase> split_kv_cases() {
 }
 
 INSTANTIATE_TEST_SUITE_P(SplitKv, ForwardGpuTest, ::testing::ValuesIn(split_kv_cases()),
+                         [](const ::testing::TestParamInfo<GridCase>& info) { return info.param.name(); });
+// fp8 with v column-major ([B, Hkv, dv, S] storage: FA3's V_colmajor, loaded with no transpose):
+// causal and not, decode-like and GQA rows, a window with sink tokens, split-KV. Key counts are
+// multiples of 16 (v's dv stride is S bytes, which the TMA needs 16-byte aligned).
+std::vector<GridCase> v_column_major_cases() {
+  struct Row {
+    bool causal;
+    int batch, seqlen_q, seqlen_k, heads_q, heads_kv, num_splits;
+    Features f;
+  };
+  const std::vector<Row> rows = {
+      {false, 2, 300, 512, 4, 2, 1},  {true, 2, 300, 512, 4, 2, 1},    {false, 1, 1, 2048, 8, 1, 1},
+      {true, 3, 128, 128, 2, 2, 1},   {false, 1, 257, 1008, 2, 2, 1, {100, 0, 4}}, {true, 1, 64, 4096, 4, 1, 3},
+  };
+  std::vector<GridCase> cases;
+  for (const auto& [dtype, head_dim] : compiled_families(/*backward=*/false, /*with_fp8=*/true)) {
+    if (dtype != FH_DTYPE_FP8_E4M3) continue;
+    for (const Row& r : rows) {
+      GridCase c{dtype, head_dim, r.causal, r.batch, r.seqlen_q, r.seqlen_k, r.heads_q, r.heads_kv, false, r.f};
+      c.num_splits = r.num_splits;
+      c.v_column_major = true;
+      cases.push_back(c);
+    }
+  }
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(VColumnMajor, ForwardGpuTest, ::testing::ValuesIn(v_column_major_cases()),
                          [](const ::testing::TestParamInfo<GridCase>& info) { return info.param.name(); });
 INSTANTIATE_TEST_SUITE_P(PaddedHeadDims, ForwardGpuTest, ::testing::ValuesIn(padded_head_dim_cases(false)),
                          [](const ::testing::TestParamInfo<GridCase>& info) { return info.param.name(); });

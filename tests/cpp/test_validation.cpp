@@ -991,6 +991,29 @@ TEST(ForwardFp8, DescaleIsBatchByKeyValueHeads) {
   EXPECT_REFUSED(fh::check(p), "q_descale", "batch size");
 }
 
+// fp8's v may be column-major, [B, S, Hkv, dv] with the keys contiguous (FA3's V_colmajor): its
+// other strides 16-byte multiples like any TMA operand's. Other dtypes keep the last-dim rule.
+TEST(ForwardFp8, ValueMayBeColumnMajor) {
+  auto column_major = [](fh::Tensor v) {  // [B, Hkv, dv, S] storage seen as [B, S, Hkv, dv]
+    const int64_t b = v.shape[0], s = v.shape[1], h = v.shape[2], dv = v.shape[3];
+    v.stride[0] = h * dv * s;
+    v.stride[1] = 1;
+    v.stride[2] = dv * s;
+    v.stride[3] = s;
+    (void)b;
+    return v;
+  };
+  fh::ForwardParams p = fp8_forward();
+  p.v = column_major(p.v);
+  EXPECT_PASSES(fh::check(p));
+  p.v.shape[1] = p.k.shape[1] = kSeqK - 8;  // dv stride of 248 bytes
+  p.v = column_major(p.v);
+  EXPECT_REFUSED(fh::check(p), "v", "stride[3] is 248, not a multiple of 16 elements");
+  fh::ForwardParams bf16 = dense_forward();
+  bf16.v = column_major(bf16.v);
+  EXPECT_REFUSED(fh::check(bf16), "v", "the last dim must be contiguous");
+}
+
 // ---- Scalars ----------------------------------------------------------------------------------
 
 TEST(ForwardScalar, SoftmaxScaleFiniteAndNonNegative) {
@@ -1739,6 +1762,14 @@ TEST(KernelFamilies, Fp8RunsFromTheBenchSet) {
   status = fh::forward(leftpad, nullptr, 0, nullptr);
   EXPECT_EQ(status.code, FH_ERROR_NOT_SUPPORTED);
   EXPECT_THAT(status.message, HasSubstr("with cache_leftpad"));
+
+  fh::ForwardParams paged_columns = paged;  // pages of [64, Hkv, dv] with the keys contiguous
+  paged_columns.v.stride[1] = 1;
+  paged_columns.v.stride[2] = kDimV * kPageSize;
+  paged_columns.v.stride[3] = kPageSize;
+  status = fh::forward(paged_columns, nullptr, 0, nullptr);
+  EXPECT_EQ(status.code, FH_ERROR_NOT_SUPPORTED);
+  EXPECT_THAT(status.message, HasSubstr("v: column-major (keys contiguous) runs without page_table"));
 
   fh::ForwardParams append = paged_forward();
   append.page_table = {};

@@ -259,6 +259,19 @@ def test_fp8_is_forward_only_eager_and_dense():
         flash_attn_func(q, k, v, qv=torch.zeros(2, 64, 2, 64, dtype=torch.bfloat16))
 
 
+def test_fp8_column_major_v_passes_the_checks():
+    """fp8's v may be column-major (keys contiguous, FA3's V_colmajor): the library's check takes it
+    (the call then stops at the device check); a bf16 one is refused by the last-dim rule."""
+    if not hasattr(torch, "float8_e4m3fn"):
+        pytest.skip("this PyTorch has no float8_e4m3fn")
+    q, k = (torch.randn(2, 64, h, 64).to(torch.float8_e4m3fn) for h in (8, 2))
+    v = torch.randn(2, 2, 64, 64).to(torch.float8_e4m3fn).permute(0, 3, 1, 2)
+    with pytest.raises(ValueError, match="q: must be a CUDA tensor"):
+        flash_attn_func(q, k, v)
+    with pytest.raises(ValueError, match=r"v: stride\[3\] is 64 but the last dim must be contiguous"):
+        flash_attn_func(q.to(torch.bfloat16), k.to(torch.bfloat16), v.to(torch.bfloat16))
+
+
 def test_fp8_kvcache_takes_descales_eagerly():
     """flash_attn_with_kvcache hands fp8's descales to the library, which checks them ([B, Hkv]);
     traced fp8 calls are refused by name; get_scheduler_metadata plans float8_e4m3fn calls and

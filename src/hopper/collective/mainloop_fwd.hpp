@@ -211,7 +211,23 @@ struct ForwardMainloop {
     ShapeQKV shape_qv;
   };
 
-  // fp8: V's staging buffers, as the TMA writes them (SmemLayoutVAsB).
+  // fp8, V stored column-major (keys contiguous: FA3's V_colmajor): Vt (dv, seqlen, head, batch) by
+  // the TMA straight into a staging buffer laid out as P V's stage (SmemLayoutVtK), whose keys
+  // transpose_v then only reorders (key_of_fp8_slot) instead of transposing them.
+  template <bool kOn, class = void>
+  struct VColumnMajorParams {
+    bool enabled = false;
+  };
+  template <class Unused>
+  struct VColumnMajorParams<true, Unused> {
+    using Tma = decltype(make_tma_copy(
+        SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), ShapeQKV{}, StrideQK{}),
+        take<0, 2>(SmemLayoutVtK{}), Shape<Int<kHeadDimV>, Int<kBlockN>>{}, _1{}));
+    Tma tma;
+    bool enabled = false;
+  };
+
+  // fp8: V's staging buffers, as the TMA writes them (SmemLayoutVAsB; SmemLayoutVtK column-major).
   template <bool kOn, class = void>
   struct VStagingStorage {};
   template <class Unused>
@@ -254,6 +270,9 @@ struct ForwardMainloop {
     StrideQK stride_qv{};
     // fp8: the true q, k and v are the stored ones times these [B, Hkv] factors (null: 1).
     Descale q_descale{}, k_descale{}, v_descale{};
+    // fp8: V stored column-major (keys contiguous; shape_vt's strides then unused): its dv stride.
+    // 0: V as stride_vt says (dv contiguous).
+    int64_t v_column_stride = 0;
   };
 
   struct Params : QvParams<kQv> {
@@ -272,6 +291,7 @@ struct ForwardMainloop {
     SeqlenParams seqlen;
     typename Paged::Params paged;  // paged only
     Descale q_descale, k_descale, v_descale;  // fp8 only
+    VColumnMajorParams<kTransposesV> v_column_major;  // fp8 only
   };
 
   // The producer's threads: one, or a warp or the warpgroup for a paged cache.
@@ -300,8 +320,20 @@ struct ForwardMainloop {
     TmaQ tma_q = make_tma_copy(SM90_TMA_LOAD{}, mQ, SmemLayoutQ{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{});
     TmaK tma_k = make_tma_copy(SM90_TMA_LOAD{}, mK, take<0, 2>(SmemLayoutK{}),
                                Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{});
+    VColumnMajorParams<kTransposesV> v_column_major{};
+    if constexpr (kTransposesV) {
+      if (args.v_column_stride != 0) {
+        Tensor mVtColumns = make_tensor(make_gmem_ptr(args.ptr_v), args.shape_vt,
+                                        make_stride(args.v_column_stride, _1{}, get<2>(args.stride_vt),
+                                                    get<3>(args.stride_vt)));
+        v_column_major.tma = make_tma_copy(SM90_TMA_LOAD{}, mVtColumns, take<0, 2>(SmemLayoutVtK{}),
+                                           Shape<Int<kHeadDimV>, Int<kBlockN>>{}, _1{});
+        v_column_major.enabled = true;
+      }
+    }
     TmaVt tma_vt = [&] {
       if constexpr (kTransposesV) {
+        if (v_column_major.enabled) return TmaVt{};  // V's rows are not contiguous: never used
         return make_tma_copy(SM90_TMA_LOAD{}, mV, take<0, 2>(SmemLayoutVAsB{}), Shape<Int<kBlockN>, Int<kHeadDimV>>{},
                              _1{});
       } else {
@@ -345,13 +377,19 @@ struct ForwardMainloop {
             paged,
             args.q_descale,
             args.k_descale,
-            args.v_descale};
+            args.v_descale,
+            v_column_major};
   }
 
   CUTLASS_DEVICE static void prefetch_tma_descriptors(Params const& params) {
     cute::prefetch_tma_descriptor(params.tma_q.get_tma_descriptor());
     cute::prefetch_tma_descriptor(params.tma_k.get_tma_descriptor());
-    cute::prefetch_tma_descriptor(params.tma_vt.get_tma_descriptor());
+    if constexpr (kTransposesV) {
+      if (params.v_column_major.enabled) cute::prefetch_tma_descriptor(params.v_column_major.tma.get_tma_descriptor());
+      else cute::prefetch_tma_descriptor(params.tma_vt.get_tma_descriptor());
+    } else {
+      cute::prefetch_tma_descriptor(params.tma_vt.get_tma_descriptor());
+    }
     if constexpr (kQv) cute::prefetch_tma_descriptor(params.tma_qv.get_tma_descriptor());
     if constexpr (kPagedKv) Paged::prefetch(params.paged);
   }
@@ -425,6 +463,21 @@ struct ForwardMainloop {
       }
     }();
 
+    // fp8, V column-major: Vt's blocks (dv, N, n) into the staging buffers laid out as P V's stages.
+    auto tma_v_column_parts = [&] {
+      if constexpr (kTransposesV) {
+        cute::Tensor sV = make_tensor(make_smem_ptr(shared.kv.smem_v_staged.data()), SmemLayoutVtK{});
+        cute::Tensor mVt = domain_offset(
+            make_coord(_0{}, seq.offset_k),
+            params.v_column_major.tma.get_tma_tensor(params.shape_vt)(_, _, head_kv, seq.batch_k));  // (dv, sk)
+        cute::Tensor gVt = local_tile(mVt, Shape<Int<kHeadDimV>, Int<kBlockN>>{}, make_coord(_0{}, _));
+        return tma_partition(params.v_column_major.tma, _0{}, Layout<_1>{}, group_modes<0, 2>(sV),
+                             group_modes<0, 2>(gVt));
+      } else {
+        return cute::tuple<>{};
+      }
+    }();
+
     // Plain tensors rather than structured bindings: lambdas capture them (C++17).
     Tensor tKgK = get<0>(tma_k_parts);  // (TMA, n)
     Tensor tKsK = get<1>(tma_k_parts);  // (TMA, PIPE)
@@ -460,6 +513,13 @@ struct ForwardMainloop {
         Paged::template load_chunks_stage<kIsV>(params.paged, kIsV ? v_pages : params.shape_k, pipeline, state,
                                                 stages, seq, head_kv, n_block);
       } else if constexpr (kIsV) {
+        if constexpr (kTransposesV) {
+          if (params.v_column_major.enabled) {
+            tma_load_stage(pipeline, state, params.v_column_major.tma, get<0>(tma_v_column_parts)(_, n_block),
+                           get<1>(tma_v_column_parts));
+            return;
+          }
+        }
         tma_load_stage(pipeline, state, params.tma_vt, tVgVt(_, n_block), tVsVt);
       } else {
         tma_load_stage(pipeline, state, params.tma_k, tKgK(_, n_block), tKsK);
@@ -790,6 +850,17 @@ struct ForwardMainloop {
     return stage * kHeadDimV * kBlockN + slot / w * (kHeadDimV * w) + column / 8 * (8 * w) +
            (atom_row_offset(column % 8, w) ^ slot % w);
   }
+  // Column-major V's reorder: slot s = 4 t + i of a 16-key half takes, as transpose_v's PRMTs pick
+  // it, byte 2 (t % 2) + i % 2 of word t / 2 (i < 2) or of word 2 + t / 2 (i >= 2) of the half's
+  // keys in order; that byte must be key key_of_fp8_slot(s), and each half keep its keys.
+  static constexpr bool fp8_half_slice_order_agrees() {
+    for (int s = 0; s < 16; ++s) {
+      const int t = s / 4, i = s % 4;
+      const int word = i < 2 ? t / 2 : 2 + t / 2, byte = 2 * (t % 2) + i % 2;
+      if (4 * word + byte != key_of_fp8_slot(s) || key_of_fp8_slot(16 + s) != 16 + key_of_fp8_slot(s)) return false;
+    }
+    return true;
+  }
   static constexpr bool transpose_offsets_agree() {
     for (int n : {0, 1, 4, 7, 8, 13, 31, 32, kBlockN - 1})
       for (int c : {0, 1, 8, 15, 16, 63, kHeadDimV / 2, kHeadDimV - 1})
@@ -811,7 +882,12 @@ struct ForwardMainloop {
   // transpose's first PRMTs) and the half-warp's stores fall on 16 different 8-byte banks.
   // Addresses: a base a step, then one XOR or add each (the layouts' XOR-linearity); CuTe's general
   // layout arithmetic cost 17 instructions an address.
-  CUTLASS_DEVICE static void transpose_v(SharedState const& shared, int num_blocks, int thread) {
+  //
+  // V column-major (v_column_major): the staging buffer already has P V's layout, keys in their
+  // order; each 16-byte chunk (16 keys, a half of a 32-key slice) only reorders its bytes into
+  // key_of_fp8_slot's order, which stays within the half: a 16-byte load, 4 PRMT, a 16-byte store
+  // at the same offset (both buffers share the layout, so the swizzle never matters).
+  CUTLASS_DEVICE static void transpose_v(SharedState const& shared, int num_blocks, int thread, bool v_column_major) {
     static_assert(kTransposesV);
     static_assert(fp8_keys_agree(), "P's bytes and V's transposed keys must pair the same key");
     static_assert(transpose_offsets_agree(), "the transpose's offsets must be CuTe's layouts'");
@@ -838,36 +914,53 @@ struct ForwardMainloop {
       shared.pipeline_v.consumer_wait(shared.v_state);
       pipeline_vt.producer_acquire(vt_state);
       const int from = shared.v_state.index(), to = vt_state.index();
+      if (v_column_major) {
+        static_assert(fp8_half_slice_order_agrees(), "the chunk's byte order must be key_of_fp8_slot's");
+        constexpr int kStageBytes = kBlockN * kHeadDimV, kChunks = kStageBytes / 16;
+        const uint32_t from_stage = staged + uint32_t(from * kStageBytes);
+        const uint32_t to_stage = transposed + uint32_t(to * kStageBytes);
 #pragma unroll 1
-      for (int tile = half_warp; tile < kTiles; tile += kHalfWarps) {
-        const int slot = tile % kSlotChunks * 16 + 8 * h, column = tile / kSlotChunks * 64 + 8 * g;
-        // key_of_fp8_slot moves bits: of an 8-aligned slot plus j < 8, the slot's key plus j's, and
-        // the slot's key is 0 or 4 mod 8 where j's is below 4 (so rows add as they XOR).
-        const int key = slot / 32 * 32 + key_of_fp8_slot(slot % 32);
-        const uint32_t load_base = staged + uint32_t(staged_v_offset(key, column, from));
-        uint32_t lo[8], hi[8];
-        CUTLASS_PRAGMA_UNROLL
-        for (int j = 0; j < 8; ++j) {
-          constexpr int kW = kStagedRowBytes;
-          const int key_j = key_of_fp8_slot(j);
-          load_shared_u32x2((load_base ^ uint32_t(atom_row_offset(key_j % 8, kW))) + uint32_t(key_j / 8 * 8 * kW),
-                            lo[j], hi[j]);
+        for (int chunk = thread; chunk < kChunks; chunk += kTransposeThreads) {
+          uint32_t keys[4];
+          load_shared_u32x4(from_stage + 16 * chunk, keys);
+          // Slots 4t .. 4t + 3 hold keys 2t, 2t + 1, 8 + 2t, 9 + 2t of the half.
+          store_shared_u32x4(to_stage + 16 * chunk,
+                             {__byte_perm(keys[0], keys[2], 0x5410), __byte_perm(keys[0], keys[2], 0x7632),
+                              __byte_perm(keys[1], keys[3], 0x5410), __byte_perm(keys[1], keys[3], 0x7632)});
         }
-        uint32_t ordered[2][8];  // [columns 0-3 or 4-7 in lane g's order][key]
-        CUTLASS_PRAGMA_UNROLL
-        for (int j = 0; j < 8; ++j) {
-          ordered[0][j] = __byte_perm(lo[j], hi[j], select_low);
-          ordered[1][j] = __byte_perm(lo[j], hi[j], select_high);
-        }
-        const uint32_t store_base = (transposed + uint32_t(vt_offset(column, slot, to))) ^ column_order;
-        CUTLASS_PRAGMA_UNROLL
-        for (int half = 0; half < 2; ++half) {
-          uint32_t first[4], second[4];  // column 4 half + c (lane order): slots 0-3, 4-7
-          transpose_bytes_4x4({ordered[half][0], ordered[half][1], ordered[half][2], ordered[half][3]}, first);
-          transpose_bytes_4x4({ordered[half][4], ordered[half][5], ordered[half][6], ordered[half][7]}, second);
+      } else {
+#pragma unroll 1
+        for (int tile = half_warp; tile < kTiles; tile += kHalfWarps) {
+          const int slot = tile % kSlotChunks * 16 + 8 * h, column = tile / kSlotChunks * 64 + 8 * g;
+          // key_of_fp8_slot moves bits: of an 8-aligned slot plus j < 8, the slot's key plus j's, and
+          // the slot's key is 0 or 4 mod 8 where j's is below 4 (so rows add as they XOR).
+          const int key = slot / 32 * 32 + key_of_fp8_slot(slot % 32);
+          const uint32_t load_base = staged + uint32_t(staged_v_offset(key, column, from));
+          uint32_t lo[8], hi[8];
           CUTLASS_PRAGMA_UNROLL
-          for (int c = 0; c < 4; ++c)
-            store_shared_u32x2(store_base ^ uint32_t(atom_row_offset(4 * half + c, kVtRowBytes)), first[c], second[c]);
+          for (int j = 0; j < 8; ++j) {
+            constexpr int kW = kStagedRowBytes;
+            const int key_j = key_of_fp8_slot(j);
+            load_shared_u32x2((load_base ^ uint32_t(atom_row_offset(key_j % 8, kW))) + uint32_t(key_j / 8 * 8 * kW),
+                              lo[j], hi[j]);
+          }
+          uint32_t ordered[2][8];  // [columns 0-3 or 4-7 in lane g's order][key]
+          CUTLASS_PRAGMA_UNROLL
+          for (int j = 0; j < 8; ++j) {
+            ordered[0][j] = __byte_perm(lo[j], hi[j], select_low);
+            ordered[1][j] = __byte_perm(lo[j], hi[j], select_high);
+          }
+          const uint32_t store_base = (transposed + uint32_t(vt_offset(column, slot, to))) ^ column_order;
+          CUTLASS_PRAGMA_UNROLL
+          for (int half = 0; half < 2; ++half) {
+            uint32_t first[4], second[4];  // column 4 half + c (lane order): slots 0-3, 4-7
+            transpose_bytes_4x4({ordered[half][0], ordered[half][1], ordered[half][2], ordered[half][3]}, first);
+            transpose_bytes_4x4({ordered[half][4], ordered[half][5], ordered[half][6], ordered[half][7]}, second);
+            CUTLASS_PRAGMA_UNROLL
+            for (int c = 0; c < 4; ++c)
+              store_shared_u32x2(store_base ^ uint32_t(atom_row_offset(4 * half + c, kVtRowBytes)), first[c],
+                                 second[c]);
+          }
         }
       }
       shared.pipeline_v.consumer_release(shared.v_state);

@@ -47,6 +47,17 @@ CUTLASS_DEVICE void store_shared_u32x2(uint32_t smem_addr, uint32_t lo, uint32_t
   asm volatile("st.shared.v2.u32 [%0], {%1, %2};\n" ::"r"(smem_addr), "r"(lo), "r"(hi));
 }
 
+// 16 bytes at a 16-byte aligned shared address.
+CUTLASS_DEVICE void load_shared_u32x4(uint32_t smem_addr, uint32_t (&v)[4]) {
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v[0]), "=r"(v[1]), "=r"(v[2]), "=r"(v[3])
+               : "r"(smem_addr));
+}
+CUTLASS_DEVICE void store_shared_u32x4(uint32_t smem_addr, uint32_t const (&v)[4]) {
+  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(smem_addr), "r"(v[0]), "r"(v[1]), "r"(v[2]),
+               "r"(v[3]));
+}
+
 // A 4 x 4 byte transpose: byte c of rows[j] becomes byte j of columns[c].
 CUTLASS_DEVICE void transpose_bytes_4x4(uint32_t const (&rows)[4], uint32_t (&columns)[4]) {
   const uint32_t low01 = __byte_perm(rows[0], rows[1], 0x5140), high01 = __byte_perm(rows[0], rows[1], 0x7362);

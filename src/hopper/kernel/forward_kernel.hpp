@@ -187,7 +187,8 @@ struct ForwardKernel {
         if (blocks.count() == 0) continue;  // consumers write zeros; nothing to load
         if constexpr (kTransposesV) {
           if (transposes) {
-            Mainloop::transpose_v(shared, blocks.count(), int(threadIdx.x) - cutlass::NumThreadsPerWarp);
+            Mainloop::transpose_v(shared, blocks.count(), int(threadIdx.x) - cutlass::NumThreadsPerWarp,
+                                  params.mainloop.v_column_major.enabled);
           } else if (int(threadIdx.x) < Mainloop::producer_threads(params.mainloop)) {  // a lane, or warp 0 paged
             Mainloop::load(params.mainloop, shared, work, seq, blocks);
           }
