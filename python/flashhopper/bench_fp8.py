@@ -2,7 +2,9 @@
 (with q/k/v_descale of ones, so the descale path runs) against its own bf16 forward on the same
 values (the fp8 tensors converted to bf16, so both compute the same attention) and against PyTorch
 SDPA's cuDNN backend in bf16, and cuDNN on the fp8 tensors where this PyTorch's SDPA takes them
-(else its column stays empty and says why once). TFLOP/s with FlashAttention's count (4 * B * H *
+(else its column stays empty and says why once); and the fp8 forward with v column-major (stored
+[B, H, D, S], keys contiguous: FA3's V_colmajor, which needs no transpose in the kernel). TFLOP/s
+with FlashAttention's count (4 * B * H *
 sq * sk * d, halved when causal); medians of interleaved rounds of back-to-back calls, as
 python -m flashhopper.bench. fp8_vs_bf16 is the fp8 time's speed-up over our bf16; max_diff the
 largest absolute difference of the fp8 out from the bf16 one (P rounded to e4m3 is most of it).
@@ -25,7 +27,7 @@ from . import interface as flashhopper
 from .bench import _fmt, _sdpa, _time_row, flops
 from .bench_timing import can_time_here
 
-BACKENDS = ("fp8", "bf16", "cudnn_bf16", "cudnn_fp8")
+BACKENDS = ("fp8", "fp8_vcol", "bf16", "cudnn_bf16", "cudnn_fp8")
 FIELDS = ["date", "gpu", "hdim", "causal", "seqlen", "batch", "heads",
           *(f"{name}_{unit}" for name in BACKENDS for unit in ("ms", "tflops")), "fp8_vs_bf16", "max_diff"]
 
@@ -36,9 +38,12 @@ def _row(row, batch, seqlen, heads, head_dim, causal, timing, reported):
     q, k, v = (x.to(torch.bfloat16) for x in (q8, k8, v8))  # the same values in bf16
     ones = torch.ones(batch, heads, device="cuda")
     qt, kt, vt, q8t, k8t, v8t = (x.transpose(1, 2) for x in (q, k, v, q8, k8, v8))  # SDPA: [B, H, S, D]
+    v8_columns = v8.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)  # the same values, keys contiguous
     setups = {
         "fp8": lambda: lambda: flashhopper.forward(q8, k8, v8, causal=bool(causal), q_descale=ones, k_descale=ones,
                                                    v_descale=ones),
+        "fp8_vcol": lambda: lambda: flashhopper.forward(q8, k8, v8_columns, causal=bool(causal), q_descale=ones,
+                                                        k_descale=ones, v_descale=ones),
         "bf16": lambda: lambda: flashhopper.forward(q, k, v, causal=bool(causal)),
         "cudnn_bf16": lambda: lambda: _sdpa(SDPBackend.CUDNN_ATTENTION, qt, kt, vt, causal),
         "cudnn_fp8": lambda: lambda: _sdpa(SDPBackend.CUDNN_ATTENTION, q8t, k8t, v8t, causal),
@@ -76,7 +81,7 @@ def main(argv=None):
         args.hdims = sorted({f.head_dim for f in flashhopper.compiled_families()
                              if f.pass_ == "forward" and f.dtype == torch.float8_e4m3fn})
         if not args.hdims:
-            print("python -m flashhopper.bench --fp8: this build has no fp8 kernels (the full kernel set has them).",
+            print("python -m flashhopper.bench --fp8: this build has no fp8 kernels (the bench kernel set has them).",
                   file=sys.stderr)
             return 1
     os.makedirs(args.out, exist_ok=True)
@@ -104,10 +109,12 @@ def main(argv=None):
                     writer.writerows(rows)
     print(f"\n{gpu}, {date}, forward TFLOP/s, {args.total_tokens} tokens, model dim {args.model_dim} "
           "('-': not available)")
-    print("| hdim | causal | seqlen | fp8 | bf16 | fp8 / bf16 | cuDNN bf16 | cuDNN fp8 | max diff |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| hdim | causal | seqlen | fp8 | fp8, V column-major | bf16 | fp8 / bf16 | cuDNN bf16 | cuDNN fp8 "
+          "| max diff |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['hdim']} | {r['causal']} | {r['seqlen']} | {_fmt(r['fp8_tflops'], '.0f')} | "
+              f"{_fmt(r['fp8_vcol_tflops'], '.0f')} | "
               f"{_fmt(r['bf16_tflops'], '.0f')} | {_fmt(r['fp8_vs_bf16'], '.2f')} | "
               f"{_fmt(r['cudnn_bf16_tflops'], '.0f')} | {_fmt(r['cudnn_fp8_tflops'], '.0f')} | "
               f"{_fmt(r['max_diff'], '.3f')} |")
