@@ -119,9 +119,10 @@ for step in "${steps[@]}"; do
       run_gtests "gpu backward tests" test_backward_gpu "${BWD_FILTER:-*}" "${BWD_TIMEOUT:-420}" gpu_tests_backward.log
       ;;
     sanitize)
-      # One small case per head dim and pass (several key and query blocks, GQA, causal).
+      # One small case per head dim and pass (several key and query blocks, GQA, causal); fp8's
+      # column-major V (its own loads and reorder) once a head dim.
       sanitize forward test_forward_gpu \
-        'Grid/ForwardGpuTest.MatchesReference/*_b1_sq113_sk200_h4_hkv2:Grid/ForwardGpuTest.MatchesReference/*_b3_sq128_sk128_h2_hkv2'
+        'Grid/ForwardGpuTest.MatchesReference/*_b1_sq113_sk200_h4_hkv2:Grid/ForwardGpuTest.MatchesReference/*_b3_sq128_sk128_h2_hkv2:VColumnMajor/ForwardGpuTest.MatchesReference/*_causal_b3_sq128_sk128_h2_hkv2_vcolumns'
       # Backward: also the families with a value head dim of their own, head dim 256 non-causal,
       # and causal with query blocks that see no key (its dQ kernel writes them zeros).
       sanitize backward test_backward_gpu "$(printf 'Grid/BackwardGpuTest.MatchesReference/%s:' \
