@@ -4,10 +4,10 @@ values (the fp8 tensors converted to bf16, so both compute the same attention) a
 SDPA's cuDNN backend in bf16, and cuDNN on the fp8 tensors where this PyTorch's SDPA takes them
 (else its column stays empty and says why once); and the fp8 forward with v column-major (stored
 [B, H, D, S], keys contiguous: FA3's V_colmajor, which needs no transpose in the kernel). TFLOP/s
-with FlashAttention's count (4 * B * H *
-sq * sk * d, halved when causal); medians of interleaved rounds of back-to-back calls, as
-python -m flashhopper.bench. fp8_vs_bf16 is the fp8 time's speed-up over our bf16; max_diff the
-largest absolute difference of the fp8 out from the bf16 one (P rounded to e4m3 is most of it).
+with FlashAttention's count (4 * B * H * sq * sk * d, halved when causal); medians of interleaved
+rounds of back-to-back calls, as python -m flashhopper.bench. fp8_vs_bf16 is the fp8 time's
+speed-up over our bf16; max_diff the largest absolute difference of the fp8 out from the bf16 one
+(P rounded to e4m3 is most of it).
 
 Writes bench_fp8_<date>.csv (after every row) into --out and prints the table last.
 

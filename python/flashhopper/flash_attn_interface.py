@@ -540,9 +540,9 @@ def flash_attn_with_kvcache(
 
     The arguments are checked (ValueError naming the argument). The kernels run all of that, split
     over the keys (num_splits; 0 chooses from the shapes), packed queries too; fp8 (float8_e4m3fn q
-    and cache with q/k/v_descale [B, Hkv], out bf16) eagerly on an unpaged cache without appending
-    (others raise FlashHopperNotSupported, a NotImplementedError); sm_margin leaves SMs free as
-    flash_attn_func's.
+    and cache with q/k/v_descale [B, Hkv], out bf16) eagerly, with pages of a multiple of 16 keys
+    and appends without rotary (the others raise FlashHopperNotSupported, a NotImplementedError);
+    sm_margin leaves SMs free as flash_attn_func's.
     scheduler_metadata (from get_scheduler_metadata) gives the split-KV count. Under torch.compile
     or torch.export (fake tensors) it runs as the flashhopper::fwd_kvcache op, whose schema marks
     k_cache and v_cache as written."""
@@ -612,8 +612,8 @@ def get_scheduler_metadata(batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, 
     choice, which is the same for every call of these shapes), as an int32 CPU tensor of shape [1].
     The arguments are checked as flash_attn_with_kvcache checks them (ValueError naming the
     argument; NotImplementedError for what FlashHopper cannot run: fp8 other than float8_e4m3fn).
-    pack_gqa is a hint and is
-    ignored; so is sm_margin (the call's own sm_margin applies when the library chooses)."""
+    pack_gqa is a hint and is ignored; so is sm_margin (the call's own sm_margin applies when the
+    library chooses)."""
     sizes = {"batch_size": batch_size, "max_seqlen_q": max_seqlen_q, "num_heads_q": num_heads_q,
              "num_heads_kv": num_heads_kv, "headdim": headdim}
     for name, value in sizes.items():  # each is a tensor extent below, which must exist
