@@ -995,12 +995,11 @@ TEST(ForwardFp8, DescaleIsBatchByKeyValueHeads) {
 // other strides 16-byte multiples like any TMA operand's. Other dtypes keep the last-dim rule.
 TEST(ForwardFp8, ValueMayBeColumnMajor) {
   auto column_major = [](fh::Tensor v) {  // [B, Hkv, dv, S] storage seen as [B, S, Hkv, dv]
-    const int64_t b = v.shape[0], s = v.shape[1], h = v.shape[2], dv = v.shape[3];
+    const int64_t s = v.shape[1], h = v.shape[2], dv = v.shape[3];
     v.stride[0] = h * dv * s;
     v.stride[1] = 1;
     v.stride[2] = dv * s;
     v.stride[3] = s;
-    (void)b;
     return v;
   };
   fh::ForwardParams p = fp8_forward();
