@@ -176,16 +176,32 @@ INSTANTIATE_TEST_SUITE_P(Grid, ForwardGpuTest, ::testing::ValuesIn(forward_cases
                          [](const ::testing::TestParamInfo<GridCase>& info) { return info.param.name(); });
 INSTANTIATE_TEST_SUITE_P(Features, ForwardGpuTest, ::testing::ValuesIn(feature_cases(/*backward=*/false)),
                          [](const ::testing::TestParamInfo<GridCase>& info) { return info.param.name(); });
+// A row of the suites below, over the compiled forward families (fp8's too).
+struct SuiteRow {
+  bool causal;
+  int batch, seqlen_q, seqlen_k, heads_q, heads_kv, num_splits;
+  Features f;
+};
+std::vector<GridCase> suite_cases(const std::vector<SuiteRow>& rows, bool fp8_only = false,
+                                  bool v_column_major = false) {
+  std::vector<GridCase> cases;
+  for (const auto& [dtype, head_dim] : compiled_families(/*backward=*/false, /*with_fp8=*/true)) {
+    if (fp8_only && dtype != FH_DTYPE_FP8_E4M3) continue;
+    for (const SuiteRow& r : rows) {
+      GridCase c{dtype, head_dim, r.causal, r.batch, r.seqlen_q, r.seqlen_k, r.heads_q, r.heads_kv, false, r.f};
+      c.num_splits = r.num_splits;
+      c.v_column_major = v_column_major;
+      cases.push_back(c);
+    }
+  }
+  return cases;
+}
+
 // Split-KV: keys split into parts that the combine kernel merges, under every mask and transform;
 // more splits than key blocks (empty splits), the learnable sink (counted once), and 0 (the
 // library's choice from the shapes).
 std::vector<GridCase> split_kv_cases() {
-  struct Row {
-    bool causal;
-    int batch, seqlen_q, seqlen_k, heads_q, heads_kv, num_splits;
-    Features f;
-  };
-  const std::vector<Row> rows = {
+  return suite_cases({
       {false, 2, 1, 3000, 8, 2, 2},
       {true, 1, 300, 2000, 4, 1, 3},
       {false, 1, 64, 1000, 4, 4, 7, {100, 0}},
@@ -195,15 +211,7 @@ std::vector<GridCase> split_kv_cases() {
       {false, 1, 200, 300, 2, 2, 256, {-1, -1, 0, 0, 0.f, true}},
       {false, 2, 130, 1500, 4, 2, 5, {128, 0, 4}},
       {true, 1, 7, 777, 2, 1, 4, {-1, -1, 0, 100}},
-  };
-  std::vector<GridCase> cases;
-  for (const auto& [dtype, head_dim] : compiled_families(/*backward=*/false, /*with_fp8=*/true))
-    for (const Row& r : rows) {
-      GridCase c{dtype, head_dim, r.causal, r.batch, r.seqlen_q, r.seqlen_k, r.heads_q, r.heads_kv, false, r.f};
-      c.num_splits = r.num_splits;
-      cases.push_back(c);
-    }
-  return cases;
+  });
 }
 
 INSTANTIATE_TEST_SUITE_P(SplitKv, ForwardGpuTest, ::testing::ValuesIn(split_kv_cases()),
@@ -212,26 +220,13 @@ INSTANTIATE_TEST_SUITE_P(SplitKv, ForwardGpuTest, ::testing::ValuesIn(split_kv_c
 // causal and not, decode-like and GQA rows, a window with sink tokens, split-KV. Key counts are
 // multiples of 16 (v's dv stride is S bytes, which the TMA needs 16-byte aligned).
 std::vector<GridCase> v_column_major_cases() {
-  struct Row {
-    bool causal;
-    int batch, seqlen_q, seqlen_k, heads_q, heads_kv, num_splits;
-    Features f;
-  };
-  const std::vector<Row> rows = {
-      {false, 2, 300, 512, 4, 2, 1},  {true, 2, 300, 512, 4, 2, 1},    {false, 1, 1, 2048, 8, 1, 1},
-      {true, 3, 128, 128, 2, 2, 1},   {false, 1, 257, 1008, 2, 2, 1, {100, 0, 4}}, {true, 1, 64, 4096, 4, 1, 3},
-  };
-  std::vector<GridCase> cases;
-  for (const auto& [dtype, head_dim] : compiled_families(/*backward=*/false, /*with_fp8=*/true)) {
-    if (dtype != FH_DTYPE_FP8_E4M3) continue;
-    for (const Row& r : rows) {
-      GridCase c{dtype, head_dim, r.causal, r.batch, r.seqlen_q, r.seqlen_k, r.heads_q, r.heads_kv, false, r.f};
-      c.num_splits = r.num_splits;
-      c.v_column_major = true;
-      cases.push_back(c);
-    }
-  }
-  return cases;
+  return suite_cases({{false, 2, 300, 512, 4, 2, 1},
+                      {true, 2, 300, 512, 4, 2, 1},
+                      {false, 1, 1, 2048, 8, 1, 1},
+                      {true, 3, 128, 128, 2, 2, 1},
+                      {false, 1, 257, 1008, 2, 2, 1, {100, 0, 4}},
+                      {true, 1, 64, 4096, 4, 1, 3}},
+                     /*fp8_only=*/true, /*v_column_major=*/true);
 }
 
 INSTANTIATE_TEST_SUITE_P(VColumnMajor, ForwardGpuTest, ::testing::ValuesIn(v_column_major_cases()),
