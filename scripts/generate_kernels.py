@@ -74,17 +74,10 @@ def dispatch_table(families: list) -> str:
     sets = ", ".join(f'"{s}"' for s in manifest.KERNEL_SETS)
     rows = "\n".join(
         f"    {{Pass::{manifest.PASSES[f.pass_]}, {manifest.DTYPES[f.dtype]}, {f.head_dim}, {f.head_dim_v}, "
-        f"{manifest.KERNEL_SETS.index(f.first_set)}, {'true' if f.qv else 'false'}, "
-        f"{f.general_features if f.pass_ == 'fwd' else 'hopper::ForwardFeatures::kNone'}}}," for f in families)
-    # Each family's own sets, base (no feature) first: the dispatch tries a family's sets in this order.
-    forward = [f for f in families if f.pass_ == "fwd"]
-    feature_sets = []
-    for qv in sorted({f.qv for f in forward}):
-        for feature_set in [manifest.forward_feature_set(manifest.FORWARD_FEATURE_SETS[""], qv)] + [
-                f.general_features for f in forward if f.qv == qv]:
-            if feature_set not in feature_sets:
-                feature_sets.append(feature_set)
-    feature_sets = ",\n    ".join(feature_sets)
+        f"{manifest.KERNEL_SETS.index(f.first_set)}, {'true' if f.qv else 'false'}}}," for f in families)
+    with_qv = (False, True) if any(f.qv for f in families) else (False,)
+    feature_sets = ",\n    ".join(manifest.forward_feature_set(v, qv) for qv in with_qv
+                             for v in manifest.FORWARD_FEATURE_SETS.values())
     return f"""// {HEADER}
 #pragma once
 
@@ -95,13 +88,12 @@ namespace flashhopper::launch {{
 
 inline constexpr const char* kKernelSets[] = {{{sets}}};
 
-// The forward's compiled feature sets, in the order the dispatch tries them: a family compiles
-// the set without features (with kQv, a qv family's) and its general_features.
+// The forward's compiled feature sets, in the order the dispatch tries them (those with kQv: the
+// qv families').
 inline constexpr hopper::ForwardFeatures kForwardFeatureSets[] = {{
     {feature_sets}}};
 
-// (pass, dtype, head dim, value head dim, the first kernel set that compiles it, qv, the forward's
-// general features)
+// (pass, dtype, head dim, value head dim, the first kernel set that compiles it, qv)
 inline constexpr KernelFamily kKernelFamilies[] = {{
 {rows}
 }};

@@ -86,18 +86,11 @@ class Family:
     extended_gmma: tuple[str, ...] = ()  # its row's
     qv: bool = False  # its row's
 
-    @property
-    def general_features(self) -> str:
-        """Forward: the ForwardFeatures enumerator of its general kernels (and kQv, a qv family's). A
-        family whose general kernels left a feature out would name that here; the dispatch refuses
-        the calls that use it (forward_unsupported_reason)."""
-        return forward_feature_set(FORWARD_FEATURE_SETS["_general"], self.qv)
-
     def feature_sets(self) -> dict[str, str]:
         """{file suffix: the launch's last template argument (a ForwardFeatures expression, or kPacked)}."""
         if self.pass_ != "fwd":
             return BACKWARD_FEATURE_SETS
-        return {"": forward_feature_set(FORWARD_FEATURE_SETS[""], self.qv), "_general": self.general_features}
+        return {suffix: forward_feature_set(v, self.qv) for suffix, v in FORWARD_FEATURE_SETS.items()}
 
     def units(self) -> dict[str, list[tuple[str, str, str, str]]]:
         """Its instantiation files, {file suffix: its variants}: one file a feature set, holding each

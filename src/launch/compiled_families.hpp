@@ -35,17 +35,12 @@ constexpr const KernelFamily* family_for(Pass pass, fh_dtype dtype, int64_t head
   return best;
 }
 
-// The manifest row of the forward family of these compiled sizes (a (dtype, d, dv) is one row; a
-// row of no flags where there is none).
-constexpr KernelFamily forward_family_row(fh_dtype dtype, int head_dim, int head_dim_v) {
-  for (const KernelFamily& f : kKernelFamilies)
-    if (f.pass == Pass::kForward && f.dtype == dtype && f.head_dim == head_dim && f.head_dim_v == head_dim_v) return f;
-  return KernelFamily{Pass::kForward, dtype, head_dim, head_dim_v, 0, false, hopper::ForwardFeatures::kAll};
-}
-
-// Whether the forward family of these compiled sizes is a qv one.
+// Whether the forward family of these compiled sizes is a qv one (a (d, dv) is one manifest row).
 constexpr bool forward_family_takes_qv(fh_dtype dtype, int head_dim, int head_dim_v) {
-  return forward_family_row(dtype, head_dim, head_dim_v).qv;
+  for (const KernelFamily& f : kKernelFamilies)
+    if (f.pass == Pass::kForward && f.dtype == dtype && f.head_dim == head_dim && f.head_dim_v == head_dim_v)
+      return f.qv;
+  return false;
 }
 
 // "bf16", "fp16" or "fp8_e4m3": a kernel dtype as messages name it.

@@ -72,12 +72,12 @@ auto with_variant(hopper::MaskKind mask, bool softcap, F&& f) {
 }
 
 namespace dispatch_detail {
-// Set kIndex, if the family of these general features compiled it (its general set, and the one
-// without features: kNone, or kQv for a qv family) and it holds `needed`.
-template <hopper::ForwardFeatures kGeneral, size_t kIndex, class R, class F>
+// Set kIndex, if a family of that qv-ness compiled it (a qv family only the sets with kQv, the
+// others only those without) and it holds `needed`.
+template <bool kQvFamily, size_t kIndex, class R, class F>
 bool try_feature_set(hopper::ForwardFeatures needed, F& f, R* result) {
   constexpr hopper::ForwardFeatures kSet = kForwardFeatureSets[kIndex];
-  if constexpr (kSet == kGeneral || kSet == (kGeneral & hopper::ForwardFeatures::kQv)) {
+  if constexpr (hopper::holds(kSet, hopper::ForwardFeatures::kQv) == kQvFamily) {
     if (hopper::holds(kSet, needed)) {
       *result = f(std::integral_constant<hopper::ForwardFeatures, kSet>{});
       return true;
@@ -86,20 +86,20 @@ bool try_feature_set(hopper::ForwardFeatures needed, F& f, R* result) {
   return false;
 }
 
-template <hopper::ForwardFeatures kGeneral, size_t... kIndex, class R, class F>
+template <bool kQvFamily, size_t... kIndex, class R, class F>
 R with_feature_set(std::index_sequence<kIndex...>, hopper::ForwardFeatures needed, R otherwise, F& f) {
   R result = otherwise;
-  (try_feature_set<kGeneral, kIndex>(needed, f, &result) || ...);
+  (try_feature_set<kQvFamily, kIndex>(needed, f, &result) || ...);
   return result;
 }
 }  // namespace dispatch_detail
 
-// f(features) with the first forward feature set, as a tag, that the family of these general
-// features compiled and that holds `needed`; `otherwise` when none does.
-template <hopper::ForwardFeatures kGeneral, class R, class F>
+// f(features) with the first forward feature set that a family of this qv-ness compiled and that
+// holds `needed`, as a tag; `otherwise` when none does.
+template <bool kQvFamily, class R, class F>
 R with_forward_features(hopper::ForwardFeatures needed, R otherwise, F&& f) {
-  return dispatch_detail::with_feature_set<kGeneral>(
-      std::make_index_sequence<std::size(kForwardFeatureSets)>{}, needed, otherwise, f);
+  return dispatch_detail::with_feature_set<kQvFamily>(std::make_index_sequence<std::size(kForwardFeatureSets)>{},
+                                                      needed, otherwise, f);
 }
 
 // run(dtype, head_dim, head_dim_v, mask, softcap), all as tags, for `family`'s instantiation of

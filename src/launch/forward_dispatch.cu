@@ -46,8 +46,6 @@ int64_t partial_rows(const detail::ProblemShape& s) {
 
 int forward_num_splits(const ForwardParams& p, const detail::ProblemShape& s) {
   if (p.num_splits != 0) return p.num_splits;
-  const KernelFamily* family = forward_family(p, s);
-  if (family != nullptr && !hopper::holds(family->general_features, hopper::ForwardFeatures::kSplitKv)) return 1;
   const TileExtent tile = forward_tile(p, s);
   int num_sms = 0, l2_bytes = 0;
   if (tile.block_m == 0 || usable_sms_and_l2(p.sm_margin, &num_sms, &l2_bytes) != cudaSuccess) return 1;
@@ -63,21 +61,6 @@ int forward_num_splits(const ForwardParams& p, const detail::ProblemShape& s) {
 }
 
 size_t round_up_256(size_t bytes) { return (bytes + 255) / 256 * 256; }
-
-// The arguments that ask for these features, for a refusal.
-std::string feature_arguments(hopper::ForwardFeatures f) {
-  using hopper::ForwardFeatures;
-  std::string names;
-  auto add = [&](ForwardFeatures one, const char* what) {
-    if (hopper::holds(f, one)) names += (names.empty() ? "" : ", ") + std::string(what);
-  };
-  add(ForwardFeatures::kPacked, "packed or used lengths (cu_seqlens_q/k, seqused_q/k)");
-  add(ForwardFeatures::kSplitKv, "split-KV (num_splits > 1)");
-  add(ForwardFeatures::kKvCache, "a KV cache (cache_seqlens, cache_leftpad, cache_batch_idx)");
-  add(ForwardFeatures::kPagedKv, "a paged KV cache (page_table)");
-  add(ForwardFeatures::kQv, "qv");
-  return names;
-}
 }  // namespace
 
 std::string forward_unsupported_reason(const ForwardParams& p, const detail::ProblemShape& s) {
@@ -103,15 +86,8 @@ std::string forward_unsupported_reason(const ForwardParams& p, const detail::Pro
   if (s.paged && p.q.dtype == FH_DTYPE_FP8_E4M3 && (s.page_size % 16 != 0 || detail::present(p.cache_leftpad)))
     return "page_table: fp8_e4m3 inputs take pages of a multiple of 16 keys without cache_leftpad (page size " +
            std::to_string(s.page_size) + (detail::present(p.cache_leftpad) ? ", with cache_leftpad)" : ")");
-  std::string reason = family_unsupported_reason(Pass::kForward, static_cast<fh_dtype>(p.q.dtype), s.head_dim,
-                                                 s.head_dim_v, detail::present(p.qv));
-  if (!reason.empty()) return reason;
-  // A family whose general kernels leave a feature out (none does today) refuses the calls that use it.
-  const hopper::ForwardFeatures general = forward_family(p, s)->general_features;
-  if (const hopper::ForwardFeatures features = forward_features(p, s, p.num_splits); !hopper::holds(general, features))
-    return std::string(dtype_label(static_cast<fh_dtype>(p.q.dtype))) + " inputs do not run with " +
-           feature_arguments(features & ~general) + " for now";
-  return {};
+  return family_unsupported_reason(Pass::kForward, static_cast<fh_dtype>(p.q.dtype), s.head_dim, s.head_dim_v,
+                                   detail::present(p.qv));
 }
 
 ForwardPlan plan_forward(const ForwardParams& p, const detail::ProblemShape& s) {
@@ -162,8 +138,8 @@ int run_forward(const ForwardPlan& plan, void* workspace, fh_stream_t stream) {
   const int err = visit_instantiation<Pass::kForward>(
       forward_family(call.params, call.shape), mask_kind(call.params), call.params.softcap > 0.f,
       [&](auto dtype, auto head_dim, auto head_dim_v, auto mask, auto softcap) {
-        constexpr KernelFamily kRow = forward_family_row(dtype.value, head_dim.value, head_dim_v.value);
-        return with_forward_features<kRow.general_features>(features, cudaErrorInvalidValue, [&](auto feature_set) {
+        constexpr bool kQvFamily = forward_family_takes_qv(dtype.value, head_dim.value, head_dim_v.value);
+        return with_forward_features<kQvFamily>(features, cudaErrorInvalidValue, [&](auto feature_set) {
           return run_forward_hdim<dtype.value, head_dim.value, head_dim_v.value, mask.value, softcap.value,
                                   feature_set.value>(call.params, call.shape, parts, stream);
         });

@@ -3,7 +3,6 @@
 #pragma once
 
 #include "flashhopper/flashhopper.h"
-#include "hopper/common/forward_features.hpp"
 
 namespace flashhopper::launch {
 
@@ -16,9 +15,6 @@ struct KernelFamily {
   int head_dim_v;
   int first_set;  // index into kKernelSets of the smallest set that compiles it
   bool qv;        // forward: runs the calls with qv (S = Q K^T + Qv V^T), and only those
-  // Forward: the features of its general kernels (kAll today; with kQv, a qv family's). It
-  // compiles these and none (kNone, or kQv); a call using features beyond them is refused.
-  hopper::ForwardFeatures general_features;
 };
 
 }  // namespace flashhopper::launch

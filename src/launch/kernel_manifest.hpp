@@ -8,50 +8,49 @@ namespace flashhopper::launch {
 
 inline constexpr const char* kKernelSets[] = {"dev", "bench", "full"};
 
-// The forward's compiled feature sets, in the order the dispatch tries them: a family compiles
-// the set without features (with kQv, a qv family's) and its general_features.
+// The forward's compiled feature sets, in the order the dispatch tries them (those with kQv: the
+// qv families').
 inline constexpr hopper::ForwardFeatures kForwardFeatureSets[] = {
     hopper::ForwardFeatures::kNone,
     hopper::ForwardFeatures::kAll,
     hopper::ForwardFeatures::kNone | hopper::ForwardFeatures::kQv,
     hopper::ForwardFeatures::kAll | hopper::ForwardFeatures::kQv};
 
-// (pass, dtype, head dim, value head dim, the first kernel set that compiles it, qv, the forward's
-// general features)
+// (pass, dtype, head dim, value head dim, the first kernel set that compiles it, qv)
 inline constexpr KernelFamily kKernelFamilies[] = {
-    {Pass::kForward, FH_DTYPE_BF16, 64, 64, 1, false, hopper::ForwardFeatures::kAll},
-    {Pass::kForward, FH_DTYPE_FP16, 64, 64, 2, false, hopper::ForwardFeatures::kAll},
-    {Pass::kForward, FH_DTYPE_FP8_E4M3, 64, 64, 1, false, hopper::ForwardFeatures::kAll},
-    {Pass::kBackward, FH_DTYPE_BF16, 64, 64, 1, false, hopper::ForwardFeatures::kNone},
-    {Pass::kBackward, FH_DTYPE_FP16, 64, 64, 2, false, hopper::ForwardFeatures::kNone},
-    {Pass::kForward, FH_DTYPE_BF16, 64, 256, 2, true, hopper::ForwardFeatures::kAll | hopper::ForwardFeatures::kQv},
-    {Pass::kForward, FH_DTYPE_FP16, 64, 256, 2, true, hopper::ForwardFeatures::kAll | hopper::ForwardFeatures::kQv},
-    {Pass::kForward, FH_DTYPE_BF16, 64, 512, 2, true, hopper::ForwardFeatures::kAll | hopper::ForwardFeatures::kQv},
-    {Pass::kForward, FH_DTYPE_FP16, 64, 512, 2, true, hopper::ForwardFeatures::kAll | hopper::ForwardFeatures::kQv},
-    {Pass::kForward, FH_DTYPE_BF16, 96, 96, 2, false, hopper::ForwardFeatures::kAll},
-    {Pass::kForward, FH_DTYPE_FP16, 96, 96, 2, false, hopper::ForwardFeatures::kAll},
-    {Pass::kBackward, FH_DTYPE_BF16, 96, 96, 2, false, hopper::ForwardFeatures::kNone},
-    {Pass::kBackward, FH_DTYPE_FP16, 96, 96, 2, false, hopper::ForwardFeatures::kNone},
-    {Pass::kForward, FH_DTYPE_BF16, 128, 128, 0, false, hopper::ForwardFeatures::kAll},
-    {Pass::kForward, FH_DTYPE_FP16, 128, 128, 2, false, hopper::ForwardFeatures::kAll},
-    {Pass::kForward, FH_DTYPE_FP8_E4M3, 128, 128, 1, false, hopper::ForwardFeatures::kAll},
-    {Pass::kBackward, FH_DTYPE_BF16, 128, 128, 0, false, hopper::ForwardFeatures::kNone},
-    {Pass::kBackward, FH_DTYPE_FP16, 128, 128, 2, false, hopper::ForwardFeatures::kNone},
-    {Pass::kForward, FH_DTYPE_BF16, 192, 128, 2, false, hopper::ForwardFeatures::kAll},
-    {Pass::kForward, FH_DTYPE_FP16, 192, 128, 2, false, hopper::ForwardFeatures::kAll},
-    {Pass::kBackward, FH_DTYPE_BF16, 192, 128, 2, false, hopper::ForwardFeatures::kNone},
-    {Pass::kBackward, FH_DTYPE_FP16, 192, 128, 2, false, hopper::ForwardFeatures::kNone},
-    {Pass::kForward, FH_DTYPE_BF16, 192, 192, 2, false, hopper::ForwardFeatures::kAll},
-    {Pass::kForward, FH_DTYPE_FP16, 192, 192, 2, false, hopper::ForwardFeatures::kAll},
-    {Pass::kBackward, FH_DTYPE_BF16, 192, 192, 2, false, hopper::ForwardFeatures::kNone},
-    {Pass::kBackward, FH_DTYPE_FP16, 192, 192, 2, false, hopper::ForwardFeatures::kNone},
-    {Pass::kForward, FH_DTYPE_BF16, 256, 256, 1, false, hopper::ForwardFeatures::kAll},
-    {Pass::kForward, FH_DTYPE_FP16, 256, 256, 2, false, hopper::ForwardFeatures::kAll},
-    {Pass::kForward, FH_DTYPE_FP8_E4M3, 256, 256, 1, false, hopper::ForwardFeatures::kAll},
-    {Pass::kBackward, FH_DTYPE_BF16, 256, 256, 1, false, hopper::ForwardFeatures::kNone},
-    {Pass::kBackward, FH_DTYPE_FP16, 256, 256, 2, false, hopper::ForwardFeatures::kNone},
-    {Pass::kForward, FH_DTYPE_BF16, 512, 512, 2, false, hopper::ForwardFeatures::kAll},
-    {Pass::kForward, FH_DTYPE_FP16, 512, 512, 2, false, hopper::ForwardFeatures::kAll},
+    {Pass::kForward, FH_DTYPE_BF16, 64, 64, 1, false},
+    {Pass::kForward, FH_DTYPE_FP16, 64, 64, 2, false},
+    {Pass::kForward, FH_DTYPE_FP8_E4M3, 64, 64, 1, false},
+    {Pass::kBackward, FH_DTYPE_BF16, 64, 64, 1, false},
+    {Pass::kBackward, FH_DTYPE_FP16, 64, 64, 2, false},
+    {Pass::kForward, FH_DTYPE_BF16, 64, 256, 2, true},
+    {Pass::kForward, FH_DTYPE_FP16, 64, 256, 2, true},
+    {Pass::kForward, FH_DTYPE_BF16, 64, 512, 2, true},
+    {Pass::kForward, FH_DTYPE_FP16, 64, 512, 2, true},
+    {Pass::kForward, FH_DTYPE_BF16, 96, 96, 2, false},
+    {Pass::kForward, FH_DTYPE_FP16, 96, 96, 2, false},
+    {Pass::kBackward, FH_DTYPE_BF16, 96, 96, 2, false},
+    {Pass::kBackward, FH_DTYPE_FP16, 96, 96, 2, false},
+    {Pass::kForward, FH_DTYPE_BF16, 128, 128, 0, false},
+    {Pass::kForward, FH_DTYPE_FP16, 128, 128, 2, false},
+    {Pass::kForward, FH_DTYPE_FP8_E4M3, 128, 128, 1, false},
+    {Pass::kBackward, FH_DTYPE_BF16, 128, 128, 0, false},
+    {Pass::kBackward, FH_DTYPE_FP16, 128, 128, 2, false},
+    {Pass::kForward, FH_DTYPE_BF16, 192, 128, 2, false},
+    {Pass::kForward, FH_DTYPE_FP16, 192, 128, 2, false},
+    {Pass::kBackward, FH_DTYPE_BF16, 192, 128, 2, false},
+    {Pass::kBackward, FH_DTYPE_FP16, 192, 128, 2, false},
+    {Pass::kForward, FH_DTYPE_BF16, 192, 192, 2, false},
+    {Pass::kForward, FH_DTYPE_FP16, 192, 192, 2, false},
+    {Pass::kBackward, FH_DTYPE_BF16, 192, 192, 2, false},
+    {Pass::kBackward, FH_DTYPE_FP16, 192, 192, 2, false},
+    {Pass::kForward, FH_DTYPE_BF16, 256, 256, 1, false},
+    {Pass::kForward, FH_DTYPE_FP16, 256, 256, 2, false},
+    {Pass::kForward, FH_DTYPE_FP8_E4M3, 256, 256, 1, false},
+    {Pass::kBackward, FH_DTYPE_BF16, 256, 256, 1, false},
+    {Pass::kBackward, FH_DTYPE_FP16, 256, 256, 2, false},
+    {Pass::kForward, FH_DTYPE_BF16, 512, 512, 2, false},
+    {Pass::kForward, FH_DTYPE_FP16, 512, 512, 2, false},
 };
 
 }  // namespace flashhopper::launch

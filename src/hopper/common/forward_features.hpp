@@ -27,10 +27,6 @@ enum class ForwardFeatures : uint32_t {
 constexpr ForwardFeatures operator|(ForwardFeatures a, ForwardFeatures b) {
   return ForwardFeatures(uint32_t(a) | uint32_t(b));
 }
-constexpr ForwardFeatures operator&(ForwardFeatures a, ForwardFeatures b) {
-  return ForwardFeatures(uint32_t(a) & uint32_t(b));
-}
-constexpr ForwardFeatures operator~(ForwardFeatures a) { return ForwardFeatures(~uint32_t(a)); }
 // Whether `set` holds every feature of `features`.
 constexpr bool holds(ForwardFeatures set, ForwardFeatures features) {
   return (uint32_t(set) & uint32_t(features)) == uint32_t(features);
