@@ -204,12 +204,8 @@ def _fp8_attention(q, k, v, varlen, softmax_scale, mask, num_splits, sm_margin, 
                                       "or with inputs that do not require grad")
     if page_table is not None:
         interface.check_varlen(varlen)
-        out, lse = _kvcache_forward(q, k, v, mask, softmax_scale, num_splits, page_table=page_table,
-                                    cu_seqlens_q=varlen.cu_seqlens_q, max_seqlen_q=varlen.max_seqlen_q,
-                                    cu_seqlens_k=varlen.cu_seqlens_k, max_seqlen_k=varlen.max_seqlen_k,
-                                    seqused_q=varlen.seqused_q, seqused_k=varlen.seqused_k,
-                                    learnable_sink=learnable_sink, return_lse=bool(return_attn_probs), names={},
-                                    sm_margin=sm_margin, descales=descales)
+        out, lse = _paged_forward(q, k, v, page_table, varlen, softmax_scale, mask, num_splits, learnable_sink,
+                                  sm_margin, return_lse=bool(return_attn_probs), descales=descales)
         return (out, lse) if return_attn_probs else out
     return _library_forward(q, k, v, varlen, softmax_scale, mask, num_splits, sm_margin, return_attn_probs,
                             learnable_sink, descales)
@@ -278,6 +274,17 @@ def _kvcache_forward(q, k_cache, v_cache, mask, softmax_scale, num_splits, *, k=
     return result if return_lse else (result, None)
 
 
+def _paged_forward(q, k_cache, v_cache, page_table, varlen, softmax_scale, mask, num_splits, learnable_sink, sm_margin,
+                   return_lse=True, descales=(None, None, None)):
+    """flash_attn_varlen_func's forward over pages: a packed batch (varlen) whose keys the page
+    table finds, through the KV-cache call; (out, lse)."""
+    return _kvcache_forward(q, k_cache, v_cache, mask, softmax_scale, num_splits, page_table=page_table,
+                            cu_seqlens_q=varlen.cu_seqlens_q, max_seqlen_q=varlen.max_seqlen_q,
+                            cu_seqlens_k=varlen.cu_seqlens_k, max_seqlen_k=varlen.max_seqlen_k,
+                            seqused_q=varlen.seqused_q, seqused_k=varlen.seqused_k, learnable_sink=learnable_sink,
+                            return_lse=return_lse, names={}, sm_margin=sm_margin, descales=descales)
+
+
 def _paged_rows(page_table, num_pages, page_size, max_seqlen_k):
     """[B * max_seqlen_k] int64: the row of k viewed as [num_pages * page_size, Hkv, d] that holds
     position i of sequence b, at b * max_seqlen_k + i (past a row's pages clamped to some row:
@@ -296,11 +303,8 @@ class _PagedVarlenAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k_cache, v_cache, learnable_sink, page_table, varlen, softmax_scale, mask, num_splits,
                 deterministic, sm_margin):
-        out, lse = _kvcache_forward(q, k_cache, v_cache, mask, softmax_scale, num_splits, page_table=page_table,
-                                    cu_seqlens_q=varlen.cu_seqlens_q, max_seqlen_q=varlen.max_seqlen_q,
-                                    cu_seqlens_k=varlen.cu_seqlens_k, max_seqlen_k=varlen.max_seqlen_k,
-                                    seqused_q=varlen.seqused_q, seqused_k=varlen.seqused_k,
-                                    learnable_sink=learnable_sink, names={}, sm_margin=sm_margin)
+        out, lse = _paged_forward(q, k_cache, v_cache, page_table, varlen, softmax_scale, mask, num_splits,
+                                  learnable_sink, sm_margin)
         ctx.save_for_backward(q, k_cache, v_cache, learnable_sink, page_table, out, lse, varlen.cu_seqlens_q,
                               varlen.cu_seqlens_k, varlen.seqused_q, varlen.seqused_k)
         ctx.options = (varlen.max_seqlen_q, varlen.max_seqlen_k, softmax_scale, mask, deterministic, sm_margin)
