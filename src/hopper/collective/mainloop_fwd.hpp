@@ -832,13 +832,14 @@ struct ForwardMainloop {
 
   // fp8: byte offsets in the staging buffers (N, dv, stages) and in P V's stages (dv, N, stages),
   // as CuTe's swizzled layouts place them (transpose_offsets_agree). Both tile 8-row swizzle atoms
-  // of `w`-byte rows (128, or 64 where the row is 64 bytes), rows first: a row's offset in its atom
-  // is row * w with its 16-byte chunk index XORed by the row (w = 128) or row / 2 (w = 64). That
-  // offset is XOR-linear in the row, which the transpose's address arithmetic relies on.
+  // of `w`-byte rows (128, 64 or 32: the widest that divides the row), rows first: a row's offset in
+  // its atom is row * w with its 16-byte chunk index XORed by the row (w = 128), row / 2 (w = 64) or
+  // row / 4 (w = 32). That offset is XOR-linear in the row, which the transpose's address arithmetic
+  // relies on.
   static constexpr int kStagedRowBytes = kHeadDimV % 128 == 0 ? 128 : 64;
-  static constexpr int kVtRowBytes = kBlockN % 128 == 0 ? 128 : 64;
+  static constexpr int kVtRowBytes = kBlockN % 128 == 0 ? 128 : kBlockN % 64 == 0 ? 64 : 32;
   static constexpr CUTLASS_HOST_DEVICE int atom_row_offset(int row, int w) {
-    return row * w ^ ((w == 128 ? row : row >> 1 & 3) << 4);
+    return row * w ^ ((w == 128 ? row : w == 64 ? row >> 1 & 3 : row >> 2 & 1) << 4);
   }
   static constexpr CUTLASS_HOST_DEVICE int staged_v_offset(int key, int column, int stage) {
     constexpr int w = kStagedRowBytes;

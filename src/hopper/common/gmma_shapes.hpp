@@ -35,7 +35,7 @@ inline constexpr int gmma_n = decltype(cute::size<1>(typename TiledMma::AtomShap
 template <class... TiledMmas>
 inline constexpr bool uses_extended_gmma = (is_extended_gmma_n(gmma_n<TiledMmas>) || ...);
 
-// The SS WGMMA atom (bf16 or fp16 in, float out) for a (64, N, K) tile: CuTe's selector, and the
+// The SS WGMMA atom (bf16, fp16 or e4m3 in, float out) for a (64, N, K) tile: CuTe's selector, and the
 // extended N the tiles use named directly (see above; another one fails ss_gmma's static_assert).
 template <class Element, class TileShape, cute::GMMA::Major kMajorA = cute::GMMA::Major::K,
           cute::GMMA::Major kMajorB = cute::GMMA::Major::K>
@@ -43,21 +43,27 @@ constexpr auto ss_gmma() {
 #if FLASHHOPPER_EXTENDED_GMMA_SHAPES
   constexpr int n = decltype(cute::size<1>(TileShape{}))::value;
   if constexpr (is_extended_gmma_n(n)) {
-    constexpr bool kBf16 = cute::is_same_v<Element, cutlass::bfloat16_t>;
-    static_assert(kBf16 || cute::is_same_v<Element, cutlass::half_t>);
-    static_assert(n == 48 || n == 80 || n == 112 || n == 160, "ss_gmma: name this extended N's instructions");
-    if constexpr (n == 48) {
-      if constexpr (kBf16) return cute::SM90::GMMA::MMA_64x48x16_F32BF16BF16_SS<kMajorA, kMajorB>{};
-      else return cute::SM90::GMMA::MMA_64x48x16_F32F16F16_SS<kMajorA, kMajorB>{};
-    } else if constexpr (n == 80) {
-      if constexpr (kBf16) return cute::SM90::GMMA::MMA_64x80x16_F32BF16BF16_SS<kMajorA, kMajorB>{};
-      else return cute::SM90::GMMA::MMA_64x80x16_F32F16F16_SS<kMajorA, kMajorB>{};
-    } else if constexpr (n == 112) {
-      if constexpr (kBf16) return cute::SM90::GMMA::MMA_64x112x16_F32BF16BF16_SS<kMajorA, kMajorB>{};
-      else return cute::SM90::GMMA::MMA_64x112x16_F32F16F16_SS<kMajorA, kMajorB>{};
+    if constexpr (cute::is_same_v<Element, cutlass::float_e4m3_t>) {  // fp8: K-major operands only
+      static_assert(n == 160 || n == 224, "ss_gmma: name this extended N's instructions");
+      if constexpr (n == 160) return cute::SM90::GMMA::MMA_64x160x32_F32E4M3E4M3_SS_TN<>{};
+      else return cute::SM90::GMMA::MMA_64x224x32_F32E4M3E4M3_SS_TN<>{};
     } else {
-      if constexpr (kBf16) return cute::SM90::GMMA::MMA_64x160x16_F32BF16BF16_SS<kMajorA, kMajorB>{};
-      else return cute::SM90::GMMA::MMA_64x160x16_F32F16F16_SS<kMajorA, kMajorB>{};
+      constexpr bool kBf16 = cute::is_same_v<Element, cutlass::bfloat16_t>;
+      static_assert(kBf16 || cute::is_same_v<Element, cutlass::half_t>);
+      static_assert(n == 48 || n == 80 || n == 112 || n == 160, "ss_gmma: name this extended N's instructions");
+      if constexpr (n == 48) {
+        if constexpr (kBf16) return cute::SM90::GMMA::MMA_64x48x16_F32BF16BF16_SS<kMajorA, kMajorB>{};
+        else return cute::SM90::GMMA::MMA_64x48x16_F32F16F16_SS<kMajorA, kMajorB>{};
+      } else if constexpr (n == 80) {
+        if constexpr (kBf16) return cute::SM90::GMMA::MMA_64x80x16_F32BF16BF16_SS<kMajorA, kMajorB>{};
+        else return cute::SM90::GMMA::MMA_64x80x16_F32F16F16_SS<kMajorA, kMajorB>{};
+      } else if constexpr (n == 112) {
+        if constexpr (kBf16) return cute::SM90::GMMA::MMA_64x112x16_F32BF16BF16_SS<kMajorA, kMajorB>{};
+        else return cute::SM90::GMMA::MMA_64x112x16_F32F16F16_SS<kMajorA, kMajorB>{};
+      } else {
+        if constexpr (kBf16) return cute::SM90::GMMA::MMA_64x160x16_F32BF16BF16_SS<kMajorA, kMajorB>{};
+        else return cute::SM90::GMMA::MMA_64x160x16_F32F16F16_SS<kMajorA, kMajorB>{};
+      }
     }
   } else
 #endif
