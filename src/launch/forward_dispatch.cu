@@ -81,11 +81,6 @@ std::string forward_unsupported_reason(const ForwardParams& p, const detail::Pro
   if (detail::v_column_major(p) && (s.paged || s.append_kv))
     return std::string("v: column-major (keys contiguous) runs without ") +
            (s.paged ? "page_table" : "k_new and v_new") + "; pages and appends take a row-major v";
-  // fp8's producer loads with one warp (the others transpose V), so its pages go in TMA chunks:
-  // whole 16-key chunks from each sequence's first key.
-  if (s.paged && p.q.dtype == FH_DTYPE_FP8_E4M3 && (s.page_size % 16 != 0 || detail::present(p.cache_leftpad)))
-    return "page_table: fp8_e4m3 inputs take pages of a multiple of 16 keys without cache_leftpad (page size " +
-           std::to_string(s.page_size) + (detail::present(p.cache_leftpad) ? ", with cache_leftpad)" : ")");
   return family_unsupported_reason(Pass::kForward, static_cast<fh_dtype>(p.q.dtype), s.head_dim, s.head_dim_v,
                                    detail::present(p.qv));
 }

@@ -1722,10 +1722,10 @@ TEST(KernelFamilies, UncompiledFamilyIsRefusedByName) {
   }
 }
 
-// fp8 inputs run on the fp8 families (the bench set up), with every feature but pages that would be
-// gathered and a rotated append: a build without them refuses by the family's name and the set
-// that has it; one with them runs split-KV, packed rows, pages of a multiple of 16 keys and the
-// append, and refuses other page sizes, cache_leftpad with pages, and rotary tables by name.
+// fp8 inputs run on the fp8 families (the bench set up), with every feature but a rotated append:
+// a build without them refuses by the family's name and the set that has it; one with them runs
+// split-KV, packed rows, pages of any size (gathered where no multiple of 16 keys), cache_leftpad
+// with pages and the append, and refuses rotary tables by name.
 TEST(KernelFamilies, Fp8RunsFromTheBenchSet) {
   if (!fh_built_with_cuda()) GTEST_SKIP() << "a build without CUDA refuses every run as NO_DEVICE";
   fh::ForwardParams p = fh::default_forward_params();
@@ -1754,13 +1754,11 @@ TEST(KernelFamilies, Fp8RunsFromTheBenchSet) {
   fh::ForwardParams odd_pages = paged;
   odd_pages.k.shape[1] = odd_pages.v.shape[1] = 24;
   status = fh::forward(odd_pages, nullptr, 0, nullptr);
-  EXPECT_EQ(status.code, FH_ERROR_NOT_SUPPORTED);
-  EXPECT_THAT(status.message, HasSubstr("page_table: fp8_e4m3 inputs take pages of a multiple of 16 keys"));
+  EXPECT_NE(status.code, FH_ERROR_NOT_SUPPORTED) << status.message;
   fh::ForwardParams leftpad = paged;
   leftpad.cache_leftpad = fh::make_tensor(fake_pointer(9), FH_DTYPE_INT32, {kBatch});
   status = fh::forward(leftpad, nullptr, 0, nullptr);
-  EXPECT_EQ(status.code, FH_ERROR_NOT_SUPPORTED);
-  EXPECT_THAT(status.message, HasSubstr("with cache_leftpad"));
+  EXPECT_NE(status.code, FH_ERROR_NOT_SUPPORTED) << status.message;
 
   fh::ForwardParams paged_columns = paged;  // pages of [64, Hkv, dv] with the keys contiguous
   paged_columns.v.stride[1] = 1;

@@ -359,8 +359,8 @@ def test_fp8_column_major_v(head_dim, causal):
 def test_fp8_kvcache_and_varlen_against_reference(head_dim):
     """fp8 with descales beyond dense batches: flash_attn_with_kvcache over an unpaged cache
     (cache_seqlens of the whole cache, 0, 1 and part of it; two causal query tokens; split-KV
-    chosen and forced; two new keys appended) and over the same keys in shuffled pages of 16 and 64,
-    flash_attn_varlen_func over those pages and over packed sequences (an empty one among them),
+    chosen and forced; two new keys appended) and over the same keys in shuffled pages of 1, 16, 24
+    and 64 (with and without cache_leftpad), flash_attn_varlen_func over those pages and over packed sequences (an empty one among them),
     each sequence against float64 attention on its dequantised inputs within twice the plain fp8
     error plus the slack, lse close; rows that see no key give 0; the append writes its keys and
     values bit for bit and nothing else."""
@@ -413,9 +413,10 @@ def test_fp8_kvcache_and_varlen_against_reference(head_dim):
         check(out[b:b + 1], lse[b:b + 1], q[b:b + 1], k_appended[b:b + 1, keys], v_appended[b:b + 1, keys],
               [f[b:b + 1] for f in descales], causal=True)
 
-    # The same keys in shuffled pages (noise in the pages no sequence uses).
+    # The same keys in shuffled pages (noise in the pages no sequence uses): whole 16-key chunks
+    # load by TMA, pages of 1 and 24 keys are gathered.
     lengths_t = torch.tensor(lengths, dtype=torch.int32, device="cuda")
-    for page_size in (16, 64):
+    for page_size in (1, 16, 24, 64):
         per_sequence = -(-1000 // page_size)
         shuffle = torch.randperm(4 * per_sequence + 3, generator=torch.Generator().manual_seed(page_size))
         table = shuffle[:4 * per_sequence].view(4, per_sequence).to(device="cuda", dtype=torch.int32)
@@ -442,6 +443,18 @@ def test_fp8_kvcache_and_varlen_against_reference(head_dim):
             inputs = (q[b:b + 1], k_cache[b:b + 1, :length], v_cache[b:b + 1, :length], [f[b:b + 1] for f in descales])
             check(out[b:b + 1], lse[b:b + 1], *inputs, causal=True)
             check(packed_out[2 * b:2 * b + 2][None], packed_lse[:, 2 * b:2 * b + 2][None], *inputs, causal=True)
+        # cache_leftpad over the pages: each sequence's keys from its leftpad on (gathered at any page size).
+        leftpad = [5, 0, 0, 100]
+        out, lse = run_or_skip(fa3.flash_attn_with_kvcache, q, k_pages, v_pages, cache_seqlens=lengths_t,
+                               cache_leftpad=torch.tensor(leftpad, dtype=torch.int32, device="cuda"),
+                               page_table=table, causal=True, q_descale=descales[0], k_descale=descales[1],
+                               v_descale=descales[2], return_softmax_lse=True)
+        for b, (start, length) in enumerate(zip(leftpad, lengths)):
+            if length == start:
+                assert (out[b] == 0).all()
+                continue
+            check(out[b:b + 1], lse[b:b + 1], q[b:b + 1], k_cache[b:b + 1, start:length],
+                  v_cache[b:b + 1, start:length], [f[b:b + 1] for f in descales], causal=True)
 
     seqlens_q, seqlens_k = [3, 0, 200, 64], [500, 7, 200, 1000]
     q, k, v = fp8(sum(seqlens_q), 8, head_dim), fp8(sum(seqlens_k), 2, head_dim), fp8(sum(seqlens_k), 2, head_dim)

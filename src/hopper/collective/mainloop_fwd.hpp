@@ -506,8 +506,6 @@ struct ForwardMainloop {
         if constexpr (kIsV) return v_stages; else return sK;
       }();
       if (kPagedKv && params.paged.mode == PagedMode::kGather) {
-        // fp8's producer loads with one warp (the others transpose): the dispatch refuses what gathers.
-        if constexpr (kTransposesV) __trap();
         Paged::template gather_stage<kIsV>(params.paged, pipeline, state, stages, seq, head_kv, n_block);
       } else if (kPagedKv && params.paged.mode != PagedMode::kNone) {
         Paged::template load_chunks_stage<kIsV>(params.paged, kIsV ? v_pages : params.shape_k, pipeline, state,

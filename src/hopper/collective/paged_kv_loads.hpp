@@ -8,8 +8,7 @@
 // and its key i the position offset_k + i (cache_leftpad) of that row. ForwardMainloop compiles
 // this in only with ForwardFeatures::kPagedKv. kVAsStored (fp8): V is viewed and staged as K is,
 // (page_size, dv, heads, pages) into (N, dv) stages that the kernel transposes itself; such a
-// kernel's producer has one warp for loads, so it takes the TMA chunk modes only (the dispatch
-// refuses the page sizes and cache_leftpad that gather).
+// kernel's producer has one warp for loads (its other three transpose), so that warp gathers alone.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -31,7 +30,7 @@ struct PagedKvLoads {
   static constexpr int kPageRowsSmall = 16;
   static constexpr bool kLargeChunks = kBlockN % kPageRowsLarge == 0;
   static_assert(kBlockN % kPageRowsSmall == 0, "a key block is a whole number of 16-key chunks");
-  static constexpr int kGatherThreads = cutlass::NumThreadsPerWarpGroup;
+  static constexpr int kGatherThreads = kVAsStored ? cutlass::NumThreadsPerWarp : cutlass::NumThreadsPerWarpGroup;
   template <int kRows>
   using PageChunkK = Shape<Int<kRows>, Int<kHeadDim>>;
   template <int kRows>
@@ -212,8 +211,9 @@ struct PagedKvLoads {
     ++state;
   }
 
-  // Paged, gathered: the producer warpgroup copies key block n_block into the stage, warp w the
-  // keys [w, w + 1) * kBlockN / 4, 16 bytes a lane and copy; keys past the sequence and columns
+  // Paged, gathered: the producer's gathering warps (kGatherThreads: the warpgroup, or warp 0 with
+  // kVAsStored) copy key block n_block into the stage, warp w of W the keys [w, w + 1) * kBlockN / W,
+  // 16 bytes a lane and copy; keys past the sequence and columns
   // past the call's head dim as zeros. A warp's copy covers 8 keys x 64 bytes (4 lanes a key), so
   // that a lane's keys are 8 apart: one swizzle atom's rows, at a fixed distance in the stage, so
   // its addresses are one add apart. Lane l finds where its warp's keys l, l + 32 lie in the cache
@@ -238,7 +238,7 @@ struct PagedKvLoads {
     constexpr int kLanesPerKey = 4;
     constexpr int kKeysPerCopy = cutlass::NumThreadsPerWarp / kLanesPerKey;  // 8: a swizzle atom's rows
     constexpr int kKeyGroups = (kKeysPerWarp + kKeysPerCopy - 1) / kKeysPerCopy;
-    static_assert(kBlockN % kWarps == 0 && kLookups <= 2 && kPiecesPerKey % kLanesPerKey == 0);
+    static_assert(kBlockN % kWarps == 0 && kLookups <= 8 && kPiecesPerKey % kLanesPerKey == 0);
     GatherSource const& source = kIsV ? params.v : params.k;
     const int lane = cutlass::canonical_lane_idx();
     const int first_row = cutlass::canonical_warp_idx() * kKeysPerWarp;  // in the stage
@@ -282,8 +282,8 @@ struct PagedKvLoads {
       CUTLASS_PRAGMA_UNROLL
       for (int m = 0; m < kKeyGroups; ++m) {
         const int key = lane_key + kKeysPerCopy * m;
-        // Keys 0..31 of the warp are held in key_offset[0], 32.. in [1]: the same for the whole warp.
-        const int64_t held = kLookups == 1 || kKeysPerCopy * m < 32 ? key_offset[0] : key_offset[kLookups - 1];
+        // Keys 32 r .. 32 r + 31 of the warp are held in key_offset[r]: the same r for the whole warp.
+        const int64_t held = key_offset[kKeysPerCopy * m / 32];
         const int64_t offset = __shfl_sync(0xffffffff, held, key % 32);
         if (kKeysPerWarp % kKeysPerCopy == 0 || key < kKeysPerWarp) {
           const bool valid = offset >= 0 && col_valid;
