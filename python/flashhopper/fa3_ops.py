@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 
 from . import flash_attn_interface as fai
+from . import interface
 
 Tensor = torch.Tensor
 NAMESPACE = "flash_attn_3"
@@ -77,11 +78,11 @@ def _fwd(q, k, v, k_new=None, v_new=None, q_v=None, out=None, cu_seqlens_q=None,
 
 def _fwd_fake(q, k, v, k_new=None, v_new=None, q_v=None, out=None, cu_seqlens_q=None, cu_seqlens_k=None,
               cu_seqlens_k_new=None, seqused_q=None, seqused_k=None, max_seqlen_q=None, *args, **kwargs):
-    """Shapes only (torch.export, torch.compile): out like q with v's head dim, lse [B, Hq, sq] or
-    packed [Hq, total_q]; no partials."""
+    """Shapes only (torch.export, torch.compile): out like q with v's head dim (bf16 for fp8 q), lse
+    [B, Hq, sq] or packed [Hq, total_q]; no partials."""
     dv = v.shape[-1]
     if out is None:
-        out = q.new_empty((*q.shape[:-1], dv))
+        out = q.new_empty((*q.shape[:-1], dv), dtype=interface.output_dtype(q))
     if cu_seqlens_q is not None:
         lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
     else:

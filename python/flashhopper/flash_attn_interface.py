@@ -17,7 +17,7 @@ and sk, deterministic backward; and all of it over packed variable-length sequen
 flash_attn_varlen_func (q [total_q, Hq, d], cu_seqlens_q/k, max_seqlen_q/k, seqused_q/k; up to 8192
 sequences). What a build of the library cannot run raises FlashHopperNotSupported with the
 library's message. Every argument FlashHopper cannot honour yet raises NotImplementedError naming it
-(qv, fp8 descales). sm_margin leaves that many SMs free for other kernels (FA3's argument; the
+(a gradient through fp8 or qv, as FA3; rotary tables with fp8). sm_margin leaves that many SMs free for other kernels (FA3's argument; the
 library refuses a margin that leaves the GPU none). flash_attn_with_kvcache runs a dense KV cache (with the append,
 rotary and split-KV) and a paged one (any page size). flash_attn_combine merges split-KV partials
 (FA3's signature and layouts). Bad tensors (dtype, rank, shape, strides, device, alignment) and bad
@@ -191,14 +191,20 @@ def _fp8_attention(q, k, v, varlen, softmax_scale, mask, num_splits, sm_margin, 
                    page_table, qv, descales):
     """flash_attn_func and flash_attn_varlen_func with fp8 inputs (float8_e4m3fn, FA3's descale
     factors; or descales given, which the library refuses for other dtypes): forward only, as in
-    FA3, eager; out is bf16. With page_table (varlen), k and v are pages, read through the KV-cache
-    call. The library says which calls its fp8 kernels run."""
+    FA3; out is bf16; traced (torch.compile, torch.export), the fwd op with its descales. With
+    page_table (varlen), k and v are pages, read through the KV-cache call. The library says which
+    calls its fp8 kernels run."""
     if qv is not None:
         raise interface.not_supported("qv: not with fp8 inputs (FlashHopper's fp8 path takes plain q, k, v)")
     kind = _call_kind(q, k, v, learnable_sink, *descales)
-    if kind == _TRACED:
-        raise interface.not_supported("q: fp8 attention under torch.compile or torch.export is not supported yet "
-                                      "(eager calls run it)")
+    if kind == _TRACED and page_table is None:
+        interface.check_devices([("q", q), ("k", k), ("v", v), ("learnable_sink", learnable_sink)]
+                                + interface.varlen_tensors(varlen) + interface._descale_tensors(descales))
+        causal, window_left, window_right, softcap, attention_chunk = mask
+        out, lse = ops.fwd(q, k, v, softmax_scale, causal, False, window_left, window_right, softcap, attention_chunk,
+                           learnable_sink, *((None,) * 6 if varlen is None else varlen), num_splits, sm_margin,
+                           *descales)
+        return (out, lse) if return_attn_probs else out
     if kind == _AUTOGRAD:
         raise interface.not_supported("q: fp8 attention has no backward (as in FA3); call it under torch.no_grad() "
                                       "or with inputs that do not require grad")
@@ -252,17 +258,14 @@ def _kvcache_forward(q, k_cache, v_cache, mask, softmax_scale, num_splits, *, k=
     """(out, lse) of the library's forward with the KV-cache fields: traced (torch.compile,
     torch.export), the fwd_kvcache op, which tells the tracer that an append writes k_cache and
     v_cache; eager, the library call without the dispatcher's host work (lse None unless
-    return_lse; names as interface.forward_with_kvcache's). fp8 (descales, or fp8 inputs): eager only."""
+    return_lse; names as interface.forward_with_kvcache's). descales: fp8's factors."""
     if _call_kind(q, k_cache, v_cache, *descales) == _TRACED:
-        if any(d is not None for d in descales) or (isinstance(q, torch.Tensor) and interface.output_dtype(q) != q.dtype):
-            raise interface.not_supported("q: fp8 attention under torch.compile or torch.export is not supported yet "
-                                          "(eager calls run it)")
         causal, window_left, window_right, softcap, attention_chunk = mask
         return ops.fwd_kvcache(
             q, k_cache, v_cache, k, v, qv, rotary_cos, rotary_sin, rotary_seqlens, bool(rotary_interleaved),
             cache_seqlens, cache_batch_idx, cache_leftpad, page_table, cu_seqlens_q, max_seqlen_q, softmax_scale,
             causal, window_left, window_right, softcap, attention_chunk, num_splits, cu_seqlens_k_new, cu_seqlens_k,
-            max_seqlen_k, seqused_q, seqused_k, learnable_sink, sm_margin)
+            max_seqlen_k, seqused_q, seqused_k, learnable_sink, sm_margin, *descales)
     result = interface.forward_with_kvcache(
         q, k_cache, v_cache, k_new=k, v_new=v, qv=qv, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
         rotary_seqlens=rotary_seqlens, rotary_interleaved=rotary_interleaved, cache_seqlens=cache_seqlens,
@@ -544,8 +547,8 @@ def flash_attn_with_kvcache(
 
     The arguments are checked (ValueError naming the argument). The kernels run all of that, split
     over the keys (num_splits; 0 chooses from the shapes), packed queries too; fp8 (float8_e4m3fn q
-    and cache with q/k/v_descale [B, Hkv], out bf16) eagerly, with pages of a multiple of 16 keys
-    and appends without rotary (the others raise FlashHopperNotSupported, a NotImplementedError);
+    and cache with q/k/v_descale [B, Hkv], out bf16), with pages of any size and appends without
+    rotary (rotary tables raise FlashHopperNotSupported, a NotImplementedError);
     sm_margin leaves SMs free as flash_attn_func's.
     scheduler_metadata (from get_scheduler_metadata) gives the split-KV count. Under torch.compile
     or torch.export (fake tensors) it runs as the flashhopper::fwd_kvcache op, whose schema marks

@@ -10,8 +10,8 @@ FWD_SCHEMA = ("fwd(Tensor q, Tensor k, Tensor v, float? softmax_scale=None, bool
               "bool deterministic=False, SymInt window_left=-1, SymInt window_right=-1, float softcap=0., "
               "SymInt attention_chunk=0, Tensor? learnable_sink=None, Tensor? cu_seqlens_q=None, "
               "Tensor? cu_seqlens_k=None, SymInt? max_seqlen_q=None, SymInt? max_seqlen_k=None, "
-              "Tensor? seqused_q=None, Tensor? seqused_k=None, SymInt num_splits=1, SymInt sm_margin=0) "
-              "-> (Tensor, Tensor)")
+              "Tensor? seqused_q=None, Tensor? seqused_k=None, SymInt num_splits=1, SymInt sm_margin=0, "
+              "Tensor? q_descale=None, Tensor? k_descale=None, Tensor? v_descale=None) -> (Tensor, Tensor)")
 BWD_SCHEMA = ("bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, float? softmax_scale=None, "
               "bool causal=False, bool deterministic=False, SymInt window_left=-1, SymInt window_right=-1, "
               "float softcap=0., SymInt attention_chunk=0, Tensor? learnable_sink=None, "

@@ -5,7 +5,7 @@ graphs see one opaque op per pass:
                               window_left=-1, window_right=-1, softcap=0.0, attention_chunk=0,
                               learnable_sink=None, cu_seqlens_q=None, cu_seqlens_k=None,
                               max_seqlen_q=None, max_seqlen_k=None, seqused_q=None, seqused_k=None,
-                              num_splits=1, sm_margin=0)
+                              num_splits=1, sm_margin=0, q_descale=None, k_descale=None, v_descale=None)
         -> (out [B, sq, Hq, d], lse [B, Hq, sq] float32), varlen (out [total_q, Hq, d], lse [Hq, total_q])
     torch.ops.flashhopper.bwd(dout, q, k, v, out, lse, softmax_scale=None, causal=False,
                               deterministic=False, window_left=-1, window_right=-1, softcap=0.0,
@@ -21,7 +21,8 @@ graphs see one opaque op per pass:
                                       max_seqlen_q=None, softmax_scale=None, causal=False, window_left=-1,
                                       window_right=-1, softcap=0.0, attention_chunk=0, num_splits=0,
                                       cu_seqlens_k_new=None, cu_seqlens_k=None, max_seqlen_k=None,
-                                      seqused_q=None, seqused_k=None, learnable_sink=None, sm_margin=0)
+                                      seqused_q=None, seqused_k=None, learnable_sink=None, sm_margin=0,
+                                      q_descale=None, k_descale=None, v_descale=None)
         -> (out, lse), as interface.forward_with_kvcache with return_lse; it appends k_new/v_new
         into k_cache/v_cache in place (both marked mutated), so that flash_attn_with_kvcache can be
         traced (torch.compile, torch.export). Forward only; Python only (no C++ op yet).
@@ -37,7 +38,9 @@ restricts each row to its chunk of c keys on top of the window; softcap > 0 caps
 (softcap * tanh(s / softcap)); learnable_sink (float32 [Hq], or None) adds exp(sink[h]) to every
 row's softmax denominator, and lse includes it; fwd's num_splits splits the keys (split-KV, as
 interface.forward; 0 lets the library choose), which changes nothing in bwd; sm_margin (both ops)
-leaves that many SMs free for other kernels (FA3's argument). bwd always returns four
+leaves that many SMs free for other kernels (FA3's argument); q/k/v_descale (float32 [B, Hkv]) are
+fp8's factors (float8_e4m3fn q, k, v give a bf16 out; forward only, as in FA3: a gradient through
+such a call is refused by the library's backward rule). bwd always returns four
 tensors: dsink is float32 [Hq] (d loss / d learnable_sink, summed over batch and rows) when
 learnable_sink is given and an empty float32 tensor of shape [0] otherwise.
 
@@ -69,7 +72,7 @@ from . import _ffi, interface
 
 Tensor = torch.Tensor
 
-_NUM_FWD_INPUTS = 19
+_NUM_FWD_INPUTS = 22
 _SINK_INPUT = 10  # learnable_sink's position among fwd's inputs
 
 
@@ -84,23 +87,28 @@ def _fwd_python(q: Tensor, k: Tensor, v: Tensor, softmax_scale: Optional[float] 
                 attention_chunk: int = 0, learnable_sink: Optional[Tensor] = None,
                 cu_seqlens_q: Optional[Tensor] = None, cu_seqlens_k: Optional[Tensor] = None,
                 max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None, seqused_q: Optional[Tensor] = None,
-                seqused_k: Optional[Tensor] = None, num_splits: int = 1, sm_margin: int = 0) -> tuple[Tensor, Tensor]:
+                seqused_k: Optional[Tensor] = None, num_splits: int = 1, sm_margin: int = 0,
+                q_descale: Optional[Tensor] = None, k_descale: Optional[Tensor] = None,
+                v_descale: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     varlen = interface.as_varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k)
     out, lse = interface.forward(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True,
                                  window_size=(window_left, window_right), softcap=softcap,
                                  attention_chunk=attention_chunk, learnable_sink=learnable_sink, varlen=varlen,
-                                 num_splits=num_splits, sm_margin=sm_margin)
+                                 num_splits=num_splits, sm_margin=sm_margin, q_descale=q_descale,
+                                 k_descale=k_descale, v_descale=v_descale)
     return out, lse
 
 
 def _fwd_fake(q, k, v, softmax_scale=None, causal=False, deterministic=False, window_left=-1, window_right=-1,
               softcap=0.0, attention_chunk=0, learnable_sink=None, cu_seqlens_q=None, cu_seqlens_k=None,
-              max_seqlen_q=None, max_seqlen_k=None, seqused_q=None, seqused_k=None, num_splits=1, sm_margin=0):
+              max_seqlen_q=None, max_seqlen_k=None, seqused_q=None, seqused_k=None, num_splits=1, sm_margin=0,
+              q_descale=None, k_descale=None, v_descale=None):
     varlen = interface.as_varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k)
     mask = interface.check_mask_args(causal, (window_left, window_right), softcap, attention_chunk)
     interface.check_forward(q, k, v, return_lse=True, learnable_sink=learnable_sink, varlen=varlen,
-                            softmax_scale=softmax_scale, mask=mask, num_splits=num_splits, sm_margin=sm_margin)
-    out = q.new_empty((*q.shape[:-1], v.shape[-1]))
+                            softmax_scale=softmax_scale, mask=mask, num_splits=num_splits, sm_margin=sm_margin,
+                            descales=(q_descale, k_descale, v_descale))
+    out = q.new_empty((*q.shape[:-1], v.shape[-1]), dtype=interface.output_dtype(q))
     lse = q.new_empty(interface.lse_shape(q), dtype=torch.float32)
     return out, lse
 
@@ -113,7 +121,8 @@ KVCACHE_SCHEMA = ("fwd_kvcache(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache,
                   "bool causal=False, SymInt window_left=-1, SymInt window_right=-1, float softcap=0., "
                   "SymInt attention_chunk=0, SymInt num_splits=0, Tensor? cu_seqlens_k_new=None, "
                   "Tensor? cu_seqlens_k=None, SymInt? max_seqlen_k=None, Tensor? seqused_q=None, "
-                  "Tensor? seqused_k=None, Tensor? learnable_sink=None, SymInt sm_margin=0) -> (Tensor, Tensor)")
+                  "Tensor? seqused_k=None, Tensor? learnable_sink=None, SymInt sm_margin=0, Tensor? q_descale=None, "
+                  "Tensor? k_descale=None, Tensor? v_descale=None) -> (Tensor, Tensor)")
 
 
 def _fwd_kvcache_python(q, k_cache, v_cache, k_new=None, v_new=None, qv=None, rotary_cos=None, rotary_sin=None,
@@ -121,7 +130,8 @@ def _fwd_kvcache_python(q, k_cache, v_cache, k_new=None, v_new=None, qv=None, ro
                         cache_leftpad=None, page_table=None, cu_seqlens_q=None, max_seqlen_q=None, softmax_scale=None,
                         causal=False, window_left=-1, window_right=-1, softcap=0.0, attention_chunk=0, num_splits=0,
                         cu_seqlens_k_new=None, cu_seqlens_k=None, max_seqlen_k=None, seqused_q=None, seqused_k=None,
-                        learnable_sink=None, sm_margin=0, check_only=False):
+                        learnable_sink=None, sm_margin=0, q_descale=None, k_descale=None, v_descale=None,
+                        check_only=False):
     """The op's call (check_only: its argument checks alone, the fake function's)."""
     mask = interface.check_mask_args(causal, (window_left, window_right), softcap, attention_chunk)
     return interface.forward_with_kvcache(
@@ -130,12 +140,13 @@ def _fwd_kvcache_python(q, k_cache, v_cache, k_new=None, v_new=None, qv=None, ro
         cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, page_table=page_table, cu_seqlens_q=cu_seqlens_q,
         max_seqlen_q=max_seqlen_q, softmax_scale=softmax_scale, mask=mask, num_splits=num_splits, return_lse=True,
         cu_seqlens_k_new=cu_seqlens_k_new, cu_seqlens_k=cu_seqlens_k, max_seqlen_k=max_seqlen_k, seqused_q=seqused_q,
-        seqused_k=seqused_k, learnable_sink=learnable_sink, sm_margin=sm_margin, check_only=check_only)
+        seqused_k=seqused_k, learnable_sink=learnable_sink, sm_margin=sm_margin, check_only=check_only,
+        descales=(q_descale, k_descale, v_descale))
 
 
 def _fwd_kvcache_fake(q, k_cache, v_cache, *args, **kwargs):
     _fwd_kvcache_python(q, k_cache, v_cache, *args, check_only=True, **kwargs)
-    out = q.new_empty((*q.shape[:-1], v_cache.shape[-1]))
+    out = q.new_empty((*q.shape[:-1], v_cache.shape[-1]), dtype=interface.output_dtype(q))
     lse = q.new_empty(interface.lse_shape(q), dtype=torch.float32)
     return out, lse
 
@@ -188,7 +199,7 @@ def _bwd_fake(dout, q, k, v, out, lse, softmax_scale=None, causal=False, determi
 def _setup_context(ctx, inputs, output):
     (q, k, v, softmax_scale, causal, deterministic, window_left, window_right, softcap, attention_chunk,
      learnable_sink, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, _,
-     sm_margin) = inputs
+     sm_margin, *_descales) = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, learnable_sink, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
     # One attribute, not ten: each is a store on every eager call.
@@ -210,7 +221,7 @@ def _gradients(ctx, dout):
 
 
 def _backward(ctx, dout, dlse):
-    """The fwd op's backward: one gradient for each of its 19 inputs."""
+    """The fwd op's backward: one gradient for each of its 22 inputs."""
     grads = [None] * _NUM_FWD_INPUTS
     if dout is not None:
         dq, dk, dv, dsink = _gradients(ctx, dout)
@@ -244,7 +255,7 @@ class _EagerAttention(torch.autograd.Function):
 
 
 def fwd_eager(*args) -> tuple[Tensor, Tensor]:
-    """fwd's inputs (all 19, positional) -> (out, lse), as fwd with autograd, for eager calls."""
+    """fwd's inputs (all 22, positional) -> (out, lse), as fwd with autograd, for eager calls."""
     options = args[3:_SINK_INPUT] + args[_SINK_INPUT + 1:]
     return _EagerAttention.apply(args[0], args[1], args[2], args[_SINK_INPUT], options)
 

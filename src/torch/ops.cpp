@@ -55,10 +55,12 @@ fh_tensor view(const char* name, const Tensor& t) {
   switch (t.scalar_type()) {
     case ScalarType::BFloat16: v.dtype = FH_DTYPE_BF16; break;
     case ScalarType::Half: v.dtype = FH_DTYPE_FP16; break;
+    case ScalarType::Float8_e4m3fn: v.dtype = FH_DTYPE_FP8_E4M3; break;
     case ScalarType::Float: v.dtype = FH_DTYPE_FP32; break;
     case ScalarType::Int: v.dtype = FH_DTYPE_INT32; break;
     default:
-      refuse(FH_ERROR_INVALID_ARGUMENT, std::string(name) + ": dtype is not supported (bf16, fp16, float32, int32)");
+      refuse(FH_ERROR_INVALID_ARGUMENT,
+             std::string(name) + ": dtype is not supported (bf16, fp16, float8_e4m3fn, float32, int32)");
   }
   const int64_t ndim = t.dim();
   if (ndim > FH_MAX_DIMS) {
@@ -240,13 +242,20 @@ std::tuple<Tensor, Tensor> forward(Tensor q, Tensor k, Tensor v, std::optional<d
                                    std::optional<Tensor> learnable_sink, std::optional<Tensor> cu_seqlens_q,
                                    std::optional<Tensor> cu_seqlens_k, std::optional<int64_t> max_seqlen_q,
                                    std::optional<int64_t> max_seqlen_k, std::optional<Tensor> seqused_q,
-                                   std::optional<Tensor> seqused_k, int64_t num_splits, int64_t sm_margin) {
+                                   std::optional<Tensor> seqused_k, int64_t num_splits, int64_t sm_margin,
+                                   std::optional<Tensor> q_descale, std::optional<Tensor> k_descale,
+                                   std::optional<Tensor> v_descale) {
   check_packed_pair(cu_seqlens_q, cu_seqlens_k);
   const bool varlen = cu_seqlens_q.has_value();
   fh_forward_params p;
   fh_forward_params_init(&p);
   set_inputs(p, q, k, v, learnable_sink, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k);
-  p.out = stand_in(0, p.q.dtype, out_shape(q, v));
+  set(p.q_descale, "q_descale", q_descale);
+  set(p.k_descale, "k_descale", k_descale);
+  set(p.v_descale, "v_descale", v_descale);
+  // fp8 inputs give a bf16 out (the library's rule; interface.output_dtype in Python).
+  const bool fp8 = p.q.dtype == FH_DTYPE_FP8_E4M3;
+  p.out = stand_in(0, fp8 ? FH_DTYPE_BF16 : p.q.dtype, out_shape(q, v));
   p.lse = stand_in(1, FH_DTYPE_FP32, lse_shape(q));
   p.softmax_scale = library_scale(softmax_scale);
   set_mask(p, causal, window_left, window_right, softcap, attention_chunk, q, k, varlen, max_seqlen_q,
@@ -256,7 +265,8 @@ std::tuple<Tensor, Tensor> forward(Tensor q, Tensor k, Tensor v, std::optional<d
   OnDevice on(q);
   size_t bytes = 0;
   check(fh_forward_workspace_size(&p, &bytes));  // the library's check, before anything is allocated
-  Tensor out = torch::stable::new_empty(q, out_shape(q, v));
+  Tensor out = fp8 ? torch::stable::new_empty(q, out_shape(q, v), ScalarType::BFloat16)
+                   : torch::stable::new_empty(q, out_shape(q, v));
   Tensor lse = torch::stable::new_empty(q, lse_shape(q), ScalarType::Float);
   p.out = view("out", out);
   p.lse = view("lse", lse);

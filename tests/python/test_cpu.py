@@ -100,7 +100,8 @@ def test_ops_registered():
                "SymInt? max_seqlen_q=None, SymInt? max_seqlen_k=None, Tensor? seqused_q=None, Tensor? seqused_k=None")
     assert fwd_schema == ("flashhopper::fwd(Tensor q, Tensor k, Tensor v, float? softmax_scale=None, "
                           f"bool causal=False, bool deterministic=False, {options}, SymInt num_splits=1, "
-                          "SymInt sm_margin=0) -> (Tensor, Tensor)")
+                          "SymInt sm_margin=0, Tensor? q_descale=None, Tensor? k_descale=None, "
+                          "Tensor? v_descale=None) -> (Tensor, Tensor)")
     assert bwd_schema == ("flashhopper::bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
                           f"float? softmax_scale=None, bool causal=False, bool deterministic=False, {options}, "
                           "SymInt sm_margin=0) -> (Tensor, Tensor, Tensor, Tensor)")
@@ -274,8 +275,8 @@ def test_fp8_column_major_v_passes_the_checks():
 
 def test_fp8_kvcache_takes_descales_eagerly():
     """flash_attn_with_kvcache hands fp8's descales to the library, which checks them ([B, Hkv]);
-    traced fp8 calls are refused by name; get_scheduler_metadata plans float8_e4m3fn calls and
-    refuses the other fp8 dtypes naming qkv_dtype."""
+    get_scheduler_metadata plans float8_e4m3fn calls and refuses the other fp8 dtypes naming
+    qkv_dtype."""
     if not hasattr(torch, "float8_e4m3fn"):
         pytest.skip("this PyTorch has no float8_e4m3fn")
     q = torch.randn(2, 1, 8, 64).to(torch.float8_e4m3fn)
@@ -287,15 +288,65 @@ def test_fp8_kvcache_takes_descales_eagerly():
         fa3.flash_attn_with_kvcache(q, cache, cache, cache_seqlens=lengths, v_descale=torch.ones(2, 2).double())
     with pytest.raises(ValueError, match="q: must be a CUDA tensor"):  # checked as fp8 with a bf16 out
         fa3.flash_attn_with_kvcache(q, cache, cache, cache_seqlens=lengths, k_descale=torch.ones(2, 2))
-    with FakeTensorMode():
-        fake = [torch.empty(t.shape, dtype=t.dtype, device="cuda") for t in (q, cache, lengths)]
-        with pytest.raises(NotImplementedError, match="fp8 attention under torch.compile"):
-            fa3.flash_attn_with_kvcache(fake[0], fake[1], fake[1], cache_seqlens=fake[2])
     plan = fa3.get_scheduler_metadata(2, 1, 128, 8, 2, 64, lengths, qkv_dtype=torch.float8_e4m3fn)
     assert plan.tolist() == [0]
     if hasattr(torch, "float8_e5m2"):
         with pytest.raises(NotImplementedError, match="qkv_dtype=torch.float8_e5m2"):
             fa3.get_scheduler_metadata(2, 1, 128, 8, 2, 64, lengths, qkv_dtype=torch.float8_e5m2)
+
+
+def test_fp8_calls_trace_as_the_ops():
+    """Traced (make_fx over fake tensors, as torch.compile and torch.export see them), fp8 calls with
+    descales run as one flashhopper op with its descales as inputs: flash_attn_func and
+    flash_attn_varlen_func as fwd, flash_attn_with_kvcache and the paged varlen call as
+    fwd_kvcache; out is bf16, lse float32; the fake functions run the library's check, so a
+    descale of the wrong shape is refused by name."""
+    if not hasattr(torch, "float8_e4m3fn"):
+        pytest.skip("this PyTorch has no float8_e4m3fn")
+
+    def fake(*shape, dtype=torch.float8_e4m3fn):
+        return torch.empty(*shape, dtype=dtype, device="cuda")
+
+    def traced_calls(fn, *args):
+        graph = make_fx(fn, tracing_mode="fake")(*args)
+        calls = [n for n in graph.graph.nodes if n.op == "call_function" and "flashhopper" in str(n.target)]
+        assert len(calls) == 1
+        # the descales are the op's last three inputs, traced as the placeholders given
+        assert [a.name if hasattr(a, "name") else a for a in calls[0].args[-3:]] == ["q_descale_1", "k_descale_1",
+                                                                                     "v_descale_1"]
+        return str(calls[0].target)
+
+    def dense(q, k, v, q_descale, k_descale, v_descale):
+        out, lse = flash_attn_func(q, k, v, causal=True, q_descale=q_descale, k_descale=k_descale,
+                                   v_descale=v_descale, return_attn_probs=True)
+        assert out.dtype == torch.bfloat16 and out.shape == q.shape and lse.shape == (2, 8, 64)
+        return out
+
+    def kvcache(q, k, v, q_descale, k_descale, v_descale):
+        lengths = torch.full((2,), 100, dtype=torch.int32, device="cuda")
+        out = fa3.flash_attn_with_kvcache(q, k, v, cache_seqlens=lengths, causal=True, q_descale=q_descale,
+                                          k_descale=k_descale, v_descale=v_descale)
+        assert out.dtype == torch.bfloat16 and out.shape == q.shape
+        return out
+
+    def paged(q, k, v, q_descale, k_descale, v_descale):
+        cu_q = torch.tensor([0, 64, 128], dtype=torch.int32, device="cuda")
+        cu_k = torch.tensor([0, 100, 228], dtype=torch.int32, device="cuda")
+        table = torch.arange(8, dtype=torch.int32, device="cuda").view(2, 4)
+        out = fa3.flash_attn_varlen_func(q.flatten(0, 1), k.view(8, 32, 2, 128), v.view(8, 32, 2, 128), cu_q,
+                                         cu_k, 64, 128, page_table=table, q_descale=q_descale,
+                                         k_descale=k_descale, v_descale=v_descale)
+        assert out.dtype == torch.bfloat16 and out.shape == (128, 8, 128)
+        return out
+
+    with FakeTensorMode():
+        args = (fake(2, 64, 8, 128), fake(2, 128, 2, 128), fake(2, 128, 2, 128),
+                *(fake(2, 2, dtype=torch.float32) for _ in range(3)))
+        assert traced_calls(dense, *args) == "flashhopper.fwd.default"
+        assert traced_calls(kvcache, *args) == "flashhopper.fwd_kvcache.default"
+        assert traced_calls(paged, *args) == "flashhopper.fwd_kvcache.default"
+        with pytest.raises(ValueError, match=r"k_descale: shape\[0\] \(batch size\) is 3"):
+            make_fx(dense, tracing_mode="fake")(*args[:4], fake(3, 2, dtype=torch.float32), args[5])
 
 
 @pytest.mark.parametrize("head_dim, head_dim_v", [(128, 64), (192, 128), (64, 256), (64, 512), (96, 59)])

@@ -1276,6 +1276,60 @@ def test_flash_attn_with_kvcache_torch_compile_fullgraph():
         assert torch.equal(k_cache[b, length + 1:], before_k[b, length + 1:])
 
 
+@requires_gpu
+def test_fp8_torch_compile_fullgraph():
+    """fp8 with descales under torch.compile(fullgraph=True): flash_attn_func (the fwd op),
+    flash_attn_with_kvcache with an append into pages of 16 and flash_attn_varlen_func over those
+    pages (the fwd_kvcache op) give the eager calls' out and lse bit for bit, the append the same
+    cache."""
+    if not hasattr(torch, "float8_e4m3fn"):
+        pytest.skip("this PyTorch has no float8_e4m3fn")
+    generator = torch.Generator(device="cuda").manual_seed(19)
+    fp8 = lambda *shape: torch.randn(*shape, device="cuda", generator=generator).to(torch.float8_e4m3fn)  # noqa: E731
+    descales = [2 * torch.rand(2, 2, device="cuda", generator=generator) for _ in range(3)]
+    q, k, v = fp8(2, 300, 8, 128), fp8(2, 500, 2, 128), fp8(2, 500, 2, 128)
+
+    def dense(q, k, v, qd, kd, vd):
+        return fa3.flash_attn_func(q, k, v, causal=True, q_descale=qd, k_descale=kd, v_descale=vd,
+                                   return_attn_probs=True)
+
+    with torch.no_grad():
+        out, lse = run_or_skip(dense, q, k, v, *descales)
+        compiled_out, compiled_lse = torch.compile(dense, fullgraph=True)(q, k, v, *descales)
+    assert out.dtype == torch.bfloat16 and torch.equal(compiled_out, out) and torch.equal(compiled_lse, lse)
+
+    k_pages, v_pages = fp8(70, 16, 2, 128), fp8(70, 16, 2, 128)
+    table = torch.randperm(70, device="cuda", generator=generator)[:64].view(2, 32).to(torch.int32)
+    k_new, v_new = fp8(2, 3, 2, 128), fp8(2, 3, 2, 128)
+    lengths = torch.tensor([100, 509], dtype=torch.int32, device="cuda")
+
+    def step(q, k_pages, v_pages, k_new, v_new, lengths, table, qd, kd, vd):
+        return fa3.flash_attn_with_kvcache(q, k_pages, v_pages, k=k_new, v=v_new, cache_seqlens=lengths,
+                                           page_table=table, causal=True, q_descale=qd, k_descale=kd, v_descale=vd,
+                                           return_softmax_lse=True)
+
+    def packed(q, k_pages, v_pages, cu_q, cu_k, table, qd, kd, vd):
+        return fa3.flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, 3, 512, page_table=table, causal=True,
+                                          q_descale=qd, k_descale=kd, v_descale=vd, return_attn_probs=True)
+
+    q_step = q[:, :3].contiguous()
+    eager_k, eager_v = k_pages.clone(), v_pages.clone()
+    with torch.no_grad():
+        out, lse = step(q_step, eager_k, eager_v, k_new, v_new, lengths, table, *descales)
+        compiled_out, compiled_lse = torch.compile(step, fullgraph=True)(q_step, k_pages, v_pages, k_new, v_new,
+                                                                         lengths, table, *descales)
+    assert torch.equal(compiled_out, out) and torch.equal(compiled_lse, lse)
+    assert torch.equal(k_pages.view(torch.uint8), eager_k.view(torch.uint8))
+    assert torch.equal(v_pages.view(torch.uint8), eager_v.view(torch.uint8))
+    cu_q = torch.tensor([0, 3, 6], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, 103, 615], dtype=torch.int32, device="cuda")
+    with torch.no_grad():
+        args = (q_step.flatten(0, 1), k_pages, v_pages, cu_q, cu_k, table, *descales)
+        out, lse = packed(*args)
+        compiled_out, compiled_lse = torch.compile(packed, fullgraph=True)(*args)
+    assert torch.equal(compiled_out, out) and torch.equal(compiled_lse, lse)
+
+
 def paged_copy(dense_k, dense_v, page_size):
     """A dense cache [rows, capacity, Hkv, d] as pages of page_size keys in shuffled order, two
     pages of noise that no row uses among them: (paged_k, paged_v, page_table [rows, pages a row])."""
