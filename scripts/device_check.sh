@@ -150,11 +150,12 @@ for step in "${steps[@]}"; do
         'KvCache/KvCacheGpuTest.*/b4_sq3_h8_hkv2_rows6_S1000_causal_leftpad_batchidx_new3_rotary64i:KvCache/KvCacheGpuTest.*/b6_sq3_h8_hkv2_rows6_S1024_causal_leftpad_batchidx_new3_rotary64i_splits3_page16_packednew:Combine/*/packed_bf16_splits7:Combine/*/dense_fp32_splits256'
       # A paged cache: pages loaded key by key (1, 24 keys, an append with rotary into pages of 4)
       # and in chunks of 16 and 32 keys; rows of the page table picked by cache_batch_idx, keys
-      # from mid-page (cache_leftpad).
+      # from mid-page (cache_leftpad); fp8 gathered by one warp (pages of 24; leftpad, an append).
       sanitize paged test_forward_gpu "$(printf 'KvCache/*/%s:' b6_sq1_h32_hkv8_rows0_S2048_splits0_page1 \
         b6_sq1_h32_hkv8_rows0_S2040_splits0_page24 b4_sq3_h8_hkv2_rows0_S1024_causal_new3_rotary64i_page4 \
         b6_sq1_h32_hkv8_rows0_S2048_causal_splits0_page16 b6_sq1_h32_hkv8_rows9_S2048_batchidx_splits0_page128 \
-        b4_sq3_h8_hkv2_rows6_S1024_causal_leftpad_batchidx_new3_rotary64i_page16)"
+        b4_sq3_h8_hkv2_rows6_S1024_causal_leftpad_batchidx_new3_rotary64i_page16 \
+        fp8_b6_sq1_h32_hkv8_rows0_S2040_splits0_page24 fp8_b4_sq3_h8_hkv2_rows6_S1024_causal_leftpad_batchidx_new3_page16)"
       # Split-KV: the partials and the combine after the attention (sinks, empty splits, an append,
       # packed GQA at ratio 32 over pages).
       sanitize split_kv test_forward_gpu "$(printf 'SplitKv/*/bf16_d128_%s:' full_b1_sq200_sk300_h2_hkv2_lsink_splits256 \

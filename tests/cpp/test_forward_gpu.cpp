@@ -395,9 +395,11 @@ struct KvCacheCase {
   int page_size = 0;  // > 0: a paged cache, cache_len keys a sequence in shuffled pages
   bool packed_new = false;  // the new keys packed (cu_seqlens_k_new): sequences append 0..seqlen_new
   bool with_lse = true;  // false: no lse asked for
+  fh_dtype dtype = FH_DTYPE_BF16;  // of q and the cache; fp8: with q/k/v_descale, out bf16
   std::string name() const {
-    return "b" + std::to_string(batch) + "_sq" + std::to_string(seqlen_q) + "_h" + std::to_string(heads_q) + "_hkv" +
-           std::to_string(heads_kv) + "_rows" + std::to_string(cache_rows) + "_S" + std::to_string(cache_len) +
+    return std::string(dtype == FH_DTYPE_FP8_E4M3 ? "fp8_" : "") + "b" + std::to_string(batch) + "_sq" +
+           std::to_string(seqlen_q) + "_h" + std::to_string(heads_q) + "_hkv" + std::to_string(heads_kv) + "_rows" +
+           std::to_string(cache_rows) + "_S" + std::to_string(cache_len) +
            (causal ? "_causal" : "") + (leftpad ? "_leftpad" : "") + (batch_idx ? "_batchidx" : "") +
            (window_left >= 0 ? "_w" + std::to_string(window_left) : "") +
            (seqlen_new > 0 ? "_new" + std::to_string(seqlen_new) : "") +
@@ -408,9 +410,10 @@ struct KvCacheCase {
   }
 };
 
-// Decoding against a dense cache k/v [cache_rows, S, Hkv, 128] bf16: each sequence's keys are the
-// positions [cache_leftpad, cache_seqlens + s_new) of its row (cache_batch_idx), lengths of 0, 1
-// and the whole cache among them, after appending s_new keys (rotated, with rotary, as q is). Or
+// Decoding against a dense cache k/v [cache_rows, S, Hkv, 128] bf16 (or fp8, descales [B, Hkv]):
+// each sequence's keys are the positions [cache_leftpad, cache_seqlens + s_new) of its row
+// (cache_batch_idx), lengths of 0, 1 and the whole cache among them, after appending s_new keys
+// (rotated, with rotary, as q is). Or
 // a paged cache [pages, page_size, Hkv, 128]: S / page_size pages a row of the page table (one a
 // sequence, or cache_rows picked by cache_batch_idx), in shuffled order, and a few pages no row
 // uses.
@@ -421,14 +424,24 @@ class KvCacheGpuTest : public ::testing::TestWithParam<KvCacheCase> {};
 TEST_P(KvCacheGpuTest, MatchesReference) {
   const KvCacheCase c = GetParam();
   const int d = 128;
-  HostTensor q = random_tensor(FH_DTYPE_BF16, {c.batch, c.seqlen_q, c.heads_q, d}, 5101);
+  const bool fp8 = c.dtype == FH_DTYPE_FP8_E4M3;
+  HostTensor q = random_tensor(c.dtype, {c.batch, c.seqlen_q, c.heads_q, d}, 5101);
   const bool paged = c.page_size > 0;
   const int table_rows = c.batch_idx ? c.cache_rows : c.batch;  // paged: cache_batch_idx picks a table row
   const int max_pages = paged ? c.cache_len / c.page_size : 0, num_pages = table_rows * max_pages + 3;
   const std::vector<int64_t> cache_shape = paged ? std::vector<int64_t>{num_pages, c.page_size, c.heads_kv, d}
                                                  : std::vector<int64_t>{c.cache_rows, c.cache_len, c.heads_kv, d};
-  HostTensor k = random_tensor(FH_DTYPE_BF16, cache_shape, 5102);
-  HostTensor v = random_tensor(FH_DTYPE_BF16, cache_shape, 5103);
+  HostTensor k = random_tensor(c.dtype, cache_shape, 5102);
+  HostTensor v = random_tensor(c.dtype, cache_shape, 5103);
+  // fp8: a factor a sequence and KV head for each of q, k, v (the sequence's, not its cache row's).
+  std::vector<HostTensor> descales;
+  std::deque<DeviceTensor> d_descales;  // not movable: a deque keeps them in place
+  for (int i = 0; fp8 && i < 3; ++i) {
+    descales.push_back(make_descale_factors(c.batch, c.heads_kv, 5110 + i));
+    d_descales.emplace_back(descales.back());
+    ASSERT_TRUE(d_descales.back().ok());
+    CUDA_CHECK(d_descales.back().upload(descales.back()));
+  }
   std::vector<int32_t> page_ids(size_t(std::max(num_pages, 1)));
   for (int i = 0; i < num_pages; ++i) page_ids[i] = (i * 7919 + 11) % num_pages;  // a shuffle (7919 is prime)
   page_ids.resize(size_t(std::max(table_rows * max_pages, 1)));
@@ -460,8 +473,8 @@ TEST_P(KvCacheGpuTest, MatchesReference) {
   for (int b = 0; b < c.batch; ++b) cu_new[b + 1] = cu_new[b] + (b % 3 == 1 ? 0 : c.seqlen_new - b % 2);
   const std::vector<int64_t> new_shape = c.packed_new ? std::vector<int64_t>{std::max(cu_new.back(), 1), c.heads_kv, d}
                                                       : std::vector<int64_t>{c.batch, s_new, c.heads_kv, d};
-  HostTensor k_new = random_tensor(FH_DTYPE_BF16, new_shape, 5104);
-  HostTensor v_new = random_tensor(FH_DTYPE_BF16, new_shape, 5105);
+  HostTensor k_new = random_tensor(c.dtype, new_shape, 5104);
+  HostTensor v_new = random_tensor(c.dtype, new_shape, 5105);
   const HostTensor cu_seqlens_new = int32_tensor(cu_new);
   const int positions = c.cache_len + c.seqlen_q, half = std::max(c.rotary_dim / 2, 1);
   HostTensor angle = random_tensor(FH_DTYPE_FP64, {positions, half}, 5106);
@@ -500,6 +513,11 @@ TEST_P(KvCacheGpuTest, MatchesReference) {
     p.rotary_sin = d_sin.view();
     p.rotary_interleaved = c.interleaved;
   }
+  if (fp8) {
+    p.q_descale = d_descales[0].view();
+    p.k_descale = d_descales[1].view();
+    p.v_descale = d_descales[2].view();
+  }
   size_t workspace_bytes = 0;
   Status status = workspace_size(p, &workspace_bytes);
   ASSERT_TRUE(status.ok()) << status.message;
@@ -530,6 +548,11 @@ TEST_P(KvCacheGpuTest, MatchesReference) {
   host.cache_leftpad = c.leftpad ? leftpad.view() : Tensor{};
   host.cache_batch_idx = c.batch_idx ? batch_idx.view() : Tensor{};
   host.page_table = paged ? page_table.view() : Tensor{};
+  if (fp8) {
+    host.q_descale = descales[0].view();
+    host.k_descale = descales[1].view();
+    host.v_descale = descales[2].view();
+  }
   HostTensor out_exact(FH_DTYPE_FP64, {c.batch, c.seqlen_q, c.heads_q, d}), lse_exact(FH_DTYPE_FP64, lse.shape());
   HostTensor out_plain(FH_DTYPE_BF16, out.shape()), lse_plain(FH_DTYPE_FP32, lse.shape());
   ASSERT_NO_FATAL_FAILURE(reference_outputs(host, out_exact, lse_exact, out_plain, lse_plain));
@@ -641,6 +664,25 @@ std::vector<KvCacheCase> kv_cache_cases() {
   KvCacheCase windowed{5, 4, 4, 4, 7, 704, false, true, true, 100};
   windowed.page_size = 16;
   cases.push_back(windowed);
+  // fp8 (the bench set up): a dense cache with its extras and an append; pages in TMA chunks (16,
+  // 64) and gathered by the producer's one loading warp (1, 24, and 16 with cache_leftpad), rows
+  // picked by cache_batch_idx, an append into pages, split-KV.
+  for (KvCacheCase c : {KvCacheCase{6, 3, 8, 2, 6, 1000, true, true, true, -1, 2},
+                        KvCacheCase{6, 1, 32, 8, 0, 2048, false, false, false}}) {
+    c.dtype = FH_DTYPE_FP8_E4M3;
+    cases.push_back(c);
+  }
+  for (int page_size : {1, 16, 24, 64}) {
+    KvCacheCase c{6, 1, 32, 8, 0, page_size * (2048 / page_size), page_size == 16, false, false};
+    c.page_size = page_size;
+    c.num_splits = page_size == 64 ? 3 : 0;
+    c.dtype = FH_DTYPE_FP8_E4M3;
+    cases.push_back(c);
+    c = KvCacheCase{4, 3, 8, 2, 6, page_size * (1032 / page_size), true, page_size == 16, true, -1, 3};
+    c.page_size = page_size;
+    c.dtype = FH_DTYPE_FP8_E4M3;
+    cases.push_back(c);
+  }
   return cases;
 }
 
