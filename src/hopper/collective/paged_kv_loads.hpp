@@ -213,15 +213,15 @@ struct PagedKvLoads {
 
   // Paged, gathered: the producer's gathering warps (kGatherThreads: the warpgroup, or warp 0 with
   // kVAsStored) copy key block n_block into the stage, warp w of W the keys [w, w + 1) * kBlockN / W,
-  // 16 bytes a lane and copy; keys past the sequence and columns
-  // past the call's head dim as zeros. A warp's copy covers 8 keys x 64 bytes (4 lanes a key), so
-  // that a lane's keys are 8 apart: one swizzle atom's rows, at a fixed distance in the stage, so
-  // its addresses are one add apart. Lane l finds where its warp's keys l, l + 32 lie in the cache
-  // (page table and strides) before the stage is free, so the page table's latency hides behind
-  // that wait, and hands those element offsets to the lanes that copy the keys: a copy then costs
-  // a shuffle, a few adds and the cp.async to a 32-bit shared address, with no page-table read,
-  // division or generic pointer in the loop (what the producer's 24 registers afford without
-  // spilling there). The stage's barrier counts thread 0's arrival (producer_acquire) and one of
+  // 16 bytes a lane and copy; keys past the sequence and columns past the call's head dim as
+  // zeros. A warp's copy covers 8 keys x 64 bytes (4 lanes a key), so that a lane's keys are 8
+  // apart: one swizzle atom's rows, at a fixed distance in the stage, so its addresses are one add
+  // apart. Lane l finds where its warp's keys l, l + 32, ... lie in the cache (page table and
+  // strides) before the stage is free, so the page table's latency hides behind that wait, and
+  // hands those element offsets to the lanes that copy the keys: a copy then costs a shuffle, a
+  // few adds and the cp.async to a 32-bit shared address, with no page-table read, division or
+  // generic pointer in the loop (what bf16's 24-register producer affords without spilling there;
+  // fp8's one warp, 56 registers, spills a little around it: bench/kernel_resources.txt). The stage's barrier counts thread 0's arrival (producer_acquire) and one of
   // each thread, made when its copies land (kv_stage_completion): the phase completes with the
   // last copy. The counting form of cp.async.mbarrier.arrive under a single expected arrival and
   // a cancelled byte count is as correct, but synccheck reports it
