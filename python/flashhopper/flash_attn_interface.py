@@ -17,9 +17,10 @@ and sk, deterministic backward; and all of it over packed variable-length sequen
 flash_attn_varlen_func (q [total_q, Hq, d], cu_seqlens_q/k, max_seqlen_q/k, seqused_q/k; up to 8192
 sequences). What a build of the library cannot run raises FlashHopperNotSupported with the
 library's message. Every argument FlashHopper cannot honour yet raises NotImplementedError naming it
-(a gradient through fp8 or qv, as FA3; rotary tables with fp8). sm_margin leaves that many SMs free for other kernels (FA3's argument; the
-library refuses a margin that leaves the GPU none). flash_attn_with_kvcache runs a dense KV cache (with the append,
-rotary and split-KV) and a paged one (any page size). flash_attn_combine merges split-KV partials
+(a gradient through fp8 or qv, as FA3; rotary tables with fp8). sm_margin leaves that many SMs
+free for other kernels (FA3's argument; the library refuses a margin that leaves the GPU none).
+flash_attn_with_kvcache runs a dense KV cache (with the append, rotary and split-KV) and a paged one
+(any page size). flash_attn_combine merges split-KV partials
 (FA3's signature and layouts). Bad tensors (dtype, rank, shape, strides, device, alignment) and bad
 options (window_size, softcap, attention_chunk, learnable_sink, cu_seqlens, seqused, max_seqlen)
 raise ValueError naming the argument before anything is launched: the library's own check, the one

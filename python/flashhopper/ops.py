@@ -255,7 +255,8 @@ class _EagerAttention(torch.autograd.Function):
 
 
 def fwd_eager(*args) -> tuple[Tensor, Tensor]:
-    """fwd's inputs (all 22, positional) -> (out, lse), as fwd with autograd, for eager calls."""
+    """fwd's inputs (positional: the first 19, or all 22 with the descales) -> (out, lse), as fwd
+    with autograd, for eager calls."""
     options = args[3:_SINK_INPUT] + args[_SINK_INPUT + 1:]
     return _EagerAttention.apply(args[0], args[1], args[2], args[_SINK_INPUT], options)
 
