@@ -152,3 +152,13 @@ def test_export_traces_the_fa3_named_op():
     assert len(calls) == 1
     out_meta = calls[0].meta["val"]
     assert tuple(out_meta[0].shape) == (2, 64, 4, 64) and tuple(out_meta[1].shape) == (2, 4, 64)
+    if hasattr(torch, "float8_e4m3fn"):  # FA3's fp8 forward writes a bf16 out
+        class Fp8Attention(torch.nn.Module):
+            def forward(self, q, k, v, descale):
+                return torch.ops.flash_attn_3.fwd(q, k, v, q_descale=descale, k_descale=descale, v_descale=descale,
+                                                  num_splits=1)[0]
+
+        q8, k8 = q.to(torch.float8_e4m3fn), k.to(torch.float8_e4m3fn)
+        exported = torch.export.export(Fp8Attention(), (q8, k8, k8, torch.ones(2, 2)))
+        calls = [n for n in exported.graph.nodes if n.target is torch.ops.flash_attn_3.fwd.default]
+        assert len(calls) == 1 and calls[0].meta["val"][0].dtype == torch.bfloat16
