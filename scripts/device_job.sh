@@ -8,7 +8,7 @@
 # python -m flashhopper.bench without and with N SMs left free; with BENCH_DENSE, python -m
 # flashhopper.bench beside the peers for each ';'-separated argument list; with BENCH_MLA=1 (full set), the
 # absorbed-MLA decode rows and split_sweep.py (MLA and GQA); with BENCH_FP8=1 (bench set up), python -m
-# flashhopper.bench --fp8. One line a step goes to
+# flashhopper.bench --fp8; with AB_FP8="variants", bench/ab_fp8_tiles.sh last. One line a step goes to
 # $JOB_DIR/out/progress.log; each step's output to $JOB_DIR/out/step_<step>.txt. Usage, from the
 # repository root on the GPU machine (carry the tarball and .gtest/):
 #   CUTLASS_TARBALL=build-bisect/cutlass.tar.xz setsid nohup scripts/device_job.sh > /tmp/job.log 2>&1 < /dev/null &
@@ -107,5 +107,13 @@ if [ -n "${BENCH_MLA:-}" ]; then
     timeout 200 python3 "$src/bench/profile/split_sweep.py" --batches 1 2 4 --cache-lens 1024 4096 16384 \
     > "$out/split_sweep_gqa.txt" 2>&1
   log "split sweep gqa rc=$?: $(tail -1 "$out/split_sweep_gqa.txt")"
+fi
+if [ -n "${AB_FP8:-}" ]; then
+  # The fp8 key-block A/B on this build (bench/ab_fp8_tiles.sh; its variants, space-separated, and
+  # its tables under $out/ab), last: it relinks the library with each variant.
+  log "ab fp8: $AB_FP8"
+  # shellcheck disable=SC2086
+  JOB_DIR="$job" bash "$src/bench/ab_fp8_tiles.sh" $AB_FP8 > "$out/ab_fp8.txt" 2>&1
+  log "ab fp8 rc=$?: $(tail -1 "$out/ab/progress.log" 2>/dev/null)"
 fi
 log "ALL DONE"

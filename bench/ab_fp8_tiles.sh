@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# The fp8 forward's key-block A/B on a warm GPU machine (issue 19), after scripts/device_job.sh has
+# built the bench set into $JOB_DIR (default /tmp/fhjob): each variant rewrites, in the job's copy
+# of the source, the fp8 tile line of src/hopper/common/tile_size.hpp (unmasked key blocks at head
+# dims 128 and 256), optionally the producer/consumer register split and the share of exponents
+# on the FMA pipe (src/hopper/kernel/forward_kernel.hpp), rebuilds only the fp8 hdim-128 and
+# hdim-256 objects and forward_dispatch (ninja -t commands: no header-driven rebuild of the rest),
+# relinks libflashhopper.so and runs python -m flashhopper.bench --fp8 (unmasked, 4k and 16k) after
+# a run of the unchanged build. The job's source is restored at the end. Usage:
+#   bench/ab_fp8_tiles.sh VARIANT...     VARIANT = B128:B256:EXT128:EXT256:PRODUCER_REGS:FMA_EVERY
+# B128/B256: the unmasked key block at head dim 128/256 (masked ones keep 128/64); EXT128/EXT256: 1
+# where that N is one of CuTe's extended WGMMA shapes (160, 224), which the instantiation file
+# must then include; PRODUCER_REGS: 56 as built, or less (the consumers get the rest of the
+# 504-register split); FMA_EVERY: 0 as built, or n (every n-th exponent on the FMA pipe,
+# exp2_fma). E.g. 192:96:0:0:56:0 192:96:0:0:56:4 128:64:0:0:56:4 (bench/RESULTS.md, "fp8's key
+# blocks and exponents"). Each variant's table: $JOB_DIR/out/ab/bench_n<variant>.txt; progress in
+# $JOB_DIR/out/ab/progress.log ("AB DONE" last). A rewrite that does not match its line is logged
+# and the variant skipped, never run half-applied.
+set -u
+job="${JOB_DIR:-/tmp/fhjob}"
+src="$job/src" build="$job/build" out="$job/out/ab"
+mkdir -p "$out"
+log() { echo "$(date +%T) $*" >> "$out/progress.log"; }
+tile="$src/src/hopper/common/tile_size.hpp"
+kernel="$src/src/hopper/kernel/forward_kernel.hpp"
+inst128="$src/src/hopper/instantiations/fwd_fp8_hdim128.cu"
+inst256="$src/src/hopper/instantiations/fwd_fp8_hdim256.cu"
+edited=("$tile" "$kernel" "$inst128" "$inst256")
+for f in "${edited[@]}"; do cp "$f" "$out/$(basename "$f").orig" || exit 1; done
+restore() { for f in "${edited[@]}"; do cp "$out/$(basename "$f").orig" "$f"; done; }
+objects=(CMakeFiles/flashhopper_kernels.dir/src/hopper/instantiations/fwd_fp8_hdim128.cu.o
+         CMakeFiles/flashhopper_kernels.dir/src/hopper/instantiations/fwd_fp8_hdim256.cu.o
+         CMakeFiles/flashhopper_kernels.dir/src/launch/forward_dispatch.cu.o)
+extended='s|^#include "launch/forward_launch.cuh"|#include "hopper/common/gmma_extended_shapes.hpp"\n&|'
+
+bench() {
+  (cd "$src" && PYTHONUNBUFFERED=1 FLASHHOPPER_LIBRARY="$build/libflashhopper.so" PYTHONPATH="$src/python" \
+    timeout 200 python3 -m flashhopper.bench --fp8 --hdims 128 256 --seqlens 4096 16384 --causal 0 \
+    --out "$out/$1" > "$out/bench_$1.txt" 2>&1)
+  log "bench $1 rc=$?: $(tail -1 "$out/bench_$1.txt")"
+}
+
+# Rewrites one line of a file; fails (and says so) where the line is not there.
+rewrite() {
+  local file=$1 from=$2 to=$3
+  grep -qF -- "$from" "$file" || { log "no line '$from' in $file"; return 1; }
+  python3 - "$file" "$from" "$to" <<'PY'
+import sys
+path, old, new = sys.argv[1:]
+text = open(path).read()
+open(path, "w").write(text.replace(old, new, 1))
+PY
+}
+
+bench base
+for variant in "$@"; do
+  IFS=: read -r block128 block256 ext128 ext256 producer fma <<< "$variant"
+  restore
+  blocks="kHeadDim == 256 ? (kMasked ? 64 : $block256) : kHeadDim == 128 && !kMasked ? $block128 : 128"
+  rewrite "$tile" "static constexpr int kBlockN = kHeadDim == 256 ? 64 : 128;" \
+    "static constexpr int kBlockN = $blocks;" || continue
+  if [ "$producer" != 56 ]; then
+    consumer=$(( (504 - producer) / 2 / 8 * 8 ))
+    rewrite "$kernel" "kProducerRegisters = kTransposesV ? 56 :" "kProducerRegisters = kTransposesV ? $producer :" &&
+      rewrite "$kernel" "(kTransposesV ? 224 : 240)" "(kTransposesV ? $consumer : 240)" || continue
+  fi
+  if [ "$fma" != 0 ]; then
+    every="Mainloop::Transform::kFmaExpEvery"
+    rewrite "$kernel" "OnlineSoftmax<kRows, $every," \
+      "OnlineSoftmax<kRows, (Mainloop::kTransposesV && $every == 0 ? $fma : $every)," || continue
+  fi
+  [ "$ext128" = 1 ] && sed -i "$extended" "$inst128"
+  [ "$ext256" = 1 ] && sed -i "$extended" "$inst256"
+  name="${block128}_${block256}_r${producer}_f${fma}"
+  pids=()
+  for o in "${objects[@]}"; do
+    (cd "$build" && eval "$(ninja -t commands "$o" | tail -1)") > "$out/compile_${name}_$(basename "$o").log" 2>&1 &
+    pids+=($!)
+  done
+  ok=1
+  for p in "${pids[@]}"; do wait "$p" || ok=0; done
+  [ $ok = 1 ] || { log "variant $name: a compile failed"; continue; }
+  (cd "$build" && eval "$(ninja -t commands libflashhopper.so.0.1.0 | tail -1)") > "$out/link_$name.log" 2>&1 ||
+    { log "variant $name: the link failed"; continue; }
+  log "built $name"
+  bench "n$name"
+done
+restore
+log "AB DONE"
