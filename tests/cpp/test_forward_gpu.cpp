@@ -668,7 +668,7 @@ std::vector<KvCacheCase> kv_cache_cases() {
   // 64) and gathered by the producer's one loading warp (1, 24, and 16 with cache_leftpad), rows
   // picked by cache_batch_idx, an append into pages, split-KV.
   for (KvCacheCase c : {KvCacheCase{6, 3, 8, 2, 6, 1000, true, true, true, -1, 2},
-                        KvCacheCase{6, 1, 32, 8, 0, 2048, false, false, false}}) {
+                        KvCacheCase{6, 1, 32, 8, 6, 2048, false, false, false}}) {
     c.dtype = FH_DTYPE_FP8_E4M3;
     cases.push_back(c);
   }
