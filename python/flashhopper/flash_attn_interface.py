@@ -141,6 +141,23 @@ def _call_kind(*tensors) -> int:
     return _AUTOGRAD if wants_grad and torch.is_grad_enabled() else _PLAIN
 
 
+def _fwd_op_args(q, k, v, varlen, softmax_scale, mask, deterministic, learnable_sink, num_splits, sm_margin,
+                 descales=()):
+    """The fwd op's inputs, positional (the descales last, where given)."""
+    causal, window_left, window_right, softcap, attention_chunk = mask
+    return (q, k, v, softmax_scale, causal, bool(deterministic), window_left, window_right, softcap, attention_chunk,
+            learnable_sink, *((None,) * 6 if varlen is None else varlen), num_splits, sm_margin, *descales)
+
+
+def _traced_forward(args, varlen, descales=()):
+    """Traced (torch.compile, torch.export, make_fx): the fwd op on _fwd_op_args's inputs, whose fake
+    function runs the library's check; the devices are checked here."""
+    q, k, v, learnable_sink = args[0], args[1], args[2], args[10]
+    interface.check_devices([("q", q), ("k", k), ("v", v), ("learnable_sink", learnable_sink)]
+                            + interface.varlen_tensors(varlen) + interface._descale_tensors(descales))
+    return ops.fwd(*args)
+
+
 def _attention(q, k, v, varlen, softmax_scale, causal, qv, q_descale, k_descale, v_descale, window_size,
                attention_chunk, softcap, num_splits, deterministic, sm_margin, return_attn_probs, learnable_sink,
                page_table=None):
@@ -155,21 +172,15 @@ def _attention(q, k, v, varlen, softmax_scale, causal, qv, q_descale, k_descale,
     if qv is not None:
         return _qv_attention(q, k, v, qv, softmax_scale, mask, num_splits, learnable_sink, sm_margin,
                              return_attn_probs, varlen, page_table)
-    causal, window_left, window_right, softcap, attention_chunk = mask
     q, k, v, softmax_scale, unpadded_dim = _pad_head_dims(q, k, v, softmax_scale)
     if page_table is not None:
         out, softmax_lse = _paged_varlen_attention(q, k, v, page_table, varlen, softmax_scale, mask, num_splits,
                                                    bool(deterministic), learnable_sink, sm_margin)
     elif (kind := _call_kind(q, k, v, learnable_sink)) != _PLAIN:
-        varlen_args = (None,) * 6 if varlen is None else varlen
-        args = (q, k, v, softmax_scale, causal, bool(deterministic), window_left, window_right, softcap,
-                attention_chunk, learnable_sink, *varlen_args, num_splits, sm_margin)
+        args = _fwd_op_args(q, k, v, varlen, softmax_scale, mask, deterministic, learnable_sink, num_splits,
+                            sm_margin)
         if kind == _TRACED:
-            # Traced (torch.compile, torch.export, make_fx): the op, whose fake function runs the
-            # library's check; the devices are checked here.
-            interface.check_devices([("q", q), ("k", k), ("v", v), ("learnable_sink", learnable_sink)]
-                                    + interface.varlen_tensors(varlen))
-            out, softmax_lse = ops.fwd(*args)
+            out, softmax_lse = _traced_forward(args, varlen)
         else:  # eager with autograd: the op's autograd without the dispatcher (the library checks)
             out, softmax_lse = ops.fwd_eager(*args)
             # Head dims past the backward's: refused here, once the library has checked the call,
@@ -199,12 +210,9 @@ def _fp8_attention(q, k, v, varlen, softmax_scale, mask, num_splits, sm_margin, 
         raise interface.not_supported("qv: not with fp8 inputs (FlashHopper's fp8 path takes plain q, k, v)")
     kind = _call_kind(q, k, v, learnable_sink, *descales)
     if kind == _TRACED and page_table is None:
-        interface.check_devices([("q", q), ("k", k), ("v", v), ("learnable_sink", learnable_sink)]
-                                + interface.varlen_tensors(varlen) + interface._descale_tensors(descales))
-        causal, window_left, window_right, softcap, attention_chunk = mask
-        out, lse = ops.fwd(q, k, v, softmax_scale, causal, False, window_left, window_right, softcap, attention_chunk,
-                           learnable_sink, *((None,) * 6 if varlen is None else varlen), num_splits, sm_margin,
-                           *descales)
+        args = _fwd_op_args(q, k, v, varlen, softmax_scale, mask, False, learnable_sink, num_splits, sm_margin,
+                            descales)
+        out, lse = _traced_forward(args, varlen, descales)
         return (out, lse) if return_attn_probs else out
     if kind == _AUTOGRAD:
         raise interface.not_supported("q: fp8 attention has no backward (as in FA3); call it under torch.no_grad() "
