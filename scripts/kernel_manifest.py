@@ -16,7 +16,7 @@ import dataclasses
 
 DTYPES = {"bf16": "FH_DTYPE_BF16", "fp16": "FH_DTYPE_FP16", "fp8": "FH_DTYPE_FP8_E4M3"}
 # fp8 (e4m3) inputs: forward only, on the rows that ask for it (HeadDims.fp8), every forward
-# feature (paged caches in TMA chunks: page sizes of a multiple of 16, no cache_leftpad).
+# feature.
 FP8 = "fp8"
 FP8_SET = "bench"  # the kernel set that first compiles the fp8 families
 PASSES = {"fwd": "kForward", "bwd": "kBackward"}

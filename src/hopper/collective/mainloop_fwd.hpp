@@ -345,14 +345,11 @@ struct ForwardMainloop {
     const float scale = Transform::softmax_scale(args.softmax_scale, args.softcap);
     typename Paged::Params paged;
     if (kPagedKv && args.page_table != nullptr) {
-      const bool keys_start_mid_page = args.seqlen.cache_leftpad != nullptr;
-      if constexpr (kTransposesV) {
-        paged = Paged::make(mK, mV, args.page_table, args.page_table_stride, args.page_table_rows, args.page_size,
-                            keys_start_mid_page);
-      } else {
-        paged = Paged::make(mK, mVt, args.page_table, args.page_table_stride, args.page_table_rows, args.page_size,
-                            keys_start_mid_page);
-      }
+      auto const& v_pages = [&]() -> auto const& {  // V as Paged loads it: as stored with fp8
+        if constexpr (kTransposesV) return mV; else return mVt;
+      }();
+      paged = Paged::make(mK, v_pages, args.page_table, args.page_table_stride, args.page_table_rows, args.page_size,
+                          /*keys_start_mid_page=*/args.seqlen.cache_leftpad != nullptr);
     }
     QvParams<kQv> qv{};
     if constexpr (kQv) {

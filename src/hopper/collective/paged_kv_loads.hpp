@@ -92,7 +92,16 @@ struct PagedKvLoads {
     cutlass::FastDivmod page_size_divmod{1};
   };
 
-  // mK, mVt: the per-page views of K and Vt (the gather reads their pointers and strides).
+  // Where the gather reads a per-page view (keys and head dim in modes 0 and 1, either order; then
+  // heads, pages): its keys in mode kKeyMode.
+  template <int kKeyMode, class TensorPages>
+  static GatherSource gather_source(TensorPages const& t) {
+    return {raw_pointer_cast(t.data()), get<3>(t.stride()), get<kKeyMode>(t.stride()), get<2>(t.stride()),
+            int(get<1 - kKeyMode>(t.shape()))};
+  }
+
+  // mK, mVt: the per-page views of K and Vt (V as stored with kVAsStored; the gather reads their
+  // pointers and strides).
   // keys_start_mid_page: sequences may start anywhere in a page (cache_leftpad), so gather.
   template <class TensorK, class TensorVt>
   static Params make(TensorK const& mK, TensorVt const& mVt, int const* page_table, int64_t page_table_stride,
@@ -106,15 +115,8 @@ struct PagedKvLoads {
       params.small = PageChunkTmas<kPageRowsSmall>::make(mK, mVt);
     } else {
       params.mode = PagedMode::kGather;
-      params.k = {raw_pointer_cast(mK.data()), get<3>(mK.stride()), get<0>(mK.stride()), get<2>(mK.stride()),
-                  int(get<1>(mK.shape()))};
-      if constexpr (kVAsStored) {
-        params.v = {raw_pointer_cast(mVt.data()), get<3>(mVt.stride()), get<0>(mVt.stride()), get<2>(mVt.stride()),
-                    int(get<1>(mVt.shape()))};
-      } else {
-        params.v = {raw_pointer_cast(mVt.data()), get<3>(mVt.stride()), get<1>(mVt.stride()), get<2>(mVt.stride()),
-                    int(get<0>(mVt.shape()))};
-      }
+      params.k = gather_source</*kKeyMode=*/0>(mK);
+      params.v = gather_source<kVAsStored ? 0 : 1>(mVt);
     }
     params.page_table = page_table;
     params.page_table_stride = page_table_stride;
@@ -221,11 +223,11 @@ struct PagedKvLoads {
   // hands those element offsets to the lanes that copy the keys: a copy then costs a shuffle, a
   // few adds and the cp.async to a 32-bit shared address, with no page-table read, division or
   // generic pointer in the loop (what bf16's 24-register producer affords without spilling there;
-  // fp8's one warp, 56 registers, spills a little around it: bench/kernel_resources.txt). The stage's barrier counts thread 0's arrival (producer_acquire) and one of
-  // each thread, made when its copies land (kv_stage_completion): the phase completes with the
-  // last copy. The counting form of cp.async.mbarrier.arrive under a single expected arrival and
-  // a cancelled byte count is as correct, but synccheck reports it
-  // (scripts/probes/cp_async_barrier_probe.cu).
+  // fp8's one warp, 56 registers, spills a little around it: bench/kernel_resources.txt). The
+  // stage's barrier counts thread 0's arrival (producer_acquire) and one of each thread, made when
+  // its copies land (kv_stage_completion): the phase completes with the last copy. The counting
+  // form of cp.async.mbarrier.arrive under a single expected arrival and a cancelled byte count is
+  // as correct, but synccheck reports it (scripts/probes/cp_async_barrier_probe.cu).
   template <bool kIsV, class TensorStages>
   CUTLASS_DEVICE static void gather_stage(Params const& params, Pipeline& pipeline, PipelineState& state,
                                           TensorStages const& stages, SeqlenInfo const& seq, int head_kv,
