@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <deque>
 #include <sstream>
 #include <string>
 #include <utility>
@@ -152,6 +153,30 @@ inline HostTensor make_descale_factors(int batch, int heads_kv, uint32_t seed) {
   float* x = static_cast<float*>(t.data());
   for (int i = 0; i < batch * heads_kv; ++i) x[i] = std::fmod(std::fabs(x[i]) * 1.7f, 2.f);
   return t;
+}
+
+// fp8's q/k/v_descale, each [B, Hkv] from make_descale_factors (seeds seed .. seed + 2), on the
+// host and uploaded (make_descales, under ASSERT_NO_FATAL_FAILURE); set_descales points a call's
+// three fields at one copy or the other.
+struct Descales {
+  std::vector<HostTensor> host;
+  std::deque<DeviceTensor> device;  // not movable: a deque keeps them in place
+};
+
+inline void make_descales(int batch, int heads_kv, uint32_t seed, Descales* d) {
+  for (uint32_t i = 0; i < 3; ++i) {
+    d->host.push_back(make_descale_factors(batch, heads_kv, seed + i));
+    d->device.emplace_back(d->host.back());
+    ASSERT_TRUE(d->device.back().ok()) << "cudaMalloc failed";
+    CUDA_CHECK(d->device.back().upload(d->host.back()));
+  }
+}
+
+template <class Params>
+void set_descales(Params& p, const Descales& d, bool on_device) {
+  p.q_descale = on_device ? d.device[0].view() : d.host[0].view();
+  p.k_descale = on_device ? d.device[1].view() : d.host[1].view();
+  p.v_descale = on_device ? d.device[2].view() : d.host[2].view();
 }
 
 // Learnable-sink logits, one a query head, around the scores' own scale (so the sink matters).

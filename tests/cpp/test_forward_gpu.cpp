@@ -7,7 +7,6 @@
 
 #include <cmath>
 #include <cstring>
-#include <deque>
 #include <sstream>
 #include <string>
 #include <utility>
@@ -59,16 +58,8 @@ TEST_P(ForwardGpuTest, MatchesReference) {
   ASSERT_TRUE(d_q.ok() && d_k.ok() && d_v.ok() && d_out.ok() && d_lse.ok() && d_sink.ok());
   CUDA_CHECK(d_sink.upload(sink));
   // fp8: q/k/v_descale [B, Hkv], each factor its own in [0, 2) (FA3's tests' range).
-  std::vector<HostTensor> descales;
-  std::deque<DeviceTensor> d_descales;  // not movable: a deque keeps them in place
-  if (fp8) {
-    for (uint32_t i = 0; i < 3; ++i) {
-      descales.push_back(make_descale_factors(c.batch, c.heads_kv, seed + 10 + i));
-      d_descales.emplace_back(descales.back());
-      ASSERT_TRUE(d_descales.back().ok());
-      CUDA_CHECK(d_descales.back().upload(descales.back()));
-    }
-  }
+  Descales descales;
+  if (fp8) ASSERT_NO_FATAL_FAILURE(make_descales(c.batch, c.heads_kv, seed + 10, &descales));
   CUDA_CHECK(d_q.upload(q));
   CUDA_CHECK(d_k.upload(k));
   CUDA_CHECK(d_v.upload(v));
@@ -91,11 +82,7 @@ TEST_P(ForwardGpuTest, MatchesReference) {
   p.num_splits = c.num_splits;
   c.features.apply(p);
   if (c.features.learnable_sink) p.learnable_sink = d_sink.view();
-  if (fp8) {
-    p.q_descale = d_descales[0].view();
-    p.k_descale = d_descales[1].view();
-    p.v_descale = d_descales[2].view();
-  }
+  if (fp8) set_descales(p, descales, /*on_device=*/true);
 
   size_t workspace_bytes = 0;
   Status status = workspace_size(p, &workspace_bytes);
@@ -120,11 +107,7 @@ TEST_P(ForwardGpuTest, MatchesReference) {
   host.k = bshd_view(k, c.heads_major_layout);
   host.v = c.v_column_major ? permute(v.view(), {0, 3, 1, 2}) : bshd_view(v, c.heads_major_layout);
   if (c.features.learnable_sink) host.learnable_sink = sink.view();
-  if (fp8) {
-    host.q_descale = descales[0].view();
-    host.k_descale = descales[1].view();
-    host.v_descale = descales[2].view();
-  }
+  if (fp8) set_descales(host, descales, /*on_device=*/false);
   HostTensor out_exact(FH_DTYPE_FP64, {c.batch, c.seqlen_q, c.heads_q, c.value_dim()});
   HostTensor lse_exact(FH_DTYPE_FP64, {c.batch, c.heads_q, c.seqlen_q});
   HostTensor out_plain(out_dtype, {c.batch, c.seqlen_q, c.heads_q, c.value_dim()});
@@ -434,14 +417,8 @@ TEST_P(KvCacheGpuTest, MatchesReference) {
   HostTensor k = random_tensor(c.dtype, cache_shape, 5102);
   HostTensor v = random_tensor(c.dtype, cache_shape, 5103);
   // fp8: a factor a sequence and KV head for each of q, k, v (the sequence's, not its cache row's).
-  std::vector<HostTensor> descales;
-  std::deque<DeviceTensor> d_descales;  // not movable: a deque keeps them in place
-  for (int i = 0; fp8 && i < 3; ++i) {
-    descales.push_back(make_descale_factors(c.batch, c.heads_kv, 5110 + i));
-    d_descales.emplace_back(descales.back());
-    ASSERT_TRUE(d_descales.back().ok());
-    CUDA_CHECK(d_descales.back().upload(descales.back()));
-  }
+  Descales descales;
+  if (fp8) ASSERT_NO_FATAL_FAILURE(make_descales(c.batch, c.heads_kv, 5110, &descales));
   std::vector<int32_t> page_ids(size_t(std::max(num_pages, 1)));
   for (int i = 0; i < num_pages; ++i) page_ids[i] = (i * 7919 + 11) % num_pages;  // a shuffle (7919 is prime)
   page_ids.resize(size_t(std::max(table_rows * max_pages, 1)));
@@ -513,11 +490,7 @@ TEST_P(KvCacheGpuTest, MatchesReference) {
     p.rotary_sin = d_sin.view();
     p.rotary_interleaved = c.interleaved;
   }
-  if (fp8) {
-    p.q_descale = d_descales[0].view();
-    p.k_descale = d_descales[1].view();
-    p.v_descale = d_descales[2].view();
-  }
+  if (fp8) set_descales(p, descales, /*on_device=*/true);
   size_t workspace_bytes = 0;
   Status status = workspace_size(p, &workspace_bytes);
   ASSERT_TRUE(status.ok()) << status.message;
@@ -548,11 +521,7 @@ TEST_P(KvCacheGpuTest, MatchesReference) {
   host.cache_leftpad = c.leftpad ? leftpad.view() : Tensor{};
   host.cache_batch_idx = c.batch_idx ? batch_idx.view() : Tensor{};
   host.page_table = paged ? page_table.view() : Tensor{};
-  if (fp8) {
-    host.q_descale = descales[0].view();
-    host.k_descale = descales[1].view();
-    host.v_descale = descales[2].view();
-  }
+  if (fp8) set_descales(host, descales, /*on_device=*/false);
   HostTensor out_exact(FH_DTYPE_FP64, {c.batch, c.seqlen_q, c.heads_q, d}), lse_exact(FH_DTYPE_FP64, lse.shape());
   HostTensor out_plain(FH_DTYPE_BF16, out.shape()), lse_plain(FH_DTYPE_FP32, lse.shape());
   ASSERT_NO_FATAL_FAILURE(reference_outputs(host, out_exact, lse_exact, out_plain, lse_plain));

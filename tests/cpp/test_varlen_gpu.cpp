@@ -85,8 +85,7 @@ struct PackedProblem {
   HostTensor q, k, v, dout, cu_q, cu_k, used_q, used_k, sink;
   std::unique_ptr<DeviceTensor> d_q, d_k, d_v, d_dout, d_cu_q, d_cu_k, d_used_q, d_used_k, d_sink;
   // fp8: q/k/v_descale [B, Hkv], a factor a sequence and KV head.
-  std::vector<HostTensor> descales;
-  std::vector<std::unique_ptr<DeviceTensor>> d_descales;
+  Descales descales;
   // page_size > 0: k and v in pages [num_pages, page_size, Hkv, d], sequence b's keys in row b of
   // the table from position 0 (unused rows and noise pages random), and cu_seqlens_k shifted by
   // 1000 on the device (only its differences count there).
@@ -132,12 +131,7 @@ struct PackedProblem {
     if (!c.used_k.empty()) CUDA_CHECK(d_used_k->upload(used_k));
     CUDA_CHECK(d_sink->upload(sink));
     if (c.page_size > 0) ASSERT_NO_FATAL_FAILURE(init_pages(seed + 5));
-    for (uint32_t i = 0; c.fp8() && i < 3; ++i) {
-      descales.push_back(make_descale_factors(c.batch(), c.heads_kv, seed + 10 + i));
-      d_descales.push_back(std::make_unique<DeviceTensor>(descales.back()));
-      ASSERT_TRUE(d_descales.back()->ok()) << "cudaMalloc failed";
-      CUDA_CHECK(d_descales.back()->upload(descales.back()));
-    }
+    if (c.fp8()) ASSERT_NO_FATAL_FAILURE(make_descales(c.batch(), c.heads_kv, seed + 10, &descales));
   }
 
   void init_pages(uint32_t seed) {
@@ -197,11 +191,7 @@ struct PackedProblem {
     set_sequences(p, device);
     if (c.features.learnable_sink) p.learnable_sink = device ? d_sink->view() : sink.view();
     if (device) p.num_splits = c.num_splits;
-    if (c.fp8()) {
-      p.q_descale = device ? d_descales[0]->view() : descales[0].view();
-      p.k_descale = device ? d_descales[1]->view() : descales[1].view();
-      p.v_descale = device ? d_descales[2]->view() : descales[2].view();
-    }
+    if (c.fp8()) set_descales(p, descales, device);
     if (device && c.page_size > 0) {
       p.k = d_paged_k->view();
       p.v = d_paged_v->view();
