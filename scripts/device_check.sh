@@ -128,6 +128,10 @@ for step in "${steps[@]}"; do
       sanitize backward test_backward_gpu "$(printf 'Grid/BackwardGpuTest.MatchesReference/%s:' \
         'bf16_d*_causal_b1_sq113_sk200_h4_hkv2' 'bf16_d*_causal_b1_sq113_sk200_h4_hkv2_dv*' \
         bf16_d256_full_b1_sq113_sk200_h4_hkv2 bf16_d256_causal_b2_sq1000_sk513_h4_hkv1)"
+      # Head dim 512's backward (the full kernel set): 32-key blocks with one Q and one dO stage, the
+      # dQ kernel's two warpgroups on the same rows; causal with rows that see no key, and a window.
+      sanitize hdim512 test_backward_gpu "$(printf 'Grid/BackwardGpuTest.MatchesReference/bf16_d512_%s:' \
+        causal_b2_sq1000_sk513_h4_hkv1 full_b1_sq113_sk200_h4_hkv2)Features/*.MatchesReference/bf16_d512_full_b1_sq600_sk500_h4_hkv2_w100x0_sinks2_cap20_lsink"
       # One small case of each mask and transform, both passes (windows, sinks, chunks, softcap,
       # learnable sink), at head dims 128 and 256 (the dQ kernel).
       features_filter="$(printf 'Features/*.MatchesReference/bf16_d%s_%s:' \

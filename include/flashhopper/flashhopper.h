@@ -42,7 +42,7 @@ typedef enum fh_status {
 /* Limits of the arguments: the checks and the kernels take them from here (the Python package
    mirrors them, and a test compares). */
 #define FH_MAX_HEAD_DIM 512 /* head dim d and value head dim dv */
-#define FH_MAX_BACKWARD_HEAD_DIM 256 /* the backward's families: d and dv past it run forward only */
+#define FH_MAX_BACKWARD_HEAD_DIM 512 /* the backward's families: d and dv past it run forward only */
 #define FH_MAX_SPLITS 256   /* num_splits, and the splits fh_combine merges */
 
 /* A strided view of device (or, for the CPU reference, host) memory. */

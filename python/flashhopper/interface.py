@@ -37,7 +37,7 @@ _FP8_DTYPES = tuple(getattr(torch, name) for name in ("float8_e4m3fn", "float8_e
 # FH_MAX_HEAD_DIM, FH_MAX_BACKWARD_HEAD_DIM and FH_MAX_SPLITS of include/flashhopper/flashhopper.h
 # (a CPU test compares).
 MAX_HEAD_DIM = 512
-MAX_BACKWARD_HEAD_DIM = 256
+MAX_BACKWARD_HEAD_DIM = 512
 MAX_SPLITS = 256
 _TMA_BYTES = 16  # TMA: base addresses and all strides but the last (which is 1) multiples of 16 bytes
 _INT32_MAX = 2**31 - 1

@@ -51,6 +51,8 @@ inline constexpr KernelFamily kKernelFamilies[] = {
     {Pass::kBackward, FH_DTYPE_FP16, 256, 256, 2, false},
     {Pass::kForward, FH_DTYPE_BF16, 512, 512, 2, false},
     {Pass::kForward, FH_DTYPE_FP16, 512, 512, 2, false},
+    {Pass::kBackward, FH_DTYPE_BF16, 512, 512, 2, false},
+    {Pass::kBackward, FH_DTYPE_FP16, 512, 512, 2, false},
 };
 
 }  // namespace flashhopper::launch

@@ -443,11 +443,14 @@ std::vector<GridCase> repeat_cases() {
     cases.push_back({FH_DTYPE_BF16, 64, causal, 2, 1000, 1000, 4, 2, false});
     cases.push_back({FH_DTYPE_BF16, 128, causal, 2, 1000, 1000, 4, 2, false});
   }
-  // Head dims 192 and 256 compute dQ in a kernel of its own, with no adds to order; causal with
-  // sq != sk too (its key blocks walk different query ranges).
+  // Head dims 192, 256 and 512 compute dQ in a kernel of its own, with no adds to order; causal
+  // with sq != sk too (its key blocks walk different query ranges). At 512 the dQ kernel's two
+  // warpgroups share their rows, each computing S and dP for itself.
   cases.push_back({FH_DTYPE_BF16, 256, false, 2, 1000, 1000, 4, 2, false});
   cases.push_back({FH_DTYPE_BF16, 256, true, 2, 1000, 900, 4, 2, false});
   cases.push_back({FH_DTYPE_BF16, 192, true, 2, 1000, 900, 4, 2, false});
+  cases.push_back({FH_DTYPE_BF16, 512, false, 1, 700, 700, 4, 2, false});
+  cases.push_back({FH_DTYPE_BF16, 512, true, 1, 700, 600, 4, 2, false});
   // Windows, sinks and chunks: a left bound means lower key blocks never reach some query blocks,
   // which the deterministic turns must not wait for; a learnable sink's gradient too.
   for (int head_dim : {64, 128, 256}) {

@@ -1593,8 +1593,8 @@ TEST(KernelFamilies, HeadDimsRunOnTheNextFamily) {
         EXPECT_GE(other.head_dim, f->head_dim) << asked;
   }
   EXPECT_EQ(family_for(Pass::kBackward, FH_DTYPE_FP16, 256, 256)->head_dim, 256);
-  // Past 256: the forward's 512 (no backward yet); past 512 nothing. FH_MAX_BACKWARD_HEAD_DIM is
-  // the backward families' largest, FH_MAX_HEAD_DIM the forward's.
+  // Past 256: 512, both passes; past 512 nothing. FH_MAX_BACKWARD_HEAD_DIM is the backward
+  // families' largest, FH_MAX_HEAD_DIM the forward's.
   int largest_backward = 0, largest_forward = 0;
   for (const auto& f : flashhopper::launch::kKernelFamilies) {
     int& largest = f.pass == Pass::kBackward ? largest_backward : largest_forward;
@@ -1603,7 +1603,8 @@ TEST(KernelFamilies, HeadDimsRunOnTheNextFamily) {
   EXPECT_EQ(largest_backward, FH_MAX_BACKWARD_HEAD_DIM);
   EXPECT_EQ(largest_forward, FH_MAX_HEAD_DIM);
   EXPECT_EQ(family_for(Pass::kForward, FH_DTYPE_BF16, 264, 264)->head_dim, 512);
-  EXPECT_EQ(family_for(Pass::kBackward, FH_DTYPE_BF16, 264, 264), nullptr);
+  EXPECT_EQ(family_for(Pass::kBackward, FH_DTYPE_BF16, 264, 264)->head_dim, 512);
+  EXPECT_EQ(family_for(Pass::kBackward, FH_DTYPE_BF16, 520, 520), nullptr);
   EXPECT_EQ(family_for(Pass::kForward, FH_DTYPE_BF16, 520, 520), nullptr);
   EXPECT_EQ(family_for(Pass::kForward, FH_DTYPE_FP32, 128, 128), nullptr);
 }

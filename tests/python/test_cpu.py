@@ -212,17 +212,22 @@ def test_not_implemented_arguments(kwargs, argument):
 
 
 def test_forward_only_head_dims_refuse_a_gradient(monkeypatch):
-    """Head dims past the backward's (512) run forward only: a call that asks for a gradient is
-    refused at its forward (after the library's check, which the stub stands for), naming the
-    backward's bound; one within it is not. (The forward itself runs on the GPU only: stubbed.)"""
+    """Every head dim the forward takes has a backward (512 both passes): a call that asks for a
+    gradient at 512 or a padded 320 is not refused. Were the backward's bound below the forward's,
+    such a call would be refused at its forward (after the library's check, which the stub stands
+    for), naming the bound: checked with the bound lowered to 256. (The forward itself runs on the
+    GPU only: stubbed.)"""
     monkeypatch.setattr(fa3.ops, "fwd_eager", lambda q, k, v, *rest: (torch.empty(*q.shape[:-1], v.shape[-1]), None))
+    assert interface.MAX_BACKWARD_HEAD_DIM == interface.MAX_HEAD_DIM == 512
+    for head_dim in (512, 320, 256):
+        q, k, v = (torch.randn(1, 8, 2, head_dim, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+        assert flash_attn_func(q, k, v).shape == (1, 8, 2, head_dim)
+    monkeypatch.setattr(interface, "MAX_BACKWARD_HEAD_DIM", 256)
     for head_dim in (512, 320):
         q, k, v = (torch.randn(1, 8, 2, head_dim, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
         with pytest.raises(NotImplementedError, match=rf"q: head dims \({head_dim}, {head_dim}\) run forward only "
                                                       r"\(the backward takes head dims up to 256\)"):
             flash_attn_func(q, k, v)
-    q, k, v = (torch.randn(1, 8, 2, 256, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-    assert flash_attn_func(q, k, v).shape == (1, 8, 2, 256)
 
 
 def test_not_implemented_dtypes():

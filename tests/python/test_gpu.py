@@ -260,23 +260,22 @@ def test_qv_flash_attn_func_against_reference(causal, dv):
     torch.testing.assert_close(lse.double(), lse64, rtol=1e-3, atol=1e-3)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("causal", [False, True])
 @requires_gpu
-def test_head_dim_512_forward_against_reference(causal):
-    """Head dim 512 (forward only): flash_attn_func against float64 attention with the pass rule,
-    GQA 8/2, sq != sk; a call that asks for a gradient is refused at its forward, naming the
-    backward's bound."""
-    q, k, v = make_inputs(2, 200, 333, 8, 2, 512, torch.bfloat16, seed=11 + causal, requires_grad=False)
-    out, lse = run_or_skip(flash_attn_func, q, k, v, causal=causal, return_attn_probs=True)
-    assert out.shape == q.shape
-    ref64, lse64 = attention_reference(q.double(), k.double(), v.double(), causal=causal)
-    plain, _ = attention_reference(q, k, v, causal=causal)
-    ours_err = (out.double() - ref64).abs().max().item()
-    assert not out.isnan().any()
-    assert ours_err <= 2 * (plain.double() - ref64).abs().max().item() + OUT_SLACK
-    torch.testing.assert_close(lse.double(), lse64, rtol=1e-3, atol=1e-3)
-    with pytest.raises(NotImplementedError, match=r"head dims \(512, 512\) run forward only"):
-        flash_attn_func(q.requires_grad_(), k, v, causal=causal)
+def test_head_dim_512_against_reference(dtype, causal):
+    """Head dim 512 (Gemma-style; 32-key blocks and the dQ kernel's shared rows in the backward):
+    flash_attn_func's out, lse and dq, dk, dv against float64 with the pass rule, GQA 8/2,
+    sq != sk, a window's both sides for the masked path's partial blocks."""
+    q, k, v = make_inputs(2, 200, 333, 8, 2, 512, dtype, seed=11 + causal)
+    window = (-1, -1) if causal else (90, 40)
+    out, lse = run_or_skip(flash_attn_func, q, k, v, causal=causal, window_size=window, return_attn_probs=True)
+    assert out.shape == q.shape and out.dtype == dtype
+    dout = torch.randn_like(out)
+    grads = run_or_skip(torch.autograd.grad, out, (q, k, v), dout)
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+    assert_matches_reference(out, lse, grads, (q, k, v), dout, dtype, lambda leaves, in_dtype: attention_reference(
+        *leaves, causal=causal, window_size=window, dtype=in_dtype))
 
 
 def dequantised(t, factors):

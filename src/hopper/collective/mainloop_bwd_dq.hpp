@@ -5,7 +5,7 @@
 // which the dK/dV kernel computes too (7 GEMMs a block pair instead of 5); at hdim 256 the dK/dV
 // kernel's dQ adds to L2 cost more than that.
 //
-// Per key block n (each MMA warpgroup owns 64 of the block's rows):
+// Per key block n (each MMA warpgroup owns 64 of the block's rows, or both share 64: kSharesRows):
 //   S = Q K^T, dP = dO V^T               SS GEMMs, issued together
 //   P = exp2(S * scale * log2 e - LSE2)  while dP runs
 //   dS = P * (dP - D)                    converted in registers into the A operand of
@@ -45,22 +45,34 @@ struct BackwardDqMainloop {
   static constexpr bool kPacked = kPacked_;  // as BackwardMainloop's
   using Mask = AttentionMask<kBlockM_, kBlockN_, kMask_>;
   using Transform = ScoreTransform<kSoftcap_>;
-  static constexpr int kNumMmaWarpGroups = kBlockM / 64;
+  // Two MMA warpgroups. kBlockM = 128: each owns 64 rows. kBlockM = 64 (head dims whose 64 rows
+  // of dQ, kHeadDim / 2 floats a thread, fill a warpgroup's registers: 512): both take the same
+  // rows, each computes all of S and dP (the same bits) and dQ for its half of the head dim, so
+  // nothing crosses between them; the price is S and dP twice (5 GEMM units of 64 x kBlockN x
+  // d/2 a warpgroup and block, not 3).
+  static constexpr bool kSharesRows = kBlockM == 64;
+  static constexpr int kNumMmaWarpGroups = 2;
   static constexpr int kNumMmaThreads = kNumMmaWarpGroups * cutlass::NumThreadsPerWarpGroup;
-  static_assert(kBlockM % 64 == 0 && kBlockN % 16 == 0);
+  static_assert((kBlockM == 128 || kSharesRows) && kBlockN % 16 == 0);
+  static constexpr int kDqColumnsPerWarpGroup = kSharesRows ? kHeadDim / 2 : kHeadDim;
 
   using TileShapeSdP = Shape<Int<kBlockM>, Int<kBlockN>, Int<kHeadDim>>;  // (M, N, d)
   using TileShapedQ = Shape<Int<kBlockM>, Int<kHeadDim>, Int<kBlockN>>;   // (M, d, N)
 
-  // One 64-row WGMMA atom per warpgroup, stacked along M.
-  using WarpGroupLayout = Layout<Shape<Int<kNumMmaWarpGroups>, _1, _1>>;
-  using TiledMmaSdP = decltype(make_tiled_mma(
-      ss_gmma<Element, Shape<_64, Int<kBlockN>, Int<kHeadDim>>>(), WarpGroupLayout{}));
+  // S and dP: one 64-row WGMMA atom per warpgroup, stacked along M; or one warpgroup's, which
+  // each of the two runs for itself (kSharesRows). dQ: stacked along M, or side by side along d.
+  using TiledMmaSdP = decltype(make_tiled_mma(ss_gmma<Element, Shape<_64, Int<kBlockN>, Int<kHeadDim>>>(),
+                                              Layout<Shape<Int<kSharesRows ? 1 : kNumMmaWarpGroups>, _1, _1>>{}));
   using TiledMmadQ = decltype(make_tiled_mma(
-      GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim>, Int<kBlockN>>, GMMA::Major::K,
-                           GMMA::Major::MN>(),
-      WarpGroupLayout{}));
-  static_assert(gmma_n<TiledMmaSdP> == kBlockN && gmma_n<TiledMmadQ> == kHeadDim, FLASHHOPPER_GMMA_SPAN_MESSAGE);
+      GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<kDqColumnsPerWarpGroup>, Int<kBlockN>>,
+                           GMMA::Major::K, GMMA::Major::MN>(),
+      cute::conditional_t<kSharesRows, Layout<Shape<_1, _2, _1>>, Layout<Shape<_2, _1, _1>>>{}));
+  // The thread's index in TiledMmaSdP: each warpgroup runs it whole when they share rows.
+  CUTLASS_DEVICE static int sdp_thread(int thread_idx) {
+    return kSharesRows ? thread_idx % cutlass::NumThreadsPerWarpGroup : thread_idx;
+  }
+  static_assert(gmma_n<TiledMmaSdP> == kBlockN && gmma_n<TiledMmadQ> == kDqColumnsPerWarpGroup,
+                FLASHHOPPER_GMMA_SPAN_MESSAGE);
   static constexpr bool kUsesExtendedGmma = uses_extended_gmma<TiledMmaSdP, TiledMmadQ>;
 
   // Q (M, d) and dO (M, dv), K (N, d, stage) and V (N, dv, stage): columns contiguous. dQ = dS K
@@ -268,7 +280,7 @@ struct BackwardDqMainloop {
 
     TiledMmaSdP tiled_mma_sdp;
     TiledMmadQ tiled_mma_dq;
-    auto thr_mma_sdp = tiled_mma_sdp.get_thread_slice(thread_idx);
+    auto thr_mma_sdp = tiled_mma_sdp.get_thread_slice(sdp_thread(thread_idx));
     auto thr_mma_dq = tiled_mma_dq.get_thread_slice(thread_idx);
     Tensor tSrQ = thr_mma_sdp.partition_fragment_A(sQ);  // (MMA, MMA_M, MMA_K)
     Tensor tSrK = thr_mma_sdp.partition_fragment_B(sK);  // (MMA, MMA_N, MMA_K, PIPE)

@@ -177,9 +177,22 @@ struct BackwardTileSize<256> {
   static constexpr bool kDqKernel = true;
 };
 
+// hdim 512: dQ by the dQ kernel. dK^T and dV^T of 32 keys are 128 floats a thread (64 keys would
+// be 256); K and V (64 KiB), one Q and one dO stage (128 KiB), P and dS twice (16 KiB): 208 KiB.
+// One stage each: the next query block's Q and dO load only once this one's dK and dV GEMMs are
+// done. Chosen to fit, not tuned yet.
+template <>
+struct BackwardTileSize<512> {
+  static constexpr int kBlockM = 64;
+  static constexpr int kBlockN = 32;
+  static constexpr int kStages = 1;
+  static constexpr int kStagesDo = 1;
+  static constexpr bool kDqKernel = true;
+};
+
 // The dQ kernel's tunables (head dims whose BackwardTileSize has kDqKernel): a CTA owns kBlockM
-// query rows (64 a warpgroup) and streams K and V blocks of kBlockN keys through kStagesK and
-// kStagesV buffers. Shared memory: (2 * kBlockM + (kStagesK + kStagesV) * kBlockN) * d * 2 bytes.
+// query rows (64 a warpgroup, or 64 shared by both: BackwardDqMainloop::kSharesRows) and streams K
+// and V blocks of kBlockN keys through kStagesK and kStagesV buffers. Shared memory: (2 * kBlockM + (kStagesK + kStagesV) * kBlockN) * d * 2 bytes.
 // Registers a thread: dQ kBlockM * d / 256 floats, S and dP kBlockM * kBlockN / 256 each.
 template <int kHeadDim>
 struct BackwardDqTileSize;
@@ -199,6 +212,17 @@ template <>
 struct BackwardDqTileSize<256> {
   static constexpr int kBlockM = 128;
   static constexpr int kBlockN = 64;
+  static constexpr int kStagesK = 2;
+  static constexpr int kStagesV = 1;
+};
+
+// hdim 512: 64 rows shared by the two warpgroups, each computing dQ for 256 columns (128 floats a
+// thread) and all of S and dP for itself. Q and dO (128 KiB), two K stages and one V stage of 32
+// keys (96 KiB): 224 KiB. Chosen to fit, not tuned yet.
+template <>
+struct BackwardDqTileSize<512> {
+  static constexpr int kBlockM = 64;
+  static constexpr int kBlockN = 32;
   static constexpr int kStagesK = 2;
   static constexpr int kStagesV = 1;
 };
