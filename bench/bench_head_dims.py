@@ -3,7 +3,7 @@
 `flash_attn.cute` imports: flash-attn-4==4.0.0b36) and cuDNN (PyTorch SDPA's CUDNN_ATTENTION
 backend), forward and backward, bf16, dense batches of 16384 tokens, 2048 / d heads (at least 8),
 for every (d, dv) row of ROWS: the compiled head dims, the padded ones between them (80, 112: they
-run on the next compiled family), MLA's 192/128 and 512 (forward only; no peer runs it).
+run on the next compiled family), MLA's 192/128 and 512 (no peer runs it).
 
 TFLOP/s: FlashAttention's count, 2 * B * H * sq * sk * (d + dv) forward (half of it causal), 2.5
 times that backward. Backward is timed through autograd (the forward runs once with requires_grad
