@@ -1723,6 +1723,41 @@ TEST(KernelFamilies, UncompiledFamilyIsRefusedByName) {
   }
 }
 
+// A refusal names this build's kernel set, the one its compiled families show. The library must
+// answer from its own copy of the inline functions that say it (linked -Bsymbolic-functions), not
+// from this program's: this file includes them compiled without the build's set ("none"), and
+// without that option the shared library's calls bound to this program's copy (ELF interposition),
+// which then refused every family but the dev set's as uncompiled.
+TEST(KernelFamilies, RefusalNamesThisBuildsKernelSet) {
+  if (!fh_built_with_cuda()) GTEST_SKIP() << "a build without CUDA refuses every run as NO_DEVICE";
+  std::vector<fh_kernel_family> families(size_t(fh_compiled_families(nullptr, 0)));
+  fh_compiled_families(families.data(), int32_t(families.size()));
+  int built_set = -1;
+  for (const fh_kernel_family& f : families)
+    for (const auto& row : flashhopper::launch::kKernelFamilies)
+      if ((row.pass == Pass::kBackward) == (f.backward != 0) && row.dtype == f.dtype && row.head_dim == f.head_dim &&
+          row.head_dim_v == f.head_dim_v && !row.qv)
+        built_set = std::max(built_set, row.first_set);
+  ASSERT_GE(built_set, 0) << "a CUDA build compiles the dev set at least";
+  const flashhopper::launch::KernelFamily* missing = nullptr;
+  for (const auto& row : flashhopper::launch::kKernelFamilies)
+    if (missing == nullptr && row.first_set > built_set && row.pass == Pass::kForward && !row.qv &&
+        row.dtype != FH_DTYPE_FP8_E4M3)
+      missing = &row;
+  if (missing == nullptr) GTEST_SKIP() << "this build compiles every 16-bit forward family";
+  fh::ForwardParams p = fh::default_forward_params();
+  const auto d = int64_t(missing->head_dim), dv = int64_t(missing->head_dim_v);
+  const auto dtype = static_cast<fh_dtype>(missing->dtype);
+  p.q = fh::make_tensor(fake_pointer(0), dtype, {kBatch, kSeqQ, kHeadsQ, d});
+  p.k = fh::make_tensor(fake_pointer(1), dtype, {kBatch, kSeqK, kHeadsKV, d});
+  p.v = fh::make_tensor(fake_pointer(2), dtype, {kBatch, kSeqK, kHeadsKV, dv});
+  p.out = fh::make_tensor(fake_pointer(3), dtype, {kBatch, kSeqQ, kHeadsQ, dv});
+  const fh::Status status = fh::forward(p, nullptr, 0, nullptr);
+  EXPECT_EQ(status.code, FH_ERROR_NOT_SUPPORTED) << status.message;
+  EXPECT_THAT(status.message,
+              HasSubstr(std::string("this build (kernel set '") + flashhopper::launch::kKernelSets[built_set] + "')"));
+}
+
 // fp8 inputs run on the fp8 families (the bench set up), with every feature but a rotated append:
 // a build without them refuses by the family's name and the set that has it; one with them runs
 // split-KV, packed rows, pages of any size (gathered where no multiple of 16 keys), cache_leftpad
