@@ -8,8 +8,9 @@
 # python -m flashhopper.bench without and with N SMs left free; with BENCH_DENSE, python -m
 # flashhopper.bench beside the peers for each ';'-separated argument list; with BENCH_MLA=1 (full set), the
 # absorbed-MLA decode rows and split_sweep.py (MLA and GQA); with BENCH_FP8=1 (bench set up), python -m
-# flashhopper.bench --fp8; with AB_FP8="variants", bench/ab_fp8_tiles.sh last. One line a step goes to
-# $JOB_DIR/out/progress.log; each step's output to $JOB_DIR/out/step_<step>.txt. Usage, from the
+# flashhopper.bench --fp8; with AB_FP8="variants", bench/ab_fp8_tiles.sh; with AB_FILE (and the other
+# AB_* variables), bench/ab_source_line.sh last (one A/B a job: each leaves its variant linked).
+# One line a step goes to $JOB_DIR/out/progress.log; each step's output to $JOB_DIR/out/step_<step>.txt. Usage, from the
 # repository root on the GPU machine (carry the tarball and .gtest/):
 #   CUTLASS_TARBALL=build-bisect/cutlass.tar.xz setsid nohup scripts/device_job.sh > /tmp/job.log 2>&1 < /dev/null &
 # then, within 30 s of each call's end (the machine's idle release), poll progress.log until it
@@ -115,5 +116,12 @@ if [ -n "${AB_FP8:-}" ]; then
   # shellcheck disable=SC2086
   JOB_DIR="$job" bash "$src/bench/ab_fp8_tiles.sh" $AB_FP8 > "$out/ab_fp8.txt" 2>&1
   log "ab fp8 rc=$?: $(tail -1 "$out/ab/progress.log" 2>/dev/null)"
+fi
+if [ -n "${AB_FILE:-}" ]; then
+  # A one-line A/B on this build (bench/ab_source_line.sh with the AB_* variables), last: it
+  # relinks the library with side b.
+  log "ab line: $AB_FILE: $AB_TO"
+  JOB_DIR="$job" bash "$src/bench/ab_source_line.sh" > "$out/ab_line.txt" 2>&1
+  log "ab line rc=$?: $(grep -c . "$out/ab_line/progress.log" 2>/dev/null) progress lines"
 fi
 log "ALL DONE"

@@ -96,7 +96,8 @@ struct BackwardKernelOf {
   using Tile = hopper::BackwardTileSize<kHeadDim>;
   using Mainloop =
       hopper::BackwardMainloop<Element, Tile::kBlockM, Tile::kBlockN, kHeadDim, kHeadDimV, Tile::kStages,
-                               Tile::kStagesDo, kMask, kSoftcap, /*kComputeDq=*/!Tile::kDqKernel, kPacked>;
+                               Tile::kStagesDo, kMask, kSoftcap, /*kComputeDq=*/!Tile::kDqKernel, kPacked,
+                               hopper::kSdPByOperand<Tile>>;
   using Epilogue = hopper::BackwardEpilogue<Element, Mainloop>;
   // Causal: longest first (the backward reverses its key blocks). Otherwise key blocks in
   // order, which the deterministic dQ order relies on.

@@ -4,7 +4,8 @@
 // partial dQ to the float32 dQaccum.
 //
 // Per query block m (rows of Q, dO; the CTA's kBlockN keys are the columns):
-//   S = Q K^T, dP = dO V^T               split by key columns between the warpgroups
+//   S = Q K^T, dP = dO V^T               split by key columns between the warpgroups;
+//                                        kSdPByOperand: S in warpgroup 0, dP in warpgroup 1
 //   P = exp2(S * scale * log2 e - LSE2)  LSE2 = LSE * log2 e, +inf for rows that see no key
 //   dS = P * (dP - D)                    D = rowsum(dO * O), from the preprocess kernel
 //   dV += P^T dO, dK += dS^T Q           P and dS go through shared memory (transposed reads);
@@ -44,7 +45,7 @@ CUTLASS_DEVICE void bulk_reduce_add_f32(float* gmem, float const* smem, int byte
 }
 
 template <class Element_, int kBlockM_, int kBlockN_, int kHeadDim_, int kHeadDimV_, int kStages_, int kStagesDo_,
-          MaskKind kMask_, bool kSoftcap_, bool kComputeDq_, bool kPacked_>
+          MaskKind kMask_, bool kSoftcap_, bool kComputeDq_, bool kPacked_, bool kSdPByOperand_ = false>
 struct BackwardMainloop {
   using Element = Element_;
   static constexpr int kBlockM = kBlockM_;
@@ -73,6 +74,14 @@ struct BackwardMainloop {
   static constexpr bool kDkvTransposed = kBlockN / kNumMmaWarpGroups < 64;
   // dV splits as dK does (dK's head dim decides), so P and dS share their layout and buffers.
   static constexpr bool kDkvSplitByKeys = kDkvTransposed && kHeadDim % (64 * kNumMmaWarpGroups) != 0;
+  // The tile's choice (BackwardTileSize::kSdPByOperand): S and dP split by key columns leave each
+  // warpgroup kBlockN / 2 (16 at head dim 512's 32-key blocks: a WGMMA that narrow reads 2.5 KiB of
+  // shared memory a 64 x 16 x 16 step, more per FLOP than the tensor cores can use); by operand,
+  // warpgroup 0 computes S and warpgroup 1 dP, each whole, and P crosses to warpgroup 1 in float32
+  // through shared memory (p_exchange) for dS.
+  static constexpr bool kSdPByOperand = kSdPByOperand_;
+  static constexpr int kSdPColumns = kSdPByOperand ? kBlockN : kBlockN / kNumMmaWarpGroups;  // a warpgroup's
+  static_assert(!(kSdPByOperand && kDkvSplitByKeys), "split by keys reads only the P and dS columns a warpgroup wrote");
   static constexpr int kDqTileFloats = kBlockM * kHeadDim;
   static_assert(kBlockM % 64 == 0 && kBlockN % 16 == 0 && kHeadDim % 32 == 0);  // d: whole 32-column atoms
   static_assert(kHeadDimV <= kHeadDim && kHeadDimV % 32 == 0 &&
@@ -89,9 +98,8 @@ struct BackwardMainloop {
   using TileShapedV = TileShapeKeyGrad<kHeadDimV>;
   using TileShapedQ = Shape<Int<kBlockM>, Int<kHeadDim>, Int<kBlockN>>;  // (M, d, N)
 
-  using TiledMmaSdP = decltype(make_tiled_mma(
-      ss_gmma<Element, Shape<_64, Int<kBlockN / 2>, Int<kHeadDim>>>(),
-      Layout<Shape<_1, _2, _1>>{}));
+  using TiledMmaSdP = decltype(make_tiled_mma(ss_gmma<Element, Shape<_64, Int<kSdPColumns>, Int<kHeadDim>>>(),
+                                              Layout<Shape<_1, Int<kSdPByOperand ? 1 : 2>, _1>>{}));
   // dV = P^T dO and dK = dS^T Q (or dV^T = dO^T P and dK^T = Q^T dS) read both operands
   // transposed (MN-major) from shared memory; the warpgroups split the result's rows.
   template <class TileShape>
@@ -106,7 +114,7 @@ struct BackwardMainloop {
   using TiledMmadQ = decltype(make_tiled_mma(
       ss_gmma<Element, Shape<_64, Int<kHeadDim / 2>, Int<kBlockN>>, GMMA::Major::K, GMMA::Major::MN>(),
       Layout<Shape<_1, _2, _1>>{}));
-  static_assert(gmma_n<TiledMmaSdP> == kBlockN / 2 && gmma_n<TiledMmadK> == kKeyGradMmaN<TileShapedK> &&
+  static_assert(gmma_n<TiledMmaSdP> == kSdPColumns && gmma_n<TiledMmadK> == kKeyGradMmaN<TileShapedK> &&
                     gmma_n<TiledMmadV> == kKeyGradMmaN<TileShapedV> && gmma_n<TiledMmadQ> == kHeadDim / 2,
                 FLASHHOPPER_GMMA_SPAN_MESSAGE);
   static constexpr bool kUsesExtendedGmma = uses_extended_gmma<TiledMmaSdP, TiledMmadK, TiledMmadV, TiledMmadQ>;
@@ -142,14 +150,14 @@ struct BackwardMainloop {
           cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element, Int<kBlockN>, Int<kHeadDimV>>(),
           Shape<Int<kBlockN>, Int<kHeadDimV>>{}))>;
   // P and dS: (M, N, buffer), N contiguous; transposed (N, M, buffer) for dV and dK. When a
-  // warpgroup's kBlockN / 2 columns do not fill whole 16-column swizzle atoms (kBlockN = 80), the
+  // warpgroup's kSdPColumns do not fill whole 16-column swizzle atoms (kBlockN = 80), the
   // unswizzled 8x8 atom; split by key columns, atoms no wider than a warpgroup's columns (its
   // dK/dV GEMM's B operand starts there). dS has two buffers, so that one warpgroup may write block
   // m + 1's while the other still reads block m's for dQ. P needs only one when dV is split by key
   // rows or key columns: each warpgroup then reads just the P columns it wrote itself, and its dV
   // GEMM is done before it writes the next block's.
   static constexpr int kPBuffers = kDkvTransposed && !kDkvSplitByKeys ? 2 : 1;
-  static constexpr bool kPdSSwizzled = (kBlockN / 2) % 16 == 0;
+  static constexpr bool kPdSSwizzled = kSdPColumns % 16 == 0;
   static constexpr int kPdSAtomColumns = kDkvSplitByKeys ? kBlockN / kNumMmaWarpGroups : kBlockN;
   using SmemLayoutAtomPdS =
       cute::conditional_t<kPdSSwizzled,
@@ -211,6 +219,10 @@ struct BackwardMainloop {
     typename Pipeline::SharedStorage pipeline_q;
     typename PipelineDo::SharedStorage pipeline_do;
     TileRing tiles;  // packed batches: the hand-off of the tiles a CTA takes (tile_scheduler.hpp)
+    // kSdPByOperand: warpgroup 0's P, a thread's kBlockM * kBlockN / 128 floats strided by 128.
+    // Last, so that the other kernels' layout is the same with or without it.
+    cute::conditional_t<kSdPByOperand, cute::array_aligned<float, kBlockM * kBlockN, 128>, cute::array<float, 0>>
+        p_exchange;
   };
 
   struct Arguments {
@@ -460,7 +472,11 @@ struct BackwardMainloop {
     TiledMmadK tiled_mma_dk;
     TiledMmadV tiled_mma_dv;
     TiledMmadQ tiled_mma_dq;
-    auto thr_mma_sdp = tiled_mma_sdp.get_thread_slice(thread_idx);
+    const int warp_group = thread_idx / cutlass::NumThreadsPerWarpGroup;
+    const int thread_in_group = thread_idx % cutlass::NumThreadsPerWarpGroup;
+    // kSdPByOperand: each warpgroup runs TiledMmaSdP (one warpgroup's) whole, on its own operands.
+    const int sdp_thread = kSdPByOperand ? thread_in_group : thread_idx;
+    auto thr_mma_sdp = tiled_mma_sdp.get_thread_slice(sdp_thread);
     auto thr_mma_dk = tiled_mma_dk.get_thread_slice(thread_idx);
     auto thr_mma_dv = tiled_mma_dv.get_thread_slice(thread_idx);
     auto thr_mma_dq = tiled_mma_dq.get_thread_slice(thread_idx);
@@ -494,7 +510,7 @@ struct BackwardMainloop {
     }();
 
     auto smem_tiled_copy_pds = make_tiled_copy_C(SmemCopyAtomPdS{}, tiled_mma_sdp);
-    auto smem_copy_pds = smem_tiled_copy_pds.get_thread_slice(thread_idx);
+    auto smem_copy_pds = smem_tiled_copy_pds.get_thread_slice(sdp_thread);
     Tensor tPsP = smem_copy_pds.partition_D(sP);     // (CPY, CPY_M, CPY_N, BUF)
     Tensor tdSsdS = smem_copy_pds.partition_D(sdS);
 
@@ -502,9 +518,6 @@ struct BackwardMainloop {
     Tensor coords = make_tensor(tScS.data(), accumulator_rowcol(tScS.layout()));  // (rows, cols)
     constexpr int kRows = decltype(size<0>(coords))::value;
     const Mask mask = make_mask(params, blk.seq);
-
-    const int warp_group = thread_idx / cutlass::NumThreadsPerWarpGroup;
-    const int thread_in_group = thread_idx % cutlass::NumThreadsPerWarpGroup;
 
     clear(tdKrdK);
     clear(tdVrdV);
@@ -536,38 +549,84 @@ struct BackwardMainloop {
       auto step = [&](int m_block, auto masked) {
         cute::Tensor tSrS = partition_fragment_C(tiled_mma_sdp, select<0, 1>(TileShapeSdP{}));
         cute::Tensor tdPrdP = partition_fragment_C(tiled_mma_sdp, select<0, 1>(TileShapeSdP{}));
-        shared.pipeline_q.consumer_wait(shared.q_state);
-        warpgroup_gemm</*kZeroInit=*/true, /*kWait=*/-1>(tiled_mma_sdp, tSrQ(_, _, _, shared.q_state.index()),
-                                                         descriptors_per_use(tSrK), tSrS);
+        const int p_buffer = buffer % kPBuffers;
+        // S -> P in place: the transform, the mask where this block needs it, the softmax.
+        auto to_probabilities = [&](auto& scores, auto const& lse_log2) {
+          params.transform.apply(scores);
+          if constexpr (cute::is_same_v<decltype(masked), bool>) {
+            if (masked) mask.apply(scores, coords, m_block, blk.n_block);
+          } else if constexpr (decltype(masked)::value) {
+            mask.apply(scores, coords, m_block, blk.n_block);
+          }
+          scores_to_probabilities(scores, lse_log2, params.softmax_scale_log2);
+        };
+        // P or dS, float32 accumulator -> Element -> its shared buffer (the dK/dV GEMMs' operand).
+        auto store_operand = [&](auto const& acc, auto&& smem) {
+          cute::Tensor converted = make_tensor_like<Element>(acc);
+          convert_into(acc, converted);
+          copy(smem_tiled_copy_pds, smem_copy_pds.retile_S(converted), smem);
+        };
+        auto load_rows = [&](auto& rows, float const* smem_rows) {
+          CUTLASS_PRAGMA_UNROLL
+          for (int i = 0; i < kRows; ++i) rows[i] = smem_rows[get<0>(coords(i, 0))];
+        };
         float lse_log2[kRows], dpsum[kRows];
         float const* smem_lse_log2 = storage.smem_lse_log2.data() + shared.q_state.index() * kBlockM;
-        CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < kRows; ++i) lse_log2[i] = smem_lse_log2[get<0>(coords(i, 0))];
-        shared.pipeline_do.consumer_wait(shared.do_state);
-        warpgroup_gemm<true, -1>(tiled_mma_sdp, tdPrdO(_, _, _, shared.do_state.index()), descriptors_per_use(tdPrV),
-                                 tdPrdP);
-        float const* smem_dpsum = storage.smem_dpsum.data() + shared.do_state.index() * kBlockM;
-        CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < kRows; ++i) dpsum[i] = smem_dpsum[get<0>(coords(i, 0))];
-        warpgroup_wait<1>();  // S is ready
-        cute::Tensor scores = make_tensor(tSrS.data(), accumulator_rowcol(tSrS.layout()));
-        params.transform.apply(scores);
-        if constexpr (cute::is_same_v<decltype(masked), bool>) {
-          if (masked) mask.apply(scores, coords, m_block, blk.n_block);
-        } else if constexpr (decltype(masked)::value) {
-          mask.apply(scores, coords, m_block, blk.n_block);
+        shared.pipeline_q.consumer_wait(shared.q_state);
+        if constexpr (kSdPByOperand) {
+          // P crosses from warpgroup 0 to 1 through p_exchange, which warpgroup 0 writes again only
+          // after the kPdS barrier below, so after warpgroup 1 has read it.
+          float* p_exchange = storage.p_exchange.data() + thread_in_group;
+          constexpr int kStride = cutlass::NumThreadsPerWarpGroup;
+          if (warp_group == 0) {
+            warpgroup_gemm</*kZeroInit=*/true, /*kWait=*/-1>(tiled_mma_sdp, tSrQ(_, _, _, shared.q_state.index()),
+                                                             descriptors_per_use(tSrK), tSrS);
+            load_rows(lse_log2, smem_lse_log2);
+            shared.pipeline_do.consumer_wait(shared.do_state);  // dO: dV's operand, below
+            warpgroup_wait<0>();
+            cute::Tensor scores = make_tensor(tSrS.data(), accumulator_rowcol(tSrS.layout()));
+            to_probabilities(scores, lse_log2);
+            CUTLASS_PRAGMA_UNROLL
+            for (int i = 0; i < size(tSrS); ++i) p_exchange[i * kStride] = tSrS(i);
+            named_barrier_arrive(kNumMmaThreads, BwdBarrier::kPExchange);
+            store_operand(tSrS, tPsP(_, _, _, p_buffer));
+          } else {
+            shared.pipeline_do.consumer_wait(shared.do_state);
+            warpgroup_gemm<true, -1>(tiled_mma_sdp, tdPrdO(_, _, _, shared.do_state.index()),
+                                     descriptors_per_use(tdPrV), tdPrdP);
+            load_rows(lse_log2, smem_lse_log2);
+            load_rows(dpsum, storage.smem_dpsum.data() + shared.do_state.index() * kBlockM);
+            warpgroup_wait<0>();
+            named_barrier_sync(kNumMmaThreads, BwdBarrier::kPExchange);
+            cute::Tensor tSrP = make_tensor_like(tSrS);
+            CUTLASS_PRAGMA_UNROLL
+            for (int i = 0; i < size(tSrP); ++i) tSrP(i) = p_exchange[i * kStride];
+            cute::Tensor probabilities = make_tensor(tSrP.data(), accumulator_rowcol(tSrP.layout()));
+            cute::Tensor dS = make_tensor(tdPrdP.data(), probabilities.layout());
+            Transform::dp_to_ds(dS, probabilities, dpsum, lse_log2, params.softmax_scale_log2);
+            store_operand(tdPrdP, tdSsdS(_, _, _, buffer));
+          }
+        } else {
+          warpgroup_gemm</*kZeroInit=*/true, /*kWait=*/-1>(tiled_mma_sdp, tSrQ(_, _, _, shared.q_state.index()),
+                                                           descriptors_per_use(tSrK), tSrS);
+          load_rows(lse_log2, smem_lse_log2);
+          shared.pipeline_do.consumer_wait(shared.do_state);
+          warpgroup_gemm<true, -1>(tiled_mma_sdp, tdPrdO(_, _, _, shared.do_state.index()), descriptors_per_use(tdPrV),
+                                   tdPrdP);
+          load_rows(dpsum, storage.smem_dpsum.data() + shared.do_state.index() * kBlockM);
+          warpgroup_wait<1>();  // S is ready
+          cute::Tensor scores = make_tensor(tSrS.data(), accumulator_rowcol(tSrS.layout()));
+          to_probabilities(scores, lse_log2);
+          warpgroup_wait<0>();  // dP is ready
+          cute::Tensor dS = make_tensor(tdPrdP.data(), scores.layout());
+          Transform::dp_to_ds(dS, scores, dpsum, lse_log2, params.softmax_scale_log2);
+          cute::Tensor rP = make_tensor_like<Element>(tSrS);
+          cute::Tensor rdS = make_tensor_like<Element>(tdPrdP);
+          convert_into(tSrS, rP);
+          convert_into(tdPrdP, rdS);
+          copy(smem_tiled_copy_pds, smem_copy_pds.retile_S(rP), tPsP(_, _, _, p_buffer));
+          copy(smem_tiled_copy_pds, smem_copy_pds.retile_S(rdS), tdSsdS(_, _, _, buffer));
         }
-        scores_to_probabilities(scores, lse_log2, params.softmax_scale_log2);
-        warpgroup_wait<0>();  // dP is ready
-        cute::Tensor dS = make_tensor(tdPrdP.data(), scores.layout());
-        Transform::dp_to_ds(dS, scores, dpsum, lse_log2, params.softmax_scale_log2);
-        cute::Tensor rP = make_tensor_like<Element>(tSrS);
-        cute::Tensor rdS = make_tensor_like<Element>(tdPrdP);
-        convert_into(tSrS, rP);
-        convert_into(tdPrdP, rdS);
-        const int p_buffer = buffer % kPBuffers;
-        copy(smem_tiled_copy_pds, smem_copy_pds.retile_S(rP), tPsP(_, _, _, p_buffer));
-        copy(smem_tiled_copy_pds, smem_copy_pds.retile_S(rdS), tdSsdS(_, _, _, buffer));
         // The tensor cores read P and dS through the async proxy; dQ needs both halves of dS.
         cutlass::arch::fence_view_async_shared();
         named_barrier_sync(kNumMmaThreads, BwdBarrier::kPdS);

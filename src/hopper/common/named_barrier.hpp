@@ -17,6 +17,7 @@ enum class BwdBarrier : uint32_t {
   kDqEmpty0 = 1,  // TMA path: dQ buffer 0 may be written (MMA warpgroups + dQ writer); 1 follows
   kDqFull0 = 3,   // TMA path: dQ buffer 0 is written; buffer 1 follows
   kDqTurn0 = 5,   // atomicAdd path, deterministic: warpgroup 0 holds the turn; 1 follows
+  kPExchange = 7,  // S and dP by operand: warpgroup 0's P is in shared memory for warpgroup 1
 };
 
 template <class Barrier>

@@ -180,7 +180,8 @@ struct BackwardTileSize<256> {
 // hdim 512: dQ by the dQ kernel. dK^T and dV^T of 32 keys are 128 floats a thread (64 keys would
 // be 256); K and V (64 KiB), one Q and one dO stage (128 KiB), P and dS twice (16 KiB): 208 KiB.
 // One stage each: the next query block's Q and dO load only once this one's dK and dV GEMMs are
-// done. Chosen to fit, not tuned yet.
+// done. 0.48-0.51 of hdim 256's TFLOP/s (bench/RESULTS.md, 2026-12-06). kSdPByOperand (S in one
+// warpgroup, dP in the other, each 32 keys wide; P's exchange adds 8 KiB) is the next A/B.
 template <>
 struct BackwardTileSize<512> {
   static constexpr int kBlockM = 64;
@@ -188,7 +189,15 @@ struct BackwardTileSize<512> {
   static constexpr int kStages = 1;
   static constexpr int kStagesDo = 1;
   static constexpr bool kDqKernel = true;
+  static constexpr bool kSdPByOperand = false;
 };
+
+// Whether a backward tile has warpgroup 0 compute S and warpgroup 1 dP, each whole
+// (BackwardMainloop::kSdPByOperand): the tiles that say so; the others split both by key columns.
+template <class Tile, class = void>
+inline constexpr bool kSdPByOperand = false;
+template <class Tile>
+inline constexpr bool kSdPByOperand<Tile, std::void_t<decltype(Tile::kSdPByOperand)>> = Tile::kSdPByOperand;
 
 // The dQ kernel's tunables (head dims whose BackwardTileSize has kDqKernel): a CTA owns kBlockM
 // query rows (64 a warpgroup, or 64 shared by both: BackwardDqMainloop::kSharesRows) and streams K
