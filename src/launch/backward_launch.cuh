@@ -28,8 +28,9 @@ namespace flashhopper::launch {
 
 template <class Element, int kHeadDim, int kHeadDimV, hopper::MaskKind kMask, bool kSoftcap, bool kPacked,
           class Tile = hopper::BackwardDqTileSize<kHeadDim>>
-using BackwardDqMainloopOf = hopper::BackwardDqMainloop<Element, Tile::kBlockM, Tile::kBlockN, kHeadDim, kHeadDimV,
-                                                        Tile::kStagesK, Tile::kStagesV, kMask, kSoftcap, kPacked>;
+using BackwardDqMainloopOf =
+    hopper::BackwardDqMainloop<Element, Tile::kBlockM, Tile::kBlockN, kHeadDim, kHeadDimV, Tile::kStagesK,
+                               Tile::kStagesV, kMask, kSoftcap, kPacked, hopper::kSdPByOperand<Tile>>;
 
 // The dQ kernel, with the main kernel's arguments (Q, K, V, dO and the preprocess's buffers).
 template <class Element, int kHeadDim, int kHeadDimV, hopper::MaskKind kMask, bool kSoftcap, bool kPacked,

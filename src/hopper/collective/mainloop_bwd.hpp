@@ -549,7 +549,6 @@ struct BackwardMainloop {
       auto step = [&](int m_block, auto masked) {
         cute::Tensor tSrS = partition_fragment_C(tiled_mma_sdp, select<0, 1>(TileShapeSdP{}));
         cute::Tensor tdPrdP = partition_fragment_C(tiled_mma_sdp, select<0, 1>(TileShapeSdP{}));
-        const int p_buffer = buffer % kPBuffers;
         // S -> P in place: the transform, the mask where this block needs it, the softmax.
         auto to_probabilities = [&](auto& scores, auto const& lse_log2) {
           params.transform.apply(scores);
@@ -571,7 +570,7 @@ struct BackwardMainloop {
           for (int i = 0; i < kRows; ++i) rows[i] = smem_rows[get<0>(coords(i, 0))];
         };
         float lse_log2[kRows], dpsum[kRows];
-        float const* smem_lse_log2 = storage.smem_lse_log2.data() + shared.q_state.index() * kBlockM;
+        auto smem_lse_log2 = [&] { return storage.smem_lse_log2.data() + shared.q_state.index() * kBlockM; };
         shared.pipeline_q.consumer_wait(shared.q_state);
         if constexpr (kSdPByOperand) {
           // P crosses from warpgroup 0 to 1 through p_exchange, which warpgroup 0 writes again only
@@ -581,7 +580,7 @@ struct BackwardMainloop {
           if (warp_group == 0) {
             warpgroup_gemm</*kZeroInit=*/true, /*kWait=*/-1>(tiled_mma_sdp, tSrQ(_, _, _, shared.q_state.index()),
                                                              descriptors_per_use(tSrK), tSrS);
-            load_rows(lse_log2, smem_lse_log2);
+            load_rows(lse_log2, smem_lse_log2());
             shared.pipeline_do.consumer_wait(shared.do_state);  // dO: dV's operand, below
             warpgroup_wait<0>();
             cute::Tensor scores = make_tensor(tSrS.data(), accumulator_rowcol(tSrS.layout()));
@@ -589,12 +588,12 @@ struct BackwardMainloop {
             CUTLASS_PRAGMA_UNROLL
             for (int i = 0; i < size(tSrS); ++i) p_exchange[i * kStride] = tSrS(i);
             named_barrier_arrive(kNumMmaThreads, BwdBarrier::kPExchange);
-            store_operand(tSrS, tPsP(_, _, _, p_buffer));
+            store_operand(tSrS, tPsP(_, _, _, buffer % kPBuffers));
           } else {
             shared.pipeline_do.consumer_wait(shared.do_state);
             warpgroup_gemm<true, -1>(tiled_mma_sdp, tdPrdO(_, _, _, shared.do_state.index()),
                                      descriptors_per_use(tdPrV), tdPrdP);
-            load_rows(lse_log2, smem_lse_log2);
+            load_rows(lse_log2, smem_lse_log2());
             load_rows(dpsum, storage.smem_dpsum.data() + shared.do_state.index() * kBlockM);
             warpgroup_wait<0>();
             named_barrier_sync(kNumMmaThreads, BwdBarrier::kPExchange);
@@ -609,7 +608,7 @@ struct BackwardMainloop {
         } else {
           warpgroup_gemm</*kZeroInit=*/true, /*kWait=*/-1>(tiled_mma_sdp, tSrQ(_, _, _, shared.q_state.index()),
                                                            descriptors_per_use(tSrK), tSrS);
-          load_rows(lse_log2, smem_lse_log2);
+          load_rows(lse_log2, smem_lse_log2());
           shared.pipeline_do.consumer_wait(shared.do_state);
           warpgroup_gemm<true, -1>(tiled_mma_sdp, tdPrdO(_, _, _, shared.do_state.index()), descriptors_per_use(tdPrV),
                                    tdPrdP);
@@ -624,6 +623,7 @@ struct BackwardMainloop {
           cute::Tensor rdS = make_tensor_like<Element>(tdPrdP);
           convert_into(tSrS, rP);
           convert_into(tdPrdP, rdS);
+          const int p_buffer = buffer % kPBuffers;
           copy(smem_tiled_copy_pds, smem_copy_pds.retile_S(rP), tPsP(_, _, _, p_buffer));
           copy(smem_tiled_copy_pds, smem_copy_pds.retile_S(rdS), tdSsdS(_, _, _, buffer));
         }
@@ -633,7 +633,8 @@ struct BackwardMainloop {
 
         // dV first, so that the dO stage is freed as early as possible; then dQ and dK.
         // warpgroup_wait<n> waits for all but the last n.
-        gemm_key_grad(tiled_mma_dv, tdVrPt(_, _, _, p_buffer), tdVrdOt(_, _, _, shared.do_state.index()), tdVrdV);
+        gemm_key_grad(tiled_mma_dv, tdVrPt(_, _, _, buffer % kPBuffers), tdVrdOt(_, _, _, shared.do_state.index()),
+                      tdVrdV);
         if constexpr (!kComputeDq) {
           gemm_key_grad(tiled_mma_dk, tdKrdSt(_, _, _, buffer), tdKrQt(_, _, _, shared.q_state.index()), tdKrdK);
           warpgroup_wait<1>();  // dV is done with dO

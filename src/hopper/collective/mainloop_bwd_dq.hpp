@@ -20,6 +20,7 @@
 
 #include "hopper/common/gmma_shapes.hpp"
 #include "hopper/common/mask.hpp"
+#include "hopper/common/named_barrier.hpp"
 #include "hopper/common/score_transform.hpp"
 #include "hopper/common/softmax.hpp"
 #include "hopper/common/tile_scheduler.hpp"
@@ -32,7 +33,7 @@ namespace flashhopper::hopper {
 using namespace cute;
 
 template <class Element_, int kBlockM_, int kBlockN_, int kHeadDim_, int kHeadDimV_, int kStagesK_, int kStagesV_,
-          MaskKind kMask_, bool kSoftcap_, bool kPacked_>
+          MaskKind kMask_, bool kSoftcap_, bool kPacked_, bool kSdPByOperand_ = false>
 struct BackwardDqMainloop {
   using Element = Element_;
   static constexpr int kBlockM = kBlockM_;
@@ -55,6 +56,12 @@ struct BackwardDqMainloop {
   static constexpr int kNumMmaThreads = kNumMmaWarpGroups * cutlass::NumThreadsPerWarpGroup;
   static_assert((kBlockM == 128 || kSharesRows) && kBlockN % 16 == 0);
   static constexpr int kDqColumnsPerWarpGroup = kSharesRows ? kHeadDim / 2 : kHeadDim;
+  // The tile's choice where the warpgroups share rows (BackwardDqTileSize::kSdPByOperand):
+  // warpgroup 0 computes S and P, warpgroup 1 dP and dS, each whole, and they trade through one
+  // float32 exchange buffer, P one way and dS back over it (each thread its own slots), instead of
+  // each computing both.
+  static constexpr bool kSdPByOperand = kSdPByOperand_;
+  static_assert(kSharesRows || !kSdPByOperand);
 
   using TileShapeSdP = Shape<Int<kBlockM>, Int<kBlockN>, Int<kHeadDim>>;  // (M, N, d)
   using TileShapedQ = Shape<Int<kBlockM>, Int<kHeadDim>, Int<kBlockN>>;   // (M, d, N)
@@ -122,6 +129,10 @@ struct BackwardDqMainloop {
     typename PipelineK::SharedStorage pipeline_k;
     typename PipelineV::SharedStorage pipeline_v;
     TileRing tiles;  // packed batches: the hand-off of the tiles a CTA takes (tile_scheduler.hpp)
+    // kSdPByOperand: a thread's kBlockM * kBlockN / 128 floats strided by 128. Last, so that the
+    // other kernels' layout is the same with or without it.
+    cute::conditional_t<kSdPByOperand, cute::array_aligned<float, kBlockM * kBlockN, 128>, cute::array<float, 0>>
+        exchange;
   };
 
   struct Arguments {
@@ -317,29 +328,75 @@ struct BackwardDqMainloop {
     for (int i = 0; i < num_blocks; ++i) {
       const int n_block = blocks.at(i);
       shared.pipeline_k.consumer_wait(shared.k_state);
-      warpgroup_gemm</*kZeroInit=*/true, /*kWait=*/-1>(tiled_mma_sdp, tSrQ, tSrK(_, _, _, shared.k_state.index()),
-                                                       tSrS);
-      shared.pipeline_v.consumer_wait(shared.v_state);
-      warpgroup_gemm<true, -1>(tiled_mma_sdp, tdPrdO, tdPrV(_, _, _, shared.v_state.index()), tdPrdP);
-      warpgroup_wait<1>();  // S is ready, and the previous block's dQ GEMM is done with its K
-      if (i > 0) shared.pipeline_k.consumer_release(pipe_k_previous);
-      params.transform.apply(scores);
-      if (mask.crosses_boundary(work.block, n_block)) mask.apply(scores, coords, work.block, n_block);
-      scores_to_probabilities(scores, lse_log2, params.softmax_scale_log2);
-      warpgroup_wait<0>();  // dP is ready
-      shared.pipeline_v.consumer_release(shared.v_state);
-      ++shared.v_state;
-      // Q and dO are free once the tile's last S and dP are done: the next tile's load overlaps
-      // the last dQ GEMM and the epilogue.
-      if (i == num_blocks - 1) storage.qdo_empty.arrive();
-      Transform::dp_to_ds(dS, scores, dpsum, lse_log2, params.softmax_scale_log2);
+      if constexpr (kSdPByOperand) {
+        // The exchange is written again only after the other warpgroup has read it: P(n + 1) after
+        // warpgroup 0 has read dS(n), dS(n + 1) after the barrier that P(n + 1) is there.
+        float* exchange = storage.exchange.data() + thread_idx % cutlass::NumThreadsPerWarpGroup;
+        constexpr int kStride = cutlass::NumThreadsPerWarpGroup;
+        if (thread_idx < cutlass::NumThreadsPerWarpGroup) {
+          warpgroup_gemm</*kZeroInit=*/true, /*kWait=*/-1>(tiled_mma_sdp, tSrQ,
+                                                           tSrK(_, _, _, shared.k_state.index()), tSrS);
+          shared.pipeline_v.consumer_wait(shared.v_state);  // V is warpgroup 1's: released unread
+          shared.pipeline_v.consumer_release(shared.v_state);
+          warpgroup_wait<0>();  // S is ready, and the previous block's dQ GEMM is done with its K
+          params.transform.apply(scores);
+          if (mask.crosses_boundary(work.block, n_block)) mask.apply(scores, coords, work.block, n_block);
+          scores_to_probabilities(scores, lse_log2, params.softmax_scale_log2);
+          CUTLASS_PRAGMA_UNROLL
+          for (int j = 0; j < size(tSrS); ++j) exchange[j * kStride] = tSrS(j);
+          named_barrier_arrive(kNumMmaThreads, BwdDqBarrier::kPExchange);
+          named_barrier_sync(kNumMmaThreads, BwdDqBarrier::kDsExchange);
+          CUTLASS_PRAGMA_UNROLL
+          for (int j = 0; j < size(tdPrdP); ++j) tdPrdP(j) = exchange[j * kStride];  // dS
+        } else {
+          shared.pipeline_v.consumer_wait(shared.v_state);
+          warpgroup_gemm<true, -1>(tiled_mma_sdp, tdPrdO, tdPrV(_, _, _, shared.v_state.index()), tdPrdP);
+          warpgroup_wait<0>();  // dP is ready, and the previous block's dQ GEMM is done with its K
+          shared.pipeline_v.consumer_release(shared.v_state);
+          named_barrier_sync(kNumMmaThreads, BwdDqBarrier::kPExchange);
+          CUTLASS_PRAGMA_UNROLL
+          for (int j = 0; j < size(tSrS); ++j) tSrS(j) = exchange[j * kStride];  // P
+          Transform::dp_to_ds(dS, scores, dpsum, lse_log2, params.softmax_scale_log2);
+          CUTLASS_PRAGMA_UNROLL
+          for (int j = 0; j < size(tdPrdP); ++j) exchange[j * kStride] = tdPrdP(j);
+          named_barrier_arrive(kNumMmaThreads, BwdDqBarrier::kDsExchange);
+        }
+        ++shared.v_state;
+        if constexpr (kStagesK > 1) {
+          if (i > 0) shared.pipeline_k.consumer_release(pipe_k_previous);
+        }
+        if (i == num_blocks - 1) storage.qdo_empty.arrive();
+      } else {
+        warpgroup_gemm</*kZeroInit=*/true, /*kWait=*/-1>(tiled_mma_sdp, tSrQ, tSrK(_, _, _, shared.k_state.index()),
+                                                         tSrS);
+        shared.pipeline_v.consumer_wait(shared.v_state);
+        warpgroup_gemm<true, -1>(tiled_mma_sdp, tdPrdO, tdPrV(_, _, _, shared.v_state.index()), tdPrdP);
+        warpgroup_wait<1>();  // S is ready, and the previous block's dQ GEMM is done with its K
+        if constexpr (kStagesK > 1) {
+          if (i > 0) shared.pipeline_k.consumer_release(pipe_k_previous);
+        }
+        params.transform.apply(scores);
+        if (mask.crosses_boundary(work.block, n_block)) mask.apply(scores, coords, work.block, n_block);
+        scores_to_probabilities(scores, lse_log2, params.softmax_scale_log2);
+        warpgroup_wait<0>();  // dP is ready
+        shared.pipeline_v.consumer_release(shared.v_state);
+        ++shared.v_state;
+        // Q and dO are free once the tile's last S and dP are done: the next tile's load overlaps
+        // the last dQ GEMM and the epilogue.
+        if (i == num_blocks - 1) storage.qdo_empty.arrive();
+        Transform::dp_to_ds(dS, scores, dpsum, lse_log2, params.softmax_scale_log2);
+      }
       convert_into(tdPrdP, tdQrdS);
       warpgroup_gemm<false, -1>(tiled_mma_dq, tdQrdS, tdQrKt(_, _, _, shared.k_state.index()), tdQrdQ);
+      if constexpr (kStagesK == 1) {  // the only K stage: the next block's K loads once it is free
+        warpgroup_wait<0>();
+        shared.pipeline_k.consumer_release(shared.k_state);
+      }
       pipe_k_previous = shared.k_state;
       ++shared.k_state;
     }
     warpgroup_wait<0>();
-    shared.pipeline_k.consumer_release(pipe_k_previous);
+    if constexpr (kStagesK > 1) shared.pipeline_k.consumer_release(pipe_k_previous);
   }
 };
 

@@ -20,6 +20,12 @@ enum class BwdBarrier : uint32_t {
   kPExchange = 7,  // S and dP by operand: warpgroup 0's P is in shared memory for warpgroup 1
 };
 
+// The backward's dQ kernel (its own ids: it runs apart from the main kernel).
+enum class BwdDqBarrier : uint32_t {
+  kPExchange = 0,   // S and dP by operand: warpgroup 0's P is in the exchange buffer
+  kDsExchange = 1,  // and warpgroup 1's dS, over it
+};
+
 template <class Barrier>
 CUTLASS_DEVICE void named_barrier_sync(int num_threads, Barrier barrier, int offset = 0) {
   cutlass::arch::NamedBarrier::sync(num_threads, static_cast<uint32_t>(barrier) + offset);

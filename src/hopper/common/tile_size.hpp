@@ -227,12 +227,14 @@ struct BackwardDqTileSize<256> {
 
 // hdim 512: 64 rows shared by the two warpgroups, each computing dQ for 256 columns (128 floats a
 // thread) and all of S and dP for itself. Q and dO (128 KiB), two K stages and one V stage of 32
-// keys (96 KiB): 224 KiB. Chosen to fit, not tuned yet.
+// keys (96 KiB): 224 KiB. Chosen to fit, not tuned yet. kSdPByOperand (S in one warpgroup, dP in
+// the other; the exchange's 8 KiB leave room for one K stage) is the next A/B.
 template <>
 struct BackwardDqTileSize<512> {
+  static constexpr bool kSdPByOperand = false;  // the dQ kernel's; true: one K stage
   static constexpr int kBlockM = 64;
   static constexpr int kBlockN = 32;
-  static constexpr int kStagesK = 2;
+  static constexpr int kStagesK = kSdPByOperand ? 1 : 2;
   static constexpr int kStagesV = 1;
 };
 
