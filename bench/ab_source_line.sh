@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
-# A one-line A/B on a warm GPU machine, after scripts/device_job.sh has built into $JOB_DIR
-# (default /tmp/fhjob): runs the tests and the benchmark on the job's build as it is (side a),
-# rewrites one line of a source file in the job's copy, rebuilds only the named instantiation
-# files (ninja -t commands: no header-driven rebuild of the rest) and relinks libflashhopper.so,
-# then runs the same tests and benchmark again (side b). The GPU test binaries load the relinked
-# library. The source is restored at the end; the library stays side b's. Usage:
-#   AB_FILE=src/hopper/common/tile_size.hpp AB_FROM='...' AB_TO='...' AB_UNITS='bwd_bf16_hdim512' \
+# One-line A/Bs on a warm GPU machine, after scripts/device_job.sh has built into $JOB_DIR
+# (default /tmp/fhjob): runs the tests and the benchmark on the job's build as it is (side a);
+# then, for each variant, rewrites one line of a source file in the job's copy, rebuilds only the
+# named instantiation files (ninja -t commands: no header-driven rebuild of the rest), relinks
+# libflashhopper.so, runs the same tests and benchmark (sides b, c, ...) and restores the line, so
+# that each variant stands alone against side a. The GPU test binaries load the relinked library,
+# which stays the last variant's. Usage:
+#   AB_FILE=src/hopper/common/tile_size.hpp AB_UNITS='bwd_bf16_hdim512' \
+#   AB_FROM='...' AB_TO='...' [AB_FROM_2='...' AB_TO_2='...' ...] \
 #   AB_TESTS='test_backward_gpu:Grid/*bf16_d512*' AB_BENCH='--hdims 512 --seqlens 8192 16384' bench/ab_source_line.sh
 # AB_UNITS: instantiation file stems (src/hopper/instantiations/<stem>.cu); AB_TESTS: binary:gtest
 # filter pairs, space-separated (optional); AB_BENCH: bench/bench_head_dims.py's arguments. Output
-# in $JOB_DIR/out/ab_line/ (a/, b/, tests_<side>.log, progress.log with "AB DONE" last). A FROM that
-# is not in the file, a failed compile or link: logged, and side b is not run.
+# in $JOB_DIR/out/ab_line/ (a/, b/, ..., tests_<side>.log, progress.log with "AB DONE" last). A FROM
+# that is not in the file, a failed compile or link: logged, and that side is not run.
 set -u
 job="${JOB_DIR:-/tmp/fhjob}"
 src="$job/src" build="$job/build" out="$job/out/ab_line"
@@ -33,29 +35,39 @@ side() {  # the tests, then the benchmark, of the library as it is now
   log "side $name bench rc=$?"
 }
 
-side a
-grep -qF -- "$AB_FROM" "$file" || { log "no line '$AB_FROM' in $file: side b not run"; log "AB DONE"; exit 1; }
-cp "$file" "$out/source.orig"
-python3 - "$file" "$AB_FROM" "$AB_TO" <<'PY'
+# One variant: FROM -> TO in the file, the units rebuilt, the library relinked, the file restored.
+build_variant() {
+  local name=$1 from=$2 to=$3 stem ok=1 pids=()
+  grep -qF -- "$from" "$file" || { log "side $name: no line '$from' in $file"; return 1; }
+  cp "$file" "$out/source.orig"
+  python3 - "$file" "$from" "$to" <<'PY'
 import sys
 path, old, new = sys.argv[1:]
 text = open(path).read()
 open(path, "w").write(text.replace(old, new, 1))
 PY
-pids=()
-for stem in $AB_UNITS; do
-  o="CMakeFiles/flashhopper_kernels.dir/src/hopper/instantiations/$stem.cu.o"
-  (cd "$build" && eval "$(ninja -t commands "$o" | tail -1)") > "$out/compile_$stem.log" 2>&1 &
-  pids+=($!)
+  for stem in $AB_UNITS; do
+    o="CMakeFiles/flashhopper_kernels.dir/src/hopper/instantiations/$stem.cu.o"
+    (cd "$build" && eval "$(ninja -t commands "$o" | tail -1)") > "$out/compile_${name}_$stem.log" 2>&1 &
+    pids+=($!)
+  done
+  for p in "${pids[@]}"; do wait "$p" || ok=0; done
+  cp "$out/source.orig" "$file"
+  [ $ok = 1 ] || { log "side $name: a compile failed (compile_${name}_*.log)"; return 1; }
+  (cd "$build" && eval "$(ninja -t commands libflashhopper.so.0.1.0 | tail -1)") > "$out/link_$name.log" 2>&1 ||
+    { log "side $name: the link failed (link_$name.log)"; return 1; }
+  log "built side $name: $to"
+}
+
+side a
+sides=(b c d e f g h)
+for i in "${!sides[@]}"; do
+  n=$((i + 1))
+  if [ "$n" = 1 ]; then from=$AB_FROM to=$AB_TO; else
+    from_var="AB_FROM_$n" to_var="AB_TO_$n"
+    [ -n "${!from_var:-}" ] || break
+    from=${!from_var} to=${!to_var:?$to_var: the replacement of $from_var}
+  fi
+  build_variant "${sides[$i]}" "$from" "$to" && side "${sides[$i]}"
 done
-ok=1
-for p in "${pids[@]}"; do wait "$p" || ok=0; done
-cp "$out/source.orig" "$file"
-relink() { (cd "$build" && eval "$(ninja -t commands libflashhopper.so.0.1.0 | tail -1)") > "$out/link.log" 2>&1; }
-if [ $ok = 1 ] && relink; then
-  log "built side b"
-  side b
-else
-  log "side b: a compile or the link failed (compile_*.log, link.log)"
-fi
 log "AB DONE"

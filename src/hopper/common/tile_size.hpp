@@ -201,7 +201,8 @@ inline constexpr bool kSdPByOperand<Tile, std::void_t<decltype(Tile::kSdPByOpera
 
 // The dQ kernel's tunables (head dims whose BackwardTileSize has kDqKernel): a CTA owns kBlockM
 // query rows (64 a warpgroup, or 64 shared by both: BackwardDqMainloop::kSharesRows) and streams K
-// and V blocks of kBlockN keys through kStagesK and kStagesV buffers. Shared memory: (2 * kBlockM + (kStagesK + kStagesV) * kBlockN) * d * 2 bytes.
+// and V blocks of kBlockN keys through kStagesK and kStagesV buffers. Shared memory:
+// (2 * kBlockM + (kStagesK + kStagesV) * kBlockN) * d * 2 bytes.
 // Registers a thread: dQ kBlockM * d / 256 floats, S and dP kBlockM * kBlockN / 256 each.
 template <int kHeadDim>
 struct BackwardDqTileSize;
