@@ -52,8 +52,10 @@ struct ForwardTileSize<64, 512, kMasked> {
 template <bool kMasked>
 struct ForwardTileSize<512, 512, kMasked> {
   static constexpr int kBlockM = 64;
-  static constexpr int kBlockN = 32;
-  static constexpr int kStages = 2;
+  static constexpr int kBlockN = 32;  // 512/512 forward
+  // 64 keys (the next A/B: WGMMAs twice as wide; 32-50 local ops in the loop) fit one K and one V
+  // stage (Q, K, V 192 KiB and the exchange 32 KiB).
+  static constexpr int kStages = kBlockN == 32 ? 2 : 1;
 };
 
 // hdim 128: unmasked takes 160 key columns (2 stages and O staged in shared memory, 224 KiB), the
