@@ -117,6 +117,9 @@ for step in "${steps[@]}"; do
       # FWD_FILTER / BWD_FILTER (gtest filters, default all) split the grid over several calls.
       run_gtests "gpu tests" test_forward_gpu "${FWD_FILTER:-*}" "${FWD_TIMEOUT:-420}" gpu_tests.log
       run_gtests "gpu backward tests" test_backward_gpu "${BWD_FILTER:-*}" "${BWD_TIMEOUT:-420}" gpu_tests_backward.log
+      # The host-side checks on this build's kernel set (which families it refuses, and how): CI's
+      # build has no kernels, so only here do they run against compiled families.
+      run_gtests "validation tests" test_validation '*' 120 gpu_tests_validation.log
       ;;
     sanitize)
       # One small case per head dim and pass (several key and query blocks, GQA, causal); fp8's
