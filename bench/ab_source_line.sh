@@ -14,6 +14,7 @@
 # in $JOB_DIR/out/ab_line/ (a/, b/, ..., tests_<side>.log, progress.log with "AB DONE" last). A FROM
 # that is not in the file, a failed compile or link: logged, and that side is not run.
 set -u
+set -f  # AB_TESTS' gtest filters are split on spaces, never expanded as file names
 job="${JOB_DIR:-/tmp/fhjob}"
 src="$job/src" build="$job/build" out="$job/out/ab_line"
 mkdir -p "$out"
