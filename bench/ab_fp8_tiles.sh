@@ -40,17 +40,8 @@ bench() {
   log "bench $1 rc=$?: $(tail -1 "$out/bench_$1.txt")"
 }
 
-# Rewrites one line of a file; fails (and says so) where the line is not there.
-rewrite() {
-  local file=$1 from=$2 to=$3
-  grep -qF -- "$from" "$file" || { log "no line '$from' in $file"; return 1; }
-  python3 - "$file" "$from" "$to" <<'PY'
-import sys
-path, old, new = sys.argv[1:]
-text = open(path).read()
-open(path, "w").write(text.replace(old, new, 1))
-PY
-}
+# shellcheck source=bench/ab_common.sh
+source "$(dirname "$0")/ab_common.sh"  # rewrite, rebuild_library
 
 bench base
 for variant in "$@"; do
@@ -72,16 +63,7 @@ for variant in "$@"; do
   [ "$ext128" = 1 ] && sed -i "$extended" "$inst128"
   [ "$ext256" = 1 ] && sed -i "$extended" "$inst256"
   name="${block128}_${block256}_r${producer}_f${fma}"
-  pids=()
-  for o in "${objects[@]}"; do
-    (cd "$build" && eval "$(ninja -t commands "$o" | tail -1)") > "$out/compile_${name}_$(basename "$o").log" 2>&1 &
-    pids+=($!)
-  done
-  ok=1
-  for p in "${pids[@]}"; do wait "$p" || ok=0; done
-  [ $ok = 1 ] || { log "variant $name: a compile failed"; continue; }
-  (cd "$build" && eval "$(ninja -t commands libflashhopper.so.0.1.0 | tail -1)") > "$out/link_$name.log" 2>&1 ||
-    { log "variant $name: the link failed"; continue; }
+  rebuild_library "$name" "${objects[@]}" || continue
   log "built $name"
   bench "n$name"
 done

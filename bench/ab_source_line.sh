@@ -36,28 +36,18 @@ side() {  # the tests, then the benchmark, of the library as it is now
   log "side $name bench rc=$?"
 }
 
-# One variant: FROM -> TO in the file, the units rebuilt, the library relinked, the file restored.
+# shellcheck source=bench/ab_common.sh
+source "$(dirname "$0")/ab_common.sh"  # rewrite, rebuild_library
+
+# One variant: FROM -> TO in the file, the units rebuilt and the library relinked, the file restored.
 build_variant() {
-  local name=$1 from=$2 to=$3 stem ok=1 pids=()
-  grep -qF -- "$from" "$file" || { log "side $name: no line '$from' in $file"; return 1; }
+  local name=$1 from=$2 to=$3 stem ok=0 objects=()
   cp "$file" "$out/source.orig"
-  python3 - "$file" "$from" "$to" <<'PY'
-import sys
-path, old, new = sys.argv[1:]
-text = open(path).read()
-open(path, "w").write(text.replace(old, new, 1))
-PY
-  for stem in $AB_UNITS; do
-    o="CMakeFiles/flashhopper_kernels.dir/src/hopper/instantiations/$stem.cu.o"
-    (cd "$build" && eval "$(ninja -t commands "$o" | tail -1)") > "$out/compile_${name}_$stem.log" 2>&1 &
-    pids+=($!)
-  done
-  for p in "${pids[@]}"; do wait "$p" || ok=0; done
+  rewrite "$file" "$from" "$to" || { log "side $name not run"; return 1; }
+  for stem in $AB_UNITS; do objects+=("CMakeFiles/flashhopper_kernels.dir/src/hopper/instantiations/$stem.cu.o"); done
+  rebuild_library "$name" "${objects[@]}" && ok=1
   cp "$out/source.orig" "$file"
-  [ $ok = 1 ] || { log "side $name: a compile failed (compile_${name}_*.log)"; return 1; }
-  (cd "$build" && eval "$(ninja -t commands libflashhopper.so.0.1.0 | tail -1)") > "$out/link_$name.log" 2>&1 ||
-    { log "side $name: the link failed (link_$name.log)"; return 1; }
-  log "built side $name: $to"
+  [ $ok = 1 ] && log "built side $name: $to"
 }
 
 side a

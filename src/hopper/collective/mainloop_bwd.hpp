@@ -619,6 +619,8 @@ struct BackwardMainloop {
           warpgroup_wait<0>();  // dP is ready
           cute::Tensor dS = make_tensor(tdPrdP.data(), scores.layout());
           Transform::dp_to_ds(dS, scores, dpsum, lse_log2, params.softmax_scale_log2);
+          // Both converted, then both stored (not store_operand twice, which moves ptxas's schedule of
+          // the hdim-128 kernels).
           cute::Tensor rP = make_tensor_like<Element>(tSrS);
           cute::Tensor rdS = make_tensor_like<Element>(tdPrdP);
           convert_into(tSrS, rP);
