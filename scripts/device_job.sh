@@ -8,8 +8,9 @@
 # python -m flashhopper.bench without and with N SMs left free; with BENCH_DENSE, python -m
 # flashhopper.bench beside the peers for each ';'-separated argument list; with BENCH_MLA=1 (full set), the
 # absorbed-MLA decode rows and split_sweep.py (MLA and GQA); with BENCH_FP8=1 (bench set up), python -m
-# flashhopper.bench --fp8; with AB_FP8="variants", bench/ab_fp8_tiles.sh; with AB_FILE (and the other
-# AB_* variables), bench/ab_source_line.sh last (one A/B a job: each leaves its variant linked).
+# flashhopper.bench --fp8; with PROFILE_THROUGHPUT, bench/profile/profile_throughput.sh; with
+# AB_FP8="variants", bench/ab_fp8_tiles.sh; with AB_FILE (and the other AB_* variables),
+# bench/ab_source_line.sh last (one A/B a job: each leaves its variant linked).
 # One line a step goes to $JOB_DIR/out/progress.log; each step's output to $JOB_DIR/out/step_<step>.txt. Usage, from the
 # repository root on the GPU machine (carry the tarball and .gtest/):
 #   CUTLASS_TARBALL=build-bisect/cutlass.tar.xz setsid nohup scripts/device_job.sh > /tmp/job.log 2>&1 < /dev/null &
@@ -108,6 +109,15 @@ if [ -n "${BENCH_MLA:-}" ]; then
     timeout 200 python3 "$src/bench/profile/split_sweep.py" --batches 1 2 4 --cache-lens 1024 4096 16384 \
     > "$out/split_sweep_gqa.txt" 2>&1
   log "split sweep gqa rc=$?: $(tail -1 "$out/split_sweep_gqa.txt")"
+fi
+if [ -n "${PROFILE_THROUGHPUT:-}" ]; then
+  # Which unit bounds each named call's kernel (ncu; ';'-separated "pass seqlen hdim causal"), on
+  # this build before any A/B relinks it.
+  log "profile throughput: $PROFILE_THROUGHPUT"
+  IFS=';' read -ra profile_calls <<< "$PROFILE_THROUGHPUT"
+  FLASHHOPPER_LIBRARY="$BUILD/libflashhopper.so" OUT="$out/throughput" \
+    bash "$src/bench/profile/profile_throughput.sh" "${profile_calls[@]}" > "$out/throughput.txt" 2>&1
+  log "profile throughput rc=$?"
 fi
 if [ -n "${AB_FP8:-}" ]; then
   # The fp8 key-block A/B on this build (bench/ab_fp8_tiles.sh; its variants, space-separated, and
