@@ -9,7 +9,8 @@
 #   AB_FILE=src/hopper/common/tile_size.hpp AB_UNITS='bwd_bf16_hdim512' \
 #   AB_FROM='...' AB_TO='...' [AB_FROM_2='...' AB_TO_2='...' ...] \
 #   AB_TESTS='test_backward_gpu:Grid/*bf16_d512*' AB_BENCH='--hdims 512 --seqlens 8192 16384' bench/ab_source_line.sh
-# AB_UNITS: instantiation file stems (src/hopper/instantiations/<stem>.cu); AB_TESTS: binary:gtest
+# AB_UNITS: instantiation file stems (src/hopper/instantiations/<stem>.cu), AB_UNITS_2, ... a side's
+# own where only some of them read its line; AB_TESTS: binary:gtest
 # filter pairs, space-separated (optional); AB_BENCH: bench/bench_head_dims.py's arguments. Output
 # in $JOB_DIR/out/ab_line/ (a/, b/, ..., tests_<side>.log, progress.log with "AB DONE" last). A FROM
 # that is not in the file, a failed compile or link: logged, and that side is not run.
@@ -41,10 +42,10 @@ source "$(dirname "$0")/ab_common.sh"  # rewrite, rebuild_library
 
 # One variant: FROM -> TO in the file, the units rebuilt and the library relinked, the file restored.
 build_variant() {
-  local name=$1 from=$2 to=$3 stem ok=0 objects=()
+  local name=$1 from=$2 to=$3 units=$4 stem ok=0 objects=()
   cp "$file" "$out/source.orig"
   rewrite "$file" "$from" "$to" || { log "side $name not run"; return 1; }
-  for stem in $AB_UNITS; do objects+=("CMakeFiles/flashhopper_kernels.dir/src/hopper/instantiations/$stem.cu.o"); done
+  for stem in $units; do objects+=("CMakeFiles/flashhopper_kernels.dir/src/hopper/instantiations/$stem.cu.o"); done
   rebuild_library "$name" "${objects[@]}" && ok=1
   cp "$out/source.orig" "$file"
   [ $ok = 1 ] && log "built side $name: $to"
@@ -54,11 +55,12 @@ side a
 sides=(b c d e f g h)
 for i in "${!sides[@]}"; do
   n=$((i + 1))
+  units=$AB_UNITS
   if [ "$n" = 1 ]; then from=$AB_FROM to=$AB_TO; else
-    from_var="AB_FROM_$n" to_var="AB_TO_$n"
+    from_var="AB_FROM_$n" to_var="AB_TO_$n" units_var="AB_UNITS_$n"
     [ -n "${!from_var:-}" ] || break
-    from=${!from_var} to=${!to_var:?$to_var: the replacement of $from_var}
+    from=${!from_var} to=${!to_var:?$to_var: the replacement of $from_var} units=${!units_var:-$AB_UNITS}
   fi
-  build_variant "${sides[$i]}" "$from" "$to" && side "${sides[$i]}"
+  build_variant "${sides[$i]}" "$from" "$to" "$units" && side "${sides[$i]}"
 done
 log "AB DONE"

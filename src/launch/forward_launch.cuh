@@ -28,8 +28,14 @@ struct ForwardKernelOf {
   using Element = typename ElementOf<kDType>::type;
   static constexpr bool kMasked = kMask != hopper::MaskKind::kNone;
   using Tile = hopper::ForwardTile<kDType == FH_DTYPE_FP8_E4M3, kHeadDim, kHeadDimV, kMasked>;
+  // K/V multicast over a cluster where the tile asks for it and the kernel walks the same key
+  // blocks for every query block: unmasked, dense, 16-bit.
+  static constexpr int kClusterM = !kMasked && kFeatures == hopper::ForwardFeatures::kNone &&
+                                           kDType != FH_DTYPE_FP8_E4M3
+                                       ? hopper::kForwardClusterM<Tile>
+                                       : 1;
   using Mainloop = hopper::ForwardMainloop<Element, Tile::kBlockM, Tile::kBlockN, kHeadDim, kHeadDimV, Tile::kStages,
-                                           kMask, kSoftcap, kFeatures>;
+                                           kMask, kSoftcap, kFeatures, kClusterM>;
   using Epilogue =
       hopper::ForwardEpilogue<OutputElementOf<Element>, Tile::kBlockM, kHeadDimV, typename Mainloop::TiledMmaPV,
                               kFeatures>;
@@ -150,7 +156,7 @@ cudaError_t run_forward_hdim(const ForwardParams& p, const detail::ProblemShape&
   } else {
     const int num_m_blocks = (seqlen.seqlen_q + Tile::kBlockM - 1) / Tile::kBlockM;
     scheduler = Scheduler::make_params(num_m_blocks, heads_q, batch, int64_t(seqlen.seqlen_k) * kv_bytes_per_row,
-                                       l2_bytes, num_sms, workspace.num_splits);
+                                       l2_bytes, num_sms, workspace.num_splits, Of::kClusterM);
   }
   typename Kernel::Params params{Mainloop::to_underlying_arguments(mainloop_args),
                                  Epilogue::to_underlying_arguments(epilogue_args), scheduler};

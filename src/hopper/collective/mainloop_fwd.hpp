@@ -46,7 +46,7 @@ namespace flashhopper::hopper {
 using namespace cute;
 
 template <class Element_, int kBlockM_, int kBlockN_, int kHeadDim_, int kHeadDimV_, int kStages_, MaskKind kMask_,
-          bool kSoftcap_, ForwardFeatures kFeatures_>
+          bool kSoftcap_, ForwardFeatures kFeatures_, int kClusterM_ = 1>
 struct ForwardMainloop {
   using Element = Element_;
   static constexpr int kBlockM = kBlockM_;
@@ -83,6 +83,15 @@ struct ForwardMainloop {
                 "fp8: no qv, 64 rows of O a warpgroup, key blocks of whole 32-key MMA slices");
   static constexpr int kTransposeThreads = 3 * cutlass::NumThreadsPerWarp;  // the producer's warps 1-3
   static constexpr int kProbabilityLog2 = kTransposesV ? 8 : 0;
+  // kClusterM CTAs of a cluster take adjacent query blocks of one head and share each K and V
+  // block: each loads 1 / kClusterM of it by TMA multicast into all of them, so the L2 serves a
+  // block once per cluster (ForwardTileSize's kClusterM). Their walks must be the same blocks in
+  // the same order: unmasked dense kernels only, one TMA thread a CTA.
+  static constexpr int kClusterM = kClusterM_;
+  static_assert(kClusterM == 1 || (kClusterM == 2 && kFeatures == ForwardFeatures::kNone &&
+                                   kMask == MaskKind::kNone && !kTransposesV),
+                "K/V multicast: pairs of CTAs of unmasked dense 16-bit kernels");
+  using KvTmaOp = cute::conditional_t<kClusterM == 1, SM90_TMA_LOAD, SM90_TMA_LOAD_MULTICAST>;
 
   using TileShapeQK = Shape<Int<kBlockM>, Int<kBlockN>, Int<kHeadDim>>;  // (M, N, d)
   using TileShapePV = Shape<Int<kBlockM>, Int<kHeadDimV>, Int<kBlockN>>;  // (M, dv, N)
@@ -147,18 +156,18 @@ struct ForwardMainloop {
       SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), ShapeQKV{}, StrideQK{}),
       SmemLayoutQ{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{}));
   using TmaK = decltype(make_tma_copy(
-      SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), ShapeQKV{}, StrideQK{}),
-      take<0, 2>(SmemLayoutK{}), Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
+      KvTmaOp{}, make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), ShapeQKV{}, StrideQK{}),
+      take<0, 2>(SmemLayoutK{}), Shape<Int<kBlockN>, Int<kHeadDim>>{}, Int<kClusterM>{}));
   using TmaVtMN = decltype(make_tma_copy(
-      SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), ShapeQKV{}, StrideVt{}),
-      take<0, 2>(SmemLayoutVt{}), Shape<Int<kHeadDimV>, Int<kBlockN>>{}, _1{}));
+      KvTmaOp{}, make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), ShapeQKV{}, StrideVt{}),
+      take<0, 2>(SmemLayoutVt{}), Shape<Int<kHeadDimV>, Int<kBlockN>>{}, Int<kClusterM>{}));
   // fp8: V as stored, (seqlen, dv, head, batch), into a staging buffer (N, dv).
   using TmaVStaged = decltype(make_tma_copy(
       SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)), ShapeQKV{}, StrideQK{}),
       take<0, 2>(SmemLayoutVAsB{}), Shape<Int<kBlockN>, Int<kHeadDimV>>{}, _1{}));
   using TmaVt = cute::conditional_t<kTransposesV, TmaVStaged, TmaVtMN>;
 
-  using Pipeline = cutlass::PipelineTmaAsync<kStages>;
+  using Pipeline = KvTmaPipeline<kStages, kClusterM>;
   using PipelineState = cutlass::PipelineState<kStages>;
   // fp8: transposed V stages, from transpose_v's threads to the MMA warpgroups.
   using PipelineVt = cutlass::PipelineAsync<kStages>;
@@ -318,8 +327,8 @@ struct ForwardMainloop {
     Tensor mV = make_tensor(make_gmem_ptr(args.ptr_v), select<1, 0, 2, 3>(args.shape_vt),
                             make_stride(get<1>(args.stride_vt), _1{}, get<2>(args.stride_vt), get<3>(args.stride_vt)));
     TmaQ tma_q = make_tma_copy(SM90_TMA_LOAD{}, mQ, SmemLayoutQ{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{});
-    TmaK tma_k = make_tma_copy(SM90_TMA_LOAD{}, mK, take<0, 2>(SmemLayoutK{}),
-                               Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{});
+    TmaK tma_k = make_tma_copy(KvTmaOp{}, mK, take<0, 2>(SmemLayoutK{}), Shape<Int<kBlockN>, Int<kHeadDim>>{},
+                               Int<kClusterM>{});
     VColumnMajorParams<kTransposesV> v_column_major{};
     if constexpr (kTransposesV) {
       if (args.v_column_stride != 0) {
@@ -337,8 +346,8 @@ struct ForwardMainloop {
         return make_tma_copy(SM90_TMA_LOAD{}, mV, take<0, 2>(SmemLayoutVAsB{}), Shape<Int<kBlockN>, Int<kHeadDimV>>{},
                              _1{});
       } else {
-        return make_tma_copy(SM90_TMA_LOAD{}, mVt, take<0, 2>(SmemLayoutVt{}), Shape<Int<kHeadDimV>, Int<kBlockN>>{},
-                             _1{});
+        return make_tma_copy(KvTmaOp{}, mVt, take<0, 2>(SmemLayoutVt{}), Shape<Int<kHeadDimV>, Int<kBlockN>>{},
+                             Int<kClusterM>{});
       }
     }();
     const int heads_per_kv_head = get<2>(args.shape_q) / get<2>(args.shape_k);
@@ -441,7 +450,12 @@ struct ForwardMainloop {
     Tensor gK = local_tile(mK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, _0{}));  // (N, d, n)
 
     auto [tQgQ, tQsQ] = tma_partition(params.tma_q, _0{}, Layout<_1>{}, group_modes<0, 2>(sQ), group_modes<0, 2>(gQ));
-    auto tma_k_parts = tma_partition(params.tma_k, _0{}, Layout<_1>{}, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
+    // This CTA's slice of each K/V block (all of it without a cluster), multicast to the cluster.
+    const int cluster_rank = kClusterM == 1 ? 0 : int(cute::block_rank_in_cluster());
+    const Layout<Int<kClusterM>> cluster_layout{};
+    constexpr uint16_t kMulticastMask = (1u << kClusterM) - 1;
+    auto tma_k_parts =
+        tma_partition(params.tma_k, cluster_rank, cluster_layout, group_modes<0, 2>(sK), group_modes<0, 2>(gK));
     // V's blocks (dv, N, n) into its stages, or with fp8 as stored, (N, dv, n), into the staging buffers.
     auto tma_v_parts = [&] {
       if constexpr (kTransposesV) {
@@ -456,7 +470,8 @@ struct ForwardMainloop {
             make_coord(_0{}, seq.offset_k),
             params.tma_vt.get_tma_tensor(params.shape_vt)(_, _, head_kv, seq.batch_k));  // (dv, sk)
         cute::Tensor gVt = local_tile(mVt, Shape<Int<kHeadDimV>, Int<kBlockN>>{}, make_coord(_0{}, _));
-        return tma_partition(params.tma_vt, _0{}, Layout<_1>{}, group_modes<0, 2>(sVt), group_modes<0, 2>(gVt));
+        return tma_partition(params.tma_vt, cluster_rank, cluster_layout, group_modes<0, 2>(sVt),
+                             group_modes<0, 2>(gVt));
       }
     }();
 
@@ -515,9 +530,9 @@ struct ForwardMainloop {
             return;
           }
         }
-        tma_load_stage(pipeline, state, params.tma_vt, tVgVt(_, n_block), tVsVt);
+        tma_load_stage(pipeline, state, params.tma_vt, tVgVt(_, n_block), tVsVt, kMulticastMask);
       } else {
-        tma_load_stage(pipeline, state, params.tma_k, tKgK(_, n_block), tKsK);
+        tma_load_stage(pipeline, state, params.tma_k, tKgK(_, n_block), tKsK, kMulticastMask);
       }
     };
     auto load_k = [&](int n_block) { load_stage(cute::false_type{}, n_block); };

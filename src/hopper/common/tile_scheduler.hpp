@@ -79,9 +79,12 @@ struct PersistentTileScheduler {
 
   // streamed_bytes_per_head: what the tiles of one (batch, head) stream and share: K and V in
   // the forward, the group's Q and dO in the backward (0: no sections, one order over all heads).
-  // l2_bytes: the device's L2 size.
+  // l2_bytes: the device's L2 size. cluster_size: CTAs of a cluster take adjacent blocks of one
+  // head (blocks fastest, no longest-first order): the row blocks are rounded up to whole
+  // clusters, the extra block's rows all past the sequence.
   static Params make_params(int num_row_blocks, int num_heads, int num_batch, int64_t streamed_bytes_per_head,
-                            int64_t l2_bytes, int num_sms, int num_splits = 1) {
+                            int64_t l2_bytes, int num_sms, int num_splits = 1, int cluster_size = 1) {
+    num_row_blocks = (num_row_blocks + cluster_size - 1) / cluster_size * cluster_size;
     const int num_blocks = num_row_blocks * num_splits;
     const int num_tiles = num_blocks * num_heads * num_batch;
     const int64_t fitting_l2 = (l2_bytes / 2) / (streamed_bytes_per_head > 0 ? streamed_bytes_per_head : 1);

@@ -48,9 +48,11 @@ struct ForwardTileSize<64, 512, kMasked> {
 
 // hdim 512 (forward): O split over two warpgroups as at 64/512, each also taking half of Q K^T's
 // contraction. Q (64 KiB), two K and two V stages of 32 keys (128 KiB) and the exchange (32 KiB):
-// 224 KiB, O from registers. Not tuned yet.
+// 224 KiB, O from registers. 64 rows of Q a K/V byte are half hdim 256's, so the unmasked kernels
+// share each K/V block between two CTAs (kClusterM). Not tuned yet.
 template <bool kMasked>
 struct ForwardTileSize<512, 512, kMasked> {
+  static constexpr int kClusterM = 2;
   static constexpr int kBlockM = 64;
   static constexpr int kBlockN = 32;  // 512/512 forward
   // 64 keys (the next A/B: WGMMAs twice as wide; 32-50 local ops in the loop) fit one K and one V
@@ -106,6 +108,13 @@ struct ForwardTileSizeFp8 {
   static constexpr int kBlockN = kHeadDim == 256 ? 64 : 128;  // 256: 128 K + 64 Q = 192 KiB
   static constexpr int kStages = 2;
 };
+
+// The CTAs of a cluster that share each K/V block by TMA multicast, where the tile says (kClusterM),
+// else 1. Unmasked dense 16-bit kernels only (ForwardKernelOf): theirs walk the same key blocks.
+template <class Tile, class = void>
+inline constexpr int kForwardClusterM = 1;
+template <class Tile>
+inline constexpr int kForwardClusterM<Tile, std::void_t<decltype(Tile::kClusterM)>> = Tile::kClusterM;
 
 // The forward's tile of a family: fp8's table or the 16-bit one.
 template <bool kFp8, int kHeadDim, int kHeadDimV, bool kMasked>

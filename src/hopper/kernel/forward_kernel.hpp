@@ -28,6 +28,7 @@ struct ForwardKernel {
   using Element = typename Mainloop::Element;
   using ElementOut = typename Epilogue::Element;  // O's: Element's, bf16 for fp8
   static constexpr bool kTransposesV = Mainloop::kTransposesV;
+  static constexpr int kClusterM = Mainloop::kClusterM;  // CTAs sharing each K/V block (multicast)
 
   static constexpr int kNumMmaWarpGroups = Mainloop::kNumMmaWarpGroups;
   static constexpr int kNumMmaThreads = Mainloop::kNumMmaThreads;
@@ -127,12 +128,12 @@ struct ForwardKernel {
 
     using Pipeline = typename Mainloop::Pipeline;
     const auto kv_stage = Mainloop::kv_stage_completion(params.mainloop);
-    Pipeline pipeline_k = make_tma_pipeline<Pipeline>(storage.barriers.pipeline_k, warp_group, kNumMmaThreads,
-                                                      kv_stage.bytes_k, kv_stage.arrivals);
+    Pipeline pipeline_k = make_tma_pipeline<Pipeline, kClusterM>(storage.barriers.pipeline_k, warp_group,
+                                                                 kNumMmaThreads, kv_stage.bytes_k, kv_stage.arrivals);
     // With fp8 V's TMA stages are consumed by the transposing warps, whose output the MMAs consume.
-    Pipeline pipeline_v = make_tma_pipeline<Pipeline>(storage.barriers.pipeline_v, warp_group,
-                                                      kTransposesV ? Mainloop::kTransposeThreads : kNumMmaThreads,
-                                                      kv_stage.bytes_v, kv_stage.arrivals);
+    Pipeline pipeline_v = make_tma_pipeline<Pipeline, kClusterM>(
+        storage.barriers.pipeline_v, warp_group, kTransposesV ? Mainloop::kTransposeThreads : kNumMmaThreads,
+        kv_stage.bytes_v, kv_stage.arrivals);
     using PipelineVt = typename Mainloop::PipelineVt;
     auto pipeline_vt_if_fp8 = [&] {
       if constexpr (kTransposesV) {
@@ -151,7 +152,13 @@ struct ForwardKernel {
     }();
 
     cutlass::arch::fence_barrier_init();
-    __syncthreads();
+    if constexpr (kClusterM > 1) {
+      // The other CTAs' loads and releases reach this one's barriers only once they are set up.
+      cute::cluster_arrive_relaxed();
+      cute::cluster_wait();
+    } else {
+      __syncthreads();
+    }
 
     if (warp_group == 0) {  // producer
       cutlass::arch::warpgroup_reg_dealloc<kProducerRegisters>();
@@ -195,6 +202,11 @@ struct ForwardKernel {
         } else {
           Mainloop::load(params.mainloop, shared, work, seq, blocks);
         }
+      }
+      if constexpr (kClusterM > 1) {
+        // The other CTAs' consumers release this one's stages remotely: stay until they all have.
+        pipeline_k.producer_tail(pipe_k_write);
+        pipeline_v.producer_tail(pipe_v_write);
       }
     } else {  // consumers
       cutlass::arch::warpgroup_reg_alloc<kConsumerRegisters>();
