@@ -11,7 +11,8 @@
 #   AB_TESTS='test_backward_gpu:Grid/*bf16_d512*' AB_BENCH='--hdims 512 --seqlens 8192 16384' bench/ab_source_line.sh
 # AB_UNITS: instantiation file stems (src/hopper/instantiations/<stem>.cu), AB_UNITS_2, ... a side's
 # own where only some of them read its line; AB_TESTS: binary:gtest
-# filter pairs, space-separated (optional); AB_BENCH: bench/bench_head_dims.py's arguments. Output
+# filter pairs, space-separated (optional); AB_BENCH: bench/bench_head_dims.py's arguments;
+# AB_TESTS_2, AB_BENCH_2, ...: a side's own instead. Output
 # in $JOB_DIR/out/ab_line/ (a/, b/, ..., tests_<side>.log, progress.log with "AB DONE" last). A FROM
 # that is not in the file, a failed compile or link: logged, and that side is not run.
 set -u
@@ -24,8 +25,8 @@ file="$src/${AB_FILE:?AB_FILE: the file to rewrite, relative to the repository r
 : "${AB_FROM:?AB_FROM: the line to replace}" "${AB_TO:?AB_TO: its replacement}" "${AB_UNITS:?AB_UNITS: stems}"
 
 side() {  # the tests, then the benchmark, of the library as it is now
-  local name=$1 spec
-  for spec in ${AB_TESTS:-}; do
+  local name=$1 tests=$2 bench=$3 spec
+  for spec in $tests; do
     timeout 300 "$build/tests/cpp/${spec%%:*}" --gtest_brief=1 --gtest_filter="${spec#*:}" \
       >> "$out/tests_$name.log" 2>&1
     log "side $name tests ${spec%%:*} rc=$?: $(grep -E '^\[  (PASSED|FAILED)  \]' "$out/tests_$name.log" |
@@ -33,7 +34,7 @@ side() {  # the tests, then the benchmark, of the library as it is now
   done
   # shellcheck disable=SC2086
   (cd "$src" && PYTHONUNBUFFERED=1 FLASHHOPPER_LIBRARY="$build/libflashhopper.so" PYTHONPATH="$src/python" \
-    timeout 300 python3 bench/bench_head_dims.py ${AB_BENCH:-} --out "$out/$name" > "$out/bench_$name.txt" 2>&1)
+    timeout 300 python3 bench/bench_head_dims.py $bench --out "$out/$name" > "$out/bench_$name.txt" 2>&1)
   log "side $name bench rc=$?"
 }
 
@@ -51,16 +52,17 @@ build_variant() {
   [ $ok = 1 ] && log "built side $name: $to"
 }
 
-side a
+side a "${AB_TESTS:-}" "${AB_BENCH:-}"
 sides=(b c d e f g h)
 for i in "${!sides[@]}"; do
   n=$((i + 1))
-  units=$AB_UNITS
+  units=$AB_UNITS tests=${AB_TESTS:-} bench=${AB_BENCH:-}
   if [ "$n" = 1 ]; then from=$AB_FROM to=$AB_TO; else
-    from_var="AB_FROM_$n" to_var="AB_TO_$n" units_var="AB_UNITS_$n"
+    from_var="AB_FROM_$n" to_var="AB_TO_$n" units_var="AB_UNITS_$n" tests_var="AB_TESTS_$n" bench_var="AB_BENCH_$n"
     [ -n "${!from_var:-}" ] || break
     from=${!from_var} to=${!to_var:?$to_var: the replacement of $from_var} units=${!units_var:-$AB_UNITS}
+    tests=${!tests_var:-$tests} bench=${!bench_var:-$bench}
   fi
-  build_variant "${sides[$i]}" "$from" "$to" "$units" && side "${sides[$i]}"
+  build_variant "${sides[$i]}" "$from" "$to" "$units" && side "${sides[$i]}" "$tests" "$bench"
 done
 log "AB DONE"

@@ -65,6 +65,7 @@ struct ForwardTileSize<512, 512, kMasked> {
 // (Measurements: bench/RESULTS.md, "Tile and schedule choices".)
 template <bool kMasked>
 struct ForwardTileSize<128, 128, kMasked> {
+  static constexpr int kClusterM = 1;  // 128 forward: K/V multicast to CTA pairs (2) not yet timed
   static constexpr int kBlockM = 128;
   static constexpr int kBlockN = kMasked ? 128 : 160;
   static constexpr int kStages = 2;
@@ -92,6 +93,7 @@ struct ForwardTileSize<192, kHeadDimV, kMasked> {
 // (O from registers).
 template <bool kMasked>
 struct ForwardTileSize<256, 256, kMasked> {
+  static constexpr int kClusterM = 1;  // 256 forward: K/V multicast to CTA pairs (2) not yet timed
   static constexpr int kBlockM = 128;
   static constexpr int kBlockN = 80;
   static constexpr int kStages = 2;
