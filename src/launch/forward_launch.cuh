@@ -28,12 +28,13 @@ struct ForwardKernelOf {
   using Element = typename ElementOf<kDType>::type;
   static constexpr bool kMasked = kMask != hopper::MaskKind::kNone;
   using Tile = hopper::ForwardTile<kDType == FH_DTYPE_FP8_E4M3, kHeadDim, kHeadDimV, kMasked>;
-  // K/V multicast over a cluster where the tile asks for it and the kernel walks the same key
-  // blocks for every query block: unmasked, dense, 16-bit.
-  static constexpr int kClusterM = !kMasked && kFeatures == hopper::ForwardFeatures::kNone &&
-                                           kDType != FH_DTYPE_FP8_E4M3
-                                       ? hopper::kForwardClusterM<Tile>
-                                       : 1;
+  // K/V multicast over a cluster where the tile asks for it: dense 16-bit kernels, unmasked or
+  // causal (whose pairs walk the union of their blocks: ForwardKernel::key_blocks).
+  static constexpr int kClusterM =
+      (kMask == hopper::MaskKind::kNone || kMask == hopper::MaskKind::kCausal) &&
+              kFeatures == hopper::ForwardFeatures::kNone && kDType != FH_DTYPE_FP8_E4M3
+          ? hopper::kForwardClusterM<Tile>
+          : 1;
   using Mainloop = hopper::ForwardMainloop<Element, Tile::kBlockM, Tile::kBlockN, kHeadDim, kHeadDimV, Tile::kStages,
                                            kMask, kSoftcap, kFeatures, kClusterM>;
   using Epilogue =
@@ -42,7 +43,7 @@ struct ForwardKernelOf {
   // Causal tiles differ in length (longest first); a window's are alike, and those run together
   // share their K/V in L2 when the blocks of a head go together.
   using Scheduler = hopper::PersistentTileScheduler</*kLongestFirst=*/kMask == hopper::MaskKind::kCausal,
-                                                    Mainloop::kPacked, Mainloop::kSplitKv>;
+                                                    Mainloop::kPacked, Mainloop::kSplitKv, kClusterM>;
   using Kernel = hopper::ForwardKernel<Mainloop, Epilogue, Scheduler>;
   static constexpr bool kUsesExtendedGmma = Mainloop::kUsesExtendedGmma;
 };

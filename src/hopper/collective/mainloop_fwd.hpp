@@ -86,11 +86,11 @@ struct ForwardMainloop {
   // kClusterM CTAs of a cluster take adjacent query blocks of one head and share each K and V
   // block: each loads 1 / kClusterM of it by TMA multicast into all of them, so the L2 serves a
   // block once per cluster (ForwardTileSize's kClusterM). Their walks must be the same blocks in
-  // the same order: unmasked dense kernels only, one TMA thread a CTA.
+  // the same order (ForwardKernel::key_blocks): dense kernels, unmasked or causal, one TMA thread.
   static constexpr int kClusterM = kClusterM_;
   static_assert(kClusterM == 1 || (kClusterM == 2 && kFeatures == ForwardFeatures::kNone &&
-                                   kMask == MaskKind::kNone && !kTransposesV),
-                "K/V multicast: pairs of CTAs of unmasked dense 16-bit kernels");
+                                   (kMask == MaskKind::kNone || kMask == MaskKind::kCausal) && !kTransposesV),
+                "K/V multicast: pairs of CTAs of dense 16-bit kernels, unmasked or causal");
   using KvTmaOp = cute::conditional_t<kClusterM == 1, SM90_TMA_LOAD, SM90_TMA_LOAD_MULTICAST>;
 
   using TileShapeQK = Shape<Int<kBlockM>, Int<kBlockN>, Int<kHeadDim>>;  // (M, N, d)

@@ -61,8 +61,11 @@ struct TileRing {
 // kPlanned: packed batches may come (the planner's tile list, taken from a counter); kSplit:
 // split-KV may come. Without them (a dense forward) a tile is only ever decoded from its index, so
 // every thread of a warp provably holds the same one, and it stays in uniform registers.
-template <bool kLongestFirst, bool kPlanned = true, bool kSplit = true>
+// kClusterM > 1 (dense only): the CTAs of a cluster, adjacent in the grid, take adjacent blocks of
+// one head: the order above runs over pairs of blocks and pairs of CTAs.
+template <bool kLongestFirst, bool kPlanned = true, bool kSplit = true, int kClusterM = 1>
 struct PersistentTileScheduler {
+  static_assert(kClusterM == 1 || (!kPlanned && !kSplit), "clusters: dense tiles");
   struct Params {
     int num_blocks;  // row blocks times splits
     int num_tiles;
@@ -130,15 +133,23 @@ struct PersistentTileScheduler {
     work.valid = tile < params.num_tiles;
     int block, rest;
     if constexpr (kLongestFirst) {
-      if (work.valid) tile = snake(tile, params.num_tiles);
+      // With clusters: the order of pairs of blocks, each CTA of a pair taking its own block of it.
+      int rank_in_cluster = 0, num_blocks = params.num_blocks;
+      if constexpr (kClusterM > 1) {
+        rank_in_cluster = tile % kClusterM;
+        tile /= kClusterM;
+        num_blocks /= kClusterM;
+      }
+      if (work.valid) tile = snake(tile, params.num_tiles / kClusterM);
       // rank = section * (heads_per_section * num_blocks) + (block from the last) * heads_here + pair
-      const int section_tiles = params.heads_per_section * params.num_blocks;
+      const int section_tiles = params.heads_per_section * num_blocks;
       const int section = tile / section_tiles;
       const int within = tile - section * section_tiles;
       const int heads_here = min(params.heads_per_section, params.num_head_batch - section * params.heads_per_section);
       const int block_rank = within / heads_here;
       rest = section * params.heads_per_section + (within - block_rank * heads_here);
-      block = params.num_blocks - 1 - block_rank;
+      block = num_blocks - 1 - block_rank;
+      if constexpr (kClusterM > 1) block = block * kClusterM + rank_in_cluster;
     } else {
       // block fastest, so the CTAs running together share a head's K and V in L2.
       params.block_divmod(rest, block, tile);
@@ -149,11 +160,13 @@ struct PersistentTileScheduler {
     return work;
   }
 
-  // Odd waves run backwards over the CTAs (the last wave may be partial).
+  // Odd waves run backwards over the CTAs (the last wave may be partial); with clusters over the
+  // clusters, a wave a tile each.
   CUTLASS_DEVICE static int snake(int tile, int num_tiles) {
-    const int wave = tile / int(gridDim.x);
-    const int wave_start = wave * int(gridDim.x);
-    const int wave_size = min(int(gridDim.x), num_tiles - wave_start);
+    const int width = int(gridDim.x) / kClusterM;
+    const int wave = tile / width;
+    const int wave_start = wave * width;
+    const int wave_size = min(width, num_tiles - wave_start);
     return (wave & 1) ? wave_start + wave_size - 1 - (tile - wave_start) : tile;
   }
 

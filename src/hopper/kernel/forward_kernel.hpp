@@ -101,9 +101,16 @@ struct ForwardKernel {
     }
   }
 
-  // The key blocks a tile walks: its query block's, or its split's part of them.
+  // The key blocks a tile walks: its query block's, or its split's part of them. The CTAs of a
+  // cluster load each block together, so they walk the same ones: those of the cluster's last
+  // query block that has rows, which include the others' (unmasked: the same; causal: more, the
+  // extra ones wholly masked for the lower blocks' rows).
   CUTLASS_DEVICE static auto key_blocks(Params const& params, SeqlenInfo const& seq, WorkTile const& work) {
-    const auto blocks = Mainloop::make_mask(params.mainloop, seq).key_blocks(work.block);
+    int walk_block = work.block;
+    if constexpr (kClusterM > 1) {
+      walk_block = min(walk_block | (kClusterM - 1), max(seq.seqlen_q - 1, 0) / Mainloop::kBlockM);
+    }
+    const auto blocks = Mainloop::make_mask(params.mainloop, seq).key_blocks(walk_block);
     if constexpr (Mainloop::kSplitKv) {
       if (params.scheduler.num_splits > 1) return blocks.split(work.split, params.scheduler.num_splits);
     }
