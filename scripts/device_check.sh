@@ -135,9 +135,11 @@ for step in "${steps[@]}"; do
       # dQ kernel's two warpgroups on the same rows; causal with rows that see no key, and a window.
       sanitize hdim512 test_backward_gpu "$(printf 'Grid/BackwardGpuTest.MatchesReference/bf16_d512_%s:' \
         causal_b2_sq1000_sk513_h4_hkv1 full_b1_sq113_sk200_h4_hkv2)Features/*.MatchesReference/bf16_d512_full_b1_sq600_sk500_h4_hkv2_w100x0_sinks2_cap20_lsink"
-      # Its unmasked forward's CTA pairs (K/V multicast), an odd count of query blocks among them.
+      # Its forward's CTA pairs (K/V multicast), unmasked and causal, odd counts of query blocks
+      # (a pair's block past the sequence) and causal rows that see no key among them.
       sanitize hdim512_forward test_forward_gpu "$(printf 'Grid/ForwardGpuTest.MatchesReference/bf16_d512_%s:' \
-        full_b1_sq113_sk200_h4_hkv2 full_b1_sq257_sk1000_h2_hkv2 full_b2_sq7_sk7_h3_hkv3)"
+        full_b1_sq113_sk200_h4_hkv2 full_b1_sq257_sk1000_h2_hkv2 full_b2_sq7_sk7_h3_hkv3 \
+        causal_b1_sq257_sk1000_h2_hkv2 causal_b2_sq1000_sk513_h4_hkv1)"
       # One small case of each mask and transform, both passes (windows, sinks, chunks, softcap,
       # learnable sink), at head dims 128 and 256 (the dQ kernel).
       features_filter="$(printf 'Features/*.MatchesReference/bf16_d%s_%s:' \
