@@ -10,9 +10,9 @@
 #   AB_FROM='...' AB_TO='...' [AB_FROM_2='...' AB_TO_2='...' ...] \
 #   AB_TESTS='test_backward_gpu:Grid/*bf16_d512*' AB_BENCH='--hdims 512 --seqlens 8192 16384' bench/ab_source_line.sh
 # AB_UNITS: instantiation file stems (src/hopper/instantiations/<stem>.cu), AB_UNITS_2, ... a side's
-# own where only some of them read its line; AB_TESTS: binary:gtest
+# own where only some of them read its line (AB_UNITS_1 for side b); AB_TESTS: binary:gtest
 # filter pairs, space-separated (optional); AB_BENCH: bench/bench_head_dims.py's arguments;
-# AB_TESTS_2, AB_BENCH_2, ...: a side's own instead. Output
+# AB_TESTS_1, AB_BENCH_1, ...: a side's own instead. Output
 # in $JOB_DIR/out/ab_line/ (a/, b/, ..., tests_<side>.log, progress.log with "AB DONE" last). A FROM
 # that is not in the file, a failed compile or link: logged, and that side is not run.
 set -u
@@ -56,13 +56,13 @@ side a "${AB_TESTS:-}" "${AB_BENCH:-}"
 sides=(b c d e f g h)
 for i in "${!sides[@]}"; do
   n=$((i + 1))
-  units=$AB_UNITS tests=${AB_TESTS:-} bench=${AB_BENCH:-}
+  units_var="AB_UNITS_$n" tests_var="AB_TESTS_$n" bench_var="AB_BENCH_$n"
   if [ "$n" = 1 ]; then from=$AB_FROM to=$AB_TO; else
-    from_var="AB_FROM_$n" to_var="AB_TO_$n" units_var="AB_UNITS_$n" tests_var="AB_TESTS_$n" bench_var="AB_BENCH_$n"
+    from_var="AB_FROM_$n" to_var="AB_TO_$n"
     [ -n "${!from_var:-}" ] || break
-    from=${!from_var} to=${!to_var:?$to_var: the replacement of $from_var} units=${!units_var:-$AB_UNITS}
-    tests=${!tests_var:-$tests} bench=${!bench_var:-$bench}
+    from=${!from_var} to=${!to_var:?$to_var: the replacement of $from_var}
   fi
+  units=${!units_var:-$AB_UNITS} tests=${!tests_var:-${AB_TESTS:-}} bench=${!bench_var:-${AB_BENCH:-}}
   build_variant "${sides[$i]}" "$from" "$to" "$units" && side "${sides[$i]}" "$tests" "$bench"
 done
 log "AB DONE"
