@@ -31,7 +31,6 @@ cudaError_t launch_kernel(Entry entry, int grid, typename Kernel::Params const& 
   constexpr int kSmemBytes = Kernel::kSharedStorageSize;
   constexpr int kCluster = kClusterSizeOf<Kernel>;
   static std::atomic<uint64_t> opted_in{0};  // bit i: done on device i (this instantiation's own)
-  static std::atomic<int> resident_clusters[64] = {};  // per device, 0 until asked
   int device = 0;
   cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return err;
@@ -45,6 +44,7 @@ cudaError_t launch_kernel(Entry entry, int grid, typename Kernel::Params const& 
     entry<<<grid, Kernel::kNumThreads, kSmemBytes, stream>>>(params);
     return cudaGetLastError();
   } else {
+    static std::atomic<int> resident_clusters[64] = {};  // per device, 0 until asked
     cudaLaunchAttribute cluster;
     cluster.id = cudaLaunchAttributeClusterDimension;
     cluster.val.clusterDim.x = kCluster;
