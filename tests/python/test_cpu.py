@@ -1932,6 +1932,36 @@ def test_kernel_resources_reads_cuobjdump_output():
     assert kernel_resources.local_traffic(sass) == {"_Z20forward_kernel_entryA": (3, 1, 1)}
 
 
+def test_throughput_report_reads_ncu_details_csv(tmp_path, capsys):
+    """bench/profile/throughput_report.py on ncu's --page details --csv form: its own messages
+    skipped, units scaled (Duration in us, L2 bytes in TB/s), a missing metric shown as '-'."""
+    sys.path.insert(0, str(ROOT / "bench" / "profile"))
+    try:
+        import throughput_report
+    finally:
+        sys.path.pop(0)
+    header = ('"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size",'
+              '"Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"')
+    row = '"0","1","python3","h","forward_kernel","1","7","(384, 1, 1)","(132, 1, 1)","0","9.0",'
+    csv_path = tmp_path / "throughput_fwd_8192_d512_c0.csv"
+    csv_path.write_text("\n".join([
+        "==PROF== Connected to process 1",
+        header,
+        row + '"GPU Speed Of Light Throughput","Duration","ms","1.5"',
+        row + '"GPU Speed Of Light Throughput","L2 Cache Throughput","%","71.25"',
+        row + '"Command line profiler metrics","lts__t_bytes.sum.per_second","Gbyte/second","5,310"',
+    ]) + "\n")
+    throughput_report.main([str(csv_path)])
+    line = [l for l in capsys.readouterr().out.splitlines() if l.startswith("| fwd_8192_d512_c0")][0]
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    columns = [c[0] for c in throughput_report.COLUMNS]
+    values = dict(zip(["call"] + columns, cells))
+    assert values["time us"] == "1500"
+    assert values["L2 %"] == "71.2"
+    assert values["L2 TB/s"] == "5.31"
+    assert values["SM %"] == "-"
+
+
 def test_benchmark_modules_import_no_cycle():
     """The benchmark modules (python -m flashhopper.bench, its --decode and --gate) take their shared
     helpers from bench_timing; none imports another that imports it back."""
