@@ -93,43 +93,39 @@ void check_pairs(const Shape& s, int sms) {
   }
 }
 
-const Shape kShapes[] = {{1, 1, 1}, {5, 3, 2}, {6, 4, 1}, {65, 1, 1}, {17, 8, 3}, {256, 16, 2}};
-const int kSms[] = {2, 8, 66, 132};
-
-TEST(TileScheduler, UnmaskedPairsShareHeadAndStep) {
-  for (const Shape& s : kShapes)
-    for (int sms : kSms) {
+// check(shape, sms) over every shape and SM count, each named in the failures.
+template <class Check>
+void for_each_case(Check check) {
+  const Shape shapes[] = {{1, 1, 1}, {5, 3, 2}, {6, 4, 1}, {65, 1, 1}, {17, 8, 3}, {256, 16, 2}};
+  for (const Shape& s : shapes)
+    for (int sms : {2, 8, 66, 132}) {
       SCOPED_TRACE(testing::Message() << s.query_blocks << " blocks, " << s.heads << " heads, batch " << s.batch
                                       << ", " << sms << " SMs");
-      check_pairs</*kLongestFirst=*/false>(s, sms);
+      check(s, sms);
     }
+}
+
+TEST(TileScheduler, UnmaskedPairsShareHeadAndStep) {
+  for_each_case([](const Shape& s, int sms) { check_pairs</*kLongestFirst=*/false>(s, sms); });
 }
 
 TEST(TileScheduler, CausalPairsShareHeadAndStep) {
-  for (const Shape& s : kShapes)
-    for (int sms : kSms) {
-      SCOPED_TRACE(testing::Message() << s.query_blocks << " blocks, " << s.heads << " heads, batch " << s.batch
-                                      << ", " << sms << " SMs");
-      check_pairs</*kLongestFirst=*/true>(s, sms);
-    }
+  for_each_case([](const Shape& s, int sms) { check_pairs</*kLongestFirst=*/true>(s, sms); });
 }
 
 // Without clusters the order is a permutation of the tiles too (the control for the above).
+template <bool kLongestFirst>
+void check_single_ctas(const Shape& s, int sms) {
+  using Scheduler = PersistentTileScheduler<kLongestFirst, /*kPlanned=*/false, /*kSplit=*/false>;
+  const auto params = Scheduler::make_params(s.query_blocks, s.heads, s.batch, 1 << 22, 50 << 20, sms);
+  expect_each_tile_once(walk<Scheduler>(params, std::min(params.num_tiles, sms)), s.query_blocks, s);
+}
+
 TEST(TileScheduler, SingleCtaOrderCoversEveryTile) {
-  for (bool causal : {false, true})
-    for (const Shape& s : kShapes)
-      for (int sms : kSms) {
-        SCOPED_TRACE(testing::Message() << (causal ? "causal, " : "") << s.query_blocks << " blocks, " << s.heads
-                                        << " heads, batch " << s.batch << ", " << sms << " SMs");
-        auto run = [&](auto scheduler) {
-          using Scheduler = decltype(scheduler);
-          const auto params = Scheduler::make_params(s.query_blocks, s.heads, s.batch, 1 << 22, 50 << 20, sms);
-          const int grid = std::min(params.num_tiles, sms);
-          expect_each_tile_once(walk<Scheduler>(params, grid), s.query_blocks, s);
-        };
-        if (causal) run(PersistentTileScheduler<true, false, false>{});
-        else run(PersistentTileScheduler<false, false, false>{});
-      }
+  for_each_case([](const Shape& s, int sms) {
+    check_single_ctas</*kLongestFirst=*/false>(s, sms);
+    check_single_ctas</*kLongestFirst=*/true>(s, sms);
+  });
 }
 
 }  // namespace

@@ -48,8 +48,8 @@ struct ForwardTileSize<64, 512, kMasked> {
 
 // hdim 512 (forward): O split over two warpgroups as at 64/512, each also taking half of Q K^T's
 // contraction. Q (64 KiB), two K and two V stages of 32 keys (128 KiB) and the exchange (32 KiB):
-// 224 KiB, O from registers. 64 rows of Q a K/V byte are half hdim 256's, so the unmasked kernels
-// share each K/V block between two CTAs (kClusterM). Not tuned yet.
+// 224 KiB, O from registers. 64 rows of Q a K/V byte are half hdim 256's, so the dense unmasked
+// and causal kernels share each K/V block between two CTAs (kClusterM). Not tuned yet.
 template <bool kMasked>
 struct ForwardTileSize<512, 512, kMasked> {
   static constexpr int kClusterM = 2;
@@ -112,7 +112,8 @@ struct ForwardTileSizeFp8 {
 };
 
 // The CTAs of a cluster that share each K/V block by TMA multicast, where the tile says (kClusterM),
-// else 1. Unmasked dense 16-bit kernels only (ForwardKernelOf): theirs walk the same key blocks.
+// else 1. Dense 16-bit kernels, unmasked or causal, only (ForwardKernelOf): a pair can walk the
+// same key blocks.
 template <class Tile, class = void>
 inline constexpr int kForwardClusterM = 1;
 template <class Tile>
