@@ -263,11 +263,12 @@ def _kvcache_forward(q, k_cache, v_cache, mask, softmax_scale, num_splits, *, k=
                      cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, page_table=None, cu_seqlens_q=None,
                      max_seqlen_q=None, cu_seqlens_k_new=None, cu_seqlens_k=None, max_seqlen_k=None, seqused_q=None,
                      seqused_k=None, learnable_sink=None, return_lse=True, names=interface._KVCACHE_NAMES,
-                     sm_margin=0, descales=(None, None, None)):
+                     sm_margin=0, descales=(None, None, None), call_key=None):
     """(out, lse) of the library's forward with the KV-cache fields: traced (torch.compile,
     torch.export), the fwd_kvcache op, which tells the tracer that an append writes k_cache and
     v_cache; eager, the library call without the dispatcher's host work (lse None unless
-    return_lse; names as interface.forward_with_kvcache's). descales: fp8's factors."""
+    return_lse; names as interface.forward_with_kvcache's). descales: fp8's factors; call_key:
+    forward_with_kvcache's caller_key."""
     if _call_kind(q, k_cache, v_cache, *descales) == _TRACED:
         causal, window_left, window_right, softcap, attention_chunk = mask
         return ops.fwd_kvcache(
@@ -282,7 +283,7 @@ def _kvcache_forward(q, k_cache, v_cache, mask, softmax_scale, num_splits, *, k=
         max_seqlen_q=max_seqlen_q, softmax_scale=softmax_scale, mask=mask, num_splits=num_splits,
         return_lse=return_lse, cu_seqlens_k_new=cu_seqlens_k_new, cu_seqlens_k=cu_seqlens_k, max_seqlen_k=max_seqlen_k,
         seqused_q=seqused_q, seqused_k=seqused_k, learnable_sink=learnable_sink, names=names, sm_margin=sm_margin,
-        descales=descales)
+        descales=descales, caller_key=call_key)
     return result if return_lse else (result, None)
 
 
@@ -564,6 +565,22 @@ def flash_attn_with_kvcache(
     k_cache and v_cache as written."""
     if scheduler_metadata is not None:
         num_splits = _planned_splits(scheduler_metadata, num_splits)
+    descales = (q_descale, k_descale, v_descale)
+    # A call like an earlier one (the same tensor metadata and options, of the same types) runs the
+    # plan that call made, without its checks and conversions again: a decode step's host work.
+    call_key = None
+    if _call_kind(q, k_cache, v_cache, *descales) != _TRACED:
+        tensors = (q, k_cache, v_cache, k, v, qv, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                   cache_leftpad, page_table, cu_seqlens_q, rotary_seqlens, cu_seqlens_k_new, None, None, None, None,
+                   *descales)
+        if cu_seqlens_k_new is None or k is not None or v is not None:  # else it is dropped: not these tensors
+            call_key = interface._plan_key(
+                "flash_attn_with_kvcache", tensors, (max_seqlen_q, softmax_scale, causal, window_size, attention_chunk,
+                                                     softcap, rotary_interleaved, num_splits, sm_margin,
+                                                     return_softmax_lse))
+        plan = interface._PLANS.get(call_key) if call_key is not None else None
+        if plan is not None:
+            return interface.run_kvcache_plan(plan, tensors, bool(return_softmax_lse))
     mask = _memoised(_check_kvcache_options, causal, window_size, softcap, attention_chunk, sm_margin, softmax_scale)
     if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
         if not isinstance(q, torch.Tensor):
@@ -576,7 +593,7 @@ def flash_attn_with_kvcache(
         cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
         page_table=page_table, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q,
         cu_seqlens_k_new=cu_seqlens_k_new, return_lse=bool(return_softmax_lse), sm_margin=sm_margin,
-        descales=(q_descale, k_descale, v_descale))
+        descales=descales, call_key=call_key)
     return (out, softmax_lse) if return_softmax_lse else out
 
 

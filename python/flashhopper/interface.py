@@ -572,36 +572,34 @@ class _Plan(NamedTuple):
 
 _PLANS: dict = {}
 _MAX_PLANS = 4096
-_SCALARS = (int, float, bool, type(None))
+_SCALARS = frozenset((int, float, bool, type(None)))
 _POINTER = struct.Struct("=Q")  # a Tensor's data field: a native 64-bit pointer
 
 
 def _plan_key(kind: str, tensors, options):
-    """kind, each option with its type (a tuple's items likewise, after its length) and each
-    tensor's metadata (or None), as one flat tuple (each part parses one way, so distinct calls never
-    share a key); None (the call is not memoised) when an argument is neither a tensor nor None, or
-    an option not a plain scalar or a tuple of them."""
-    keyed = [kind]
+    """kind, the options with their types (a tuple's, item by item) and each tensor's metadata (or
+    None), as one tuple (equal keys: equal values of equal types, so 1, 1.0 and True never share
+    one); None (the call is not memoised) when an argument is neither a tensor nor None, or an
+    option not a plain scalar or a tuple of them. Every call computes one: kept lean."""
+    types = []
     for option in options:
         cls = type(option)
-        if cls in _SCALARS:
-            keyed += (cls, option)
-        elif cls is tuple:
-            keyed += (tuple, len(option))
-            for item in option:
-                if type(item) not in _SCALARS:
-                    return None
-                keyed += (type(item), item)
-        else:
+        if cls is tuple:
+            cls = tuple(map(type, option))
+            if not _SCALARS.issuperset(cls):
+                return None
+        elif cls not in _SCALARS:
             return None
+        types.append(cls)
+    metadata = []
     for t in tensors:
         if t is None:
-            keyed.append(None)
+            metadata.append(None)
         elif isinstance(t, torch.Tensor):
-            keyed += (t.dtype, t.device, t.shape, t.stride())
+            metadata.append((t.dtype, t.device, t.shape, t.stride()))
         else:
             return None
-    return tuple(keyed)
+    return kind, options, tuple(types), tuple(metadata)
 
 
 def _pointer_offsets(params, named) -> tuple:
@@ -616,11 +614,16 @@ def _make_plan(key, params, named, workspace_size_fn) -> _Plan:
     workspace_bytes = ctypes.c_size_t(0)
     _check(workspace_size_fn(ctypes.byref(params), ctypes.byref(workspace_bytes)))
     plan = _Plan(params, _pointer_offsets(params, named), workspace_bytes.value)
+    _remember(key, plan)
+    return plan
+
+
+def _remember(key, plan: _Plan) -> None:
+    """plan memoised under key (None: not memoised)."""
     if key is not None:
         if len(_PLANS) >= _MAX_PLANS:
             _PLANS.clear()
         _PLANS[key] = plan
-    return plan
 
 
 def _bound_params(plan: _Plan, named) -> ctypes.Structure:
@@ -820,7 +823,8 @@ def forward_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                          cu_seqlens_q=None, max_seqlen_q=None, softmax_scale=None, mask=(False, -1, -1, 0.0, 0),
                          num_splits=0, return_lse=False, cu_seqlens_k_new=None, cu_seqlens_k=None,
                          max_seqlen_k=None, seqused_q=None, seqused_k=None, learnable_sink=None,
-                         names=_KVCACHE_NAMES, sm_margin=0, check_only=False, descales=(None, None, None)):
+                         names=_KVCACHE_NAMES, sm_margin=0, check_only=False, descales=(None, None, None),
+                         caller_key=None):
     """Attention against a KV cache, in FA3's flash_attn_with_kvcache's terms (k_new/v_new are its k
     and v; packed [total_new, Hkv, d] with cu_seqlens_k_new, which is ignored without them): the C
     ABI's fields of include/flashhopper/flashhopper.h ("KV cache extras"). With page_table,
@@ -830,7 +834,9 @@ def forward_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     The library checks what is not checked here and names the argument as the caller does (names:
     the C ABI's names to the caller's; flash_attn_varlen_func's are the C ABI's own). check_only:
     the argument checks but the devices' alone, for fake tensors (the fake op's); returns None.
-    descales: fp8's (q_descale, k_descale, v_descale), as forward()'s."""
+    descales: fp8's (q_descale, k_descale, v_descale), as forward()'s. caller_key: the caller's own
+    plan key (from its unconverted arguments, which give these tensors in _KVCACHE_FIELDS's order
+    and these options), under which this call's plan is memoised too: run_kvcache_plan runs it."""
     if k_new is None and v_new is None:
         cu_seqlens_k_new = None  # nothing appended (as FA3, which ignores it then)
     tensors = (q, k_cache, v_cache, k_new, v_new, qv, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
@@ -852,16 +858,35 @@ def forward_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
             return None
         if plan is None:
             check_devices([(names.get(name, name), t) for name, t in inputs])
-        out = torch.empty((*q.shape[:-1], v_cache.shape[-1]), dtype=output_dtype(q), device=q.device)
-        lse = torch.empty(lse_shape(q), dtype=torch.float32, device=q.device) if return_lse else None
-        named = (*inputs, ("out", out), ("lse", lse))
+        out, lse, named = _kvcache_outputs(inputs, return_lse)
         if plan is None:
             params = _ffi.ForwardParams()
             lib.fh_forward_params_init(ctypes.byref(params))
             _set_views(params, named)
             _set_kvcache_options(params, options)
             plan = _make_plan(key, params, named, lib.fh_forward_workspace_size)
+        _remember(caller_key, plan)
         _launch(plan, named, lib.fh_forward, q.device)
+    except FlashHopperError as error:
+        raise _renamed(error, names) from None
+    return (out, lse) if return_lse else out
+
+
+def _kvcache_outputs(inputs, return_lse: bool):
+    """out, lse (None without return_lse) and the call's (field, tensor) pairs with them, for
+    inputs in _KVCACHE_FIELDS's order."""
+    q, v_cache = inputs[0][1], inputs[2][1]
+    out = torch.empty((*q.shape[:-1], v_cache.shape[-1]), dtype=output_dtype(q), device=q.device)
+    lse = torch.empty(lse_shape(q), dtype=torch.float32, device=q.device) if return_lse else None
+    return out, lse, (*inputs, ("out", out), ("lse", lse))
+
+
+def run_kvcache_plan(plan: _Plan, tensors, return_lse: bool, names=_KVCACHE_NAMES):
+    """A KV-cache call whose plan an earlier call memoised under the same caller_key (so its
+    arguments passed every check): tensors in _KVCACHE_FIELDS's order; out, or (out, lse)."""
+    out, lse, named = _kvcache_outputs(tuple(zip(_KVCACHE_FIELDS, tensors)), return_lse)
+    try:
+        _launch(plan, named, _ffi.lib().fh_forward, tensors[0].device)
     except FlashHopperError as error:
         raise _renamed(error, names) from None
     return (out, lse) if return_lse else out

@@ -1010,6 +1010,49 @@ def test_plain_calls_fill_the_structs(monkeypatch, causal, window, expected):
     assert not captured[1].dsink.data
 
 
+def test_kvcache_calls_run_an_earlier_calls_plan(monkeypatch):
+    """flash_attn_with_kvcache memoises its plan under its own arguments' key too: a call like an
+    earlier one (tensor metadata, options and their types) runs that plan with its own pointers and
+    none of the checks; another option, an int cache_seqlens or a cu_seqlens_k_new dropped without
+    an append (not the tensors the plan was made of) go through the checks."""
+    from flashhopper import interface
+    captured = _captured_params(monkeypatch)
+    checks = []
+    real_check = interface.check_kvcache
+    monkeypatch.setattr(interface, "check_kvcache", lambda *args: checks.append(1) or real_check(*args))
+
+    def call_keys():
+        return [key for key in interface._PLANS if key[0] == "flash_attn_with_kvcache"]
+
+    q, k, v = qkv(seqlen_q=1)
+    lengths = torch.tensor([5, 9], dtype=torch.int32)
+    calls = [(q, lengths), (q.clone(), lengths.clone())]
+    results = [fa3.flash_attn_with_kvcache(qi, k, v, cache_seqlens=li, causal=True, return_softmax_lse=True)
+               for qi, li in calls]
+    assert len(checks) == 1 and len(call_keys()) == 1 and len(captured) == 2
+    first, second = captured
+    for params, (qi, li), (out, lse) in zip(captured, calls, results):
+        assert (params.q.data, params.cache_seqlens.data) == (qi.data_ptr(), li.data_ptr())
+        assert (params.out.data, params.lse.data) == (out.data_ptr(), lse.data_ptr())
+        assert out.shape == qi.shape and lse.shape == (2, 8, 1)
+    assert bytes(first) != bytes(second)  # the pointers; everything else as the first call set it:
+    for field in ("causal", "window_left", "window_right", "softmax_scale", "num_splits", "sm_margin"):
+        assert getattr(first, field) == getattr(second, field)
+    assert first.causal == 1
+    out = fa3.flash_attn_with_kvcache(q, k, v, cache_seqlens=lengths, causal=True)  # no lse: another plan
+    assert len(checks) == 2 and len(call_keys()) == 2 and not captured[-1].lse.data and torch.is_tensor(out)
+    fa3.flash_attn_with_kvcache(q, k, v, cache_seqlens=lengths, causal=1)  # an int, not a bool: its own key,
+    assert len(checks) == 2 and len(call_keys()) == 3  # whose options convert to those of the plan above
+    assert captured[-1].causal == 1 and not captured[-1].lse.data
+    fa3.flash_attn_with_kvcache(q, k, v, cache_seqlens=7)  # made into a tensor each call: no call key
+    assert len(call_keys()) == 3 and captured[-1].cache_seqlens.data
+    new_lengths = torch.tensor([0, 1, 2], dtype=torch.int32)
+    for _ in range(2):  # cu_seqlens_k_new without k and v: ignored, so not among the plan's tensors
+        fa3.flash_attn_with_kvcache(q, k, v, cache_seqlens=lengths, cu_seqlens_k_new=new_lengths)
+        assert not captured[-1].cu_seqlens_k_new.data
+    assert len(call_keys()) == 3
+
+
 def test_plans_memoise_the_checks_not_the_pointers(monkeypatch):
     """A second call of the same kind (metadata and options) reuses the first one's checks and
     struct but gets its own data pointers; whatever the plan does not cover (alignment, another
