@@ -145,8 +145,10 @@ def as_varlen(cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqle
               seqused_k=None) -> Optional[Varlen]:
     """The custom ops' flat varlen arguments as a Varlen, or None (the dense layout) when none is
     given; a partial set is a Varlen too, which check_varlen refuses naming what is missing."""
-    args = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k)
-    return None if all(arg is None for arg in args) else Varlen(*args)
+    if (cu_seqlens_q is None and cu_seqlens_k is None and max_seqlen_q is None and max_seqlen_k is None
+            and seqused_q is None and seqused_k is None):  # each eager autograd call: no generator
+        return None
+    return Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k)
 
 
 def varlen_tensors(varlen: Optional[Varlen]) -> list:
