@@ -166,7 +166,8 @@ def _attention(q, k, v, varlen, softmax_scale, causal, qv, q_descale, k_descale,
     varlen None is the dense layout. With page_table (varlen only), k and v are pages."""
     mask = _resolve_options(causal, window_size, attention_chunk, softcap, num_splits, sm_margin)
     descales = (q_descale, k_descale, v_descale)
-    if any(d is not None for d in descales) or (isinstance(q, torch.Tensor) and interface.output_dtype(q) != q.dtype):
+    if (q_descale is not None or k_descale is not None or v_descale is not None
+            or (isinstance(q, torch.Tensor) and interface.output_dtype(q) != q.dtype)):
         return _fp8_attention(q, k, v, varlen, softmax_scale, mask, num_splits, sm_margin, return_attn_probs,
                               learnable_sink, page_table, qv, descales)
     if qv is not None:
