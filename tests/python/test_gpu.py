@@ -1248,6 +1248,40 @@ def test_flash_attn_with_kvcache_dense_cache_against_reference(seqlen_q, causal,
         torch.testing.assert_close(lse[b:b + 1].double(), lse64, rtol=1e-3, atol=1e-3)
 
 @requires_gpu
+def test_flash_attn_with_kvcache_repeated_steps_run_the_first_steps_plan():
+    """Decode steps of one shape with an append, as an engine runs them: from the second step on
+    the call runs the first one's plan (its own arguments' key, interface.run_kvcache_plan). Each
+    step against float64 attention over the keys cached so far, the new key included, within twice
+    plain bf16's error; each step's new key written at its cache_seqlens."""
+    from flashhopper import interface
+    torch.manual_seed(23)
+    interface._PLANS.clear()  # a cache: this test counts the plans it makes
+    k_cache = torch.randn(2, 256, 2, 128, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    lengths = [37, 200]
+    for step in range(3):
+        q = torch.randn(2, 1, 8, 128, device="cuda", dtype=torch.bfloat16)
+        k_new, v_new = torch.randn_like(k_cache[:, :1]), torch.randn_like(v_cache[:, :1])
+        cache_seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+        out, lse = fa3.flash_attn_with_kvcache(q, k_cache, v_cache, k=k_new, v=v_new, cache_seqlens=cache_seqlens,
+                                               causal=True, return_softmax_lse=True)
+        call_keys = {key for key in interface._PLANS if key[0] == "flash_attn_with_kvcache"}
+        first_keys = call_keys if step == 0 else first_keys
+        assert call_keys == first_keys and len(call_keys) == 1  # no new plan after the first step
+        assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+        for b, length in enumerate(lengths):
+            assert torch.equal(k_cache[b, length], k_new[b, 0]) and torch.equal(v_cache[b, length], v_new[b, 0])
+            keys_b, values_b = k_cache[b:b + 1, :length + 1], v_cache[b:b + 1, :length + 1]
+            ref64, lse64 = attention_reference(q[b:b + 1].double(), keys_b.double(), values_b.double(), causal=True)
+            plain, _ = attention_reference(q[b:b + 1], keys_b, values_b, causal=True)
+            ours_err = (out[b:b + 1].double() - ref64).abs().max().item()
+            plain_err = (plain.double() - ref64).abs().max().item()
+            assert ours_err <= 2 * plain_err + 1e-5, (step, b, ours_err, plain_err)
+            torch.testing.assert_close(lse[b:b + 1].double(), lse64, rtol=1e-3, atol=1e-3)
+        lengths = [length + 1 for length in lengths]
+
+
+@requires_gpu
 def test_flash_attn_with_kvcache_torch_compile_fullgraph():
     """A decode step with the append under torch.compile(fullgraph=True) (the fwd_kvcache op): the
     eager call's out and lse bit for bit, the new keys written into the caller's cache at
