@@ -1010,6 +1010,27 @@ def test_plain_calls_fill_the_structs(monkeypatch, causal, window, expected):
     assert not captured[1].dsink.data
 
 
+def test_plan_keys_tell_apart_what_calls_differ_in():
+    """A plan key is equal only for equal option values of equal types (1, 1.0 and True apart, a
+    tuple's items likewise) and equal tensor metadata; an option that is not a plain scalar or a
+    tuple of them, or an argument neither a tensor nor None, gives no key (the call is checked)."""
+    from flashhopper import interface
+    q = torch.zeros(2, 8, 4, 64, dtype=torch.bfloat16)
+
+    def key(options, tensors=(q,)):
+        return interface._plan_key("k", tensors, options)
+
+    assert key((1, (-1, -1))) == key((1, (-1, -1))) and hash(key((1, (-1, -1)))) == hash(key((1, (-1, -1))))
+    distinct = [key((1,)), key((True,)), key((1.0,)), key((None,)), key(((1, 2),)), key(((1.0, 2),)),
+                key(((True, 2),)), key(((1, 2, 3),)), key((1,), (None,)), key((1,), (q.float(),)),
+                key((1,), (q.transpose(1, 2),)), key((1,), (q[:1],)), key((1,), (q, None)),
+                interface._plan_key("other", (q,), (1,))]
+    assert len(set(distinct)) == len(distinct)
+    for refused in (key(([1, 2],)), key(((1, [2]),)), key(((1, (2,)),)), key(("causal",)), key((1,), (7,)),
+                    key((1,), ("q",))):
+        assert refused is None
+
+
 def test_kvcache_calls_run_an_earlier_calls_plan(monkeypatch):
     """flash_attn_with_kvcache memoises its plan under its own arguments' key too: a call like an
     earlier one (tensor metadata, options and their types) runs that plan with its own pointers and
