@@ -11,6 +11,8 @@
 # flashhopper.bench --fp8; with PROFILE_THROUGHPUT, bench/profile/profile_throughput.sh; with
 # AB_FP8="variants", bench/ab_fp8_tiles.sh; with AB_FILE (and the other AB_* variables),
 # bench/ab_source_line.sh last (one A/B a job: each leaves its variant linked).
+# With PREBUILT=<folder> (scripts/prebuild.sh's, carried) it builds nothing and runs on that folder
+# (not the A/B steps, which recompile objects of a build).
 # One line a step goes to $JOB_DIR/out/progress.log; each step's output to $JOB_DIR/out/step_<step>.txt. Usage, from the
 # repository root on the GPU machine (carry the tarball and .gtest/):
 #   CUTLASS_TARBALL=build-bisect/cutlass.tar.xz setsid nohup scripts/device_job.sh > /tmp/job.log 2>&1 < /dev/null &
@@ -30,10 +32,17 @@ if [ -n "${CUTLASS_TARBALL:-}" ]; then
   mkdir -p third_party && tar xJf "$CUTLASS_TARBALL" -C third_party || { log "cannot unpack $CUTLASS_TARBALL"; exit 1; }
 fi
 export BUILD="$job/build" OUT="$out"
-log "build start (KERNELS=${KERNELS:-bench})"
-KERNELS="${KERNELS:-bench}" TORCH_OPS="${TORCH_OPS:-ON}" BUILD_TIMEOUT="${BUILD_TIMEOUT:-1500}" \
-  scripts/device_check.sh build > "$out/step_build.txt" 2>&1
-log "build done: $(summary "$out/step_build.txt")"
+if [ -n "${PREBUILT:-}" ]; then  # scripts/prebuild.sh's folder, carried: no build here
+  export BUILD="$src/$PREBUILT"
+  [ -f "$BUILD/libflashhopper.so.0" ] || { log "PREBUILT: no $PREBUILT/libflashhopper.so.0"; exit 1; }
+  ln -sf libflashhopper.so.0 "$BUILD/libflashhopper.so"
+  log "prebuilt $PREBUILT: $(cat "$BUILD/KERNELS" "$BUILD/COMMIT" 2>/dev/null | tr '\n' ' ')"
+else
+  log "build start (KERNELS=${KERNELS:-bench})"
+  KERNELS="${KERNELS:-bench}" TORCH_OPS="${TORCH_OPS:-ON}" BUILD_TIMEOUT="${BUILD_TIMEOUT:-1500}" \
+    scripts/device_check.sh build > "$out/step_build.txt" 2>&1
+  log "build done: $(summary "$out/step_build.txt")"
+fi
 for step in ${STEPS:-resources gate tests varlen sanitize python}; do
   log "$step start"
   scripts/device_check.sh "$step" > "$out/step_$step.txt" 2>&1
