@@ -3,10 +3,10 @@
 # build folder, small enough to carry to the GPU machine (the device tool's 64 MiB): the library,
 # the GPU test binaries and host_overhead_cpp, and the commit they were built from. There,
 # PREBUILT=<folder> scripts/device_job.sh runs its steps on it with no build, which saves the
-# device's build minutes (the bench set: 11 minutes on this machine's 2 cores, 51 MB).
+# device's build minutes (the bench set: 11 minutes on this machine's 2 cores, 52 MB).
 #   scripts/prebuild.sh [KERNELS (default bench)] [FOLDER (default build-prebuilt)]
-# Carry the folder only while `git diff $(cat FOLDER/COMMIT) -- src include scripts cmake
-# CMakeLists.txt tests/cpp bench/profile` is empty (else the binaries are not the tree's).
+# Carry the folder only while `git diff $(cat FOLDER/COMMIT) -- src include cmake CMakeLists.txt
+# tests/cpp bench/profile scripts/kernel_manifest.py` is empty (else they are not the tree's).
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 kernels=${1:-bench} dest=${2:-build-prebuilt}
