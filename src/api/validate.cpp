@@ -83,8 +83,29 @@ std::string dtype_name(int32_t dtype) {
   return "unknown (" + std::to_string(dtype) + ")";
 }
 
+// The dtypes an argument may have: a few, kept inline (every call builds some; no heap on the
+// success path).
+class DTypes {
+ public:
+  DTypes(std::initializer_list<fh_dtype> dtypes) {
+    for (fh_dtype dtype : dtypes) push_back(dtype);
+  }
+  void push_back(fh_dtype dtype) {
+    if (count_ < kCapacity) items_[count_++] = dtype;
+  }
+  const fh_dtype* begin() const { return items_; }
+  const fh_dtype* end() const { return items_ + count_; }
+  size_t size() const { return size_t(count_); }
+  fh_dtype operator[](size_t i) const { return items_[i]; }
+
+ private:
+  static constexpr int kCapacity = 8;  // more than any rule lists
+  fh_dtype items_[kCapacity] = {};
+  int count_ = 0;
+};
+
 // "bf16, fp16 or fp8_e4m3"
-std::string dtype_list(const std::vector<fh_dtype>& dtypes) {
+std::string dtype_list(const DTypes& dtypes) {
   std::string text;
   for (size_t i = 0; i < dtypes.size(); ++i) {
     if (i > 0) text += (i + 1 == dtypes.size()) ? " or " : ", ";
@@ -118,11 +139,28 @@ struct Arg {
   Access access;
 };
 
+// A list of arguments without owning them (a local array's): no heap on the success path.
+class Args {
+ public:
+  template <size_t kCount>
+  Args(const Arg (&args)[kCount]) : begin_(args), end_(args + kCount) {}  // NOLINT: implicit by design
+  const Arg* begin() const { return begin_; }
+  const Arg* end() const { return end_; }
+  size_t size() const { return size_t(end_ - begin_); }
+  const Arg& operator[](size_t i) const { return begin_[i]; }
+
+ private:
+  const Arg* begin_;
+  const Arg* end_;
+};
+
 // Which ranks a tensor may have, and how the message describes the expected layout.
 struct Layout {
   int32_t rank;
-  std::string mode;  // "dense", "varlen (cu_seqlens_q given)", ... or empty when there is one layout
-  std::string dims;  // "[B, sq, Hq, d]"
+  const char* mode;             // "dense", "varlen (cu_seqlens_q given)", ... or "" when there is one layout
+  const char* dims;             // "[B, sq, Hq, d]", or its head "[B, sq, Hq, " when `last` names the last dim
+  const char* last = nullptr;   // "d" or "dv"
+  std::string described_dims() const { return last ? std::string(dims) + last + "]" : std::string(dims); }
 };
 
 // One expected extent of a tensor's shape; `value < 0` leaves that dim free.
@@ -140,11 +178,11 @@ Status require_present(const Tensor& t, const char* name) {
 
 Status check_rank(const Tensor& t, const char* name, const Layout& layout) {
   if (t.ndim == layout.rank) return {};
-  const std::string expected = layout.mode.empty() ? std::string(name) : layout.mode + " " + name;
-  return invalid(name, "ndim is ", t.ndim, " but ", expected, " must be ", layout.rank, "-d ", layout.dims);
+  const std::string expected = *layout.mode == '\0' ? std::string(name) : std::string(layout.mode) + " " + name;
+  return invalid(name, "ndim is ", t.ndim, " but ", expected, " must be ", layout.rank, "-d ", layout.described_dims());
 }
 
-Status check_dtype(const Tensor& t, const char* name, const std::vector<fh_dtype>& allowed,
+Status check_dtype(const Tensor& t, const char* name, const DTypes& allowed,
                    const char* reason = "") {
   for (fh_dtype dtype : allowed) {
     if (t.dtype == dtype) return {};
@@ -269,18 +307,18 @@ Status check_offset_range(const Arg& arg) {
 
 // Runs `rule` on each present argument, stopping at the first failure.
 template <typename Rule>
-Status for_each_present(const std::vector<Arg>& args, Rule rule) {
+Status for_each_present(Args args, Rule rule) {
   for (const Arg& arg : args) {
     if (present(*arg.tensor)) FLASHHOPPER_RETURN_IF_INVALID(rule(arg));
   }
   return {};
 }
 
-Status check_tensors_extents(const std::vector<Arg>& args, Target target) {
+Status check_tensors_extents(Args args, Target target) {
   return for_each_present(args, [&](const Arg& arg) { return check_extents(arg, target); });
 }
 
-Status check_tensors_layout(const std::vector<Arg>& args, Target target) {
+Status check_tensors_layout(Args args, Target target) {
   FLASHHOPPER_RETURN_IF_INVALID(
       for_each_present(args, [&](const Arg& arg) { return check_strides_and_alignment(arg, target); }));
   return for_each_present(args, [](const Arg& arg) { return check_offset_range(arg); });
@@ -343,14 +381,14 @@ AttentionArgs attention_args(const BackwardParams& p) {
 // Layouts on the query side (q, out, their gradients) and the key side (k, v, theirs).
 // `last` names the last dim: "d" or "dv".
 Layout query_layout(const AttentionArgs& a, const char* last) {
-  if (a.varlen_q()) return {3, "varlen (cu_seqlens_q given)", std::string("[total_q, Hq, ") + last + "]"};
-  return {4, "dense (no cu_seqlens_q)", std::string("[B, sq, Hq, ") + last + "]"};
+  if (a.varlen_q()) return {3, "varlen (cu_seqlens_q given)", "[total_q, Hq, ", last};
+  return {4, "dense (no cu_seqlens_q)", "[B, sq, Hq, ", last};
 }
 
 Layout key_layout(const AttentionArgs& a, const char* last) {
-  if (a.paged()) return {4, "paged (page_table given)", std::string("[num_pages, page_size, Hkv, ") + last + "]"};
-  if (a.varlen_k()) return {3, "varlen (cu_seqlens_k given)", std::string("[total_k, Hkv, ") + last + "]"};
-  return {4, "dense (no cu_seqlens_k, no page_table)", std::string("[B, sk, Hkv, ") + last + "]"};
+  if (a.paged()) return {4, "paged (page_table given)", "[num_pages, page_size, Hkv, ", last};
+  if (a.varlen_k()) return {3, "varlen (cu_seqlens_k given)", "[total_k, Hkv, ", last};
+  return {4, "dense (no cu_seqlens_k, no page_table)", "[B, sk, Hkv, ", last};
 }
 
 Layout lse_layout(const AttentionArgs& a) {
@@ -363,8 +401,8 @@ const Layout kPrefixSums{1, "", "[B + 1]"};
 const Layout kPerQueryHead{1, "", "[Hq]"};  // learnable_sink, dsink
 
 // One float32 per query head (float64 too for the CPU reference, as lse).
-std::vector<fh_dtype> per_head_dtypes(Target target) {
-  std::vector<fh_dtype> allowed{FH_DTYPE_FP32};
+DTypes per_head_dtypes(Target target) {
+  DTypes allowed{FH_DTYPE_FP32};
   if (target == Target::kHostReference) allowed.push_back(FH_DTYPE_FP64);
   return allowed;
 }
@@ -387,8 +425,8 @@ Status check_attention_ranks(const AttentionArgs& a) {
 
 // Outputs (and, in the backward, the gradients) have q's dtype; the CPU reference may write any
 // float dtype whatever the inputs (it rounds its double results into it).
-std::vector<fh_dtype> output_dtypes(fh_dtype input, Target target) {
-  std::vector<fh_dtype> allowed{input};
+DTypes output_dtypes(fh_dtype input, Target target) {
+  DTypes allowed{input};
   if (target == Target::kHostReference) {
     for (fh_dtype other : {FH_DTYPE_BF16, FH_DTYPE_FP16, FH_DTYPE_FP32, FH_DTYPE_FP64}) {
       if (other != input) allowed.push_back(other);
@@ -398,7 +436,7 @@ std::vector<fh_dtype> output_dtypes(fh_dtype input, Target target) {
 }
 
 Status check_attention_dtypes(const AttentionArgs& a, Target target, bool fp8_allowed) {
-  std::vector<fh_dtype> inputs{FH_DTYPE_BF16, FH_DTYPE_FP16};
+  DTypes inputs{FH_DTYPE_BF16, FH_DTYPE_FP16};
   if (fp8_allowed) inputs.push_back(FH_DTYPE_FP8_E4M3);
   if (target == Target::kHostReference) {
     inputs.push_back(FH_DTYPE_FP32);
@@ -421,7 +459,7 @@ Status check_attention_dtypes(const AttentionArgs& a, Target target, bool fp8_al
                                                                           : " (the dtype of q)"));
   }
   if (present(a.lse)) {
-    std::vector<fh_dtype> lse_dtypes{FH_DTYPE_FP32};
+    DTypes lse_dtypes{FH_DTYPE_FP32};
     if (target == Target::kHostReference) lse_dtypes.push_back(FH_DTYPE_FP64);
     FLASHHOPPER_RETURN_IF_INVALID(check_dtype(a.lse, "lse", lse_dtypes));
   }
@@ -709,8 +747,11 @@ Status check_forward_dtypes(const ForwardParams& p, const AttentionArgs& a, Targ
   for (const auto& [tensor, name] : per_sequence_indices(p)) {
     FLASHHOPPER_RETURN_IF_INVALID(check_int32_index(*tensor, name));
   }
-  std::vector<fh_dtype> rotary_dtypes{static_cast<fh_dtype>(p.q.dtype)};
-  if (target == Target::kHostReference) rotary_dtypes.insert(rotary_dtypes.end(), {FH_DTYPE_FP32, FH_DTYPE_FP64});
+  DTypes rotary_dtypes{static_cast<fh_dtype>(p.q.dtype)};
+  if (target == Target::kHostReference) {
+    rotary_dtypes.push_back(FH_DTYPE_FP32);
+    rotary_dtypes.push_back(FH_DTYPE_FP64);
+  }
   for (const auto& [tensor, name] : rotary_tables(p)) {
     if (present(*tensor)) FLASHHOPPER_RETURN_IF_INVALID(check_dtype(*tensor, name, rotary_dtypes, " (q's dtype)"));
   }
@@ -825,7 +866,7 @@ Status check_backward_ranks(const BackwardParams& p, const AttentionArgs& a) {
 
 Status check_backward_dtypes(const BackwardParams& p, const AttentionArgs& a, Target target) {
   FLASHHOPPER_RETURN_IF_INVALID(check_attention_dtypes(a, target, /*fp8_allowed=*/false));
-  const std::vector<fh_dtype> allowed = output_dtypes(static_cast<fh_dtype>(p.q.dtype), target);
+  const DTypes allowed = output_dtypes(static_cast<fh_dtype>(p.q.dtype), target);
   for (const auto& [tensor, name] : NamedTensors{{&p.dout, "dout"}, {&p.dq, "dq"}, {&p.dk, "dk"}, {&p.dv, "dv"}}) {
     FLASHHOPPER_RETURN_IF_INVALID(check_dtype(*tensor, name, allowed, " (the dtype of q)"));
   }
@@ -873,7 +914,7 @@ bool has_no_elements(const Tensor& t) {
 // and no output dim of extent > 1 with stride 0 (its elements would be one). The cheap checks;
 // interleaved views of one buffer (e.g. dk and dv as halves of a [.., 2, d] tensor) stay allowed.
 // An output without elements (the CPU reference's empty sequences) is not written.
-Status check_outputs_not_aliased(const std::vector<Arg>& outputs, const std::vector<Arg>& others) {
+Status check_outputs_not_aliased(Args outputs, Args others) {
   for (size_t i = 0; i < outputs.size(); ++i) {
     const Tensor& t = *outputs[i].tensor;
     if (!present(t) || has_no_elements(t)) continue;
@@ -927,7 +968,7 @@ Status validate(const ForwardParams& params, Target target) {
   FLASHHOPPER_RETURN_IF_INVALID(check_forward_presence(p, a));
   FLASHHOPPER_RETURN_IF_INVALID(check_forward_ranks(p, a));
   FLASHHOPPER_RETURN_IF_INVALID(check_forward_dtypes(p, a, target));
-  const std::vector<Arg> tensors{
+  const Arg tensors[] = {
       {&p.q, "q", Access::kTma},
       {&p.k, "k", Access::kTma},
       {&p.v, "v", v_column_major(p) ? Access::kTmaColumnMajor : Access::kTma},
@@ -960,11 +1001,11 @@ Status validate(const ForwardParams& params, Target target) {
   FLASHHOPPER_RETURN_IF_INVALID(check_head_dims(a, shape, target));
   FLASHHOPPER_RETURN_IF_INVALID(check_tensors_layout(tensors, target));
   // (k and v are written too when k_new is appended: in place, by design.)
-  FLASHHOPPER_RETURN_IF_INVALID(check_outputs_not_aliased(
-      {{&p.out, "out", Access::kTma}, {&p.lse, "lse", Access::kRows}},
-      {{&p.q, "q", Access::kTma}, {&p.k, "k", Access::kTma}, {&p.v, "v", Access::kTma},
-       {&p.k_new, "k_new", Access::kTma}, {&p.v_new, "v_new", Access::kTma},
-       {&p.qv, "qv", Access::kTma}}));
+  const Arg outputs[] = {{&p.out, "out", Access::kTma}, {&p.lse, "lse", Access::kRows}};
+  const Arg inputs[] = {{&p.q, "q", Access::kTma},         {&p.k, "k", Access::kTma},
+                        {&p.v, "v", Access::kTma},         {&p.k_new, "k_new", Access::kTma},
+                        {&p.v_new, "v_new", Access::kTma}, {&p.qv, "qv", Access::kTma}};
+  FLASHHOPPER_RETURN_IF_INVALID(check_outputs_not_aliased(outputs, inputs));
   if (target == Target::kKernel) {
     FLASHHOPPER_RETURN_IF_INVALID(check_tile_count(shape, "q", shape.seqlen_q, "query sequence length"));
   }
@@ -976,7 +1017,7 @@ Status validate(const BackwardParams& p, Target target) {
   FLASHHOPPER_RETURN_IF_INVALID(check_backward_presence(p, a, target));
   FLASHHOPPER_RETURN_IF_INVALID(check_backward_ranks(p, a));
   FLASHHOPPER_RETURN_IF_INVALID(check_backward_dtypes(p, a, target));
-  const std::vector<Arg> tensors{
+  const Arg tensors[] = {
       {&p.q, "q", Access::kTma},
       {&p.k, "k", Access::kTma},
       {&p.v, "v", Access::kTma},
@@ -999,10 +1040,10 @@ Status validate(const BackwardParams& p, Target target) {
   FLASHHOPPER_RETURN_IF_INVALID(check_head_dims(a, shape, target));
   FLASHHOPPER_RETURN_IF_INVALID(check_tensors_layout(tensors, target));
   FLASHHOPPER_RETURN_IF_INVALID(check_dsink_not_aliased(p));
-  FLASHHOPPER_RETURN_IF_INVALID(check_outputs_not_aliased(
-      {{&p.dq, "dq", Access::kTma}, {&p.dk, "dk", Access::kTma}, {&p.dv, "dv", Access::kTma}},
-      {{&p.q, "q", Access::kTma}, {&p.k, "k", Access::kTma}, {&p.v, "v", Access::kTma},
-       {&p.out, "out", Access::kTma}, {&p.dout, "dout", Access::kTma}, {&p.lse, "lse", Access::kRows}}));
+  const Arg gradients[] = {{&p.dq, "dq", Access::kTma}, {&p.dk, "dk", Access::kTma}, {&p.dv, "dv", Access::kTma}};
+  const Arg inputs[] = {{&p.q, "q", Access::kTma},     {&p.k, "k", Access::kTma},       {&p.v, "v", Access::kTma},
+                        {&p.out, "out", Access::kTma}, {&p.dout, "dout", Access::kTma}, {&p.lse, "lse", Access::kRows}};
+  FLASHHOPPER_RETURN_IF_INVALID(check_outputs_not_aliased(gradients, inputs));
   if (target == Target::kKernel) {
     // The backward's main kernel walks key-row tiles; its pre/postprocessing walks query-row tiles.
     FLASHHOPPER_RETURN_IF_INVALID(check_tile_count(shape, "q", shape.seqlen_q, "query sequence length"));
@@ -1021,7 +1062,7 @@ Status validate(const CombineParams& p, Target target) {
   // [num_splits, Hq, total_q], lse [Hq, total_q].
   const bool varlen = p.out.ndim == 3;
   if (varlen) {
-    const std::string mode = "varlen (out of rank 3)";
+    const char* mode = "varlen (out of rank 3)";
     FLASHHOPPER_RETURN_IF_INVALID(
         check_rank(p.out_partial, "out_partial", {4, mode, "[num_splits, Hq, total_q, dv]"}));
     FLASHHOPPER_RETURN_IF_INVALID(check_rank(p.lse_partial, "lse_partial", {3, mode, "[num_splits, Hq, total_q]"}));
@@ -1035,8 +1076,8 @@ Status validate(const CombineParams& p, Target target) {
 
   // The CPU reference also reads and writes float64 (its own partials, in double).
   const bool host = target == Target::kHostReference;
-  std::vector<fh_dtype> out_dtypes{FH_DTYPE_BF16, FH_DTYPE_FP16, FH_DTYPE_FP32};
-  std::vector<fh_dtype> lse_dtypes{FH_DTYPE_FP32};
+  DTypes out_dtypes{FH_DTYPE_BF16, FH_DTYPE_FP16, FH_DTYPE_FP32};
+  DTypes lse_dtypes{FH_DTYPE_FP32};
   if (host) {
     out_dtypes.push_back(FH_DTYPE_FP64);
     lse_dtypes.push_back(FH_DTYPE_FP64);
@@ -1047,7 +1088,7 @@ Status validate(const CombineParams& p, Target target) {
   if (present(p.lse)) FLASHHOPPER_RETURN_IF_INVALID(check_dtype(p.lse, "lse", lse_dtypes));
 
   // The combine kernel reads and writes elements (SplitCombineKernel): no TMA alignment rules.
-  const std::vector<Arg> tensors{
+  const Arg tensors[] = {
       {&p.out_partial, "out_partial", Access::kRows},
       {&p.lse_partial, "lse_partial", Access::kRows},
       {&p.out, "out", Access::kRows},
