@@ -264,12 +264,12 @@ def _kvcache_forward(q, k_cache, v_cache, mask, softmax_scale, num_splits, *, k=
                      cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, page_table=None, cu_seqlens_q=None,
                      max_seqlen_q=None, cu_seqlens_k_new=None, cu_seqlens_k=None, max_seqlen_k=None, seqused_q=None,
                      seqused_k=None, learnable_sink=None, return_lse=True, names=interface._KVCACHE_NAMES,
-                     sm_margin=0, descales=(None, None, None), call_key=None):
+                     sm_margin=0, descales=(None, None, None), caller_key=None):
     """(out, lse) of the library's forward with the KV-cache fields: traced (torch.compile,
     torch.export), the fwd_kvcache op, which tells the tracer that an append writes k_cache and
     v_cache; eager, the library call without the dispatcher's host work (lse None unless
-    return_lse; names as interface.forward_with_kvcache's). descales: fp8's factors; call_key:
-    forward_with_kvcache's caller_key."""
+    return_lse; names as interface.forward_with_kvcache's). descales: fp8's factors; caller_key as
+    forward_with_kvcache's."""
     if _call_kind(q, k_cache, v_cache, *descales) == _TRACED:
         causal, window_left, window_right, softcap, attention_chunk = mask
         return ops.fwd_kvcache(
@@ -284,7 +284,7 @@ def _kvcache_forward(q, k_cache, v_cache, mask, softmax_scale, num_splits, *, k=
         max_seqlen_q=max_seqlen_q, softmax_scale=softmax_scale, mask=mask, num_splits=num_splits,
         return_lse=return_lse, cu_seqlens_k_new=cu_seqlens_k_new, cu_seqlens_k=cu_seqlens_k, max_seqlen_k=max_seqlen_k,
         seqused_q=seqused_q, seqused_k=seqused_k, learnable_sink=learnable_sink, names=names, sm_margin=sm_margin,
-        descales=descales, caller_key=call_key)
+        descales=descales, caller_key=caller_key)
     return result if return_lse else (result, None)
 
 
@@ -594,7 +594,7 @@ def flash_attn_with_kvcache(
         cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
         page_table=page_table, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q,
         cu_seqlens_k_new=cu_seqlens_k_new, return_lse=bool(return_softmax_lse), sm_margin=sm_margin,
-        descales=descales, call_key=call_key)
+        descales=descales, caller_key=call_key)
     return (out, softmax_lse) if return_softmax_lse else out
 
 
