@@ -20,7 +20,9 @@ cd "$root"
 rm -rf "$dest" && mkdir -p "$dest/tests/cpp" "$dest/bench/profile"
 # One copy of the library, under the name the binaries load (device_job.sh links the other).
 cp -L "$build/libflashhopper.so.0" "$dest/libflashhopper.so.0"
-for binary in test_forward_gpu test_backward_gpu test_varlen_gpu; do cp "$build/tests/cpp/$binary" "$dest/tests/cpp/"; done
+for binary in test_forward_gpu test_backward_gpu test_varlen_gpu; do
+  cp "$build/tests/cpp/$binary" "$dest/tests/cpp/"
+done
 cp "$build/bench/profile/host_overhead_cpp" "$dest/bench/profile/"
 git rev-parse HEAD > "$dest/COMMIT"
 echo "$kernels" > "$dest/KERNELS"
