@@ -42,7 +42,7 @@ Differences from FlashAttention-3 worth knowing:
 FA3's private _flash_attn_forward and _flash_attn_backward are here too (end of the module), and
 flashhopper.fa3_ops registers FA3's operator names (torch.ops.flash_attn_3.*) on request.
 """
-from typing import Optional, Union
+from typing import NamedTuple, Optional, Union
 
 import torch
 
@@ -164,6 +164,21 @@ def _attention(q, k, v, varlen, softmax_scale, causal, qv, q_descale, k_descale,
     """flash_attn_func and flash_attn_varlen_func: the argument checks (flashhopper.interface), then
     the fwd op (whose autograd runs bwd), or the library call alone when no gradient can flow;
     varlen None is the dense layout. With page_table (varlen only), k and v are pages."""
+    # A call like an earlier one (the same tensor metadata and options, of the same types, and the
+    # same kind) runs the plan that call made, without its checks and conversions again.
+    call_key = None
+    if qv is None and page_table is None and q_descale is None and k_descale is None and v_descale is None:
+        kind = _call_kind(q, k, v, learnable_sink)
+        if kind != _TRACED:
+            call_key = _attention_key(kind, q, k, v, varlen, learnable_sink, softmax_scale, causal, window_size,
+                                      attention_chunk, softcap, num_splits, deterministic, sm_margin,
+                                      return_attn_probs)
+            call = interface._PLANS.get(call_key) if call_key is not None else None
+            if type(call) is _CallPlan:  # (a bare plan: a call refused after its launch)
+                if kind == _AUTOGRAD:
+                    out, softmax_lse = ops.fwd_replay(call.plan, call.saved_options, q, k, v, learnable_sink, varlen)
+                    return (out, softmax_lse) if return_attn_probs else out
+                return interface.run_forward_plan(call.plan, q, k, v, learnable_sink, varlen, bool(return_attn_probs))
     mask = _resolve_options(causal, window_size, attention_chunk, softcap, num_splits, sm_margin)
     descales = (q_descale, k_descale, v_descale)
     if (q_descale is not None or k_descale is not None or v_descale is not None
@@ -173,7 +188,10 @@ def _attention(q, k, v, varlen, softmax_scale, causal, qv, q_descale, k_descale,
     if qv is not None:
         return _qv_attention(q, k, v, qv, softmax_scale, mask, num_splits, learnable_sink, sm_margin,
                              return_attn_probs, varlen, page_table)
-    q, k, v, softmax_scale, unpadded_dim = _pad_head_dims(q, k, v, softmax_scale)
+    padded = _pad_head_dims(q, k, v, softmax_scale)
+    if padded[0] is not q or padded[1] is not k or padded[2] is not v:
+        call_key = None  # its plan is the padded tensors'
+    q, k, v, softmax_scale, unpadded_dim = padded
     if page_table is not None:
         out, softmax_lse = _paged_varlen_attention(q, k, v, page_table, varlen, softmax_scale, mask, num_splits,
                                                    bool(deterministic), learnable_sink, sm_margin)
@@ -183,7 +201,7 @@ def _attention(q, k, v, varlen, softmax_scale, causal, qv, q_descale, k_descale,
         if kind == _TRACED:
             out, softmax_lse = _traced_forward(args, varlen)
         else:  # eager with autograd: the op's autograd without the dispatcher (the library checks)
-            out, softmax_lse = ops.fwd_eager(*args)
+            out, softmax_lse = ops.fwd_eager(*args, caller_key=call_key)
             # Head dims past the backward's: refused here, once the library has checked the call,
             # rather than in the backward, far from the call.
             if max(q.shape[-1], v.shape[-1]) > interface.MAX_BACKWARD_HEAD_DIM:
@@ -191,10 +209,12 @@ def _attention(q, k, v, varlen, softmax_scale, causal, qv, q_descale, k_descale,
                     f"q: head dims ({q.shape[-1]}, {v.shape[-1]}) run forward only (the backward takes head dims up "
                     f"to {interface.MAX_BACKWARD_HEAD_DIM}); call it under torch.no_grad() or with inputs that do "
                     "not require grad")
+            _remember_call(call_key, ops.saved_options(args))
     else:
         result = _library_forward(q, k, v, varlen, softmax_scale, mask, num_splits, sm_margin, return_attn_probs,
-                                  learnable_sink)
+                                  learnable_sink, caller_key=call_key)
         out, softmax_lse = result if return_attn_probs else (result, None)
+        _remember_call(call_key, None)
     if unpadded_dim is not None:
         out = out[..., :unpadded_dim].contiguous()
     return (out, softmax_lse) if return_attn_probs else out
@@ -228,7 +248,7 @@ def _fp8_attention(q, k, v, varlen, softmax_scale, mask, num_splits, sm_margin, 
 
 
 def _library_forward(q, k, v, varlen, softmax_scale, mask, num_splits, sm_margin, return_lse, learnable_sink,
-                     descales=(None, None, None)):
+                     descales=(None, None, None), caller_key=None):
     """The library call alone (no gradient can flow): interface.forward's out, or (out, lse)."""
     causal, window_left, window_right, softcap, attention_chunk = mask
     q_descale, k_descale, v_descale = descales
@@ -237,7 +257,29 @@ def _library_forward(q, k, v, varlen, softmax_scale, mask, num_splits, sm_margin
                              attention_chunk=attention_chunk, learnable_sink=learnable_sink,
                              varlen=None if varlen is None else interface.as_varlen(*varlen),
                              num_splits=num_splits, sm_margin=sm_margin, q_descale=q_descale,
-                             k_descale=k_descale, v_descale=v_descale)
+                             k_descale=k_descale, v_descale=v_descale, caller_key=caller_key)
+
+
+class _CallPlan(NamedTuple):
+    """What a call of _attention like an earlier one reuses (memoised under _attention_key)."""
+    plan: object                    # interface.forward's plan for that call
+    saved_options: Optional[tuple]  # ops.saved_options of its fwd op inputs (None: no autograd)
+
+
+def _attention_key(kind, q, k, v, varlen, learnable_sink, *options):
+    """_attention's plan key from its unconverted arguments (None: not memoised)."""
+    if varlen is None:
+        return interface._plan_key("flash_attn_func", (q, k, v, learnable_sink), (kind, *options))
+    return interface._plan_key("flash_attn_varlen_func",
+                               (q, k, v, learnable_sink, varlen.cu_seqlens_q, varlen.cu_seqlens_k, varlen.seqused_q,
+                                varlen.seqused_k), (kind, varlen.max_seqlen_q, varlen.max_seqlen_k, *options))
+
+
+def _remember_call(call_key, saved_options) -> None:
+    """The plan interface.forward memoised under call_key, kept there with what the autograd saves."""
+    plan = interface._PLANS.get(call_key) if call_key is not None else None
+    if plan is not None:
+        interface._PLANS[call_key] = _CallPlan(plan, saved_options)
 
 
 def _qv_attention(q, k, v, qv, softmax_scale, mask, num_splits, learnable_sink, sm_margin, return_attn_probs,

@@ -630,7 +630,7 @@ def _remember(key, plan: _Plan) -> None:
 
 def _bound_params(plan: _Plan, named) -> ctypes.Structure:
     """A copy of the plan's struct (calls may run at once in several threads) with the data
-    pointers of this call's (field, tensor) pairs."""
+    pointers of this call's (field, tensor) pairs (any iterable, read once)."""
     params = type(plan.params).from_buffer_copy(plan.params)
     pointers = [t.data_ptr() for _, t in named if t is not None]
     for offset, pointer in zip(plan.pointer_offsets, pointers):
@@ -692,7 +692,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = Fa
             return_lse: bool = False, *, window_size=(-1, -1), softcap: float = 0.0,
             attention_chunk: int = 0, learnable_sink: torch.Tensor | None = None, varlen: Varlen | None = None,
             num_splits: int = 1, sm_margin: int = 0, q_descale: torch.Tensor | None = None,
-            k_descale: torch.Tensor | None = None, v_descale: torch.Tensor | None = None):
+            k_descale: torch.Tensor | None = None, v_descale: torch.Tensor | None = None, caller_key=None):
     """Attention forward. q [B, sq, Hq, d], k [B, sk, Hkv, d], v [B, sk, Hkv, d] on one CUDA
     device (bf16, fp16, or float8_e4m3fn with a bf16 out: dense batches, forward only). Returns
     out [B, sq, Hq, d] (and lse [B, Hq, sq] float32 when return_lse). softmax_scale None means
@@ -710,7 +710,9 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = Fa
     denominator (lse includes it). num_splits > 1 splits the keys into that many parts whose
     partials are combined (split-KV; dense or packed queries), 0 lets the library choose from the shapes
     (more than one only where the query tiles leave most SMs idle), 1 does not split. sm_margin
-    leaves that many SMs free for other kernels (FA3's argument)."""
+    leaves that many SMs free for other kernels (FA3's argument). caller_key: the caller's own plan
+    key (from its unconverted arguments), under which this call's plan is memoised too;
+    run_forward_plan runs it."""
     descales = (q_descale, k_descale, v_descale)
     key = _plan_key("forward", (q, k, v, out, learnable_sink, *_varlen_fields(varlen), *descales),
                     (causal, softmax_scale, return_lse, window_size, softcap, attention_chunk, num_splits, sm_margin,
@@ -723,11 +725,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = Fa
                       descales=descales)
         check_devices([("q", q), ("k", k), ("v", v), ("out", out), ("learnable_sink", learnable_sink)]
                       + varlen_tensors(varlen) + _descale_tensors(descales))
-    if out is None:
-        out = torch.empty((*q.shape[:-1], v.shape[-1]), dtype=output_dtype(q), device=q.device)
-    lse = torch.empty(lse_shape(q), dtype=torch.float32, device=q.device) if return_lse else None
-    named = (("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse), ("learnable_sink", learnable_sink),
-             *varlen_tensors(varlen), *_descale_tensors(descales))
+    out, lse, named = _forward_outputs(q, k, v, out, return_lse, learnable_sink, varlen, descales)
     lib = _ffi.lib()
     if plan is None:
         params = _ffi.ForwardParams()
@@ -736,7 +734,33 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = Fa
         _set_options(params, mask, _mask_seqlens(q, k, varlen), softmax_scale, sm_margin, varlen)
         params.num_splits = num_splits
         plan = _make_plan(key, params, named, lib.fh_forward_workspace_size)
+    _remember(caller_key, plan)
     _launch(plan, named, lib.fh_forward, q.device)
+    return (out, lse) if return_lse else out
+
+
+def _forward_outputs(q, k, v, out, return_lse: bool, learnable_sink, varlen, descales=(None, None, None)):
+    """out (allocated when None), lse (None without return_lse) and forward()'s (field, tensor)
+    pairs with them, in the order its plans take them."""
+    if out is None:
+        out = torch.empty((*q.shape[:-1], v.shape[-1]), dtype=output_dtype(q), device=q.device)
+    lse = torch.empty(lse_shape(q), dtype=torch.float32, device=q.device) if return_lse else None
+    named = (("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse), ("learnable_sink", learnable_sink),
+             *varlen_tensors(varlen), *_descale_tensors(descales))
+    return out, lse, named
+
+
+_FORWARD_FIELDS = ("q", "k", "v", "out", "lse", "learnable_sink", "cu_seqlens_q", "cu_seqlens_k", "seqused_q",
+                   "seqused_k")  # forward()'s (field, tensor) order, but the descales (None in bf16/fp16)
+
+
+def run_forward_plan(plan: _Plan, q, k, v, learnable_sink, varlen, return_lse: bool):
+    """A forward() call in bf16/fp16 (out allocated here) whose plan an earlier call memoised under
+    the same caller_key, so its arguments passed every check; out, or (out, lse)."""
+    out = torch.empty((*q.shape[:-1], v.shape[-1]), dtype=q.dtype, device=q.device)
+    lse = torch.empty(lse_shape(q), dtype=torch.float32, device=q.device) if return_lse else None
+    tensors = (q, k, v, out, lse, learnable_sink, *_varlen_fields(varlen))
+    _launch(plan, zip(_FORWARD_FIELDS, tensors), _ffi.lib().fh_forward, q.device)
     return (out, lse) if return_lse else out
 
 

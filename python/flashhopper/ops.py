@@ -64,7 +64,7 @@ cases. Errors from the C++ kernels reach Python as RuntimeError("flashhopper (<s
 """
 import logging
 import os
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -89,13 +89,14 @@ def _fwd_python(q: Tensor, k: Tensor, v: Tensor, softmax_scale: Optional[float] 
                 max_seqlen_q: Optional[int] = None, max_seqlen_k: Optional[int] = None, seqused_q: Optional[Tensor] = None,
                 seqused_k: Optional[Tensor] = None, num_splits: int = 1, sm_margin: int = 0,
                 q_descale: Optional[Tensor] = None, k_descale: Optional[Tensor] = None,
-                v_descale: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+                v_descale: Optional[Tensor] = None, *, caller_key=None) -> tuple[Tensor, Tensor]:
+    """The op's kernel (caller_key: interface.forward's, for eager calls)."""
     varlen = interface.as_varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k)
     out, lse = interface.forward(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=True,
                                  window_size=(window_left, window_right), softcap=softcap,
                                  attention_chunk=attention_chunk, learnable_sink=learnable_sink, varlen=varlen,
                                  num_splits=num_splits, sm_margin=sm_margin, q_descale=q_descale,
-                                 k_descale=k_descale, v_descale=v_descale)
+                                 k_descale=k_descale, v_descale=v_descale, caller_key=caller_key)
     return out, lse
 
 
@@ -197,14 +198,22 @@ def _bwd_fake(dout, q, k, v, out, lse, softmax_scale=None, causal=False, determi
 
 
 def _setup_context(ctx, inputs, output):
-    (q, k, v, softmax_scale, causal, deterministic, window_left, window_right, softcap, attention_chunk,
-     learnable_sink, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, _,
-     sm_margin, *_descales) = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, learnable_sink, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
-    # One attribute, not ten: each is a store on every eager call.
-    ctx.options = (softmax_scale, causal, deterministic, window_left, window_right, softcap, attention_chunk,
-                   max_seqlen_q, max_seqlen_k, sm_margin)
+    out, lse = output  # inputs[10]: learnable_sink; 11, 12, 15, 16: cu_seqlens_q/k, seqused_q/k
+    _save(ctx, inputs[0], inputs[1], inputs[2], out, lse, inputs[10], (inputs[11], inputs[12], inputs[15], inputs[16]),
+          saved_options(inputs))
+
+
+def saved_options(inputs) -> tuple:
+    """What the backward takes of fwd's inputs besides tensors (ctx.options): softmax_scale, causal,
+    deterministic, window_left/right, softcap, attention_chunk (3-9), max_seqlen_q/k, sm_margin."""
+    return (*inputs[3:10], inputs[13], inputs[14], inputs[18])
+
+
+def _save(ctx, q, k, v, out, lse, learnable_sink, varlen_tensors, options):
+    """What _gradients reads: the tensors, and the options as one attribute, not ten (each is a
+    store on every eager call)."""
+    ctx.save_for_backward(q, k, v, out, lse, learnable_sink, *varlen_tensors)
+    ctx.options = options
     ctx.mark_non_differentiable(lse)
     ctx.set_materialize_grads(False)  # no zero-filled gradient for lse
 
@@ -238,11 +247,18 @@ class _EagerAttention(torch.autograd.Function):
     several times the call itself in host work (bench/RESULTS.md, host work). Traced calls keep the
     op, which is what torch.compile and torch.export see. Function.apply's own work grows with its
     arguments (with a separate setup_context it also binds them through inspect.signature), so it
-    takes the four that can need a gradient and the rest as one tuple, and forward takes ctx."""
+    takes the four that can need a gradient and the rest as one argument, and forward takes ctx:
+    (the other inputs, caller_key) for a first call, or the _Replay of an earlier call like it."""
     @staticmethod
-    def forward(ctx, q, k, v, learnable_sink, options):
+    def forward(ctx, q, k, v, learnable_sink, call):
+        if type(call) is _Replay:
+            out, lse = interface.run_forward_plan(call.plan, q, k, v, learnable_sink, call.varlen, True)
+            _save(ctx, q, k, v, out, lse, learnable_sink, interface._varlen_fields(call.varlen) or _DENSE,
+                  call.saved_options)
+            return out, lse
+        options, caller_key = call
         inputs = (q, k, v, *options[:_SINK_INPUT - 3], learnable_sink, *options[_SINK_INPUT - 3:])
-        output = _fwd_python(*inputs)
+        output = _fwd_python(*inputs, caller_key=caller_key)
         _setup_context(ctx, inputs, output)
         return output
 
@@ -254,11 +270,27 @@ class _EagerAttention(torch.autograd.Function):
         return dq, dk, dv, (dsink if ctx.needs_input_grad[3] else None), None
 
 
-def fwd_eager(*args) -> tuple[Tensor, Tensor]:
+def fwd_eager(*args, caller_key=None) -> tuple[Tensor, Tensor]:
     """fwd's inputs (positional: the first 19, or all 22 with the descales) -> (out, lse), as fwd
-    with autograd, for eager calls."""
+    with autograd, for eager calls; caller_key as interface.forward's."""
     options = args[3:_SINK_INPUT] + args[_SINK_INPUT + 1:]
-    return _EagerAttention.apply(args[0], args[1], args[2], args[_SINK_INPUT], options)
+    return _EagerAttention.apply(args[0], args[1], args[2], args[_SINK_INPUT], (options, caller_key))
+
+
+class _Replay(NamedTuple):
+    plan: object          # interface.forward's plan (return_lse), from an earlier call like this one
+    saved_options: tuple  # saved_options of that call's inputs
+    varlen: Optional[interface.Varlen]
+
+
+_DENSE = (None, None, None, None)  # the varlen tensors of a dense call
+
+
+def fwd_replay(plan, saved_options, q, k, v, learnable_sink, varlen) -> tuple[Tensor, Tensor]:
+    """fwd_eager for a call like an earlier one whose plan (under caller_key) and saved_options it
+    gives: that call's checks and conversions passed, so only the library call and autograd's
+    bookkeeping run."""
+    return _EagerAttention.apply(q, k, v, learnable_sink, _Replay(plan, saved_options, varlen))
 
 
 def _load_native() -> bool:

@@ -217,7 +217,8 @@ def test_forward_only_head_dims_refuse_a_gradient(monkeypatch):
     such a call would be refused at its forward (after the library's check, which the stub stands
     for), naming the bound: checked with the bound lowered to 256. (The forward itself runs on the
     GPU only: stubbed.)"""
-    monkeypatch.setattr(fa3.ops, "fwd_eager", lambda q, k, v, *rest: (torch.empty(*q.shape[:-1], v.shape[-1]), None))
+    monkeypatch.setattr(fa3.ops, "fwd_eager",
+                        lambda q, k, v, *rest, **options: (torch.empty(*q.shape[:-1], v.shape[-1]), None))
     assert interface.MAX_BACKWARD_HEAD_DIM == interface.MAX_HEAD_DIM == 512
     for head_dim in (512, 320, 256):
         q, k, v = (torch.randn(1, 8, 2, head_dim, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
@@ -1074,6 +1075,64 @@ def test_kvcache_calls_run_an_earlier_calls_plan(monkeypatch):
     assert len(call_keys()) == 3
 
 
+def test_attention_calls_run_an_earlier_calls_plan(monkeypatch):
+    """flash_attn_func and flash_attn_varlen_func memoise their plan under their own arguments' key
+    and call kind: a call like an earlier one runs that plan with its own pointers and none of the
+    checks, with autograd too (its backward gets the first call's options and this call's
+    tensors); another option value or type, another kind, an option that is no plain scalar or a
+    padded head dim go through the conversions (and the checks, unless the library call's own plan
+    holds them)."""
+    from flashhopper import interface
+    captured = _captured_params(monkeypatch)
+    checks = []  # the conversions of the options (the first step a memoised call skips)
+    real_resolve = fa3._resolve_options
+    monkeypatch.setattr(fa3, "_resolve_options", lambda *args: checks.append(1) or real_resolve(*args))
+
+    def call_keys(name="flash_attn_func"):
+        return [key for key in interface._PLANS if key[0] == name]
+
+    calls = [qkv(), qkv()]
+    results = [flash_attn_func(*t, causal=True, return_attn_probs=True) for t in calls]
+    assert len(checks) == 1 and len(call_keys()) == 1 and len(captured) == 2
+    for params, (q, k, v), (out, lse) in zip(captured, calls, results):
+        assert (params.q.data, params.k.data, params.v.data) == (q.data_ptr(), k.data_ptr(), v.data_ptr())
+        assert (params.out.data, params.lse.data) == (out.data_ptr(), lse.data_ptr())
+        assert out.shape == q.shape and lse.shape == (2, 8, 64) and params.causal == 1
+    assert bytes(captured[0]) != bytes(captured[1])
+    out = flash_attn_func(*calls[0], causal=True)  # no lse: another plan
+    assert len(checks) == 2 and len(call_keys()) == 2 and not captured[-1].lse.data and torch.is_tensor(out)
+    flash_attn_func(*calls[0], causal=1)  # an int, not a bool: its own key
+    flash_attn_func(*calls[0], causal=True, window_size=[-1, -1])  # a list: no key, checked each call
+    flash_attn_func(*calls[0], causal=True, window_size=[-1, -1])
+    assert len(checks) == 5 and len(call_keys()) == 3
+    # with autograd: the first call checks, the second runs its plan; each backward gets its options
+    leaves = [tuple(t.clone().requires_grad_() for t in calls[i]) for i in (0, 1)]
+    outs = [flash_attn_func(*leaf, causal=True, deterministic=True, window_size=(7, -1)) for leaf in leaves]
+    assert len(checks) == 6 and len(call_keys()) == 4
+    assert [type(out.grad_fn).__name__ for out in outs] == ["_EagerAttentionBackward"] * 2
+    for leaf, out in zip(leaves, outs):
+        torch.autograd.grad(out, leaf, torch.ones_like(out))
+        params = captured[-1]
+        assert type(params).__name__ == "BackwardParams" and params.deterministic == 1
+        assert (params.window_left, params.window_right, params.causal) == (7, 0, 0)
+        assert (params.q.data, params.out.data) == (leaf[0].data_ptr(), out.data_ptr())
+    flash_attn_func(*leaves[1], causal=True, deterministic=False, window_size=(7, -1))  # saved options differ
+    assert len(checks) == 7 and len(call_keys()) == 5
+    # packed batches: the varlen tensors and max_seqlen are in the key
+    args = varlen_args()
+    fa3.flash_attn_varlen_func(*args, causal=True)
+    fa3.flash_attn_varlen_func(*args[:3], args[3].clone(), *args[4:], causal=True)
+    assert len(checks) == 8 and len(call_keys("flash_attn_varlen_func")) == 1
+    assert captured[-1].cu_seqlens_q.data != captured[-2].cu_seqlens_q.data
+    fa3.flash_attn_varlen_func(*args[:5], args[5] + 1, args[6], causal=True)
+    assert len(checks) == 9 and len(call_keys("flash_attn_varlen_func")) == 2
+    # a head dim the call pads: the plan is the padded tensors', so no key
+    odd = qkv(head_dim=59)
+    for _ in range(2):
+        flash_attn_func(*odd)
+    assert len(checks) == 11 and len(call_keys()) == 5
+
+
 def test_plans_memoise_the_checks_not_the_pointers(monkeypatch):
     """A second call of the same kind (metadata and options) reuses the first one's checks and
     struct but gets its own data pointers; whatever the plan does not cover (alignment, another
@@ -1570,7 +1629,7 @@ def test_flash_attn_func_pads_odd_head_dims(monkeypatch, head_dim):
     flow back to the unpadded inputs (autograd through the pad)."""
     seen = {}
 
-    def fake_fwd(q, k, v, softmax_scale, *args):
+    def fake_fwd(q, k, v, softmax_scale, *args, **options):
         seen.update(shape=tuple(q.shape), scale=softmax_scale,
                     tails_zero=all(bool((t[..., head_dim:] == 0).all()) for t in (q, k, v)))
         return attention_reference(q, k, v, softmax_scale=softmax_scale, dtype=q.dtype)

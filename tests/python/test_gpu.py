@@ -1582,6 +1582,38 @@ def test_eager_autograd_matches_the_op_bit_for_bit():
 
 
 @requires_gpu
+def test_repeated_autograd_calls_run_the_first_calls_plan():
+    """flash_attn_func and flash_attn_varlen_func with autograd, called again with new data of the
+    same shapes and options: from the second call on they run the first one's plan (their own
+    arguments' key); each call's out, lse and gradients equal the fwd op's with its registered
+    autograd on that call's data, bit for bit (deterministic backward; a window, softcap, a sink)."""
+    from flashhopper import interface
+    interface._PLANS.clear()  # a cache: this test counts the plans it makes
+    cu = torch.tensor([0, 100, 100, 333], dtype=torch.int32, device="cuda")
+    for seed in range(3):
+        q, k, v = make_inputs(2, 300, 300, 8, 2, 128, torch.bfloat16, seed=40 + seed)
+        sink = torch.randn(8, device="cuda", dtype=torch.float32, requires_grad=True)
+        dout = torch.randn_like(q)
+        options = dict(causal=True, window_size=(100, -1), softcap=20.0, deterministic=True)
+        out, lse = flash_attn_func(q, k, v, learnable_sink=sink, return_attn_probs=True, **options)
+        ours = (out, lse, *torch.autograd.grad(out, (q, k, v, sink), dout))
+        op_out, op_lse = torch.ops.flashhopper.fwd(q, k, v, None, True, True, 100, 0, 20.0, 0, sink)
+        through_op = (op_out, op_lse, *torch.autograd.grad(op_out, (q, k, v, sink), dout))
+        for name, a, b in zip(("out", "lse", "dq", "dk", "dv", "dsink"), ours, through_op):
+            assert torch.equal(a, b), f"call {seed}: {name} differs from the op's"
+        packed = [t.detach().reshape(600, *t.shape[2:])[:333].clone().requires_grad_() for t in (q, k, v)]
+        out = fa3.flash_attn_varlen_func(*packed, cu, cu, 233, 233, **options)
+        ours = (out, *torch.autograd.grad(out, packed, dout.reshape(600, 8, 128)[:333]))
+        op_out, _ = torch.ops.flashhopper.fwd(*packed, None, True, True, 100, 0, 20.0, 0, None, cu, cu, 233, 233)
+        through_op = (op_out, *torch.autograd.grad(op_out, packed, dout.reshape(600, 8, 128)[:333]))
+        for name, a, b in zip(("packed out", "dq", "dk", "dv"), ours, through_op):
+            assert torch.equal(a, b), f"call {seed}: {name} differs from the op's"
+        call_keys = {key for key in interface._PLANS if key[0] in ("flash_attn_func", "flash_attn_varlen_func")}
+        first_keys = call_keys if seed == 0 else first_keys
+        assert call_keys == first_keys and len(call_keys) == 2  # no new plan after the first call
+
+
+@requires_gpu
 def test_calls_without_autograd_skip_the_op_and_reuse_their_plan(monkeypatch):
     """With no gradient to track flash_attn_func runs the library call without the custom op (host
     work), to the same bits as with autograd; a repeated call of the same kind (its memoised plan)
