@@ -739,12 +739,18 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = Fa
     return (out, lse) if return_lse else out
 
 
-def _forward_outputs(q, k, v, out, return_lse: bool, learnable_sink, varlen, descales=(None, None, None)):
-    """out (allocated when None), lse (None without return_lse) and forward()'s (field, tensor)
-    pairs with them, in the order its plans take them."""
+def _new_outputs(q, v, return_lse: bool, out=None):
+    """A forward call's out over q and v (allocated when None) and lse (None without return_lse)."""
     if out is None:
         out = torch.empty((*q.shape[:-1], v.shape[-1]), dtype=output_dtype(q), device=q.device)
     lse = torch.empty(lse_shape(q), dtype=torch.float32, device=q.device) if return_lse else None
+    return out, lse
+
+
+def _forward_outputs(q, k, v, out, return_lse: bool, learnable_sink, varlen, descales=(None, None, None)):
+    """out (allocated when None), lse (None without return_lse) and forward()'s (field, tensor)
+    pairs with them, in the order its plans take them."""
+    out, lse = _new_outputs(q, v, return_lse, out)
     named = (("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse), ("learnable_sink", learnable_sink),
              *varlen_tensors(varlen), *_descale_tensors(descales))
     return out, lse, named
@@ -757,8 +763,7 @@ _FORWARD_FIELDS = ("q", "k", "v", "out", "lse", "learnable_sink", "cu_seqlens_q"
 def run_forward_plan(plan: _Plan, q, k, v, learnable_sink, varlen, return_lse: bool):
     """A forward() call in bf16/fp16 (out allocated here) whose plan an earlier call memoised under
     the same caller_key, so its arguments passed every check; out, or (out, lse)."""
-    out = torch.empty((*q.shape[:-1], v.shape[-1]), dtype=q.dtype, device=q.device)
-    lse = torch.empty(lse_shape(q), dtype=torch.float32, device=q.device) if return_lse else None
+    out, lse = _new_outputs(q, v, return_lse)
     tensors = (q, k, v, out, lse, learnable_sink, *_varlen_fields(varlen))
     _launch(plan, zip(_FORWARD_FIELDS, tensors), _ffi.lib().fh_forward, q.device)
     return (out, lse) if return_lse else out
@@ -898,21 +903,23 @@ def forward_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     return (out, lse) if return_lse else out
 
 
+_KVCACHE_OUTPUT_FIELDS = (*_KVCACHE_FIELDS, "out", "lse")  # _kvcache_outputs's order
+
+
 def _kvcache_outputs(inputs, return_lse: bool):
     """out, lse (None without return_lse) and the call's (field, tensor) pairs with them, for
     inputs in _KVCACHE_FIELDS's order."""
-    q, v_cache = inputs[0][1], inputs[2][1]
-    out = torch.empty((*q.shape[:-1], v_cache.shape[-1]), dtype=output_dtype(q), device=q.device)
-    lse = torch.empty(lse_shape(q), dtype=torch.float32, device=q.device) if return_lse else None
+    out, lse = _new_outputs(inputs[0][1], inputs[2][1], return_lse)
     return out, lse, (*inputs, ("out", out), ("lse", lse))
 
 
 def run_kvcache_plan(plan: _Plan, tensors, return_lse: bool, names=_KVCACHE_NAMES):
     """A KV-cache call whose plan an earlier call memoised under the same caller_key (so its
     arguments passed every check): tensors in _KVCACHE_FIELDS's order; out, or (out, lse)."""
-    out, lse, named = _kvcache_outputs(tuple(zip(_KVCACHE_FIELDS, tensors)), return_lse)
+    q = tensors[0]
+    out, lse = _new_outputs(q, tensors[2], return_lse)
     try:
-        _launch(plan, named, _ffi.lib().fh_forward, tensors[0].device)
+        _launch(plan, zip(_KVCACHE_OUTPUT_FIELDS, (*tensors, out, lse)), _ffi.lib().fh_forward, q.device)
     except FlashHopperError as error:
         raise _renamed(error, names) from None
     return (out, lse) if return_lse else out
