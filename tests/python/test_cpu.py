@@ -448,6 +448,30 @@ def test_host_overhead_components_run_without_a_gpu():
     assert "| check_forward (the library's check on stand-ins) |" in result.stdout
 
 
+def test_host_overhead_rounds_take_every_row_in_turn():
+    """host_overhead.py's end-to-end timing: each round times every row in turn (after one warm-up
+    call each), a row that fails its first call is reported by its error and skipped, and the table
+    gives the median, the fastest round and the median same-round ratio to the reference row."""
+    import importlib.util
+    script = pathlib.Path(__file__).resolve().parents[2] / "bench" / "profile" / "host_overhead.py"
+    spec = importlib.util.spec_from_file_location("host_overhead", script)
+    host_overhead = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(host_overhead)
+    order = []
+
+    def fails():
+        order.append("b")
+        raise RuntimeError("no such backend")
+
+    rows = {"a": lambda: order.append("a"), "b": fails, "ref": lambda: order.append("ref")}
+    samples = host_overhead.interleaved_us(rows, calls=2, rounds=3, sync=lambda: order.append("|"))
+    assert order == ["a", "b", "ref"] + ["|", "a", "a", "|", "ref", "ref"] * 3 + ["|"]
+    assert len(samples["a"]) == len(samples["ref"]) == 3 and isinstance(samples["b"], RuntimeError)
+    table = host_overhead.host_table({"a": [2.0, 9.0, 3.0], "b": samples["b"], "ref": [1.0, 3.0, 2.0]}, "ref")
+    assert table[0] == "| call | us per call (median) | fastest round | / ref (same round) |"
+    assert table[2:] == ["| a | 3.0 | 2.0 | 2.00 |", "| b | - (RuntimeError) | | |", "| ref | 2.0 | 1.0 | 1.00 |"]
+
+
 def test_library_refusals_take_the_callers_names():
     """flash_attn_with_kvcache's k_cache is the C ABI's k, its k the C ABI's k_new: a library
     refusal naming those is re-raised with FA3's name, the same type and status."""
