@@ -103,7 +103,7 @@ for step in "${steps[@]}"; do
       ;;
     host_overhead)
       FLASHHOPPER_LIBRARY="$build/libflashhopper.so" PYTHONPATH="$root/python" \
-        timeout 120 python3 "$root/bench/profile/host_overhead.py" 2>&1 | tee "$out/host_overhead.txt" | tail -12
+        timeout 120 python3 "$root/bench/profile/host_overhead.py" 2>&1 | tee "$out/host_overhead.txt" | tail -14
       timeout 60 "$build/bench/profile/host_overhead_cpp" 2>&1 | tee "$out/host_overhead_cpp.txt" | tail -14
       summary+=("host_overhead: see $out/host_overhead.txt, $out/host_overhead_cpp.txt")
       ;;
