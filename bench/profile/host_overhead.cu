@@ -4,6 +4,8 @@
 // kernel while the calls are issued, so the loop measures the host alone, never the GPU's pace.
 //
 //   ./build/bench/profile/host_overhead_cpp [calls per loop, default 200] [loops, default 9]
+// Each loop is a round over every call; the table gives the median, the fastest round and the
+// median excess over the empty launch in the same round.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -50,22 +52,31 @@ struct Buffer {
   Buffer& operator=(const Buffer&) = delete;
 };
 
-// Median microseconds per call of `call`, issued `calls` times while the GPU spins.
-double host_us_per_call(const std::function<void()>& call, int calls, int loops, cudaStream_t stream) {
-  call();  // first call: one-time work (the shared-memory opt-in, descriptor caches)
+double median(std::vector<double> values) {
+  std::sort(values.begin(), values.end());
+  return values[values.size() / 2];
+}
+
+// Microseconds per call of each of `calls`, issued `count` times while the GPU spins, in `loops`
+// rounds that take every call in turn (a host slowing down for a while slows every call alike):
+// samples[i][round].
+std::vector<std::vector<double>> host_us_per_call(const std::vector<std::function<void()>>& calls, int count,
+                                                  int loops, cudaStream_t stream) {
+  for (const auto& call : calls) call();  // first calls: one-time work (the shared-memory opt-in)
   check_cuda(cudaStreamSynchronize(stream), "warm-up");
-  std::vector<double> samples;
+  std::vector<std::vector<double>> samples(calls.size());
   for (int loop = 0; loop < loops; ++loop) {
-    spin_kernel<<<1, 1, 0, stream>>>(40'000'000LL);  // about 20 ms at 1.98 GHz
-    check_cuda(cudaGetLastError(), "spin_kernel");
-    const auto start = std::chrono::steady_clock::now();
-    for (int i = 0; i < calls; ++i) call();
-    const auto stop = std::chrono::steady_clock::now();
-    check_cuda(cudaStreamSynchronize(stream), "loop");
-    samples.push_back(std::chrono::duration<double, std::micro>(stop - start).count() / calls);
+    for (size_t i = 0; i < calls.size(); ++i) {
+      spin_kernel<<<1, 1, 0, stream>>>(40'000'000LL);  // about 20 ms at 1.98 GHz
+      check_cuda(cudaGetLastError(), "spin_kernel");
+      const auto start = std::chrono::steady_clock::now();
+      for (int n = 0; n < count; ++n) calls[i]();
+      const auto stop = std::chrono::steady_clock::now();
+      check_cuda(cudaStreamSynchronize(stream), "loop");
+      samples[i].push_back(std::chrono::duration<double, std::micro>(stop - start).count() / count);
+    }
   }
-  std::sort(samples.begin(), samples.end());
-  return samples[samples.size() / 2];
+  return samples;
 }
 
 }  // namespace
@@ -74,6 +85,10 @@ int main(int argc, char** argv) {
   using namespace flashhopper;
   const int calls = argc > 1 ? std::atoi(argv[1]) : 200;
   const int loops = argc > 2 ? std::atoi(argv[2]) : 9;
+  if (calls < 1 || loops < 1) {
+    std::fprintf(stderr, "usage: host_overhead_cpp [calls per loop >= 1] [loops >= 1]\n");
+    return 2;
+  }
   int devices = 0;
   if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0 || !fh_built_with_cuda()) {
     std::printf("SKIPPED: host_overhead_cpp needs an sm_90 GPU and a library built with its kernels\n");
@@ -141,9 +156,19 @@ int main(int argc, char** argv) {
                      }});
   }
 
-  std::printf("| C++ call (host work, GPU busy) | us per call |\n|---|---|\n");
-  for (const Case& c : cases)
-    std::printf("| %s | %.2f |\n", c.name.c_str(), host_us_per_call(c.call, calls, loops, stream));
+  std::vector<std::function<void()>> functions;
+  for (const Case& c : cases) functions.push_back(c.call);
+  const std::vector<std::vector<double>> samples = host_us_per_call(functions, calls, loops, stream);
+  // The first case is the empty launch: each call's excess over it in the same round is the
+  // library's own host work, comparable across machines whose launch costs differ.
+  std::printf("| C++ call (host work, GPU busy) | us per call (median) | fastest round | over the empty launch |\n"
+              "|---|---|---|---|\n");
+  for (size_t i = 0; i < cases.size(); ++i) {
+    std::vector<double> excess;
+    for (int loop = 0; loop < loops; ++loop) excess.push_back(samples[i][loop] - samples[0][loop]);
+    std::printf("| %s | %.2f | %.2f | %.2f |\n", cases[i].name.c_str(), median(samples[i]),
+                *std::min_element(samples[i].begin(), samples[i].end()), median(excess));
+  }
   workspaces.clear();
   check_cuda(cudaStreamDestroy(stream), "cudaStreamDestroy");
   return 0;
