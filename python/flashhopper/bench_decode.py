@@ -24,7 +24,9 @@ ratio.
 Packed decode rows (--packed-cache-lens): a batch of --packed-batch sequences of 1 to 8 query
 tokens (b % 8 + 1), packed (cu_seqlens_q), against a dense cache: flash_attn_with_kvcache split
 as the library chooses (0) and unsplit (1), beside the dense-query call of 4 tokens a sequence
-(split, 0), TFLOP/s (FlashAttention's count, 4 * rows * keys * Hq * d, no mask) and K+V TB/s.
+(split, 0) and FA3's on those 4 tokens (its flash_mha_with_kvcache takes no packed queries; the
+best of num_splits 1, 4, 16, 32), TFLOP/s (FlashAttention's count, 4 * rows * keys * Hq * d, no
+mask) and K+V TB/s.
 
 MLA rows (--mla-cache-lens): absorbed MLA decode as DeepSeek's models run it, 128 query heads on
 one KV head, q of head dim 64 with qv against latent values of --mla-dvs widths (256, and 512 as
@@ -145,16 +147,8 @@ def measure_row(batch, cache_len, heads_q, heads_kv, d, fa3, copy, args):
     if fa3 is not None:
         jax, _, mha = fa3
         jq, jk, jv = (to_jax(fa3, x) for x in (q, k, v))
-        best = None
-        for splits in (1, 4, 16, 32):
-            jitted = jax.jit(lambda a, b, c, s=splits: mha(a, b, c, cache_seqlens=cache_len, num_splits=s))
-            fn = lambda jitted=jitted: jitted(jq, jk, jv)  # noqa: E731
-            ms = time_interleaved({}, {"fa3": fn}, jax.block_until_ready, 3, 3, args.calls)["fa3"]
-            if best is None or ms < best[0]:
-                best = (ms, splits, fn)
-        fa3_splits = best[1]
-        jax_fns["fa3"] = best[2]
-        outs["fa3"] = from_jax(fa3, jax.block_until_ready(best[2]()))
+        jax_fns["fa3"], fa3_splits = _fa3_best_split(fa3, jq, jk, jv, cache_len, args.calls)
+        outs["fa3"] = from_jax(fa3, jax.block_until_ready(jax_fns["fa3"]()))
         # FA3 on the same paged cache, with the split count that was best on the dense one.
         jpk, jpv, jtable = (to_jax(fa3, x) for x in (paged_k, paged_v, table))
         paged_jitted = jax.jit(lambda a, b, c, t: mha(a, b, c, cache_seqlens=cache_len, page_table=t,
@@ -179,6 +173,20 @@ def measure_row(batch, cache_len, heads_q, heads_kv, d, fa3, copy, args):
     row["paged_vs_fa3_paged"] = row["fa3_paged_us"] / row["flashhopper_paged_us"]
     row["workspace_bytes"], row["workspace_vs_kv"] = workspace, workspace / kv_bytes
     return row
+
+
+def _fa3_best_split(fa3, jq, jk, jv, cache_len, calls):
+    """FA3's flash_mha_with_kvcache of jq against jk, jv (cache_len keys a sequence) at the fastest
+    of num_splits 1, 4, 16, 32 (it has no heuristic of its own): (that call, its count)."""
+    jax, _, mha = fa3
+    best = None
+    for splits in (1, 4, 16, 32):
+        jitted = jax.jit(lambda a, b, c, s=splits: mha(a, b, c, cache_seqlens=cache_len, num_splits=s))
+        fn = lambda jitted=jitted: jitted(jq, jk, jv)  # noqa: E731
+        ms = time_interleaved({}, {"fa3": fn}, jax.block_until_ready, 3, 3, calls)["fa3"]
+        if best is None or ms < best[0]:
+            best = (ms, splits, fn)
+    return best[2], best[1]
 
 
 def _fmt(value, spec):
@@ -247,7 +255,7 @@ def main(argv=None):
     if prefill:
         _write_csv(os.path.join(args.out, f"bench_prefill_{date}.csv"), prefill, list(prefill[0]))
     packed = [{"date": date, "gpu": gpu, **measure_packed_row(args.packed_batch, cache_len, heads_q, heads_kv, 128,
-                                                              args)}
+                                                              fa3, args)}
               for cache_len in args.packed_cache_lens]
     if packed:
         _write_csv(os.path.join(args.out, f"bench_packed_decode_{date}.csv"), packed, list(packed[0]))
@@ -294,13 +302,15 @@ def print_tables(rows, prefill, gpu, copy):
               f"{_fmt(r['kvcache_vs_varlen'], '15.3f')} {_fmt(r['max_diff'], '9.2g')}")
 
 
-PACKED_CALLS = ("packed", "packed_unsplit", "dense_q")
+PACKED_CALLS = ("packed", "packed_unsplit", "dense_q", "fa3_dense_q")
 
 
-def measure_packed_row(batch, cache_len, heads_q, heads_kv, d, args):
+def measure_packed_row(batch, cache_len, heads_q, heads_kv, d, fa3, args):
     """Sequences of b % 8 + 1 query tokens, packed, against cache_len cached keys each (no mask):
-    the packed call split as the library chooses and unsplit, and the dense-query call of 4 tokens
-    a sequence; TFLOP/s, K+V TB/s, and the packed call's largest difference from the unsplit one."""
+    the packed call split as the library chooses and unsplit, the dense-query call of 4 tokens a
+    sequence, and FA3's (fa3: _load_fa3's, or None) on those 4 tokens (its flash_mha_with_kvcache
+    takes no packed queries) at its best split count; TFLOP/s, K+V TB/s, the packed call's largest
+    difference from the unsplit one and FA3's from our dense-query call."""
     counts = [b % 8 + 1 for b in range(batch)]
     cu_q = torch.tensor([0] + [sum(counts[:b + 1]) for b in range(batch)], dtype=torch.int32, device="cuda")
     total = sum(counts)
@@ -316,17 +326,25 @@ def measure_packed_row(batch, cache_len, heads_q, heads_kv, d, args):
     fns = {"packed": packed(0), "packed_unsplit": packed(1),
            "dense_q": lambda: fh.flash_attn_with_kvcache(q_dense, k, v, cache_seqlens=lengths, num_splits=0)}
     diff = (fns["packed"]().float() - fns["packed_unsplit"]().float()).abs().max().item()
-    ms = time_all_ms(fns, warmup=5, rounds=args.rounds, calls=args.calls)
+    jax_fns, fa3_diff = {}, NAN
+    if fa3 is not None:
+        jq, jk, jv = (to_jax(fa3, x) for x in (q_dense, k, v))
+        jax_fns["fa3_dense_q"], _ = _fa3_best_split(fa3, jq, jk, jv, cache_len, args.calls)
+        fa3_out = from_jax(fa3, fa3[0].block_until_ready(jax_fns["fa3_dense_q"]()))
+        fa3_diff = (fa3_out.float() - fns["dense_q"]().float()).abs().max().item()
+    ms = time_interleaved(fns, jax_fns, (fa3[0].block_until_ready if fa3 else None), 5, args.rounds, args.calls)
     kv_bytes = 2 * batch * cache_len * heads_kv * d * k.element_size()
     row = {"batch": batch, "query_rows": total, "cache_len": cache_len, "heads_q": heads_q, "heads_kv": heads_kv,
            "hdim": d}
     for name in PACKED_CALLS:
-        rows = 4 * batch if name == "dense_q" else total
-        row[f"{name}_us"] = ms[name] * 1e3
-        row[f"{name}_tflops"] = 4 * rows * cache_len * heads_q * d / (ms[name] * 1e-3) / 1e12
-        row[f"{name}_tbps"] = kv_bytes / (ms[name] * 1e-3) / 1e12
+        rows = total if name.startswith("packed") else 4 * batch
+        row[f"{name}_us"] = ms[name] * 1e3 if name in ms else NAN
+        row[f"{name}_tflops"] = 4 * rows * cache_len * heads_q * d / (row[f"{name}_us"] * 1e-6) / 1e12
+        row[f"{name}_tbps"] = kv_bytes / (row[f"{name}_us"] * 1e-6) / 1e12
     row["packed_vs_dense_q"] = row["packed_tflops"] / row["dense_q_tflops"]
+    row["packed_vs_fa3"] = row["packed_tflops"] / row["fa3_dense_q_tflops"]
     row["max_diff_split"] = diff
+    row["max_diff_fa3"] = fa3_diff
     print(f"packed decode cache {cache_len:6d}: packed {row['packed_tflops']:.0f}, unsplit "
           f"{row['packed_unsplit_tflops']:.0f}, dense q {row['dense_q_tflops']:.0f} TFLOP/s", flush=True)
     return row
@@ -338,10 +356,12 @@ def print_packed_table(packed, gpu):
     r = packed[0]
     print(f"\npacked decode: {r['batch']} sequences of 1-8 query tokens ({r['query_rows']} rows), GQA "
           f"{r['heads_q']}/{r['heads_kv']}, hdim {r['hdim']}, bf16, {gpu}; TFLOP/s (K+V TB/s)")
-    print(f"{'cache':>7} {'packed':>14} {'unsplit':>14} {'dense q (4)':>14} {'packed/dense':>13} {'split diff':>11}")
+    print(f"{'cache':>7} {'packed':>14} {'unsplit':>14} {'dense q (4)':>14} {'FA3 q (4)':>14} {'packed/dense':>13} "
+          f"{'packed/FA3':>11} {'split diff':>11} {'FA3 diff':>9}")
     for r in packed:
         cells = " ".join(f"{_fmt(r[f'{c}_tflops'], '6.0f')} ({_fmt(r[f'{c}_tbps'], '5.2f')})" for c in PACKED_CALLS)
-        print(f"{r['cache_len']:7d} {cells} {_fmt(r['packed_vs_dense_q'], '13.2f')} {_fmt(r['max_diff_split'], '11.2g')}")
+        print(f"{r['cache_len']:7d} {cells} {_fmt(r['packed_vs_dense_q'], '13.2f')} {_fmt(r['packed_vs_fa3'], '11.2f')} "
+              f"{_fmt(r['max_diff_split'], '11.2g')} {_fmt(r['max_diff_fa3'], '9.2g')}")
 
 
 MLA_HEADS, MLA_D = 128, 64

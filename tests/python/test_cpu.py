@@ -1930,8 +1930,8 @@ def test_bench_decode_tables_and_plot(tmp_path, capsys):
                 "varlen_tflops": 510.0, "kvcache_vs_varlen": 0.98, "max_diff": 0.0}]
     bench_decode.print_tables(rows, prefill, "test", 4.2)
     packed = {"batch": 64, "query_rows": 288, "cache_len": 8192, "heads_q": 32, "heads_kv": 8, "hdim": 128,
-              "packed_vs_dense_q": 1.05, "max_diff_split": 0.0039}
-    for name, tflops in zip(bench_decode.PACKED_CALLS, (300.0, 120.0, nan)):
+              "packed_vs_dense_q": 1.05, "packed_vs_fa3": nan, "max_diff_split": 0.0039, "max_diff_fa3": nan}
+    for name, tflops in zip(bench_decode.PACKED_CALLS, (300.0, 120.0, nan, nan)):
         packed.update({f"{name}_us": 50.0, f"{name}_tflops": tflops, f"{name}_tbps": 2.5})
     bench_decode.print_packed_table([packed], "test")
     mla = {"hdim_v": 512, "batch": 32, "seqlen_q": 4, "cache_len": 16384, "dense_tbps": 3.1, "dense_vs_copy": 0.8,
@@ -1943,7 +1943,8 @@ def test_bench_decode_tables_and_plot(tmp_path, capsys):
     assert "decode, GQA 32/8, hdim 128" in printed and "prefill against a cache of 16384 keys" in printed
     assert printed.count("\n   32    4096   3.50") == 1 and "  0.980" in printed
     assert "packed decode: 64 sequences of 1-8 query tokens (288 rows)" in printed
-    assert "\n   8192    300 ( 2.50)    120 ( 2.50)      - ( 2.50)          1.05      0.0039" in printed
+    assert ("\n   8192    300 ( 2.50)    120 ( 2.50)      - ( 2.50)      - ( 2.50)          1.05           -"
+            "      0.0039         -") in printed
     pytest.importorskip("matplotlib")
     bench_decode._plot(rows, str(tmp_path / "decode.png"), "test", "2026-01-01", 4.2)
     assert (tmp_path / "decode.png").stat().st_size > 0
