@@ -360,8 +360,8 @@ def print_packed_table(packed, gpu):
           f"{'packed/FA3':>11} {'split diff':>11} {'FA3 diff':>9}")
     for r in packed:
         cells = " ".join(f"{_fmt(r[f'{c}_tflops'], '6.0f')} ({_fmt(r[f'{c}_tbps'], '5.2f')})" for c in PACKED_CALLS)
-        print(f"{r['cache_len']:7d} {cells} {_fmt(r['packed_vs_dense_q'], '13.2f')} {_fmt(r['packed_vs_fa3'], '11.2f')} "
-              f"{_fmt(r['max_diff_split'], '11.2g')} {_fmt(r['max_diff_fa3'], '9.2g')}")
+        ratios = f"{_fmt(r['packed_vs_dense_q'], '13.2f')} {_fmt(r['packed_vs_fa3'], '11.2f')}"
+        print(f"{r['cache_len']:7d} {cells} {ratios} {_fmt(r['max_diff_split'], '11.2g')} {_fmt(r['max_diff_fa3'], '9.2g')}")
 
 
 MLA_HEADS, MLA_D = 128, 64
