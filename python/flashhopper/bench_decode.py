@@ -361,7 +361,8 @@ def print_packed_table(packed, gpu):
     for r in packed:
         cells = " ".join(f"{_fmt(r[f'{c}_tflops'], '6.0f')} ({_fmt(r[f'{c}_tbps'], '5.2f')})" for c in PACKED_CALLS)
         ratios = f"{_fmt(r['packed_vs_dense_q'], '13.2f')} {_fmt(r['packed_vs_fa3'], '11.2f')}"
-        print(f"{r['cache_len']:7d} {cells} {ratios} {_fmt(r['max_diff_split'], '11.2g')} {_fmt(r['max_diff_fa3'], '9.2g')}")
+        diffs = f"{_fmt(r['max_diff_split'], '11.2g')} {_fmt(r['max_diff_fa3'], '9.2g')}"
+        print(f"{r['cache_len']:7d} {cells} {ratios} {diffs}")
 
 
 MLA_HEADS, MLA_D = 128, 64
