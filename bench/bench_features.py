@@ -6,7 +6,9 @@ own call without the feature, forward and backward, bf16, GQA 32/8, head dim 128
 Rows: sliding window (4095, 0) at 16k and (1023, 0) at 128k tokens, softcap 30 causal at 16k
 (and the same call without softcap), learnable sinks at 16k, non-causal and causal (and the same
 calls without). TFLOP/s count the visible (query, key) pairs: 4 * heads * d * pairs forward,
-2.5x that backward. Median of interleaved rounds (flashhopper.bench_timing.time_all_ms).
+2.5x that backward. Median of interleaved rounds (flashhopper.bench_timing.time_all_ms). The
+backward rows also give each backend's peak memory over one forward + backward step through
+autograd (flash_attn_func; FA4's flash_attn_func), MiB above what was allocated before it.
 
     PYTHONPATH=python FLASHHOPPER_LIBRARY=build/libflashhopper.so python3 bench/bench_features.py --out DIR
 """
@@ -20,7 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "python"))
 import flashhopper  # noqa: E402
-from flashhopper.bench_timing import time_all_ms  # noqa: E402
+from flashhopper.bench_timing import step_peak_mib, time_all_ms  # noqa: E402
 
 try:
     from flash_attn.cute import flash_attn_func as fa4_func
@@ -127,21 +129,38 @@ def main():
                 fl = 4.0 * batch * HEADS_Q * HEAD_DIM * pair_count[backend] * (2.5 if pass_ == "bwd" else 1.0)
                 row[f"{backend}_ms"] = ms
                 row[f"{backend}_tflops"] = fl / (ms * 1e-3) / 1e12 if ms == ms else float("nan")
+            if pass_ == "bwd":
+                steps = {"flashhopper": lambda *t: flashhopper.flash_attn_func(*t, **kw)}
+                if "fa4" in fns:
+                    steps["fa4"] = lambda *t: fa4_func(*t, **ours_kwargs(options))
+                for backend in ("flashhopper", "fa4"):
+                    row[f"{backend}_step_peak_mib"] = (step_peak_mib(steps[backend], (q, k, v))
+                                                       if backend in steps and backend in fns else float("nan"))
             results.append(row)
             print(f"{name:>22} {pass_}: ours {row['flashhopper_tflops']:7.1f}  without "
                   f"{row['flashhopper_without_tflops']:7.1f}  FA4 {row['fa4_tflops']:7.1f} TFLOP/s", flush=True)
     path = os.path.join(args.out, f"bench_features_{date}.csv")
+    fields = list(dict.fromkeys(key for r in results for key in r))  # the backward rows' peak columns too
     with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(results[0]))
+        writer = csv.DictWriter(f, fieldnames=fields, restval=float("nan"))
         writer.writeheader()
         writer.writerows(results)
-    print(f"\n| row | pass | FlashHopper | without the feature | FA4 | ours / FA4 | ours / without |")
-    print("|---|---|---|---|---|---|---|")
-    for r in results:
-        a, b, c = r["flashhopper_tflops"], r["flashhopper_without_tflops"], r["fa4_tflops"]
-        print(f"| {r['row']} | {r['pass']} | {a:.0f} | {b:.0f} | {c:.0f} | {a / c:.2f} | {a / b:.2f} |")
+    print("\n".join(table_lines(results)))
     print(f"written: {path}")
     _plot(results, os.path.join(args.out, "bench_features.png"), gpu, date)
+
+
+def table_lines(results):
+    """The markdown table: TFLOP/s, the ratios, and for backward rows the step's peak MiB (ours / FA4's)."""
+    lines = ["| row | pass | FlashHopper | without the feature | FA4 | ours / FA4 | ours / without | step peak MiB "
+             "ours / FA4 |", "|---|---|---|---|---|---|---|---|"]
+    nan = float("nan")
+    for r in results:
+        a, b, c = r["flashhopper_tflops"], r["flashhopper_without_tflops"], r["fa4_tflops"]
+        ours, theirs = r.get("flashhopper_step_peak_mib", nan), r.get("fa4_step_peak_mib", nan)
+        peak = "" if ours != ours else f"{ours:.0f} / {theirs:.0f}" if theirs == theirs else f"{ours:.0f} / -"
+        lines.append(f"| {r['row']} | {r['pass']} | {a:.0f} | {b:.0f} | {c:.0f} | {a / c:.2f} | {a / b:.2f} | {peak} |")
+    return lines
 
 
 def _plot(results, path, gpu, date):

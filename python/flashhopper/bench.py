@@ -42,7 +42,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from . import interface as flashhopper  # forward / backward, no autograd
 from .flash_attn_interface import flash_attn_func  # the memory of a step through autograd
-from .bench_timing import can_time_here, time_all_ms
+from .bench_timing import can_time_here, first_tensor, step_peak_mib, time_all_ms
 
 BACKENDS = ("flashhopper", "cudnn", "flash", "flashhopper_det", "fa4")  # _det: deterministic=True (backward only)
 PEAK_BACKENDS = ("flashhopper", "cudnn", "fa4")  # the backward rows' peak memory of a whole step
@@ -54,11 +54,6 @@ PASS_NAMES = {"fwd": "forward", "bwd": "backward"}
 
 def flops(batch, heads, seqlen, head_dim, causal):
     return 4.0 * batch * heads * seqlen * seqlen * head_dim * (0.5 if causal else 1.0)
-
-
-def first_tensor(result):
-    """A backend's output: the first of a tuple (out, lse, ...) or the tensor itself."""
-    return result[0] if isinstance(result, (tuple, list)) else result
 
 
 def pass_setup(pass_, call, inputs, dout):
@@ -258,26 +253,11 @@ def _backward_row(row, batch, seqlen, heads, head_dim, causal, timing, reported,
     if fa4 is not None:
         steps["fa4"] = lambda *x: fa4(*x, causal=bool(causal))
     for name in PEAK_BACKENDS:
-        row[f"{name}_step_peak_mib"] = _step_peak_mib(steps[name], (q, k, v)) if name in fns else float("nan")
+        row[f"{name}_step_peak_mib"] = step_peak_mib(steps[name], (q, k, v)) if name in fns else float("nan")
     row["max_diff_vs_cudnn"] = float("nan")
     if "flashhopper" in fns and "cudnn" in fns:
         ours, ref = fns["flashhopper"](), fns["cudnn"]()
         row["max_diff_vs_cudnn"] = max((a.float() - b.float()).abs().max().item() for a, b in zip(ours, ref))
-
-
-def _step_peak_mib(call, inputs):
-    """MiB that one forward + backward step through autograd allocates at its peak, above what was
-    allocated before it (the inputs excluded, their gradients included)."""
-    leaves = [x.detach().requires_grad_() for x in inputs]
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
-    out = first_tensor(call(*leaves))
-    grads = torch.autograd.grad(out, leaves, torch.ones_like(out))
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - before
-    del out, grads
-    return peak / 2**20
 
 
 def _time_row(row, setups, fl, timing, reported):

@@ -76,6 +76,26 @@ def time_interleaved(torch_fns, jax_fns, block, warmup, rounds, calls):
     return {name: statistics.median(s) for name, s in samples.items()}
 
 
+def first_tensor(result):
+    """A backend's output: the first of a tuple (out, lse, ...) or the tensor itself."""
+    return result[0] if isinstance(result, (tuple, list)) else result
+
+
+def step_peak_mib(call, inputs):
+    """MiB that one forward + backward step of call(*inputs) through autograd allocates at its
+    peak, above what was allocated before it (the inputs excluded, their gradients included)."""
+    leaves = [x.detach().requires_grad_() for x in inputs]
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    out = first_tensor(call(*leaves))
+    grads = torch.autograd.grad(out, leaves, torch.ones_like(out))
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    del out, grads
+    return peak / 2**20
+
+
 # JAX peers (FlashAttention-3 through flash-attn3-jax): tensors across, by DLPack where it works.
 
 def to_jax(fa3, t):

@@ -1950,6 +1950,29 @@ def test_bench_decode_tables_and_plot(tmp_path, capsys):
     assert (tmp_path / "decode.png").stat().st_size > 0
 
 
+def test_bench_features_table_gives_the_steps_peak_memory():
+    """bench/bench_features.py's table: TFLOP/s and the ratios each row, and for backward rows the
+    peak memory of a forward + backward step, ours against FA4's ('-' where FA4 did not run)."""
+    import importlib.util
+    script = pathlib.Path(__file__).resolve().parents[2] / "bench" / "bench_features.py"
+    spec = importlib.util.spec_from_file_location("bench_features", script)
+    bench_features = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_features)
+    nan = float("nan")
+    rows = [{"row": "window 4095", "pass": "fwd", "flashhopper_tflops": 546.0, "flashhopper_without_tflops": 582.0,
+             "fa4_tflops": 600.0},
+            {"row": "window 4095", "pass": "bwd", "flashhopper_tflops": 431.0, "flashhopper_without_tflops": 537.0,
+             "fa4_tflops": 530.0, "flashhopper_step_peak_mib": 385.2, "fa4_step_peak_mib": 412.0},
+            {"row": "softcap 30 causal", "pass": "bwd", "flashhopper_tflops": 409.0,
+             "flashhopper_without_tflops": 523.0, "fa4_tflops": nan, "flashhopper_step_peak_mib": 385.0,
+             "fa4_step_peak_mib": nan}]
+    lines = bench_features.table_lines(rows)
+    assert lines[0].endswith("| ours / without | step peak MiB ours / FA4 |") and len(lines) == 5
+    assert lines[2] == "| window 4095 | fwd | 546 | 582 | 600 | 0.91 | 0.94 |  |"
+    assert lines[3] == "| window 4095 | bwd | 431 | 537 | 530 | 0.81 | 0.80 | 385 / 412 |"
+    assert lines[4] == "| softcap 30 causal | bwd | 409 | 523 | nan | nan | 0.78 | 385 / - |"
+
+
 def test_bench_head_dims_picks_the_family_as_the_library_does():
     """bench_head_dims times a padded head dim against the family it runs on: of those at least the
     call's head dims, the least padded work (bf16, the pass's own families)."""
