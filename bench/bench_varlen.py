@@ -19,7 +19,9 @@ interleaved rounds: every round times each PyTorch backend with flashhopper.benc
 events around `calls` back-to-back calls), then FA3 (wall clock around `calls` back-to-back jitted
 calls and one jax.block_until_ready). A backend that fails to run a row leaves its columns empty
 (NaN in the CSV, '-' in the table, no bar) and its error is printed. max_diff_vs_* is the largest
-absolute difference of FlashHopper's out (fwd) or dq/dk/dv (bwd) from that backend's.
+absolute difference of FlashHopper's out (fwd) or dq/dk/dv (bwd) from that backend's. Backward rows
+also give the peak memory of one forward + backward step through autograd, ours and FA4's
+(*_step_peak_mib: MiB above what was allocated before it, flashhopper.bench_timing.step_peak_mib).
 
 Writes bench_varlen_<date>.csv (after every row) and bench_varlen_<date>.png into --out and prints a
 markdown table last.
@@ -52,12 +54,13 @@ HEADS_Q, HEADS_KV, HEAD_DIM = 32, 8, 128
 PACKED_11 = (2048, 2048, 128, 1000, 3000, 2048, 2048, 1000, 2048, 1000, 16)
 FA4_REFERENCE = {"packed 11": (512, 402)}  # TFLOP/s fwd / bwd: FA4 measured on our H200, 2026-12-01
 BACKENDS = ("flashhopper", "fa4", "fa3", "dense")
+PEAK_BACKENDS = ("flashhopper", "fa4")  # backward rows: peak memory of one forward + backward step
 LABELS = {"flashhopper": "FlashHopper varlen", "fa4": "FlashAttention-4", "fa3": "FlashAttention-3 (JAX)",
           "dense": "FlashHopper dense"}
 FIELDS = ["date", "gpu", "row", "pass", "causal", "seqs", "total_tokens", "max_seqlen", "pairs",
           *(f"{b}_{unit}" for b in BACKENDS for unit in ("ms", "tflops")),
           "ours_vs_fa4", "ours_vs_fa3", "varlen_vs_dense", "max_diff_vs_fa4", "max_diff_vs_fa3",
-          "max_diff_vs_dense", "lengths"]
+          "max_diff_vs_dense", *(f"{b}_step_peak_mib" for b in PEAK_BACKENDS), "lengths"]
 NAN = float("nan")
 
 
@@ -204,7 +207,7 @@ def _max_diff(ours, theirs):
 def measure_row(name, lengths, causal, dense, args, peers, date, gpu, started):
     import flashhopper
     from flashhopper.bench import pass_setup
-    from flashhopper.bench_timing import from_jax, time_interleaved, to_jax
+    from flashhopper.bench_timing import from_jax, step_peak_mib, time_interleaved, to_jax
 
     fa4_varlen, fa3 = peers
     total, max_seqlen, seqs = sum(lengths), max(lengths), len(lengths)
@@ -287,6 +290,10 @@ def measure_row(name, lengths, causal, dense, args, peers, date, gpu, started):
                     row[f"max_diff_vs_{backend}"] = _max_diff(results["flashhopper"], theirs)
                 except Exception as error:
                     print(f"  {name} {pass_}: max diff vs {backend}: {error!r}", flush=True)
+        steps = {"flashhopper": ours, "fa4": fa4}
+        for backend in PEAK_BACKENDS:
+            row[f"{backend}_step_peak_mib"] = (step_peak_mib(steps[backend], (q, k, v))
+                                               if pass_ == "bwd" and backend in torch_fns else NAN)
         row["lengths"] = " ".join(map(str, lengths))
         rows.append(row)
         del torch_fns, jax_fns, results
@@ -310,13 +317,16 @@ def write_csv(results, path):
 
 def print_table(results, gpu, date):
     print(f"\n{gpu}, {date}: varlen TFLOP/s, bf16, GQA 32/8, hdim 128 ('-': not available)")
-    print("| row | seqs | tokens | pass | FlashHopper | FA4 | FA3 | ours / FA4 | ours / FA3 | dense | varlen / dense |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| row | seqs | tokens | pass | FlashHopper | FA4 | FA3 | ours / FA4 | ours / FA3 | dense | varlen / dense | "
+          "step peak MiB ours / FA4 |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
+        peak = (f"{_fmt(r['flashhopper_step_peak_mib'], '.0f')} / {_fmt(r['fa4_step_peak_mib'], '.0f')}"
+                if r["pass"] == "bwd" else "")
         print(f"| {r['row']} | {r['seqs']} | {r['total_tokens']} | {r['pass']} | "
               f"{_fmt(r['flashhopper_tflops'], '.0f')} | {_fmt(r['fa4_tflops'], '.0f')} | "
               f"{_fmt(r['fa3_tflops'], '.0f')} | {_fmt(r['ours_vs_fa4'], '.2f')} | {_fmt(r['ours_vs_fa3'], '.2f')} | "
-              f"{_fmt(r['dense_tflops'], '.0f')} | {_fmt(r['varlen_vs_dense'], '.2f')} |")
+              f"{_fmt(r['dense_tflops'], '.0f')} | {_fmt(r['varlen_vs_dense'], '.2f')} | {peak} |")
     refs = "; ".join(f"{k} {f} fwd / {b} bwd" for k, (f, b) in FA4_REFERENCE.items())
     print(f"(FA4 reference, our H200 on 2026-12-01: {refs}; goal for equal 8x2048: varlen / dense >= 0.97)",
           flush=True)
@@ -406,6 +416,8 @@ def selftest(out_dir):
             row["varlen_vs_dense"] = _ratio(row["flashhopper_tflops"], row["dense_tflops"])
             row.update(max_diff_vs_fa4=0.0078125, max_diff_vs_fa3=NAN, max_diff_vs_dense=NAN if not dense else 0.0,
                        lengths=" ".join(map(str, lengths)))
+            for backend in PEAK_BACKENDS:
+                row[f"{backend}_step_peak_mib"] = rng.uniform(200, 400) if pass_ == "bwd" else NAN
             results.append(row)
     out_dir = out_dir or tempfile.mkdtemp(prefix="bench_varlen_selftest_")
     os.makedirs(out_dir, exist_ok=True)

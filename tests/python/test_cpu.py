@@ -1973,6 +1973,20 @@ def test_bench_features_table_gives_the_steps_peak_memory():
     assert lines[4] == "| softcap 30 causal | bwd | 409 | 523 | nan | nan | 0.78 | 385 / - |"
 
 
+def test_bench_varlen_selftest(tmp_path):
+    """bench/bench_varlen.py --selftest: its pair counts and batches, and its CSV (every field, the
+    step peak columns included), plot and table from made-up timings, without a GPU."""
+    script = pathlib.Path(__file__).resolve().parents[2] / "bench" / "bench_varlen.py"
+    result = subprocess.run([sys.executable, str(script), "--selftest", "--out", str(tmp_path)], capture_output=True,
+                            text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(script.parents[1] / "python")})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.rstrip().endswith("selftest ok")
+    assert "| step peak MiB ours / FA4 |" in result.stdout
+    (csv_path,) = tmp_path.glob("bench_varlen_*.csv")
+    header = csv_path.read_text().splitlines()[0].split(",")
+    assert "flashhopper_step_peak_mib" in header and "fa4_step_peak_mib" in header
+
+
 def test_bench_head_dims_picks_the_family_as_the_library_does():
     """bench_head_dims times a padded head dim against the family it runs on: of those at least the
     call's head dims, the least padded work (bf16, the pass's own families)."""
