@@ -1157,6 +1157,70 @@ def test_attention_calls_run_an_earlier_calls_plan(monkeypatch):
     assert len(checks) == 11 and len(call_keys()) == 5
 
 
+def _struct_bytes(params, allocated):
+    """params' bytes with the data pointers of the fields in `allocated` (what a call allocates
+    afresh) zeroed."""
+    copy = type(params).from_buffer_copy(params)
+    for name in allocated:
+        getattr(copy, name).data = None
+    return bytes(copy)
+
+
+def test_memoised_calls_fill_the_structs_as_first_calls(monkeypatch):
+    """Random flash_attn_func and flash_attn_varlen_func calls (options of several values and types,
+    plain and with autograd, dense and packed, with and without a sink), each run twice on the same
+    tensors: through whatever plans the calls before it memoised, and with no plan at all. Both
+    fill the forward struct, and after autograd the backward's, byte for byte alike but for the
+    pointers of what each call allocates."""
+    import random
+    from flashhopper import interface
+    captured = _captured_params(monkeypatch)
+    rng = random.Random(7)
+    dense, packed, sink = qkv(), varlen_args(), torch.randn(8)
+    conversions = []  # the full path's first step, which a memoised call skips
+    real_resolve = fa3._resolve_options
+    monkeypatch.setattr(fa3, "_resolve_options", lambda *args: conversions.append(1) or real_resolve(*args))
+    choices = dict(causal=[False, True, 1], window_size=[(-1, -1), (16, 0), (8, 8), (None, 4)],
+                   softcap=[0.0, 5.0, 0], attention_chunk=[0, 32], num_splits=[1, 0, 3], deterministic=[False, True],
+                   return_attn_probs=[False, True], learnable_sink=[None, sink])
+    kinds = []  # a pool of call kinds drawn from again and again: pairs that differ in one option each
+    for name in choices:
+        for _ in range(2):
+            varlen, grad = rng.random() < 0.4, name == "deterministic" or rng.random() < 0.5
+            options = {key: rng.choice(values) for key, values in choices.items()}
+            kinds.append((varlen, grad, options))
+            other = [value for value in choices[name] if value is not options[name]]
+            kinds.append((varlen, grad, {**options, name: rng.choice(other)}))
+    hits = 0
+    for _ in range(200):
+        varlen, grad, options = rng.choice(kinds)
+        leaves = [t.detach().requires_grad_(grad) for t in (packed[:3] if varlen else dense)]
+
+        def call():
+            if varlen:
+                return fa3.flash_attn_varlen_func(*leaves, *packed[3:], **options)
+            return flash_attn_func(*leaves, **options)
+
+        structs = []
+        for memoised in (True, False):
+            plans = interface._PLANS
+            if not memoised:
+                interface._PLANS = {}
+            calls_before, conversions_before = len(captured), len(conversions)
+            result = call()
+            hits += memoised and len(conversions) == conversions_before
+            out = result[0] if options["return_attn_probs"] else result
+            structs.append(_struct_bytes(captured[-1], ("out", "lse")))
+            if grad:
+                torch.autograd.grad(out, leaves, torch.ones_like(out))
+                structs.append(_struct_bytes(captured[-1], ("out", "lse", "dout", "dq", "dk", "dv", "dsink")))
+            assert len(captured) == calls_before + 1 + grad
+            interface._PLANS = plans
+        half = len(structs) // 2
+        assert structs[:half] == structs[half:], options
+    assert hits > 100  # most calls' keys came round again: the memoised path ran
+
+
 def test_plans_memoise_the_checks_not_the_pointers(monkeypatch):
     """A second call of the same kind (metadata and options) reuses the first one's checks and
     struct but gets its own data pointers; whatever the plan does not cover (alignment, another
