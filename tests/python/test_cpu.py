@@ -1221,6 +1221,45 @@ def test_memoised_calls_fill_the_structs_as_first_calls(monkeypatch):
     assert hits > 100  # most calls' keys came round again: the memoised path ran
 
 
+def test_memoised_kvcache_calls_fill_the_struct_as_first_calls(monkeypatch):
+    """The same for flash_attn_with_kvcache: decode and append calls from a pool of kinds in pairs
+    that differ in one option or tensor, each run through the memoised plans and with none, fill
+    the struct alike but for out and lse."""
+    import random
+    from flashhopper import interface
+    captured = _captured_params(monkeypatch)
+    rng = random.Random(11)
+    q, k, v = qkv(seqlen_q=2)
+    lengths, new_k, new_v = torch.tensor([5, 9], dtype=torch.int32), k[:, :2].clone(), v[:, :2].clone()
+    leftpad, rows = torch.tensor([0, 3], dtype=torch.int32), torch.tensor([1, 0], dtype=torch.int32)
+    choices = dict(causal=[False, True, 1], window_size=[(-1, -1), (16, 0), (None, 4)], softcap=[0.0, 5.0],
+                   num_splits=[0, 1, 3], return_softmax_lse=[False, True], append=[False, True],
+                   cache_leftpad=[None, leftpad], cache_batch_idx=[None, rows])
+    kinds = []
+    for name in choices:
+        options = {key: rng.choice(values) for key, values in choices.items()}
+        other = [value for value in choices[name] if value is not options[name]]
+        kinds += [options, {**options, name: rng.choice(other)}]
+    hits = 0
+    for _ in range(120):
+        options = dict(rng.choice(kinds))
+        if options.pop("append"):
+            options.update(k=new_k, v=new_v)
+        structs = []
+        for memoised in (True, False):
+            plans = interface._PLANS
+            if not memoised:
+                interface._PLANS = {}
+            before, plans_before = len(captured), len(interface._PLANS)
+            fa3.flash_attn_with_kvcache(q, k, v, cache_seqlens=lengths, **options)
+            hits += memoised and len(interface._PLANS) == plans_before  # no new plan: an earlier one ran
+            assert len(captured) == before + 1
+            structs.append(_struct_bytes(captured[-1], ("out", "lse")))
+            interface._PLANS = plans
+        assert structs[0] == structs[1], options
+    assert hits > 60
+
+
 def test_plans_memoise_the_checks_not_the_pointers(monkeypatch):
     """A second call of the same kind (metadata and options) reuses the first one's checks and
     struct but gets its own data pointers; whatever the plan does not cover (alignment, another
