@@ -14,11 +14,11 @@
 # With PREBUILT=<folder> (scripts/prebuild.sh's, carried) it builds nothing and runs on that folder
 # (not the A/B steps, which recompile objects of a build).
 # One line a step goes to $JOB_DIR/out/progress.log; each step's output to $JOB_DIR/out/step_<step>.txt. Usage, from the
-# repository root on the GPU machine (carry the tarball and .gtest/):
-#   CUTLASS_TARBALL=build-bisect/cutlass.tar.xz setsid nohup scripts/device_job.sh > /tmp/job.log 2>&1 < /dev/null &
+# repository root on the GPU machine (carry the tarball and .gtest/, which scripts/device_kit.sh
+# makes here, with PREBUILD=1 the prebuilt folder too; it prints the carry list and this command):
+#   CUTLASS_TARBALL=build-kit/cutlass.tar.xz setsid nohup scripts/device_job.sh > /tmp/job.log 2>&1 < /dev/null &
 # then, within 30 s of each call's end (the machine's idle release), poll progress.log until it
-# says "ALL DONE", and copy $JOB_DIR/out into $OUT. Make the tarball here with
-#   tar cJf build-bisect/cutlass.tar.xz -C third_party cutlass/include cutlass/tools
+# says "ALL DONE", and copy $JOB_DIR/out into $OUT.
 set -u
 root="$(cd "$(dirname "$0")/.." && pwd)"
 job="${JOB_DIR:-/tmp/fhjob}"

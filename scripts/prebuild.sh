@@ -5,6 +5,7 @@
 # PREBUILT=<folder> scripts/device_job.sh runs its steps on it with no build, which saves the
 # device's build minutes (the bench set: 11 minutes on this machine's 2 cores, 52 MB).
 #   scripts/prebuild.sh [KERNELS (default bench)] [FOLDER (default build-prebuilt)]
+# (PREBUILD=1 scripts/device_kit.sh runs it with the rest of what a device session carries.)
 # Carry the folder only while `git diff $(cat FOLDER/COMMIT) -- src include cmake CMakeLists.txt
 # tests/cpp bench/profile scripts/kernel_manifest.py` is empty (else they are not the tree's).
 set -euo pipefail
