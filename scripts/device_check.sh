@@ -92,9 +92,10 @@ for step in "${steps[@]}"; do
       ;;
     python)
       # The PyTorch package on the GPU (PYTEST_FILTER: a pytest -k expression, default all). No -x:
-      # one failure must not hide the tests after it; -rf lists each failure in the summary.
+      # one failure must not hide the tests after it; -rA lists every test's outcome (and a skip's reason)
+      # in pytest_gpu.log, so a note can say which ran.
       FLASHHOPPER_LIBRARY="$build/libflashhopper.so" PYTHONPATH="$root/python" timeout "${PYTEST_TIMEOUT:-400}" \
-        python3 -m pytest -q -rf "$root/tests/python/test_gpu.py" "$root/tests/python/test_library.py" \
+        python3 -m pytest -q -rA "$root/tests/python/test_gpu.py" "$root/tests/python/test_library.py" \
         "$root/tests/python/test_distributed.py" \
         ${PYTEST_FILTER:+-k "$PYTEST_FILTER"} >"$out/pytest_gpu.log" 2>&1
       rc=$?
