@@ -1108,31 +1108,31 @@ def test_attention_calls_run_an_earlier_calls_plan(monkeypatch):
     holds them)."""
     from flashhopper import interface
     captured = _captured_params(monkeypatch)
-    checks = []  # the conversions of the options (the first step a memoised call skips)
+    conversions = []  # of the options: the first step a memoised call skips
     real_resolve = fa3._resolve_options
-    monkeypatch.setattr(fa3, "_resolve_options", lambda *args: checks.append(1) or real_resolve(*args))
+    monkeypatch.setattr(fa3, "_resolve_options", lambda *args: conversions.append(1) or real_resolve(*args))
 
     def call_keys(name="flash_attn_func"):
         return [key for key in interface._PLANS if key[0] == name]
 
     calls = [qkv(), qkv()]
     results = [flash_attn_func(*t, causal=True, return_attn_probs=True) for t in calls]
-    assert len(checks) == 1 and len(call_keys()) == 1 and len(captured) == 2
+    assert len(conversions) == 1 and len(call_keys()) == 1 and len(captured) == 2
     for params, (q, k, v), (out, lse) in zip(captured, calls, results):
         assert (params.q.data, params.k.data, params.v.data) == (q.data_ptr(), k.data_ptr(), v.data_ptr())
         assert (params.out.data, params.lse.data) == (out.data_ptr(), lse.data_ptr())
         assert out.shape == q.shape and lse.shape == (2, 8, 64) and params.causal == 1
     assert bytes(captured[0]) != bytes(captured[1])
     out = flash_attn_func(*calls[0], causal=True)  # no lse: another plan
-    assert len(checks) == 2 and len(call_keys()) == 2 and not captured[-1].lse.data and torch.is_tensor(out)
+    assert len(conversions) == 2 and len(call_keys()) == 2 and not captured[-1].lse.data and torch.is_tensor(out)
     flash_attn_func(*calls[0], causal=1)  # an int, not a bool: its own key
     flash_attn_func(*calls[0], causal=True, window_size=[-1, -1])  # a list: no key, checked each call
     flash_attn_func(*calls[0], causal=True, window_size=[-1, -1])
-    assert len(checks) == 5 and len(call_keys()) == 3
+    assert len(conversions) == 5 and len(call_keys()) == 3
     # with autograd: the first call checks, the second runs its plan; each backward gets its options
     leaves = [tuple(t.clone().requires_grad_() for t in calls[i]) for i in (0, 1)]
     outs = [flash_attn_func(*leaf, causal=True, deterministic=True, window_size=(7, -1)) for leaf in leaves]
-    assert len(checks) == 6 and len(call_keys()) == 4
+    assert len(conversions) == 6 and len(call_keys()) == 4
     assert [type(out.grad_fn).__name__ for out in outs] == ["_EagerAttentionBackward"] * 2
     for leaf, out in zip(leaves, outs):
         torch.autograd.grad(out, leaf, torch.ones_like(out))
@@ -1141,20 +1141,20 @@ def test_attention_calls_run_an_earlier_calls_plan(monkeypatch):
         assert (params.window_left, params.window_right, params.causal) == (7, 0, 0)
         assert (params.q.data, params.out.data) == (leaf[0].data_ptr(), out.data_ptr())
     flash_attn_func(*leaves[1], causal=True, deterministic=False, window_size=(7, -1))  # saved options differ
-    assert len(checks) == 7 and len(call_keys()) == 5
+    assert len(conversions) == 7 and len(call_keys()) == 5
     # packed batches: the varlen tensors and max_seqlen are in the key
     args = varlen_args()
     fa3.flash_attn_varlen_func(*args, causal=True)
     fa3.flash_attn_varlen_func(*args[:3], args[3].clone(), *args[4:], causal=True)
-    assert len(checks) == 8 and len(call_keys("flash_attn_varlen_func")) == 1
+    assert len(conversions) == 8 and len(call_keys("flash_attn_varlen_func")) == 1
     assert captured[-1].cu_seqlens_q.data != captured[-2].cu_seqlens_q.data
     fa3.flash_attn_varlen_func(*args[:5], args[5] + 1, args[6], causal=True)
-    assert len(checks) == 9 and len(call_keys("flash_attn_varlen_func")) == 2
+    assert len(conversions) == 9 and len(call_keys("flash_attn_varlen_func")) == 2
     # a head dim the call pads: the plan is the padded tensors', so no key
     odd = qkv(head_dim=59)
     for _ in range(2):
         flash_attn_func(*odd)
-    assert len(checks) == 11 and len(call_keys()) == 5
+    assert len(conversions) == 11 and len(call_keys()) == 5
 
 
 def _struct_bytes(params, allocated):
