@@ -9,7 +9,9 @@ its own, and with that count on the same paged cache), and PyTorch SDPA's cuDNN 
 
 Bandwidth: the K and V bytes a call must read (batch * cache_len * heads_kv * (d + dv) * 2) over
 its time, beside the GPU's device-to-device copy bandwidth measured in the same run (a 4 GiB
-copy: read + write bytes over its time). Times are medians of interleaved rounds (CUDA events
+copy: read + write bytes over its time). flashhopper_kernel_us: the GPU's time alone for our call
+(its graph replayed with every replay queued ahead behind a busy-wait), which tells a short call's
+fixed GPU costs from the host's. Times are medians of interleaved rounds (CUDA events
 around back-to-back calls; FA3 through JAX: wall clock around back-to-back jitted calls, as
 bench_varlen.py). max_diff_vs_fa3: our out's largest absolute difference from FA3's;
 paged_vs_dense: the dense call's time over the paged one's; max_diff_paged: their outputs'
@@ -57,7 +59,8 @@ BACKENDS = ("flashhopper", "flashhopper_graph", "flashhopper_paged", "fa3", "fa3
 FIELDS = ["date", "gpu", "batch", "cache_len", "heads_q", "heads_kv", "hdim", "kv_gib",
           *(f"{b}_{unit}" for b in BACKENDS for unit in ("us", "tbps")), "fa3_splits", "copy_tbps",
           "ours_vs_copy", "ours_vs_fa3", "max_diff_vs_fa3", "page_size", "paged_vs_dense", "max_diff_paged",
-          "paged_vs_fa3_paged", "workspace_bytes", "workspace_vs_kv"]
+          "paged_vs_fa3_paged", "workspace_bytes", "workspace_vs_kv", "flashhopper_kernel_us",
+          "flashhopper_kernel_tbps"]
 NAN = float("nan")
 MAX_KV_GIB = 36  # rows whose cache would not leave room for the peers' copies are skipped
 
@@ -172,6 +175,12 @@ def measure_row(batch, cache_len, heads_q, heads_kv, d, fa3, copy, args):
     row["max_diff_paged"] = (outs["flashhopper"].float() - outs["flashhopper_paged"].float()).abs().max().item()
     row["paged_vs_fa3_paged"] = row["fa3_paged_us"] / row["flashhopper_paged_us"]
     row["workspace_bytes"], row["workspace_vs_kv"] = workspace, workspace / kv_bytes
+    # The GPU's time alone: the graph's replays all queued behind a busy-wait long enough to issue
+    # them (150 us of host time each at most), so no gap between them is the host's.
+    kernel_ms = time_all_ms({"graph": torch_fns["flashhopper_graph"]}, warmup=2, rounds=5, calls=args.calls,
+                            lead_cycles=args.calls * 300_000)["graph"]
+    row["flashhopper_kernel_us"] = kernel_ms * 1e3
+    row["flashhopper_kernel_tbps"] = kv_bytes / (kernel_ms * 1e-3) / 1e12
     return row
 
 
@@ -287,11 +296,13 @@ def print_tables(rows, prefill, gpu, copy):
         print(f"\ndecode, GQA {rows[0]['heads_q']}/{rows[0]['heads_kv']}, hdim {rows[0]['hdim']}, bf16, {gpu}; "
               f"K+V TB/s (copy {copy:.2f})")
         print(f"{'batch':>5} {'cache':>7} {'ours':>6} {'graph':>6} {'paged':>6} {'FA3':>6} {'FA3 pg':>6} "
-              f"{'cuDNN':>6} {'FA2':>6} {'ours us':>8} {'FA3 us':>8} {'vs FA3':>6} {'vs copy':>7} {'ws %KV':>7}")
+              f"{'cuDNN':>6} {'FA2':>6} {'ours us':>8} {'FA3 us':>8} {'vs FA3':>6} {'vs copy':>7} {'ws %KV':>7} "
+              f"{'GPU us':>7}")
     for r in rows:
         print(f"{r['batch']:5d} {r['cache_len']:7d} " + " ".join(_fmt(r[f'{b}_tbps'], '6.2f') for b in BACKENDS)
               + f" {_fmt(r['flashhopper_us'], '8.1f')} {_fmt(r['fa3_us'], '8.1f')} {_fmt(r['ours_vs_fa3'], '6.2f')}"
-              f" {_fmt(r['ours_vs_copy'], '7.2f')} {_fmt(100 * r['workspace_vs_kv'], '7.3f')}")
+              f" {_fmt(r['ours_vs_copy'], '7.2f')} {_fmt(100 * r['workspace_vs_kv'], '7.3f')}"
+              f" {_fmt(r['flashhopper_kernel_us'], '7.1f')}")
     if prefill:
         r = prefill[0]
         print(f"\nprefill against a cache of {r['cache_len']} keys, batch {r['batch']}, causal, "
