@@ -725,7 +725,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = Fa
                       descales=descales)
         check_devices([("q", q), ("k", k), ("v", v), ("out", out), ("learnable_sink", learnable_sink)]
                       + varlen_tensors(varlen) + _descale_tensors(descales))
-    out, lse, named = _forward_outputs(q, k, v, out, return_lse, learnable_sink, varlen, descales)
+    out, lse = _new_outputs(q, v, return_lse, out)
+    named = tuple(_forward_named(q, k, v, out, lse, learnable_sink, varlen, descales))
     lib = _ffi.lib()
     if plan is None:
         params = _ffi.ForwardParams()
@@ -747,25 +748,28 @@ def _new_outputs(q, v, return_lse: bool, out=None):
     return out, lse
 
 
-def _forward_outputs(q, k, v, out, return_lse: bool, learnable_sink, varlen, descales=(None, None, None)):
-    """out (allocated when None), lse (None without return_lse) and forward()'s (field, tensor)
-    pairs with them, in the order its plans take them."""
-    out, lse = _new_outputs(q, v, return_lse, out)
-    named = (("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse), ("learnable_sink", learnable_sink),
-             *varlen_tensors(varlen), *_descale_tensors(descales))
-    return out, lse, named
-
-
+# forward()'s tensors, by the C ABI's names, in the order its plans take them.
 _FORWARD_FIELDS = ("q", "k", "v", "out", "lse", "learnable_sink", "cu_seqlens_q", "cu_seqlens_k", "seqused_q",
-                   "seqused_k")  # forward()'s (field, tensor) order, but the descales (None in bf16/fp16)
+                   "seqused_k", "q_descale", "k_descale", "v_descale")
+
+_DENSE = (None, None, None, None)  # a dense call's varlen tensors
+_NO_DESCALES = (None, None, None)  # a bf16/fp16 call's
+
+
+def _forward_named(q, k, v, out, lse, learnable_sink, varlen, descales=_NO_DESCALES):
+    """forward()'s (field, tensor) pairs, None where absent (an iterator, read once; a dense
+    call's end without tensors left off)."""
+    tensors = (q, k, v, out, lse, learnable_sink)
+    if varlen is not None or descales[0] is not None or descales[1] is not None or descales[2] is not None:
+        tensors += (*(_varlen_fields(varlen) or _DENSE), *descales)
+    return zip(_FORWARD_FIELDS, tensors)
 
 
 def run_forward_plan(plan: _Plan, q, k, v, learnable_sink, varlen, return_lse: bool):
     """A forward() call in bf16/fp16 (out allocated here) whose plan an earlier call memoised under
     the same caller_key, so its arguments passed every check; out, or (out, lse)."""
     out, lse = _new_outputs(q, v, return_lse)
-    tensors = (q, k, v, out, lse, learnable_sink, *_varlen_fields(varlen))
-    _launch(plan, zip(_FORWARD_FIELDS, tensors), _ffi.lib().fh_forward, q.device)
+    _launch(plan, _forward_named(q, k, v, out, lse, learnable_sink, varlen), _ffi.lib().fh_forward, q.device)
     return (out, lse) if return_lse else out
 
 

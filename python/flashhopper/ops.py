@@ -253,7 +253,7 @@ class _EagerAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, learnable_sink, call):
         if type(call) is _Replay:
             out, lse = interface.run_forward_plan(call.plan, q, k, v, learnable_sink, call.varlen, True)
-            _save(ctx, q, k, v, out, lse, learnable_sink, interface._varlen_fields(call.varlen) or _DENSE,
+            _save(ctx, q, k, v, out, lse, learnable_sink, interface._varlen_fields(call.varlen) or interface._DENSE,
                   call.saved_options)
             return out, lse
         options, caller_key = call
@@ -281,9 +281,6 @@ class _Replay(NamedTuple):
     plan: object          # interface.forward's plan (return_lse), from an earlier call like this one
     saved_options: tuple  # saved_options of that call's inputs
     varlen: Optional[interface.Varlen]
-
-
-_DENSE = (None, None, None, None)  # the varlen tensors of a dense call
 
 
 def fwd_replay(plan, saved_options, q, k, v, learnable_sink, varlen) -> tuple[Tensor, Tensor]:
