@@ -184,6 +184,10 @@ for step in "${steps[@]}"; do
       # Several query tokens of one KV head packed into one tile's rows, the mask by token, the lse
       # by head and token (qv only: the kernels that group rows; the full kernel set).
       sanitize grouped_rows test_forward_gpu 'Qv/QvGpuTest.*/b3_sq4_sk1000_h128_causal_cache:Qv/QvGpuTest.*/b3_sq4_sk1000_h128_causal_cache_dv512'
+      # Several query tokens with GQA: q gathered by KV head, the rows' positions shifted, the
+      # combine writing out and lse through the grouped strides (one split and three over pages).
+      sanitize grouped_gqa test_forward_gpu \
+        'KvCache/*/b4_sq4_h32_hkv8_rows6_S4096_causal_splits3_page16:KvCache/*/b4_sq4_h64_hkv8_rows6_S4096'
       ;;
     hostile)
       # Extreme and non-finite input values; concurrent calls from threads and streams.

@@ -12,8 +12,11 @@
 namespace flashhopper::launch {
 namespace {
 
+// grouped: the partials of a call with several query tokens packed (their strides, heads_per_group
+// query heads a KV head), p.out_partial and p.lse_partial then giving the extents only.
 template <class OutElement>
-int run_combine_as(const CombineParams& p, cudaStream_t stream) {
+int run_combine_as(const CombineParams& p, cudaStream_t stream, const detail::GroupedPartials* grouped = nullptr,
+                   int heads_per_group = 0) {
   using Kernel = hopper::SplitCombineKernel<OutElement>;
   typename Kernel::Params k{};
   const bool packed = p.out.ndim == 3;  // out [total_q, H, dv], out_partial [S, H, total_q, dv]
@@ -52,6 +55,18 @@ int run_combine_as(const CombineParams& p, cudaStream_t stream) {
     std::copy(out_stride, out_stride + 4, k.out_stride);
     if (k.lse != nullptr) std::copy(p.lse.stride, p.lse.stride + 3, k.lse_stride);
   }
+  k.heads_per_group = k.heads;  // one group: the strides above
+  if (grouped != nullptr) {
+    const int64_t* go = grouped->out;
+    const int64_t* gl = grouped->lse;
+    const int64_t out_partial_stride[5] = {go[0], go[1], go[3], go[4], go[5]};
+    const int64_t lse_partial_stride[4] = {gl[0], gl[1], gl[3], gl[4]};
+    std::copy(out_partial_stride, out_partial_stride + 5, k.out_partial_stride);
+    std::copy(lse_partial_stride, lse_partial_stride + 4, k.lse_partial_stride);
+    k.heads_per_group = heads_per_group;
+    k.out_partial_group_stride = go[2];
+    k.lse_partial_group_stride = gl[2];
+  }
   const int64_t items = int64_t(k.batch) * k.heads * k.rows;
   const int64_t blocks = (items + Kernel::kWarps - 1) / Kernel::kWarps;
   hopper::plain_kernel_entry<Kernel><<<unsigned(blocks), Kernel::kThreads, 0, stream>>>(k);
@@ -65,14 +80,24 @@ int run_split_kv_combine(const ForwardParams& params, const detail::ProblemShape
                          float* lse_partial, int num_splits, fh_stream_t stream, int64_t rows_per_token) {
   CombineParams combine{};
   if (rows_per_token > 1) {
-    // Several query tokens of one KV head packed (plan/packed_decode.hpp): the partials' rows are
-    // token t's heads j at t * Hq + j, read here as [S, B, Hq, sq, (dv)] into the call's own out
-    // and lse (params and shape: the call as given).
+    // Several query tokens packed (plan/packed_decode.hpp): KV head g's partial rows are token t's
+    // query heads g * g' + j at t * g' + j (g' = rows_per_token), read into the call's own out and
+    // lse (params and shape: the call as given) through detail::grouped_partials' strides.
     const int64_t b = shape.batch, h = shape.heads_q, sq = shape.seqlen_q, dv = shape.head_dim_v;
-    combine.out_partial = make_tensor(out_partial, FH_DTYPE_FP32, {num_splits, b, h, sq, dv},
-                                      {b * sq * h * dv, sq * h * dv, dv, h * dv, 1});
-    combine.lse_partial = make_tensor(lse_partial, FH_DTYPE_FP32, {num_splits, b, h, sq}, {b * sq * h, sq * h, 1, h});
-  } else if (shape.varlen_q) {  // [S, Hq, total_q, (dv)], as fh_combine takes packed partials
+    combine.out_partial = make_tensor(out_partial, FH_DTYPE_FP32, {num_splits, b, h, sq, dv});
+    combine.lse_partial = make_tensor(lse_partial, FH_DTYPE_FP32, {num_splits, b, h, sq});
+    combine.out = params.out;
+    combine.lse = params.lse;
+    const detail::GroupedPartials grouped = detail::grouped_partials(shape, rows_per_token);
+    const auto s = static_cast<cudaStream_t>(stream);
+    switch (params.out.dtype) {
+      case FH_DTYPE_BF16: return run_combine_as<cutlass::bfloat16_t>(combine, s, &grouped, int(rows_per_token));
+      case FH_DTYPE_FP16: return run_combine_as<cutlass::half_t>(combine, s, &grouped, int(rows_per_token));
+      case FH_DTYPE_FP32: return run_combine_as<float>(combine, s, &grouped, int(rows_per_token));
+      default: return int(cudaErrorInvalidValue);  // refused by the checks before
+    }
+  }
+  if (shape.varlen_q) {  // [S, Hq, total_q, (dv)], as fh_combine takes packed partials
     combine.out_partial =
         make_tensor(out_partial, FH_DTYPE_FP32, {num_splits, shape.heads_q, shape.total_q, shape.head_dim_v});
     combine.lse_partial = make_tensor(lse_partial, FH_DTYPE_FP32, {num_splits, shape.heads_q, shape.total_q});

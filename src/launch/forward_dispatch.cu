@@ -97,11 +97,12 @@ ForwardPlan plan_forward(const ForwardParams& p, const detail::ProblemShape& s) 
         max_planned_tiles(s.total_q, s.seqlen_q, s.batch, s.heads_q, block_m) * plan.num_splits);
   }
   plan.rotated_q = rotated_q_bytes(p, s);
-  if (plan.num_splits > 1) {
+  if (plan.num_splits > 1 || plan.call.combine_always) {
     const size_t rows = size_t(plan.num_splits) * partial_rows(s);
     plan.out_partial = round_up_256(rows * s.head_dim_v * sizeof(float));
     plan.lse_partial = round_up_256(rows * sizeof(float));
   }
+  plan.gathered_q = round_up_256(gathered_q_bytes(plan.call));
   return plan;
 }
 
@@ -121,15 +122,23 @@ int run_forward(const ForwardPlan& plan, void* workspace, fh_stream_t stream) {
       attention = &rotated;
     }
   }
+  detail::KernelCall gathered;
+  if (detail::present(attention->gather_source)) {  // q's rows of each KV head into one stride
+    void* rows = base + plan.planned_tiles + plan.rotated_q + plan.out_partial + plan.lse_partial;
+    if (const int err = run_query_gather(*attention, rows, stream); err != 0) return err;
+    gathered = *attention;
+    gathered.params.q.data = rows;
+    attention = &gathered;
+  }
   const detail::KernelCall& call = *attention;
   ForwardWorkspace parts;
   parts.planned_tiles = base;
-  if (plan.num_splits > 1) {
-    parts.num_splits = plan.num_splits;
+  parts.num_splits = plan.num_splits;
+  if (plan.out_partial > 0) {
     parts.out_partial = reinterpret_cast<float*>(base + plan.planned_tiles + plan.rotated_q);
     parts.lse_partial = reinterpret_cast<float*>(base + plan.planned_tiles + plan.rotated_q + plan.out_partial);
   }
-  const hopper::ForwardFeatures features = forward_features(call.params, call.shape, parts.num_splits);
+  const hopper::ForwardFeatures features = forward_features(call.params, call.shape, parts.out_partial != nullptr);
   const int err = visit_instantiation<Pass::kForward>(
       forward_family(call.params, call.shape), mask_kind(call.params), call.params.softcap > 0.f,
       [&](auto dtype, auto head_dim, auto head_dim_v, auto mask, auto softcap) {
@@ -139,7 +148,7 @@ int run_forward(const ForwardPlan& plan, void* workspace, fh_stream_t stream) {
                                   feature_set.value>(call.params, call.shape, parts, stream);
         });
       });
-  if (err != 0 || parts.num_splits == 1) return err;
+  if (err != 0 || parts.out_partial == nullptr) return err;
   if (call.shape.rows_per_token > 1)  // several query tokens packed: into the call's own out and lse
     return run_split_kv_combine(params, shape, parts.out_partial, parts.lse_partial, parts.num_splits, stream,
                                 call.shape.rows_per_token);

@@ -63,14 +63,18 @@ cudaError_t run_forward_hdim(const ForwardParams& p, const detail::ProblemShape&
   using Kernel = typename Of::Kernel;
   static_assert(!Of::kUsesExtendedGmma || FLASHHOPPER_EXTENDED_GMMA_SHAPES, FLASHHOPPER_GMMA_SET_MESSAGE);
   // The dispatch picks a kernel that holds the call's features; one without would ignore them.
-  if (!holds(kFeatures, forward_features(p, s, workspace.num_splits))) return cudaErrorInvalidValue;
+  if (!holds(kFeatures, forward_features(p, s, workspace.out_partial != nullptr))) return cudaErrorInvalidValue;
+  // A kernel that shifts for grouped rows takes a power of two (plan/packed_decode.hpp packs no other).
+  if (query_row_grouping(kFeatures) == RowGrouping::kShift && (s.rows_per_token & (s.rows_per_token - 1)) != 0)
+    return cudaErrorInvalidValue;
 
   const int batch = int(s.batch), heads_q = int(s.heads_q), heads_kv = int(s.heads_kv);
   const int d = int(s.head_dim), dv = int(s.head_dim_v);
   const hopper::SeqlenParams seqlen = seqlen_params(p, s);
   hopper::LocalMaskParams mask_params = local_mask_params(p);
-  // Packed GQA over several tokens (the qv kernels with the KV cache's code: groups_query_rows).
+  // Packed GQA over several tokens (the kernels with the KV cache's code: query_row_grouping).
   mask_params.rows_per_token = int(s.rows_per_token);
+  while ((int64_t(1) << mask_params.rows_per_token_log2) < s.rows_per_token) ++mask_params.rows_per_token_log2;
   // (rows, d, heads, batch) views: dense [B, S, H, d]; packed [total, H, d] as one batch.
   const TensorRows q_rows = tensor_rows(p.q, s.varlen_q, seqlen.total_q, batch);
   // A dense K/V's own batch extent: a KV cache indexed by cache_batch_idx has any number of rows;

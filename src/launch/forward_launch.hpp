@@ -15,17 +15,20 @@ namespace flashhopper::launch {
 struct ForwardWorkspace {
   void* planned_tiles = nullptr;  // packed queries: the tile list (launch/varlen_plan.hpp)
   int num_splits = 1;             // > 1: split-KV, the float32 partials below, then the combine
+  // Present: the kernel writes these float32 partials (split-KV, or grouped rows that the combine
+  // writes out: detail::KernelCall::combine_always), not out and lse.
   float* out_partial = nullptr;   // [num_splits, B, Hq, sq, dv], packed [num_splits, Hq, total_q, dv]
   float* lse_partial = nullptr;   // [num_splits, B, Hq, sq], packed [num_splits, Hq, total_q]
 };
 
-// The features a forward call uses beyond a dense batch (hopper/common/forward_features.hpp).
+// The features a forward call uses beyond a dense batch (hopper/common/forward_features.hpp);
+// writes_partials: the kernel writes float32 partials (ForwardWorkspace::out_partial).
 inline hopper::ForwardFeatures forward_features(const ForwardParams& p, const detail::ProblemShape& s,
-                                                int num_splits) {
+                                                bool writes_partials) {
   using hopper::ForwardFeatures;
   ForwardFeatures f = ForwardFeatures::kNone;
   if (detail::uses_packed_batches(p, s)) f = f | ForwardFeatures::kPacked;
-  if (num_splits > 1) f = f | ForwardFeatures::kSplitKv;
+  if (writes_partials) f = f | ForwardFeatures::kSplitKv;
   // Query rows grouped by token (packed GQA over several tokens) run where groups_query_rows.
   if (detail::present(p.cache_seqlens) || detail::present(p.cache_leftpad) || detail::present(p.cache_batch_idx) ||
       s.rows_per_token > 1)

@@ -16,15 +16,16 @@ std::string forward_unsupported_reason(const ForwardParams& params, const detail
 
 // A forward as the kernels run it, computed once per call: the call after the decode rewrite
 // (detail::kernel_call), the split count and the workspace's parts, in order: the planned tiles
-// (packed queries), the rotated copy of q (an append with rotary), the split partials (split-KV).
+// (packed queries), the rotated copy of q (an append with rotary), the split partials (split-KV,
+// or the call's combine_always), q's gathered rows (its gather_source).
 // It refers to the params and shape it was made from, which must outlive it.
 struct ForwardPlan {
   const ForwardParams* params = nullptr;
   const detail::ProblemShape* shape = nullptr;
   detail::KernelCall call;
-  size_t planned_tiles = 0, rotated_q = 0, out_partial = 0, lse_partial = 0;
+  size_t planned_tiles = 0, rotated_q = 0, out_partial = 0, lse_partial = 0, gathered_q = 0;
   int num_splits = 1;
-  size_t workspace_bytes() const { return planned_tiles + rotated_q + out_partial + lse_partial; }
+  size_t workspace_bytes() const { return planned_tiles + rotated_q + out_partial + lse_partial + gathered_q; }
 };
 ForwardPlan plan_forward(const ForwardParams& params, const detail::ProblemShape& shape);
 
@@ -50,6 +51,11 @@ int run_kv_append(const ForwardParams& params, const detail::ProblemShape& shape
                   fh_stream_t stream);
 size_t rotated_q_bytes(const ForwardParams& params, const detail::ProblemShape& shape);
 Tensor rotated_q_view(const ForwardParams& params, void* data);  // q's shape, contiguous
+
+// Packed GQA over several query tokens: call.gather_source's rows into `gathered` (gathered_q_bytes
+// of the workspace), as call.params.q views them. Returns the CUDA error of the launch.
+int run_query_gather(const detail::KernelCall& call, void* gathered, fh_stream_t stream);
+size_t gathered_q_bytes(const detail::KernelCall& call);
 
 // Enqueues the split-KV combine (checked params). Returns the CUDA error of the launch.
 int run_combine(const CombineParams& params, fh_stream_t stream);

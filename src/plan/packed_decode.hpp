@@ -16,19 +16,28 @@ namespace flashhopper::detail {
 //   (the row is the last position); the kernels then run without a mask.
 // - Several query tokens and one KV head with qv (absorbed MLA, speculative decoding too): q [B, sq, Hq, d]
 //   read as [B, sq * Hq, 1, d], row t * Hq + j being token t's head j, the mask kept, its row
-//   positions divided by rows_per_token = Hq (the qv kernels with a KV cache's code do that; the
-//   others, which packed prefill shares, stay without the division, so MQA leaves such calls as
-//   they are). Where q,
+//   positions divided by rows_per_token = Hq (the qv kernels with a KV cache's code,
+//   RowGrouping::kDivide). Where q,
 //   out and qv have heads adjacent to tokens (strides Hq * d and d, as contiguous tensors). The lse
 //   [B, Hq, sq] stays as given: its rows take two strides, which those kernels' epilogue and the
 //   split-KV combine apply (row r: head r % Hq, token r / Hq).
 //   Up to kMostTokensPacked tokens: where a query tile (64 to 192 rows) would be mostly empty
 //   unpacked; past that the dense kernels, which those calls would leave, do more good.
+// - Several query tokens without qv (speculative decoding with GQA or MQA), the ratio a power of
+//   two: KV head g's rows are r = t * ratio + j (token t's query head g * ratio + j), the mask's
+//   positions shifted by log2(ratio) (the general kernels' RowGrouping::kShift). q's rows of a KV
+//   head take two strides (token Hq * d, head d) where there are several KV heads, so the call
+//   gathers q first into the workspace as [B, Hkv, sq, ratio, d] (gather_source: q as given;
+//   params.q then views that copy as [B, sq * ratio, Hkv, d], its data bound at run time). These
+//   kernels' epilogue writes rows, not (token, head) pairs, so the call always writes float32
+//   partials and the combine writes out and lse as given (combine_always, grouped_partials below).
 // Neither with a learnable sink (one logit per query head) nor packed batches; one token not with an
 // lse whose heads are not adjacent.
 struct KernelCall {
   ForwardParams params;
   ProblemShape shape;
+  bool combine_always = false;  // partials at any split count, then the combine into out and lse
+  Tensor gather_source{};       // present: q to gather into params.q's rows before the attention
 };
 
 inline constexpr int64_t kMostTokensPacked = 64;
@@ -37,6 +46,22 @@ inline constexpr int64_t kMostTokensPacked = 64;
 inline bool tokens_and_heads_are_one_stride(const Tensor& t, int64_t heads_q) {
   return !present(t) || t.stride[1] == heads_q * t.stride[2];
 }
+
+// The rows of a packed call's float32 partials as the combine reads them: element strides of
+// (split, batch, KV head, query head within it, token, column) over the contiguous
+// [splits, B, Hkv, sq * g, dv] (row t * g + j; g = rows_per_token), for out [B, sq, Hq, dv] and
+// lse [B, Hq, sq] as given (query head h = KV head h / g, within it h % g).
+struct GroupedPartials {
+  int64_t out[6];
+  int64_t lse[5];
+};
+inline GroupedPartials grouped_partials(const ProblemShape& given, int64_t rows_per_token) {
+  const int64_t g = rows_per_token, rows = given.seqlen_q * g, dv = given.head_dim_v;
+  const int64_t group = rows, batch = given.heads_kv * group, split = given.batch * batch;
+  return {{split * dv, batch * dv, group * dv, dv, g * dv, 1}, {split, batch, group, 1, g}};
+}
+
+inline bool is_power_of_two(int64_t x) { return x > 0 && (x & (x - 1)) == 0; }
 
 inline KernelCall kernel_call(const ForwardParams& p, const ProblemShape& s) {
   const MaskSpec mask = mask_spec(p);
@@ -69,7 +94,40 @@ inline KernelCall kernel_call(const ForwardParams& p, const ProblemShape& s) {
     shape.total_q = s.batch * ratio;
     return {packed, shape};
   }
-  // The kernels such a call runs on (the KV cache's code, qv where given) must group rows.
+  if (!present(p.qv)) {
+    const int64_t ratio = s.heads_q / s.heads_kv;
+    if (s.seqlen_q > kMostTokensPacked || !is_power_of_two(ratio)) return {p, s};
+    KernelCall call{p, s, /*combine_always=*/true, {}};
+    if (s.heads_kv > 1 || !tokens_and_heads_are_one_stride(p.q, s.heads_q)) {
+      call.gather_source = p.q;  // gathered as [B, Hkv, sq, ratio, d], contiguous
+      const int64_t d = s.head_dim, rows = s.seqlen_q * ratio;
+      call.params.q.data = nullptr;
+      call.params.q.shape[1] = rows;
+      call.params.q.shape[2] = s.heads_kv;
+      call.params.q.stride[0] = s.heads_kv * rows * d;
+      call.params.q.stride[1] = d;
+      call.params.q.stride[2] = rows * d;
+      call.params.q.stride[3] = 1;
+    } else {  // one KV head, rows (t, j) one stride already: [B, sq * Hq, 1, d]
+      call.params.q.shape[1] = s.seqlen_q * s.heads_q;
+      call.params.q.shape[2] = 1;
+      call.params.q.stride[1] = p.q.stride[2];
+      call.params.q.stride[2] = call.params.q.shape[1] * p.q.stride[2];
+    }
+    // out and lse as given: the combine writes them. The kernels' epilogue still describes an
+    // out of the call's rows (never written: partials), here out's own memory seen so.
+    call.params.out.shape[1] = s.seqlen_q * ratio;
+    call.params.out.shape[2] = s.heads_kv;
+    call.params.out.stride[1] = p.out.stride[2];
+    call.params.out.stride[2] = ratio * p.out.stride[2];
+    call.params.lse = {};
+    call.shape.seqlen_q = s.seqlen_q * ratio;
+    call.shape.heads_q = s.heads_kv;
+    call.shape.total_q = s.batch * call.shape.seqlen_q;
+    call.shape.rows_per_token = ratio;
+    return call;
+  }
+  // The kernels such a call runs on (the KV cache's code and qv) must group rows.
   using hopper::ForwardFeatures;
   const bool grouped_kernels = hopper::groups_query_rows(
       ForwardFeatures::kKvCache | (present(p.qv) ? ForwardFeatures::kQv : ForwardFeatures::kNone));

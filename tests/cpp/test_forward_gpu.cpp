@@ -630,6 +630,19 @@ std::vector<KvCacheCase> kv_cache_cases() {
       cases.push_back(c);
     }
   }
+  // Several query tokens with GQA (speculative decoding: a KV head's (token, head) rows gathered
+  // into one tile, the combine writing out and lse) over ratios 4-32, split unsplit, forced and
+  // chosen, a dense cache with its extras or pages of 16; a ratio of 3 runs a tile per query head.
+  for (const auto& [heads_q, heads_kv] : {std::pair{32, 8}, std::pair{64, 8}, std::pair{32, 2}, std::pair{32, 1}}) {
+    for (int splits : {0, 1, 3, 32}) {
+      KvCacheCase c{4, 4, heads_q, heads_kv, 6, 4096, splits != 1, splits == 0, splits == 0};
+      c.num_splits = splits;
+      c.page_size = splits == 3 ? 16 : 0;
+      c.with_lse = splits != 32;
+      cases.push_back(c);
+    }
+  }
+  cases.push_back({4, 4, 24, 8, 4, 2048, true, false, false});
   KvCacheCase windowed{5, 4, 4, 4, 7, 704, false, true, true, 100};
   windowed.page_size = 16;
   cases.push_back(windowed);

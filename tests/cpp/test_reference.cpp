@@ -2132,7 +2132,8 @@ TEST(PackedDecode, QueryHeadsAsRowsIsTheSameAttention) {
     ASSERT_OK(ref::forward(no_qv));
     EXPECT_GT(max_abs_diff(plain_out.view(), out.view()), 1e-3);
   }
-  // Left as they are: several query rows, no GQA, a left window, a learnable sink.
+  // Left as they are (by the one-token rewrite): no GQA, a left window, a learnable sink. Several
+  // query rows take the several-token rewrite (the tests below).
   fh::ForwardParams p = fh::default_forward_params();
   HostTensor out(FH_DTYPE_FP64, {batch, 1, heads_q, dv});
   p.q = q.view();
@@ -2147,11 +2148,14 @@ TEST(PackedDecode, QueryHeadsAsRowsIsTheSameAttention) {
   two_rows.out = out2.view();
   left_window.window_left = 10;
   with_sink.learnable_sink = sink.view();
-  for (const fh::ForwardParams& kept : {two_rows, left_window, with_sink}) {
+  for (const fh::ForwardParams& kept : {left_window, with_sink}) {
     const fh::detail::KernelCall call = fh::detail::kernel_call(kept, fh::detail::forward_shape(kept));
     EXPECT_EQ(call.shape.heads_q, heads_q);
     EXPECT_EQ(call.params.q.stride[2], kept.q.stride[2]);
   }
+  const fh::detail::KernelCall several = fh::detail::kernel_call(two_rows, fh::detail::forward_shape(two_rows));
+  EXPECT_EQ(several.shape.rows_per_token, heads_q / heads_kv);
+  EXPECT_TRUE(several.combine_always);
 }
 
 // Several query tokens on one KV head (MQA, absorbed MLA, speculative decoding): the tokens' query
@@ -2236,9 +2240,9 @@ TEST(PackedDecode, SeveralTokensOfOneKvHeadAsRowsIsTheSameAttention) {
     EXPECT_LE(max_abs_diff(packed_out.view(), out.view()), 1e-12);
     EXPECT_LE(max_abs_diff(packed_lse.view(), lse.view()), 1e-12);
   }
-  // Left as they are: without qv (MQA: the kernels that would group them also run packed prefill),
-  // two KV heads, heads not adjacent to tokens (q [B, Hq, sq, d] seen as [B, sq, Hq, d]), more
-  // tokens than kMostTokensPacked (a prefill: the dense kernels).
+  // Left as they are (with qv): two KV heads, heads not adjacent to tokens (q [B, Hq, sq, d] seen as
+  // [B, sq, Hq, d]), more tokens than kMostTokensPacked (a prefill: the dense kernels). Without qv
+  // (MQA) such calls take the rewrite of the test below.
   HostTensor out(FH_DTYPE_FP64, {batch, sq, heads_q, dv});
   const HostTensor k2 = random_tensor(FH_DTYPE_FP64, {batch, sk, 2, d}, 2115);
   const HostTensor v2 = random_tensor(FH_DTYPE_FP64, {batch, sk, 2, dv}, 2116);
@@ -2251,8 +2255,7 @@ TEST(PackedDecode, SeveralTokensOfOneKvHeadAsRowsIsTheSameAttention) {
   const HostTensor qv_long = random_tensor(FH_DTYPE_FP64, {batch, fh::detail::kMostTokensPacked + 1, heads_q, dv}, 2118);
   const HostTensor q_long = random_tensor(FH_DTYPE_FP64, {batch, fh::detail::kMostTokensPacked + 1, heads_q, d}, 2117);
   HostTensor out_long(FH_DTYPE_FP64, {batch, fh::detail::kMostTokensPacked + 1, heads_q, dv});
-  fh::ForwardParams two_kv_heads = p, heads_outer = p, long_prefill = p, without_qv = p;
-  without_qv.qv = {};
+  fh::ForwardParams two_kv_heads = p, heads_outer = p, long_prefill = p;
   long_prefill.q = q_long.view();
   long_prefill.qv = qv_long.view();
   long_prefill.out = out_long.view();
@@ -2260,10 +2263,159 @@ TEST(PackedDecode, SeveralTokensOfOneKvHeadAsRowsIsTheSameAttention) {
   two_kv_heads.v = v2.view();
   std::swap(heads_outer.q.stride[1], heads_outer.q.stride[2]);
   std::swap(heads_outer.qv.stride[1], heads_outer.qv.stride[2]);
-  for (const fh::ForwardParams& kept : {without_qv, two_kv_heads, heads_outer, long_prefill}) {
+  for (const fh::ForwardParams& kept : {two_kv_heads, heads_outer, long_prefill}) {
     const fh::detail::KernelCall call = fh::detail::kernel_call(kept, fh::detail::forward_shape(kept));
     EXPECT_EQ(call.shape.rows_per_token, 1);
     EXPECT_EQ(call.shape.heads_q, heads_q);
+  }
+}
+
+// Several query tokens without qv (speculative decoding with GQA or MQA), a power-of-two ratio:
+// KV head g's rows r = t * ratio + j are token t's query head g * ratio + j, gathered (several KV
+// heads, or heads not adjacent to tokens) into [B, Hkv, sq, ratio, d] as the call's q views it,
+// positions r >> log2(ratio) + sk - sq (RowGrouping::kShift). The kernels write float32 partials
+// [1, B, Hkv, rows, dv] (one split), which the combine reads through grouped_partials into out and
+// lse as given: that path gives the reference's attention. A ratio of 3 is left as it is.
+TEST(PackedDecode, SeveralTokensOfEachKvHeadGatheredAsRowsIsTheSameAttention) {
+  const int64_t batch = 2, sq = 3, sk = 11, d = 8, dv = 16;
+  struct Shape {
+    int64_t heads_q, heads_kv;
+    bool heads_outer;  // q [B, Hq, sq, d] seen as [B, sq, Hq, d]: gathered even with one KV head
+  };
+  for (const Shape& h : {Shape{8, 2, false}, Shape{4, 1, false}, Shape{4, 1, true}, Shape{16, 4, true}}) {
+    SCOPED_TRACE(std::to_string(h.heads_q) + "/" + std::to_string(h.heads_kv) + (h.heads_outer ? " heads outer" : ""));
+    const int64_t ratio = h.heads_q / h.heads_kv;
+    HostTensor q = random_tensor(FH_DTYPE_FP64, {batch, sq, h.heads_q, d}, 2121);
+    fh::Tensor q_view = q.view();
+    if (h.heads_outer) {
+      q = random_tensor(FH_DTYPE_FP64, {batch, h.heads_q, sq, d}, 2121);
+      q_view = q.view();
+      std::swap(q_view.shape[1], q_view.shape[2]);
+      std::swap(q_view.stride[1], q_view.stride[2]);
+    }
+    const HostTensor k = random_tensor(FH_DTYPE_FP64, {batch, sk, h.heads_kv, d}, 2122);
+    const HostTensor v = random_tensor(FH_DTYPE_FP64, {batch, sk, h.heads_kv, dv}, 2123);
+    struct Variant {
+      const char* name;
+      int causal, window_left, window_right, chunk;
+    };
+    for (const Variant& m : {Variant{"none", 0, -1, -1, 0}, Variant{"causal", 1, -1, -1, 0},
+                             Variant{"window", 0, 4, 1, 0}, Variant{"chunk", 1, -1, -1, 5}}) {
+      SCOPED_TRACE(m.name);
+      HostTensor out(FH_DTYPE_FP64, {batch, sq, h.heads_q, dv}), lse(FH_DTYPE_FP64, {batch, h.heads_q, sq});
+      fh::ForwardParams p = fh::default_forward_params();
+      p.q = q_view;
+      p.k = k.view();
+      p.v = v.view();
+      p.out = out.view();
+      p.lse = lse.view();
+      p.causal = m.causal;
+      p.window_left = m.window_left;
+      p.window_right = m.window_right;
+      p.attention_chunk = m.chunk;
+      p.softmax_scale = 0.5f;
+      ASSERT_OK(ref::forward(p));
+      const fh::detail::ProblemShape given = fh::detail::forward_shape(p);
+      fh::detail::KernelCall call = fh::detail::kernel_call(p, given);
+      ASSERT_TRUE(call.combine_always);
+      ASSERT_EQ(call.shape.rows_per_token, ratio);
+      ASSERT_EQ(call.shape.seqlen_q, sq * ratio);
+      ASSERT_EQ(call.shape.heads_q, h.heads_kv);
+      ASSERT_FALSE(fh::detail::present(call.params.lse));  // the combine writes it
+      const int64_t rows = call.shape.seqlen_q;
+      HostTensor gathered(FH_DTYPE_FP64, {batch, h.heads_kv, sq, ratio, d});
+      if (fh::detail::present(call.gather_source)) {  // QueryGatherKernel's copy, element by element
+        ASSERT_EQ(call.params.q.data, nullptr);      // bound at run time
+        for (int64_t b = 0; b < batch; ++b)
+          for (int64_t g = 0; g < h.heads_kv; ++g)
+            for (int64_t t = 0; t < sq; ++t)
+              for (int64_t j = 0; j < ratio; ++j)
+                for (int64_t c = 0; c < d; ++c)
+                  gathered.set({b, g, t, j, c}, fh::test::read(call.gather_source, {b, t, g * ratio + j, c}));
+        call.params.q.data = gathered.view().data;
+      } else {
+        ASSERT_FALSE(h.heads_kv > 1 || h.heads_outer);
+      }
+      // The kernels: one split's partials, rows of each KV head, positions shifted.
+      int shift = 0;
+      while ((int64_t(1) << shift) < ratio) ++shift;
+      const fh::detail::MaskSpec mask = fh::detail::mask_spec(call.params);
+      std::vector<double> o_partial(size_t(batch * h.heads_kv * rows * dv)), lse_partial(size_t(batch * h.heads_kv * rows));
+      for (int64_t b = 0; b < batch; ++b) {
+        for (int64_t g = 0; g < h.heads_kv; ++g) {
+          for (int64_t r = 0; r < rows; ++r) {
+            const int64_t pos = (r >> shift) + sk - sq;
+            std::vector<double> scores(sk, -INFINITY);
+            double max_score = -INFINITY;
+            for (int64_t j = 0; j < sk; ++j) {
+              const bool left = mask.window_left < 0 || j >= pos - mask.window_left;
+              const bool right = mask.window_right < 0 || j <= pos + mask.window_right;
+              const int64_t chunk0 = mask.attention_chunk > 0 ? pos / mask.attention_chunk * mask.attention_chunk : 0;
+              const bool chunk = mask.attention_chunk == 0 || (j >= chunk0 && j < chunk0 + mask.attention_chunk);
+              if (!(left && right && chunk)) continue;
+              double s = 0;
+              for (int64_t c = 0; c < d; ++c) {
+                const double qe = fh::test::read(call.params.q, {b, r, g, c});
+                ASSERT_EQ(qe, fh::test::read(p.q, {b, r / ratio, g * ratio + r % ratio, c}));  // the token's head
+                s += qe * k.get({b, j, g, c});
+              }
+              scores[j] = s * 0.5;
+              max_score = std::max(max_score, scores[j]);
+            }
+            double sum = 0;
+            for (double& s : scores) sum += (s = std::exp(s - max_score));
+            const int64_t row = (b * h.heads_kv + g) * rows + r;
+            lse_partial[size_t(row)] = max_score + std::log(sum);
+            for (int64_t c = 0; c < dv; ++c) {
+              double o = 0;
+              for (int64_t j = 0; j < sk; ++j) o += scores[j] / sum * v.get({b, j, g, c});
+              o_partial[size_t(row * dv + c)] = o;
+            }
+          }
+        }
+      }
+      // The combine (one split: its partials as they are), through the grouped strides.
+      const fh::detail::GroupedPartials strides = fh::detail::grouped_partials(given, call.shape.rows_per_token);
+      double out_error = 0, lse_error = 0;
+      for (int64_t b = 0; b < batch; ++b)
+        for (int64_t hq = 0; hq < h.heads_q; ++hq)
+          for (int64_t t = 0; t < sq; ++t) {
+            const int64_t group = hq / ratio, within = hq % ratio;
+            const int64_t l = b * strides.lse[1] + group * strides.lse[2] + within * strides.lse[3] + t * strides.lse[4];
+            lse_error = std::max(lse_error, std::abs(lse_partial[size_t(l)] - lse.get({b, hq, t})));
+            for (int64_t c = 0; c < dv; ++c) {
+              const int64_t o = b * strides.out[1] + group * strides.out[2] + within * strides.out[3] +
+                                t * strides.out[4] + c * strides.out[5];
+              out_error = std::max(out_error, std::abs(o_partial[size_t(o)] - out.get({b, t, hq, c})));
+            }
+          }
+      EXPECT_LE(out_error, 1e-12);
+      EXPECT_LE(lse_error, 1e-12);
+    }
+  }
+  // A ratio of 3 (no shift finds its tokens); at a ratio of 2, a learnable sink (a logit a query
+  // head) and qv with two KV heads: as they are.
+  const HostTensor q6 = random_tensor(FH_DTYPE_FP64, {batch, sq, 6, d}, 2124);
+  const HostTensor q4 = random_tensor(FH_DTYPE_FP64, {batch, sq, 4, d}, 2127);
+  const HostTensor k2 = random_tensor(FH_DTYPE_FP64, {batch, sk, 2, d}, 2125);
+  HostTensor out6(FH_DTYPE_FP64, {batch, sq, 6, d}), out4(FH_DTYPE_FP64, {batch, sq, 4, d});
+  const HostTensor sink = random_tensor(FH_DTYPE_FP32, {4}, 2126);
+  fh::ForwardParams ratio3 = fh::default_forward_params();
+  ratio3.q = q6.view();
+  ratio3.k = k2.view();
+  ratio3.v = k2.view();
+  ratio3.out = out6.view();
+  fh::ForwardParams with_sink = ratio3;
+  with_sink.q = q4.view();
+  with_sink.out = out4.view();
+  fh::ForwardParams with_qv = with_sink;
+  with_sink.learnable_sink = sink.view();
+  with_qv.qv = q4.view();
+  for (const fh::ForwardParams& kept : {ratio3, with_sink, with_qv}) {
+    const fh::detail::KernelCall call = fh::detail::kernel_call(kept, fh::detail::forward_shape(kept));
+    EXPECT_EQ(call.shape.rows_per_token, 1);
+    EXPECT_FALSE(call.combine_always);
+    EXPECT_FALSE(fh::detail::present(call.gather_source));
   }
 }
 

@@ -56,7 +56,7 @@ struct ForwardMainloop {
   static constexpr int kStages = kStages_;
   static constexpr MaskKind kMask = kMask_;
   static constexpr ForwardFeatures kFeatures = kFeatures_;
-  using Mask = AttentionMask<kBlockM_, kBlockN_, kMask_, /*kGroupedRows=*/groups_query_rows(kFeatures_)>;
+  using Mask = AttentionMask<kBlockM_, kBlockN_, kMask_, query_row_grouping(kFeatures_)>;
   using Transform = ScoreTransform<kSoftcap_>;
   static constexpr bool kPacked = holds(kFeatures, ForwardFeatures::kPacked);
   static constexpr bool kSplitKv = holds(kFeatures, ForwardFeatures::kSplitKv);

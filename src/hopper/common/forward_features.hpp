@@ -31,12 +31,25 @@ constexpr ForwardFeatures operator|(ForwardFeatures a, ForwardFeatures b) {
 constexpr bool holds(ForwardFeatures set, ForwardFeatures features) {
   return (uint32_t(set) & uint32_t(features)) == uint32_t(features);
 }
-// Whether a kernel of this set groups query rows by token (packed GQA over several query tokens,
-// plan/packed_decode.hpp: its mask positions and lse rows): the qv families' with the KV cache's
-// code. Not the others': their general kernels also run packed prefill, which the grouping's
-// per-row division cost 5-8% (bench/RESULTS.md, 2026-12-06 evening).
+// Whether a kernel of this set writes the lse of query rows grouped by token (packed GQA over
+// several query tokens, plan/packed_decode.hpp): the qv families' with the KV cache's code. The
+// other kernels with that code run such calls through float32 partials and the combine.
 constexpr bool groups_query_rows(ForwardFeatures set) {
   return holds(set, ForwardFeatures::kKvCache) && holds(set, ForwardFeatures::kQv);
+}
+
+// How a kernel's mask finds the query token of a row when rows are grouped by token
+// (rows_per_token g: rows t * g .. t * g + g - 1 are token t).
+enum class RowGrouping {
+  kNone,    // a row is a token: the dense kernels, the backward
+  kDivide,  // row / g, any g: the qv kernels with the KV cache's code (absorbed MLA: g = query heads)
+  kShift,   // row >> log2(g), g a power of two: the other kernels with the KV cache's code. These
+            // also run packed prefill, which an integer division (or FastDivmod's registers) cost
+            // 5-8% (bench/RESULTS.md, 2026-12-06 evening); a shift by a parameter is one instruction.
+};
+constexpr RowGrouping query_row_grouping(ForwardFeatures set) {
+  if (!holds(set, ForwardFeatures::kKvCache)) return RowGrouping::kNone;
+  return holds(set, ForwardFeatures::kQv) ? RowGrouping::kDivide : RowGrouping::kShift;
 }
 
 }  // namespace flashhopper::hopper

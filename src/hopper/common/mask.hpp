@@ -7,8 +7,8 @@
 //   kLocal:  (wl < 0 or j >= p - wl or j < num_sink_tokens) and (wr < 0 or j <= p + wr) and, with
 //            chunk c > 0, floor(p / c) * c <= j < floor(p / c) * c + c.
 // Masks are applied only to the blocks that cross a boundary; blocks wholly outside are skipped.
-// With kGroupedRows (the qv forward kernels with a KV cache's code: packed GQA over several query
-// tokens, plan/packed_decode.hpp), rows r * g .. r * g + g - 1 are query position r, g =
+// With grouped rows (kGrouping, the forward kernels with a KV cache's code: packed GQA over several
+// query tokens, plan/packed_decode.hpp), rows r * g .. r * g + g - 1 are query position r, g =
 // rows_per_token, and seqlen_q counts rows: p = row / g + seqlen_k - seqlen_q / g.
 #pragma once
 
@@ -16,6 +16,7 @@
 
 #include <cute/tensor.hpp>
 
+#include "hopper/common/forward_features.hpp"
 #include "hopper/common/mask_kind.hpp"
 #include "hopper/common/seqlen.hpp"
 #include "hopper/common/utils.hpp"
@@ -25,23 +26,25 @@ namespace flashhopper::hopper {
 using namespace cute;
 
 // A mask's run-time parameters: a kLocal mask's bounds (the other kinds ignore them), and the rows
-// of a query position (read with kGroupedRows only).
+// of a query position (read by the kernels that group rows only).
 struct LocalMaskParams {
   int window_left = -1;  // -1: unbounded
   int window_right = -1;
   int num_sink_tokens = 0;
   int chunk = 0;  // 0: none
-  // Read by the kernels that group rows alone (the qv ones with the KV cache's code), whose mask
+  // Read by RowGrouping::kDivide's kernels (the qv ones with the KV cache's code), whose mask
   // divides by it row by row. A plain division: cutlass::FastDivmod's multiplier and shift cost
   // those kernels registers (qv causal general: 112/5 -> 176/30 stack / local ops in the loop).
   int rows_per_token = 1;
+  int rows_per_token_log2 = 0;  // RowGrouping::kShift's: rows_per_token is 1 << this
 };
 
 CUTLASS_HOST_DEVICE int floor_div(int a, int b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
 CUTLASS_HOST_DEVICE int ceil_div_pos(int a, int b) { return a <= 0 ? 0 : (a + b - 1) / b; }
 
-template <int kBlockM, int kBlockN, MaskKind kKind, bool kGroupedRows = false>
+template <int kBlockM, int kBlockN, MaskKind kKind, RowGrouping kGrouping = RowGrouping::kNone>
 struct AttentionMask {
+  static constexpr bool kGroupedRows = kGrouping != RowGrouping::kNone;
   static constexpr bool kCausal = kKind == MaskKind::kCausal;
   static constexpr bool kLocal = kKind == MaskKind::kLocal;
   int seqlen_q;
@@ -55,7 +58,11 @@ struct AttentionMask {
   // The query position of a row, aligned with the keys (p above).
   CUTLASS_HOST_DEVICE int position(int row) const { return query_token(row) + offset(); }
   // The query token of a row (rows are never negative).
-  CUTLASS_HOST_DEVICE int query_token(int row) const { return kGroupedRows ? row / local.rows_per_token : row; }
+  CUTLASS_HOST_DEVICE int query_token(int row) const {
+    if constexpr (kGrouping == RowGrouping::kDivide) return row / local.rows_per_token;
+    if constexpr (kGrouping == RowGrouping::kShift) return row >> local.rows_per_token_log2;
+    return row;
+  }
   CUTLASS_HOST_DEVICE bool has_sinks() const { return kLocal && local.num_sink_tokens > 0; }
 
   // ---- Visible key columns [lo, hi) of the rows [row_first, row_last] (their union) --------------

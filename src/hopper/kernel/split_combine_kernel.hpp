@@ -24,7 +24,9 @@ struct SplitCombineKernel {
   static constexpr int kMaxSplits = FH_MAX_SPLITS;  // the C ABI's bound on num_splits
 
   // Every tensor as (split, batch, head, row, column) element strides; a packed (varlen) call
-  // is one batch of total_q rows. lse may be null.
+  // is one batch of total_q rows. lse may be null. The partials' heads may come in groups
+  // (several query tokens packed, plan/packed_decode.hpp: a KV head's query heads): head h at
+  // (h / heads_per_group) * group stride + (h % heads_per_group) * head stride.
   struct Params {
     float const* out_partial;
     int64_t out_partial_stride[5];
@@ -35,6 +37,8 @@ struct SplitCombineKernel {
     float* lse;
     int64_t lse_stride[3];  // (batch, head, row)
     int splits, batch, heads, rows, columns;
+    int heads_per_group;  // heads for one group
+    int64_t out_partial_group_stride, lse_partial_group_stride;
   };
 
   CUTLASS_DEVICE void operator()(Params const& p) const {
@@ -45,9 +49,11 @@ struct SplitCombineKernel {
     const int row = int(item % p.rows);
     const int head = int(item / p.rows % p.heads);
     const int batch = int(item / p.rows / p.heads);
+    const int group = head / p.heads_per_group, head_in_group = head - group * p.heads_per_group;
     auto lse_of = [&](int s) {
       return p.lse_partial[s * p.lse_partial_stride[0] + batch * p.lse_partial_stride[1] +
-                           head * p.lse_partial_stride[2] + row * p.lse_partial_stride[3]];
+                           group * p.lse_partial_group_stride + head_in_group * p.lse_partial_stride[2] +
+                           row * p.lse_partial_stride[3]];
     };
     // A split's NaN (from a NaN input) must reach the row, not read as "no key": max.NaN.
     float max_lse = -INFINITY;
@@ -67,8 +73,8 @@ struct SplitCombineKernel {
     const float lse = max_lse + logf(sum);
     for (int s = lane; s < p.splits; s += 32) weights[warp][s] = expf(lse_of(s) - lse);
     __syncwarp();
-    float const* partial = p.out_partial + batch * p.out_partial_stride[1] + head * p.out_partial_stride[2] +
-                           row * p.out_partial_stride[3];
+    float const* partial = p.out_partial + batch * p.out_partial_stride[1] + group * p.out_partial_group_stride +
+                           head_in_group * p.out_partial_stride[2] + row * p.out_partial_stride[3];
     for (int c = lane; c < p.columns; c += 32) {
       float acc = 0.f;
       for (int s = 0; s < p.splits; ++s) {
