@@ -84,8 +84,13 @@ int run_split_kv_combine(const ForwardParams& params, const detail::ProblemShape
     // query heads g * g' + j at t * g' + j (g' = rows_per_token), read into the call's own out and
     // lse (params and shape: the call as given) through detail::grouped_partials' strides.
     const int64_t b = shape.batch, h = shape.heads_q, sq = shape.seqlen_q, dv = shape.head_dim_v;
-    combine.out_partial = make_tensor(out_partial, FH_DTYPE_FP32, {num_splits, b, h, sq, dv});
-    combine.lse_partial = make_tensor(lse_partial, FH_DTYPE_FP32, {num_splits, b, h, sq});
+    if (shape.varlen_q) {  // extents only, as fh_combine takes packed partials
+      combine.out_partial = make_tensor(out_partial, FH_DTYPE_FP32, {num_splits, h, shape.total_q, dv});
+      combine.lse_partial = make_tensor(lse_partial, FH_DTYPE_FP32, {num_splits, h, shape.total_q});
+    } else {
+      combine.out_partial = make_tensor(out_partial, FH_DTYPE_FP32, {num_splits, b, h, sq, dv});
+      combine.lse_partial = make_tensor(lse_partial, FH_DTYPE_FP32, {num_splits, b, h, sq});
+    }
     combine.out = params.out;
     combine.lse = params.lse;
     const detail::GroupedPartials grouped = detail::grouped_partials(shape, rows_per_token);

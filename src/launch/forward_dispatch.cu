@@ -92,9 +92,10 @@ ForwardPlan plan_forward(const ForwardParams& p, const detail::ProblemShape& s) 
   plan.call = detail::kernel_call(p, s);
   const int block_m = forward_tile(p, s).block_m;  // 0: a family this build lacks (refused before)
   plan.num_splits = forward_num_splits(plan.call.params, plan.call.shape);
-  if (s.varlen_q && block_m > 0) {  // a tile a split
+  if (s.varlen_q && block_m > 0) {  // a tile a split, of the call the kernels run (run_forward_hdim's count)
+    const detail::ProblemShape& rows = plan.call.shape;
     plan.planned_tiles = planned_tiles_bytes(
-        max_planned_tiles(s.total_q, s.seqlen_q, s.batch, s.heads_q, block_m) * plan.num_splits);
+        max_planned_tiles(rows.total_q, rows.seqlen_q, rows.batch, rows.heads_q, block_m) * plan.num_splits);
   }
   plan.rotated_q = rotated_q_bytes(p, s);
   if (plan.num_splits > 1 || plan.call.combine_always) {

@@ -41,6 +41,10 @@ struct KernelCall {
 };
 
 inline constexpr int64_t kMostTokensPacked = 64;
+// Several tokens without qv pack from this many keys (seqlen_k, the cache's capacity): below it the
+// two small launches around the attention (the gather, the combine; a few us) may cost more than
+// the key reads they save. A guess: measured from 4k keys only.
+inline constexpr int64_t kFewestKeysGathered = 512;
 
 // Whether q-like t [B, sq, Hq, d]'s rows (token, head) form one stride, head fastest.
 inline bool tokens_and_heads_are_one_stride(const Tensor& t, int64_t heads_q) {
@@ -49,23 +53,72 @@ inline bool tokens_and_heads_are_one_stride(const Tensor& t, int64_t heads_q) {
 
 // The rows of a packed call's float32 partials as the combine reads them: element strides of
 // (split, batch, KV head, query head within it, token, column) over the contiguous
-// [splits, B, Hkv, sq * g, dv] (row t * g + j; g = rows_per_token), for out [B, sq, Hq, dv] and
-// lse [B, Hq, sq] as given (query head h = KV head h / g, within it h % g).
+// [splits, B, Hkv, sq * g, dv] (row t * g + j; g = rows_per_token; packed queries: one batch of
+// total_q tokens), for out [B, sq, Hq, dv] and lse [B, Hq, sq] as given (packed: [total_q, Hq, dv]
+// and [Hq, total_q]; query head h = KV head h / g, within it h % g).
 struct GroupedPartials {
   int64_t out[6];
   int64_t lse[5];
 };
 inline GroupedPartials grouped_partials(const ProblemShape& given, int64_t rows_per_token) {
-  const int64_t g = rows_per_token, rows = given.seqlen_q * g, dv = given.head_dim_v;
-  const int64_t group = rows, batch = given.heads_kv * group, split = given.batch * batch;
+  const int64_t g = rows_per_token, dv = given.head_dim_v;
+  const int64_t tokens = given.varlen_q ? given.total_q : given.seqlen_q, batches = given.varlen_q ? 1 : given.batch;
+  const int64_t group = tokens * g, batch = given.heads_kv * group, split = batches * batch;
   return {{split * dv, batch * dv, group * dv, dv, g * dv, 1}, {split, batch, group, 1, g}};
 }
 
 inline bool is_power_of_two(int64_t x) { return x > 0 && (x & (x - 1)) == 0; }
 
+// The several-token rewrite without qv (above), dense queries [B, sq, Hq, d] or packed ones
+// [total_q, Hq, d] (cu_seqlens_q: sequences of up to max_seqlen_q tokens, which the kernels count
+// in rows, SeqlenParams::q_rows_log2); the call as it is where it does not apply.
+inline KernelCall tokens_by_kv_head(const ForwardParams& p, const ProblemShape& s) {
+  const int64_t ratio = s.heads_q / s.heads_kv;
+  if (s.seqlen_q > kMostTokensPacked || !is_power_of_two(ratio) || s.seqlen_k < kFewestKeysGathered) return {p, s};
+  KernelCall call{p, s, /*combine_always=*/true, {}};
+  const int r = s.varlen_q ? 0 : 1;  // the row axis: [total_q, H, d] or [B, sq, H, d]
+  const int64_t tokens = s.varlen_q ? s.total_q : s.seqlen_q, rows = tokens * ratio, d = s.head_dim;
+  Tensor& q = call.params.q;
+  if (s.heads_kv > 1 || p.q.stride[r] != s.heads_q * p.q.stride[r + 1]) {
+    call.gather_source = p.q;  // as [B, sq, Hq, d] (packed: one batch), gathered contiguous
+    if (s.varlen_q) {
+      call.gather_source.ndim = 4;
+      for (int i = 3; i > 0; --i) {
+        call.gather_source.shape[i] = p.q.shape[i - 1];
+        call.gather_source.stride[i] = p.q.stride[i - 1];
+      }
+      call.gather_source.shape[0] = 1;
+      call.gather_source.stride[0] = 0;
+    }
+    q.data = nullptr;
+    q.stride[r] = d;
+    q.stride[r + 1] = rows * d;
+    if (!s.varlen_q) q.stride[0] = s.heads_kv * rows * d;
+  } else {  // one KV head whose rows (t, j) are one stride already
+    q.stride[r + 1] = rows * p.q.stride[r + 1];
+    q.stride[r] = p.q.stride[r + 1];
+  }
+  q.shape[r] = rows;
+  q.shape[r + 1] = s.heads_kv;
+  // out and lse as given: the combine writes them. The kernels' epilogue still describes an out of
+  // the call's rows (never written: partials), here out's own memory seen so.
+  call.params.out.shape[r] = rows;
+  call.params.out.shape[r + 1] = s.heads_kv;
+  call.params.out.stride[r] = p.out.stride[r + 1];
+  call.params.out.stride[r + 1] = ratio * p.out.stride[r + 1];
+  call.params.lse = {};
+  call.shape.seqlen_q = s.seqlen_q * ratio;
+  call.shape.total_q = s.varlen_q ? rows : s.batch * rows;
+  call.shape.heads_q = s.heads_kv;
+  call.shape.rows_per_token = ratio;
+  return call;
+}
+
 inline KernelCall kernel_call(const ForwardParams& p, const ProblemShape& s) {
   const MaskSpec mask = mask_spec(p);
-  if (s.varlen_q || s.heads_q <= s.heads_kv || present(p.learnable_sink)) return {p, s};
+  if (s.heads_q <= s.heads_kv || present(p.learnable_sink)) return {p, s};
+  if (!present(p.qv) && (s.varlen_q || s.seqlen_q > 1)) return tokens_by_kv_head(p, s);
+  if (s.varlen_q) return {p, s};
   if (s.seqlen_q == 1) {
     const bool packable = mask.window_left < 0 && mask.attention_chunk == 0 && (!present(p.lse) || p.lse.stride[1] == 1);
     if (!packable) return {p, s};
@@ -93,39 +146,6 @@ inline KernelCall kernel_call(const ForwardParams& p, const ProblemShape& s) {
     shape.heads_q = s.heads_kv;
     shape.total_q = s.batch * ratio;
     return {packed, shape};
-  }
-  if (!present(p.qv)) {
-    const int64_t ratio = s.heads_q / s.heads_kv;
-    if (s.seqlen_q > kMostTokensPacked || !is_power_of_two(ratio)) return {p, s};
-    KernelCall call{p, s, /*combine_always=*/true, {}};
-    if (s.heads_kv > 1 || !tokens_and_heads_are_one_stride(p.q, s.heads_q)) {
-      call.gather_source = p.q;  // gathered as [B, Hkv, sq, ratio, d], contiguous
-      const int64_t d = s.head_dim, rows = s.seqlen_q * ratio;
-      call.params.q.data = nullptr;
-      call.params.q.shape[1] = rows;
-      call.params.q.shape[2] = s.heads_kv;
-      call.params.q.stride[0] = s.heads_kv * rows * d;
-      call.params.q.stride[1] = d;
-      call.params.q.stride[2] = rows * d;
-      call.params.q.stride[3] = 1;
-    } else {  // one KV head, rows (t, j) one stride already: [B, sq * Hq, 1, d]
-      call.params.q.shape[1] = s.seqlen_q * s.heads_q;
-      call.params.q.shape[2] = 1;
-      call.params.q.stride[1] = p.q.stride[2];
-      call.params.q.stride[2] = call.params.q.shape[1] * p.q.stride[2];
-    }
-    // out and lse as given: the combine writes them. The kernels' epilogue still describes an
-    // out of the call's rows (never written: partials), here out's own memory seen so.
-    call.params.out.shape[1] = s.seqlen_q * ratio;
-    call.params.out.shape[2] = s.heads_kv;
-    call.params.out.stride[1] = p.out.stride[2];
-    call.params.out.stride[2] = ratio * p.out.stride[2];
-    call.params.lse = {};
-    call.shape.seqlen_q = s.seqlen_q * ratio;
-    call.shape.heads_q = s.heads_kv;
-    call.shape.total_q = s.batch * call.shape.seqlen_q;
-    call.shape.rows_per_token = ratio;
-    return call;
   }
   // The kernels such a call runs on (the KV cache's code and qv) must group rows.
   using hopper::ForwardFeatures;

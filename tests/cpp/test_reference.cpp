@@ -2132,8 +2132,8 @@ TEST(PackedDecode, QueryHeadsAsRowsIsTheSameAttention) {
     ASSERT_OK(ref::forward(no_qv));
     EXPECT_GT(max_abs_diff(plain_out.view(), out.view()), 1e-3);
   }
-  // Left as they are (by the one-token rewrite): no GQA, a left window, a learnable sink. Several
-  // query rows take the several-token rewrite (the tests below).
+  // Left as they are: no GQA, a left window, a learnable sink; two query rows over these 40 keys
+  // (fewer than the several-token rewrite below packs).
   fh::ForwardParams p = fh::default_forward_params();
   HostTensor out(FH_DTYPE_FP64, {batch, 1, heads_q, dv});
   p.q = q.view();
@@ -2148,14 +2148,11 @@ TEST(PackedDecode, QueryHeadsAsRowsIsTheSameAttention) {
   two_rows.out = out2.view();
   left_window.window_left = 10;
   with_sink.learnable_sink = sink.view();
-  for (const fh::ForwardParams& kept : {left_window, with_sink}) {
+  for (const fh::ForwardParams& kept : {two_rows, left_window, with_sink}) {
     const fh::detail::KernelCall call = fh::detail::kernel_call(kept, fh::detail::forward_shape(kept));
     EXPECT_EQ(call.shape.heads_q, heads_q);
     EXPECT_EQ(call.params.q.stride[2], kept.q.stride[2]);
   }
-  const fh::detail::KernelCall several = fh::detail::kernel_call(two_rows, fh::detail::forward_shape(two_rows));
-  EXPECT_EQ(several.shape.rows_per_token, heads_q / heads_kv);
-  EXPECT_TRUE(several.combine_always);
 }
 
 // Several query tokens on one KV head (MQA, absorbed MLA, speculative decoding): the tokens' query
@@ -2277,7 +2274,7 @@ TEST(PackedDecode, SeveralTokensOfOneKvHeadAsRowsIsTheSameAttention) {
 // [1, B, Hkv, rows, dv] (one split), which the combine reads through grouped_partials into out and
 // lse as given: that path gives the reference's attention. A ratio of 3 is left as it is.
 TEST(PackedDecode, SeveralTokensOfEachKvHeadGatheredAsRowsIsTheSameAttention) {
-  const int64_t batch = 2, sq = 3, sk = 11, d = 8, dv = 16;
+  const int64_t batch = 2, sq = 3, sk = fh::detail::kFewestKeysGathered, d = 8, dv = 16;
   struct Shape {
     int64_t heads_q, heads_kv;
     bool heads_outer;  // q [B, Hq, sq, d] seen as [B, sq, Hq, d]: gathered even with one KV head
@@ -2394,7 +2391,7 @@ TEST(PackedDecode, SeveralTokensOfEachKvHeadGatheredAsRowsIsTheSameAttention) {
     }
   }
   // A ratio of 3 (no shift finds its tokens); at a ratio of 2, a learnable sink (a logit a query
-  // head) and qv with two KV heads: as they are.
+  // head), qv with two KV heads and fewer keys than kFewestKeysGathered: as they are.
   const HostTensor q6 = random_tensor(FH_DTYPE_FP64, {batch, sq, 6, d}, 2124);
   const HostTensor q4 = random_tensor(FH_DTYPE_FP64, {batch, sq, 4, d}, 2127);
   const HostTensor k2 = random_tensor(FH_DTYPE_FP64, {batch, sk, 2, d}, 2125);
@@ -2408,15 +2405,112 @@ TEST(PackedDecode, SeveralTokensOfEachKvHeadGatheredAsRowsIsTheSameAttention) {
   fh::ForwardParams with_sink = ratio3;
   with_sink.q = q4.view();
   with_sink.out = out4.view();
-  fh::ForwardParams with_qv = with_sink;
+  fh::ForwardParams with_qv = with_sink, few_keys = with_sink;
   with_sink.learnable_sink = sink.view();
   with_qv.qv = q4.view();
-  for (const fh::ForwardParams& kept : {ratio3, with_sink, with_qv}) {
+  const HostTensor k_short = random_tensor(FH_DTYPE_FP64, {batch, sk - 1, 2, d}, 2128);
+  few_keys.k = k_short.view();
+  few_keys.v = k_short.view();
+  for (const fh::ForwardParams& kept : {ratio3, with_sink, with_qv, few_keys}) {
     const fh::detail::KernelCall call = fh::detail::kernel_call(kept, fh::detail::forward_shape(kept));
     EXPECT_EQ(call.shape.rows_per_token, 1);
     EXPECT_FALSE(call.combine_always);
     EXPECT_FALSE(fh::detail::present(call.gather_source));
   }
+}
+
+// The same rewrite over packed queries (cu_seqlens_q: sequences of 2, 3 and 1 tokens, continuous
+// batching's decode step with speculative tokens): q [total_q, Hq, d] gathered as one batch, rows
+// of sequence b from cu_seqlens_q[b] * ratio (SeqlenParams::q_rows_log2), the combine reading the
+// packed partials [1, Hkv, total_q * ratio, dv] into out [total_q, Hq, dv] and lse [Hq, total_q].
+TEST(PackedDecode, PackedQueriesOfEachKvHeadGatheredAsRowsIsTheSameAttention) {
+  const std::vector<int32_t> tokens = {2, 3, 1};
+  const int64_t heads_q = 8, heads_kv = 2, ratio = 4, d = 8, dv = 16, sk = fh::detail::kFewestKeysGathered + 8;
+  const int64_t batch = int64_t(tokens.size()), total_q = 6;
+  std::vector<int32_t> cu_q = {0}, cu_k = {0};
+  for (int32_t n : tokens) {
+    cu_q.push_back(cu_q.back() + n);
+    cu_k.push_back(cu_k.back() + int32_t(sk));
+  }
+  const HostTensor q = random_tensor(FH_DTYPE_FP64, {total_q, heads_q, d}, 2131);
+  const HostTensor k = random_tensor(FH_DTYPE_FP64, {batch * sk, heads_kv, d}, 2132);
+  const HostTensor v = random_tensor(FH_DTYPE_FP64, {batch * sk, heads_kv, dv}, 2133);
+  const HostTensor cu_q_tensor = int32_tensor(cu_q), cu_k_tensor = int32_tensor(cu_k);
+  HostTensor out(FH_DTYPE_FP64, {total_q, heads_q, dv}), lse(FH_DTYPE_FP64, {heads_q, total_q});
+  fh::ForwardParams p = fh::default_forward_params();
+  p.q = q.view();
+  p.k = k.view();
+  p.v = v.view();
+  p.out = out.view();
+  p.lse = lse.view();
+  p.cu_seqlens_q = cu_q_tensor.view();
+  p.cu_seqlens_k = cu_k_tensor.view();
+  p.max_seqlen_q = 3;
+  p.max_seqlen_k = int32_t(sk);
+  p.causal = 1;
+  p.softmax_scale = 0.5f;
+  ASSERT_OK(ref::forward(p));
+  const fh::detail::ProblemShape given = fh::detail::forward_shape(p);
+  fh::detail::KernelCall call = fh::detail::kernel_call(p, given);
+  ASSERT_TRUE(call.combine_always);
+  ASSERT_EQ(call.shape.rows_per_token, ratio);
+  ASSERT_EQ(call.shape.total_q, total_q * ratio);
+  ASSERT_EQ(call.shape.seqlen_q, 3 * ratio);
+  ASSERT_TRUE(fh::detail::present(call.gather_source));
+  ASSERT_EQ(call.gather_source.ndim, 4);
+  HostTensor gathered(FH_DTYPE_FP64, {1, heads_kv, total_q, ratio, d});
+  for (int64_t g = 0; g < heads_kv; ++g)
+    for (int64_t t = 0; t < total_q; ++t)
+      for (int64_t j = 0; j < ratio; ++j)
+        for (int64_t c = 0; c < d; ++c)
+          gathered.set({0, g, t, j, c}, fh::test::read(call.gather_source, {0, t, g * ratio + j, c}));
+  call.params.q.data = gathered.view().data;
+  const int64_t rows = total_q * ratio;
+  std::vector<double> o_partial(size_t(heads_kv * rows * dv)), lse_partial(size_t(heads_kv * rows));
+  for (int64_t b = 0; b < batch; ++b) {
+    // The kernels' sequence: rows [cu_q[b] * ratio, cu_q[b + 1] * ratio), keys of sequence b.
+    const int64_t first_row = cu_q[size_t(b)] * ratio, seq_rows = tokens[size_t(b)] * ratio;
+    for (int64_t g = 0; g < heads_kv; ++g) {
+      for (int64_t r = 0; r < seq_rows; ++r) {
+        const int64_t pos = (r >> 2) + sk - tokens[size_t(b)];  // causal, bottom-right aligned
+        std::vector<double> scores(static_cast<size_t>(sk));
+        double max_score = -INFINITY;
+        for (int64_t j = 0; j < sk; ++j) {
+          double s = 0;
+          for (int64_t c = 0; c < d; ++c) {
+            const double qe = fh::test::read(call.params.q, {first_row + r, g, c});
+            ASSERT_EQ(qe, q.get({cu_q[size_t(b)] + r / ratio, g * ratio + r % ratio, c}));
+            s += qe * k.get({b * sk + j, g, c});
+          }
+          scores[size_t(j)] = j <= pos ? s * 0.5 : -INFINITY;
+          max_score = std::max(max_score, scores[size_t(j)]);
+        }
+        double sum = 0;
+        for (double& s : scores) sum += (s = std::exp(s - max_score));
+        const int64_t row = g * rows + first_row + r;
+        lse_partial[size_t(row)] = max_score + std::log(sum);
+        for (int64_t c = 0; c < dv; ++c) {
+          double o = 0;
+          for (int64_t j = 0; j < sk; ++j) o += scores[size_t(j)] / sum * v.get({b * sk + j, g, c});
+          o_partial[size_t(row * dv + c)] = o;
+        }
+      }
+    }
+  }
+  const fh::detail::GroupedPartials strides = fh::detail::grouped_partials(given, ratio);
+  double out_error = 0, lse_error = 0;
+  for (int64_t t = 0; t < total_q; ++t)
+    for (int64_t h = 0; h < heads_q; ++h) {
+      const int64_t group = h / ratio, within = h % ratio;
+      const int64_t l = group * strides.lse[2] + within * strides.lse[3] + t * strides.lse[4];
+      lse_error = std::max(lse_error, std::abs(lse_partial[size_t(l)] - lse.get({h, t})));
+      for (int64_t c = 0; c < dv; ++c) {
+        const int64_t o = group * strides.out[2] + within * strides.out[3] + t * strides.out[4] + c * strides.out[5];
+        out_error = std::max(out_error, std::abs(o_partial[size_t(o)] - out.get({t, h, c})));
+      }
+    }
+  EXPECT_LE(out_error, 1e-12);
+  EXPECT_LE(lse_error, 1e-12);
 }
 
 }  // namespace

@@ -34,6 +34,9 @@ struct SeqlenParams {
   int seqlen_new = 0;                    // keys appended after the cached ones
   int const* cu_seqlens_new = nullptr;   // [batch + 1], or null: seqlen_new for every sequence
   bool keys_paged = false;               // K/V are paged (the forward): cu_seqlens_k sets lengths only
+  // Packed GQA over several query tokens with packed queries (plan/packed_decode.hpp): a token is
+  // 1 << this rows; cu_seqlens_q and seqused_q count tokens, seqlen_q and total_q rows.
+  int q_rows_log2 = 0;
 
   CUTLASS_HOST_DEVICE bool packed_q() const { return cu_seqlens_q != nullptr; }
   CUTLASS_HOST_DEVICE bool packed_k() const { return cu_seqlens_k != nullptr; }
@@ -59,7 +62,9 @@ struct SeqlenInfo {
     s.batch = batch;
     if constexpr (kPacked) {
       if (p.packed_q()) {
-        span(p.cu_seqlens_q, batch, p.total_q, p.seqlen_q, s.offset_q, s.capacity_q);
+        span(p.cu_seqlens_q, batch, p.total_q >> p.q_rows_log2, p.seqlen_q >> p.q_rows_log2, s.offset_q, s.capacity_q);
+        s.offset_q <<= p.q_rows_log2;
+        s.capacity_q <<= p.q_rows_log2;
       } else {
         s.batch_q = batch;
       }
@@ -72,7 +77,8 @@ struct SeqlenInfo {
       } else {
         s.batch_k = batch;
       }
-      s.seqlen_q = p.seqused_q != nullptr ? min(s.capacity_q, max(__ldg(p.seqused_q + batch), 0)) : s.capacity_q;
+      s.seqlen_q = p.seqused_q != nullptr ? min(s.capacity_q, max(__ldg(p.seqused_q + batch), 0) << p.q_rows_log2)
+                                          : s.capacity_q;
       s.seqlen_k = p.seqused_k != nullptr ? min(s.capacity_k, max(__ldg(p.seqused_k + batch), 0)) : s.capacity_k;
     } else {
       s.batch_q = s.batch_k = batch;
