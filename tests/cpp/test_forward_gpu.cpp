@@ -635,7 +635,7 @@ std::vector<KvCacheCase> kv_cache_cases() {
   // chosen, a dense cache with its extras or pages of 16; a ratio of 3 runs a tile per query head.
   for (const auto& [heads_q, heads_kv] : {std::pair{32, 8}, std::pair{64, 8}, std::pair{32, 2}, std::pair{32, 1}}) {
     for (int splits : {0, 1, 3, 32}) {
-      KvCacheCase c{4, 4, heads_q, heads_kv, 6, 4096, splits != 1, splits == 0, splits == 0};
+      KvCacheCase c{4, 4, heads_q, heads_kv, splits == 0 ? 6 : 4, 4096, splits != 1, splits == 0, splits == 0};
       c.num_splits = splits;
       c.page_size = splits == 3 ? 16 : 0;
       c.with_lse = splits != 32;
