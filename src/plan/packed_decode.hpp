@@ -31,8 +31,9 @@ namespace flashhopper::detail {
 //   params.q then views that copy as [B, sq * ratio, Hkv, d], its data bound at run time). These
 //   kernels' epilogue writes rows, not (token, head) pairs, so the call always writes float32
 //   partials and the combine writes out and lse as given (combine_always, grouped_partials below).
-// Neither with a learnable sink (one logit per query head) nor packed batches; one token not with an
-// lse whose heads are not adjacent.
+// Neither with a learnable sink (one logit per query head) nor with seqused_q over dense queries (a
+// count of tokens, not rows); packed queries only without qv; one token not with an lse whose heads
+// are not adjacent.
 struct KernelCall {
   ForwardParams params;
   ProblemShape shape;
@@ -116,7 +117,9 @@ inline KernelCall tokens_by_kv_head(const ForwardParams& p, const ProblemShape& 
 
 inline KernelCall kernel_call(const ForwardParams& p, const ProblemShape& s) {
   const MaskSpec mask = mask_spec(p);
-  if (s.heads_q <= s.heads_kv || present(p.learnable_sink)) return {p, s};
+  // seqused_q counts tokens; the kernels scale it to rows for packed queries only (q_rows_log2).
+  const bool tokens_used = present(p.seqused_q) && !s.varlen_q;
+  if (s.heads_q <= s.heads_kv || present(p.learnable_sink) || tokens_used) return {p, s};
   if (!present(p.qv) && (s.varlen_q || s.seqlen_q > 1)) return tokens_by_kv_head(p, s);
   if (s.varlen_q) return {p, s};
   if (s.seqlen_q == 1) {

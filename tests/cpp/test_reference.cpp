@@ -2143,12 +2143,14 @@ TEST(PackedDecode, QueryHeadsAsRowsIsTheSameAttention) {
   const HostTensor sink = random_tensor(FH_DTYPE_FP32, {heads_q}, 2104);
   HostTensor q2 = random_tensor(FH_DTYPE_FP64, {batch, 2, heads_q, d}, 2105);
   HostTensor out2(FH_DTYPE_FP64, {batch, 2, heads_q, dv});
-  fh::ForwardParams two_rows = p, left_window = p, with_sink = p;
+  fh::ForwardParams two_rows = p, left_window = p, with_sink = p, tokens_used = p;
   two_rows.q = q2.view();
   two_rows.out = out2.view();
   left_window.window_left = 10;
   with_sink.learnable_sink = sink.view();
-  for (const fh::ForwardParams& kept : {two_rows, left_window, with_sink}) {
+  const HostTensor used = int32_tensor({1, 0, 1});  // seqused_q counts tokens; packed, rows
+  tokens_used.seqused_q = used.view();
+  for (const fh::ForwardParams& kept : {two_rows, left_window, with_sink, tokens_used}) {
     const fh::detail::KernelCall call = fh::detail::kernel_call(kept, fh::detail::forward_shape(kept));
     EXPECT_EQ(call.shape.heads_q, heads_q);
     EXPECT_EQ(call.params.q.stride[2], kept.q.stride[2]);
@@ -2391,7 +2393,8 @@ TEST(PackedDecode, SeveralTokensOfEachKvHeadGatheredAsRowsIsTheSameAttention) {
     }
   }
   // A ratio of 3 (no shift finds its tokens); at a ratio of 2, a learnable sink (a logit a query
-  // head), qv with two KV heads and fewer keys than kFewestKeysGathered: as they are.
+  // head), qv with two KV heads, fewer keys than kFewestKeysGathered and seqused_q over dense
+  // queries: as they are.
   const HostTensor q6 = random_tensor(FH_DTYPE_FP64, {batch, sq, 6, d}, 2124);
   const HostTensor q4 = random_tensor(FH_DTYPE_FP64, {batch, sq, 4, d}, 2127);
   const HostTensor k2 = random_tensor(FH_DTYPE_FP64, {batch, sk, 2, d}, 2125);
@@ -2405,13 +2408,15 @@ TEST(PackedDecode, SeveralTokensOfEachKvHeadGatheredAsRowsIsTheSameAttention) {
   fh::ForwardParams with_sink = ratio3;
   with_sink.q = q4.view();
   with_sink.out = out4.view();
-  fh::ForwardParams with_qv = with_sink, few_keys = with_sink;
+  fh::ForwardParams with_qv = with_sink, few_keys = with_sink, tokens_used = with_sink;
   with_sink.learnable_sink = sink.view();
   with_qv.qv = q4.view();
   const HostTensor k_short = random_tensor(FH_DTYPE_FP64, {batch, sk - 1, 2, d}, 2128);
   few_keys.k = k_short.view();
   few_keys.v = k_short.view();
-  for (const fh::ForwardParams& kept : {ratio3, with_sink, with_qv, few_keys}) {
+  const HostTensor used = int32_tensor({3, 2});  // tokens of dense queries: not rows
+  tokens_used.seqused_q = used.view();
+  for (const fh::ForwardParams& kept : {ratio3, with_sink, with_qv, few_keys, tokens_used}) {
     const fh::detail::KernelCall call = fh::detail::kernel_call(kept, fh::detail::forward_shape(kept));
     EXPECT_EQ(call.shape.rows_per_token, 1);
     EXPECT_FALSE(call.combine_always);
