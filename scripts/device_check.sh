@@ -151,11 +151,14 @@ for step in "${steps[@]}"; do
       sanitize forward_features test_forward_gpu "$features_filter"
       sanitize backward_features test_backward_gpu "$features_filter"
       # Packed batches with zero-length sequences, seqused, both passes, head dims 128 and 256; and
-      # split-KV over packed queries (empty splits among them); paged keys with cu_seqlens_k.
+      # split-KV over packed queries (empty splits among them; decode rows of 1-3 tokens packed by KV
+      # head, plan/packed_decode.hpp); paged keys with cu_seqlens_k.
       varlen_filter="$(printf 'Varlen/VarlenForwardGpuTest.*/bf16_d%s_%s:Varlen/VarlenBackwardGpuTest.*/bf16_d%s_%s:' \
         128 'causal_q1_7_113_0_1000_300_0_*' 128 'causal_q1_7_113_0_1000_300_0_*' \
         256 'causal_q200_513_64_0_*' 256 'causal_q200_513_64_0_*')"
-      sanitize varlen test_varlen_gpu "${varlen_filter}VarlenSplitKv/VarlenForwardGpuTest.*/bf16_d128_causal_q1_7_113_*_splits7:$(printf \
+      split_filter="$(printf 'VarlenSplitKv/VarlenForwardGpuTest.*/bf16_d128_%s:' 'causal_q1_7_113_*_splits7' \
+        'full_q1_1_0_3_1_*_splits3')"
+      sanitize varlen test_varlen_gpu "${varlen_filter}${split_filter}$(printf \
         'VarlenPaged/VarlenForwardGpuTest.*/bf16_d128_%s:' '*_page24' '*_splits5_page16')"
       # The KV cache (append with rotary, leftpad, cache rows; new keys packed into pages, split)
       # and the split-KV combine.
