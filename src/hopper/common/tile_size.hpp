@@ -48,11 +48,12 @@ struct ForwardTileSize<64, 512, kMasked> {
 
 // hdim 512 (forward): O split over two warpgroups as at 64/512, each also taking half of Q K^T's
 // contraction. Q (64 KiB), two K and two V stages of 32 keys (128 KiB) and the exchange (32 KiB):
-// 224 KiB, O from registers. 64 rows of Q a K/V byte are half hdim 256's, so the dense unmasked
-// and causal kernels share each K/V block between two CTAs (kClusterM). Not tuned yet.
+// 224 KiB, O from registers. 64 rows of Q a K/V byte are half hdim 256's, yet sharing each K/V
+// block between two CTAs (kClusterM = 2, TMA multicast) ran 1-3% slower than one CTA alone
+// (A/B in one call on an H100, bench/RESULTS.md 2026-12-07): the L2 does not bound it.
 template <bool kMasked>
 struct ForwardTileSize<512, 512, kMasked> {
-  static constexpr int kClusterM = 2;
+  static constexpr int kClusterM = 1;
   static constexpr int kBlockM = 64;
   static constexpr int kBlockN = 32;  // 512/512 forward
   // 64 keys (the next A/B: WGMMAs twice as wide; 32-50 local ops in the loop) fit one K and one V
