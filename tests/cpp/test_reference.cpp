@@ -2339,7 +2339,8 @@ TEST(PackedDecode, SeveralTokensOfEachKvHeadGatheredAsRowsIsTheSameAttention) {
       int shift = 0;
       while ((int64_t(1) << shift) < ratio) ++shift;
       const fh::detail::MaskSpec mask = fh::detail::mask_spec(call.params);
-      std::vector<double> o_partial(size_t(batch * h.heads_kv * rows * dv)), lse_partial(size_t(batch * h.heads_kv * rows));
+      const size_t partial_rows = size_t(batch * h.heads_kv * rows);
+      std::vector<double> o_partial(partial_rows * size_t(dv)), lse_partial(partial_rows);
       for (int64_t b = 0; b < batch; ++b) {
         for (int64_t g = 0; g < h.heads_kv; ++g) {
           for (int64_t r = 0; r < rows; ++r) {
@@ -2380,7 +2381,8 @@ TEST(PackedDecode, SeveralTokensOfEachKvHeadGatheredAsRowsIsTheSameAttention) {
         for (int64_t hq = 0; hq < h.heads_q; ++hq)
           for (int64_t t = 0; t < sq; ++t) {
             const int64_t group = hq / ratio, within = hq % ratio;
-            const int64_t l = b * strides.lse[1] + group * strides.lse[2] + within * strides.lse[3] + t * strides.lse[4];
+            const int64_t l =
+                b * strides.lse[1] + group * strides.lse[2] + within * strides.lse[3] + t * strides.lse[4];
             lse_error = std::max(lse_error, std::abs(lse_partial[size_t(l)] - lse.get({b, hq, t})));
             for (int64_t c = 0; c < dv; ++c) {
               const int64_t o = b * strides.out[1] + group * strides.out[2] + within * strides.out[3] +
