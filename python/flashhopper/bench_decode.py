@@ -30,6 +30,12 @@ as the library chooses (0) and unsplit (1), beside the dense-query call of 4 tok
 best of num_splits 1, 4, 16, 32), TFLOP/s (FlashAttention's count, 4 * rows * keys * Hq * d, no
 mask) and K+V TB/s.
 
+Speculative decoding rows (--spec-tokens): the verify step, --spec-tokens query tokens a sequence
+at the end of --spec-cache-len cached keys (causal among themselves), --spec-batches sequences:
+flash_attn_with_kvcache (num_splits=0; the query heads of a KV head share one tile with all their
+tokens) against FA3's flash_mha_with_kvcache (is_causal, its best split count), K+V TB/s and
+TFLOP/s (4 * visible pairs * Hq * d).
+
 MLA rows (--mla-cache-lens): absorbed MLA decode as DeepSeek's models run it, 128 query heads on
 one KV head, q of head dim 64 with qv against latent values of --mla-dvs widths (256, and 512 as
 DeepSeek's, the qv families), 1 and 4 query tokens a sequence (causal), a dense cache and the same keys in
@@ -37,7 +43,8 @@ shuffled pages of --page-size: K+V TB/s (over the copy's) and TFLOP/s (2 * rows 
 (d + 2 dv): Q K^T, Qv V^T and P V).
 
 Writes bench_decode_<date>.csv (after every row), .png, bench_prefill_<date>.csv,
-bench_packed_decode_<date>.csv and bench_mla_decode_<date>.csv into --out; prints the tables last.
+bench_packed_decode_<date>.csv, bench_spec_decode_<date>.csv and bench_mla_decode_<date>.csv into
+--out; prints the tables last.
 
     python -m flashhopper.bench --decode [--batches 1 8 ...] [--cache-lens 4096 ...] [--page-size 64] [--out DIR]
     (bench/bench_decode.py is the same script; scripts/device_check.sh decode_bench runs it)
@@ -184,13 +191,14 @@ def measure_row(batch, cache_len, heads_q, heads_kv, d, fa3, copy, args):
     return row
 
 
-def _fa3_best_split(fa3, jq, jk, jv, cache_len, calls):
+def _fa3_best_split(fa3, jq, jk, jv, cache_len, calls, is_causal=False):
     """FA3's flash_mha_with_kvcache of jq against jk, jv (cache_len keys a sequence) at the fastest
     of num_splits 1, 4, 16, 32 (it has no heuristic of its own): (that call, its count)."""
     jax, _, mha = fa3
     best = None
     for splits in (1, 4, 16, 32):
-        jitted = jax.jit(lambda a, b, c, s=splits: mha(a, b, c, cache_seqlens=cache_len, num_splits=s))
+        jitted = jax.jit(lambda a, b, c, s=splits: mha(a, b, c, cache_seqlens=cache_len, num_splits=s,
+                                                       is_causal=is_causal))
         fn = lambda jitted=jitted: jitted(jq, jk, jv)  # noqa: E731
         ms = time_interleaved({}, {"fa3": fn}, jax.block_until_ready, 3, 3, calls)["fa3"]
         if best is None or ms < best[0]:
@@ -226,6 +234,12 @@ def main(argv=None):
                         help="packed decode rows: keys cached a sequence (default: %(default)s; none: no such rows)")
     parser.add_argument("--packed-batch", type=int, default=64,
                         help="packed decode rows: sequences (default: %(default)s)")
+    parser.add_argument("--spec-tokens", type=int, nargs="*", default=[2, 4, 8],
+                        help="speculative decoding rows: query tokens a sequence (none: no such rows)")
+    parser.add_argument("--spec-batches", type=int, nargs="+", default=[1, 8, 32, 64],
+                        help="speculative decoding rows: sequences (default: %(default)s)")
+    parser.add_argument("--spec-cache-len", type=int, default=16384,
+                        help="speculative decoding rows: cached keys a sequence (default: %(default)s)")
     parser.add_argument("--mla-cache-lens", type=int, nargs="*", default=[4096, 16384, 65536],
                         help="MLA (qv) decode rows: keys cached a sequence (default: %(default)s; none: no such rows)")
     parser.add_argument("--mla-batches", type=int, nargs="+", default=[32, 128],
@@ -268,6 +282,12 @@ def main(argv=None):
               for cache_len in args.packed_cache_lens]
     if packed:
         _write_csv(os.path.join(args.out, f"bench_packed_decode_{date}.csv"), packed, list(packed[0]))
+    spec = []
+    for batch, tokens in itertools.product(args.spec_batches, args.spec_tokens):
+        spec.append({"date": date, "gpu": gpu, **measure_spec_row(batch, tokens, args.spec_cache_len, heads_q,
+                                                                  heads_kv, 128, fa3, args)})
+        _write_csv(os.path.join(args.out, f"bench_spec_decode_{date}.csv"), spec, list(spec[0]))
+        torch.cuda.empty_cache()
     mla = []
     for dv, cache_len, batch, seqlen_q in itertools.product(args.mla_dvs, args.mla_cache_lens, args.mla_batches,
                                                             (1, 4)):
@@ -278,6 +298,7 @@ def main(argv=None):
         torch.cuda.empty_cache()
     print_tables(rows, prefill, gpu, copy)
     print_packed_table(packed, gpu)
+    print_spec_table(spec, gpu, copy)
     print_mla_table(mla, gpu, copy)
     return 0
 
@@ -374,6 +395,55 @@ def print_packed_table(packed, gpu):
         ratios = f"{_fmt(r['packed_vs_dense_q'], '13.2f')} {_fmt(r['packed_vs_fa3'], '11.2f')}"
         diffs = f"{_fmt(r['max_diff_split'], '11.2g')} {_fmt(r['max_diff_fa3'], '9.2g')}"
         print(f"{r['cache_len']:7d} {cells} {ratios} {diffs}")
+
+
+def measure_spec_row(batch, tokens, cache_len, heads_q, heads_kv, d, fa3, args):
+    """Speculative decoding's verify step: `tokens` query tokens a sequence, causal at the end of
+    cache_len cached keys, against a dense cache: ours (num_splits 0) and FA3's (fa3: _load_fa3's,
+    or None; is_causal, its best split count). TB/s over the K and V bytes, TFLOP/s over the visible
+    (query, key) pairs, FA3's largest difference from ours."""
+    q = torch.randn(batch, tokens, heads_q, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(batch, cache_len, heads_kv, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    lengths = torch.full((batch,), cache_len, dtype=torch.int32, device="cuda")
+    fns = {"ours": lambda: fh.flash_attn_with_kvcache(q, k, v, cache_seqlens=lengths, causal=True, num_splits=0)}
+    jax_fns, fa3_diff = {}, NAN
+    if fa3 is not None:
+        jq, jk, jv = (to_jax(fa3, x) for x in (q, k, v))
+        jax_fns["fa3"], _ = _fa3_best_split(fa3, jq, jk, jv, cache_len, args.calls, is_causal=True)
+        fa3_out = from_jax(fa3, fa3[0].block_until_ready(jax_fns["fa3"]()))
+        fa3_diff = (fa3_out.float() - fns["ours"]().float()).abs().max().item()
+    ms = time_interleaved(fns, jax_fns, (fa3[0].block_until_ready if fa3 else None), 5, args.rounds, args.calls)
+    kv_bytes = 2 * batch * cache_len * heads_kv * d * k.element_size()
+    pairs = batch * (tokens * cache_len - tokens * (tokens - 1) // 2)  # token t sees cache_len - tokens + t + 1 keys
+    row = {"batch": batch, "tokens": tokens, "cache_len": cache_len, "heads_q": heads_q, "heads_kv": heads_kv,
+           "hdim": d}
+    for name in SPEC_CALLS:
+        us = ms[name] * 1e3 if name in ms else NAN
+        row.update({f"{name}_us": us, f"{name}_tbps": kv_bytes / (us * 1e-6) / 1e12,
+                    f"{name}_tflops": 4 * pairs * heads_q * d / (us * 1e-6) / 1e12})
+    row["ours_vs_fa3"] = row["ours_tbps"] / row["fa3_tbps"]
+    row["max_diff_fa3"] = fa3_diff
+    print(f"spec decode batch {batch:3d} tokens {tokens}: ours {row['ours_tbps']:.2f} TB/s, FA3 "
+          f"{_fmt(row['fa3_tbps'], '.2f')}", flush=True)
+    return row
+
+
+SPEC_CALLS = ("ours", "fa3")
+
+
+def print_spec_table(spec, gpu, copy):
+    if not spec:
+        return
+    r = spec[0]
+    print(f"\nspeculative decoding: query tokens a sequence (causal) at the end of {r['cache_len']} cached keys, "
+          f"GQA {r['heads_q']}/{r['heads_kv']}, hdim {r['hdim']}, bf16, {gpu}; K+V TB/s (copy {copy:.2f}), TFLOP/s")
+    print(f"{'batch':>5} {'tokens':>6} {'ours TB/s':>9} {'FA3 TB/s':>9} {'ours/FA3':>8} {'vs copy':>7} "
+          f"{'ours TF':>7} {'FA3 TF':>7} {'FA3 diff':>9}")
+    for r in spec:
+        print(f"{r['batch']:5d} {r['tokens']:6d} {_fmt(r['ours_tbps'], '9.2f')} {_fmt(r['fa3_tbps'], '9.2f')} "
+              f"{_fmt(r['ours_vs_fa3'], '8.2f')} {_fmt(r['ours_tbps'] / copy, '7.2f')} "
+              f"{_fmt(r['ours_tflops'], '7.0f')} {_fmt(r['fa3_tflops'], '7.0f')} {_fmt(r['max_diff_fa3'], '9.2g')}")
 
 
 MLA_HEADS, MLA_D = 128, 64

@@ -2037,6 +2037,9 @@ def test_bench_decode_tables_and_plot(tmp_path, capsys):
     for name, tflops in zip(bench_decode.PACKED_CALLS, (300.0, 120.0, nan, nan)):
         packed.update({f"{name}_us": 50.0, f"{name}_tflops": tflops, f"{name}_tbps": 2.5})
     bench_decode.print_packed_table([packed], "test")
+    spec = {"batch": 8, "tokens": 4, "cache_len": 16384, "heads_q": 32, "heads_kv": 8, "hdim": 128, "ours_tbps": 2.9,
+            "fa3_tbps": nan, "ours_vs_fa3": nan, "ours_tflops": 46.0, "fa3_tflops": nan, "max_diff_fa3": nan}
+    bench_decode.print_spec_table([spec], "test", 3.05)
     mla = {"hdim_v": 512, "batch": 32, "seqlen_q": 4, "cache_len": 16384, "dense_tbps": 3.1, "dense_vs_copy": 0.8,
            "dense_tflops": 610.0, "paged_tbps": nan, "paged_tflops": nan, "max_diff_paged": 0.0}
     bench_decode.print_mla_table([mla], "test", 3.9)
@@ -2046,6 +2049,8 @@ def test_bench_decode_tables_and_plot(tmp_path, capsys):
     assert "decode, GQA 32/8, hdim 128" in printed and "prefill against a cache of 16384 keys" in printed
     assert printed.count("\n   32    4096   3.50") == 1 and "  0.980" in printed
     assert "packed decode: 64 sequences of 1-8 query tokens (288 rows)" in printed
+    assert "speculative decoding: query tokens a sequence (causal) at the end of 16384 cached keys" in printed
+    assert "\n    8      4      2.90         -        -    0.95      46       -         -" in printed
     assert ("\n   8192    300 ( 2.50)    120 ( 2.50)      - ( 2.50)      - ( 2.50)          1.05           -"
             "      0.0039         -") in printed
     pytest.importorskip("matplotlib")
