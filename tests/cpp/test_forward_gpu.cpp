@@ -379,6 +379,7 @@ struct KvCacheCase {
   bool packed_new = false;  // the new keys packed (cu_seqlens_k_new): sequences append 0..seqlen_new
   bool with_lse = true;  // false: no lse asked for
   fh_dtype dtype = FH_DTYPE_BF16;  // of q and the cache; fp8: with q/k/v_descale, out bf16
+  bool used_q = false;  // seqused_q over the dense queries: sequence b's first b % (seqlen_q + 1) tokens
   std::string name() const {
     return std::string(dtype == FH_DTYPE_FP8_E4M3 ? "fp8_" : "") + "b" + std::to_string(batch) + "_sq" +
            std::to_string(seqlen_q) + "_h" + std::to_string(heads_q) + "_hkv" + std::to_string(heads_kv) + "_rows" +
@@ -389,7 +390,7 @@ struct KvCacheCase {
            (rotary_dim > 0 ? "_rotary" + std::to_string(rotary_dim) + (interleaved ? "i" : "h") : "") +
            (num_splits != 1 ? "_splits" + std::to_string(num_splits) : "") +
            (page_size > 0 ? "_page" + std::to_string(page_size) : "") + (packed_new ? "_packednew" : "") +
-           (with_lse ? "" : "_nolse");
+           (with_lse ? "" : "_nolse") + (used_q ? "_usedq" : "");
   }
 };
 
@@ -432,6 +433,12 @@ TEST_P(KvCacheGpuTest, MatchesReference) {
   }
   const HostTensor cache_seqlens = int32_tensor(lengths), leftpad = int32_tensor(firsts);
   const HostTensor batch_idx = int32_tensor(rows);
+  std::vector<int32_t> used(c.batch);
+  for (int b = 0; b < c.batch; ++b) used[b] = b % (c.seqlen_q + 1);
+  const HostTensor seqused_q = int32_tensor(used);
+  DeviceTensor d_used(seqused_q);
+  ASSERT_TRUE(d_used.ok());
+  CUDA_CHECK(d_used.upload(seqused_q));
   HostTensor out(FH_DTYPE_BF16, {c.batch, c.seqlen_q, c.heads_q, d});
   HostTensor lse(FH_DTYPE_FP32, {c.batch, c.heads_q, c.seqlen_q});
   DeviceTensor d_q(q), d_k(k), d_v(v), d_out(out), d_lse(lse), d_lengths(cache_seqlens), d_leftpad(leftpad),
@@ -476,6 +483,7 @@ TEST_P(KvCacheGpuTest, MatchesReference) {
   if (c.leftpad) p.cache_leftpad = d_leftpad.view();
   if (c.batch_idx) p.cache_batch_idx = d_rows.view();
   if (paged) p.page_table = d_table.view();
+  if (c.used_q) p.seqused_q = d_used.view();
   p.causal = c.causal;
   p.num_splits = c.num_splits;
   p.window_left = c.window_left;
@@ -521,6 +529,7 @@ TEST_P(KvCacheGpuTest, MatchesReference) {
   host.cache_leftpad = c.leftpad ? leftpad.view() : Tensor{};
   host.cache_batch_idx = c.batch_idx ? batch_idx.view() : Tensor{};
   host.page_table = paged ? page_table.view() : Tensor{};
+  host.seqused_q = c.used_q ? seqused_q.view() : Tensor{};
   if (fp8) set_descales(host, descales, /*on_device=*/false);
   HostTensor out_exact(FH_DTYPE_FP64, {c.batch, c.seqlen_q, c.heads_q, d}), lse_exact(FH_DTYPE_FP64, lse.shape());
   HostTensor out_plain(FH_DTYPE_BF16, out.shape()), lse_plain(FH_DTYPE_FP32, lse.shape());
@@ -643,6 +652,15 @@ std::vector<KvCacheCase> kv_cache_cases() {
     }
   }
   cases.push_back({4, 4, 24, 8, 4, 2048, true, false, false});
+  // seqused_q over dense queries (the C API's form): such calls are not packed, as seqused_q counts
+  // tokens where a packed call's rows are heads too; one token (0 or 1 used) and four, split or not.
+  for (int seqlen_q : {1, 4}) {
+    KvCacheCase c{6, seqlen_q, 32, 8, 6, 2048, seqlen_q > 1, false, false};
+    c.used_q = true;
+    cases.push_back(c);
+    c.num_splits = 0;
+    cases.push_back(c);
+  }
   KvCacheCase windowed{5, 4, 4, 4, 7, 704, false, true, true, 100};
   windowed.page_size = 16;
   cases.push_back(windowed);
