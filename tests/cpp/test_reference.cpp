@@ -2157,6 +2157,16 @@ TEST(PackedDecode, QueryHeadsAsRowsIsTheSameAttention) {
   }
 }
 
+// Whether a query at key position pos sees key j under a window and chunk mask (no sink tokens),
+// the packed decode tests' own statement of the rule (causal: a right bound of 0).
+bool position_sees_key(const fh::detail::MaskSpec& mask, int64_t pos, int64_t j) {
+  const bool left = mask.window_left < 0 || j >= pos - mask.window_left;
+  const bool right = mask.window_right < 0 || j <= pos + mask.window_right;
+  const int64_t chunk0 = mask.attention_chunk > 0 ? pos / mask.attention_chunk * mask.attention_chunk : 0;
+  const bool chunk = mask.attention_chunk == 0 || (j >= chunk0 && j < chunk0 + mask.attention_chunk);
+  return left && right && chunk;
+}
+
 // Several query tokens on one KV head (MQA, absorbed MLA, speculative decoding): the tokens' query
 // heads as the rows of one head, row r being token r / Hq's head r % Hq, its position for the mask
 // r / Hq + sk - sq (AttentionMask's kGroupedRows). The views name the same elements, and attention
@@ -2210,11 +2220,7 @@ TEST(PackedDecode, SeveralTokensOfOneKvHeadAsRowsIsTheSameAttention) {
         std::vector<double> scores(sk, -INFINITY);
         double max_score = -INFINITY;
         for (int64_t j = 0; j < sk; ++j) {
-          const bool left = mask.window_left < 0 || j >= pos - mask.window_left;
-          const bool right = mask.window_right < 0 || j <= pos + mask.window_right;
-          const int64_t chunk0 = mask.attention_chunk > 0 ? pos / mask.attention_chunk * mask.attention_chunk : 0;
-          const bool chunk = mask.attention_chunk == 0 || (j >= chunk0 && j < chunk0 + mask.attention_chunk);
-          if (!(left && right && chunk)) continue;
+          if (!position_sees_key(mask, pos, j)) continue;
           double s = 0;
           for (int64_t c = 0; c < d; ++c) {
             const double qe = fh::test::read(call.params.q, {b, r, 0, c});
@@ -2294,13 +2300,15 @@ TEST(PackedDecode, SeveralTokensOfEachKvHeadGatheredAsRowsIsTheSameAttention) {
     }
     const HostTensor k = random_tensor(FH_DTYPE_FP64, {batch, sk, h.heads_kv, d}, 2122);
     const HostTensor v = random_tensor(FH_DTYPE_FP64, {batch, sk, h.heads_kv, dv}, 2123);
-    struct Variant {
-      const char* name;
-      int causal, window_left, window_right, chunk;
-    };
-    for (const Variant& m : {Variant{"none", 0, -1, -1, 0}, Variant{"causal", 1, -1, -1, 0},
-                             Variant{"window", 0, 4, 1, 0}, Variant{"chunk", 1, -1, -1, 5}}) {
-      SCOPED_TRACE(m.name);
+    Mask none, causal, window, chunk;
+    none.scale = causal.scale = window.scale = chunk.scale = 0.5f;
+    causal.causal = chunk.causal = 1;
+    window.window_left = 4;
+    window.window_right = 1;
+    chunk.chunk = 5;
+    for (const auto& [name, m] : {std::pair{"none", none}, std::pair{"causal", causal}, std::pair{"window", window},
+                                  std::pair{"chunk", chunk}}) {
+      SCOPED_TRACE(name);
       HostTensor out(FH_DTYPE_FP64, {batch, sq, h.heads_q, dv}), lse(FH_DTYPE_FP64, {batch, h.heads_q, sq});
       fh::ForwardParams p = fh::default_forward_params();
       p.q = q_view;
@@ -2308,11 +2316,7 @@ TEST(PackedDecode, SeveralTokensOfEachKvHeadGatheredAsRowsIsTheSameAttention) {
       p.v = v.view();
       p.out = out.view();
       p.lse = lse.view();
-      p.causal = m.causal;
-      p.window_left = m.window_left;
-      p.window_right = m.window_right;
-      p.attention_chunk = m.chunk;
-      p.softmax_scale = 0.5f;
+      apply(m, &p);
       ASSERT_OK(ref::forward(p));
       const fh::detail::ProblemShape given = fh::detail::forward_shape(p);
       fh::detail::KernelCall call = fh::detail::kernel_call(p, given);
@@ -2348,11 +2352,7 @@ TEST(PackedDecode, SeveralTokensOfEachKvHeadGatheredAsRowsIsTheSameAttention) {
             std::vector<double> scores(sk, -INFINITY);
             double max_score = -INFINITY;
             for (int64_t j = 0; j < sk; ++j) {
-              const bool left = mask.window_left < 0 || j >= pos - mask.window_left;
-              const bool right = mask.window_right < 0 || j <= pos + mask.window_right;
-              const int64_t chunk0 = mask.attention_chunk > 0 ? pos / mask.attention_chunk * mask.attention_chunk : 0;
-              const bool chunk = mask.attention_chunk == 0 || (j >= chunk0 && j < chunk0 + mask.attention_chunk);
-              if (!(left && right && chunk)) continue;
+              if (!position_sees_key(mask, pos, j)) continue;
               double s = 0;
               for (int64_t c = 0; c < d; ++c) {
                 const double qe = fh::test::read(call.params.q, {b, r, g, c});
@@ -2439,23 +2439,12 @@ TEST(PackedDecode, PackedQueriesOfEachKvHeadGatheredAsRowsIsTheSameAttention) {
     cu_q.push_back(cu_q.back() + n);
     cu_k.push_back(cu_k.back() + int32_t(sk));
   }
-  const HostTensor q = random_tensor(FH_DTYPE_FP64, {total_q, heads_q, d}, 2131);
-  const HostTensor k = random_tensor(FH_DTYPE_FP64, {batch * sk, heads_kv, d}, 2132);
-  const HostTensor v = random_tensor(FH_DTYPE_FP64, {batch * sk, heads_kv, dv}, 2133);
-  const HostTensor cu_q_tensor = int32_tensor(cu_q), cu_k_tensor = int32_tensor(cu_k);
-  HostTensor out(FH_DTYPE_FP64, {total_q, heads_q, dv}), lse(FH_DTYPE_FP64, {heads_q, total_q});
-  fh::ForwardParams p = fh::default_forward_params();
-  p.q = q.view();
-  p.k = k.view();
-  p.v = v.view();
-  p.out = out.view();
-  p.lse = lse.view();
-  p.cu_seqlens_q = cu_q_tensor.view();
-  p.cu_seqlens_k = cu_k_tensor.view();
-  p.max_seqlen_q = 3;
-  p.max_seqlen_k = int32_t(sk);
-  p.causal = 1;
-  p.softmax_scale = 0.5f;
+  const VarlenCase c(cu_q, cu_k, heads_q, heads_kv, d, dv, 2131);
+  const HostTensor &q = c.q, &k = c.k, &v = c.v, &out = c.out, &lse = c.lse;
+  Mask causal;
+  causal.causal = 1;
+  causal.scale = 0.5f;
+  const fh::ForwardParams p = c.forward(causal);
   ASSERT_OK(ref::forward(p));
   const fh::detail::ProblemShape given = fh::detail::forward_shape(p);
   fh::detail::KernelCall call = fh::detail::kernel_call(p, given);
