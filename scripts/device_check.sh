@@ -188,9 +188,11 @@ for step in "${steps[@]}"; do
       # by head and token (qv only: the kernels that group rows; the full kernel set).
       sanitize grouped_rows test_forward_gpu 'Qv/QvGpuTest.*/b3_sq4_sk1000_h128_causal_cache:Qv/QvGpuTest.*/b3_sq4_sk1000_h128_causal_cache_dv512'
       # Several query tokens with GQA: q gathered by KV head, the rows' positions shifted, the
-      # combine writing out and lse through the grouped strides (one split and three over pages).
-      sanitize grouped_gqa test_forward_gpu \
-        'KvCache/*/b4_sq4_h32_hkv8_rows4_S4096_causal_splits3_page16:KvCache/*/b4_sq4_h64_hkv8_rows4_S4096'
+      # combine writing out and lse through the grouped strides (one split and three over pages;
+      # a ratio of 7, its rows padded to 8).
+      sanitize grouped_gqa test_forward_gpu "$(printf 'KvCache/*/%s:' \
+        b4_sq4_h32_hkv8_rows4_S4096_causal_splits3_page16 b4_sq4_h64_hkv8_rows4_S4096 \
+        b4_sq5_h28_hkv4_rows6_S2048_leftpad_batchidx_splits3_page16)"
       ;;
     hostile)
       # Extreme and non-finite input values; concurrent calls from threads and streams.

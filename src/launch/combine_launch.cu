@@ -13,7 +13,7 @@ namespace flashhopper::launch {
 namespace {
 
 // grouped: the partials of a call with several query tokens packed (their strides, heads_per_group
-// query heads a KV head), p.out_partial and p.lse_partial then giving the extents only.
+// query heads a KV head: the ratio), p.out_partial and p.lse_partial then giving the extents only.
 template <class OutElement>
 int run_combine_as(const CombineParams& p, cudaStream_t stream, const detail::GroupedPartials* grouped = nullptr,
                    int heads_per_group = 0) {
@@ -81,8 +81,9 @@ int run_split_kv_combine(const ForwardParams& params, const detail::ProblemShape
   CombineParams combine{};
   if (rows_per_token > 1) {
     // Several query tokens packed (plan/packed_decode.hpp): KV head g's partial rows are token t's
-    // query heads g * g' + j at t * g' + j (g' = rows_per_token), read into the call's own out and
-    // lse (params and shape: the call as given) through detail::grouped_partials' strides.
+    // query heads g * ratio + j at t * g' + j (g' = rows_per_token, at least the ratio), read into
+    // the call's own out and lse (params and shape: the call as given) through
+    // detail::grouped_partials' strides.
     const int64_t b = shape.batch, h = shape.heads_q, sq = shape.seqlen_q, dv = shape.head_dim_v;
     if (shape.varlen_q) {  // extents only, as fh_combine takes packed partials
       combine.out_partial = make_tensor(out_partial, FH_DTYPE_FP32, {num_splits, h, shape.total_q, dv});
@@ -94,11 +95,12 @@ int run_split_kv_combine(const ForwardParams& params, const detail::ProblemShape
     combine.out = params.out;
     combine.lse = params.lse;
     const detail::GroupedPartials grouped = detail::grouped_partials(shape, rows_per_token);
+    const int ratio = int(h / shape.heads_kv);
     const auto s = static_cast<cudaStream_t>(stream);
     switch (params.out.dtype) {
-      case FH_DTYPE_BF16: return run_combine_as<cutlass::bfloat16_t>(combine, s, &grouped, int(rows_per_token));
-      case FH_DTYPE_FP16: return run_combine_as<cutlass::half_t>(combine, s, &grouped, int(rows_per_token));
-      case FH_DTYPE_FP32: return run_combine_as<float>(combine, s, &grouped, int(rows_per_token));
+      case FH_DTYPE_BF16: return run_combine_as<cutlass::bfloat16_t>(combine, s, &grouped, ratio);
+      case FH_DTYPE_FP16: return run_combine_as<cutlass::half_t>(combine, s, &grouped, ratio);
+      case FH_DTYPE_FP32: return run_combine_as<float>(combine, s, &grouped, ratio);
       default: return int(cudaErrorInvalidValue);  // refused by the checks before
     }
   }

@@ -98,8 +98,8 @@ ForwardPlan plan_forward(const ForwardParams& p, const detail::ProblemShape& s) 
         max_planned_tiles(rows.total_q, rows.seqlen_q, rows.batch, rows.heads_q, block_m) * plan.num_splits);
   }
   plan.rotated_q = rotated_q_bytes(p, s);
-  if (plan.num_splits > 1 || plan.call.combine_always) {
-    const size_t rows = size_t(plan.num_splits) * partial_rows(s);
+  if (plan.num_splits > 1 || plan.call.combine_always) {  // the kernels' rows (packed GQA's padding too)
+    const size_t rows = size_t(plan.num_splits) * partial_rows(plan.call.shape);
     plan.out_partial = round_up_256(rows * s.head_dim_v * sizeof(float));
     plan.lse_partial = round_up_256(rows * sizeof(float));
   }

@@ -24,9 +24,10 @@ int run_query_gather(const detail::KernelCall& call, void* gathered, fh_stream_t
   k.batch = q.shape[0];
   k.tokens = int(q.shape[1]);
   k.heads_kv = int(call.shape.heads_kv);
-  k.ratio = int(call.shape.rows_per_token);
+  k.ratio = int(q.shape[2] / call.shape.heads_kv);
+  k.group = int(call.shape.rows_per_token);
   k.row_chunks = int(row_bytes / Kernel::kChunkBytes);
-  const int64_t chunks = k.batch * k.heads_kv * k.tokens * k.ratio * k.row_chunks;
+  const int64_t chunks = k.batch * k.heads_kv * k.tokens * k.group * k.row_chunks;
   const int64_t blocks = std::min<int64_t>((chunks + Kernel::kThreads - 1) / Kernel::kThreads, 4096);
   hopper::plain_kernel_entry<Kernel>
       <<<unsigned(blocks), Kernel::kThreads, 0, static_cast<cudaStream_t>(stream)>>>(k);
@@ -36,7 +37,8 @@ int run_query_gather(const detail::KernelCall& call, void* gathered, fh_stream_t
 size_t gathered_q_bytes(const detail::KernelCall& call) {
   const Tensor& q = call.gather_source;
   if (!detail::present(q)) return 0;
-  return size_t(q.shape[0] * q.shape[1] * q.shape[2] * q.shape[3]) * dtype_size(static_cast<fh_dtype>(q.dtype));
+  const int64_t rows = q.shape[0] * q.shape[1] * call.shape.heads_kv * call.shape.rows_per_token;  // padded
+  return size_t(rows * q.shape[3]) * dtype_size(static_cast<fh_dtype>(q.dtype));
 }
 
 }  // namespace flashhopper::launch

@@ -23,14 +23,15 @@ namespace flashhopper::detail {
 //   split-KV combine apply (row r: head r % Hq, token r / Hq).
 //   Up to kMostTokensPacked tokens: where a query tile (64 to 192 rows) would be mostly empty
 //   unpacked; past that the dense kernels, which those calls would leave, do more good.
-// - Several query tokens without qv (speculative decoding with GQA or MQA), the ratio a power of
-//   two: KV head g's rows are r = t * ratio + j (token t's query head g * ratio + j), the mask's
-//   positions shifted by log2(ratio) (the general kernels' RowGrouping::kShift). q's rows of a KV
-//   head take two strides (token Hq * d, head d) where there are several KV heads, so the call
-//   gathers q first into the workspace as [B, Hkv, sq, ratio, d] (gather_source: q as given;
-//   params.q then views that copy as [B, sq * ratio, Hkv, d], its data bound at run time). These
-//   kernels' epilogue writes rows, not (token, head) pairs, so the call always writes float32
-//   partials and the combine writes out and lse as given (combine_always, grouped_partials below).
+// - Several query tokens without qv (speculative decoding with GQA or MQA): KV head g's rows are
+//   r = t * G + j, token t's query head g * ratio + j for j < ratio, G the ratio rounded up to a
+//   power of two (rows_per_token), the mask's positions shifted by log2(G) (the general kernels'
+//   RowGrouping::kShift). q's rows of a KV head take two strides (token Hq * d, head d) where there
+//   are several KV heads, so the call gathers q first into the workspace as [B, Hkv, sq, G, d],
+//   rows j >= ratio zero (gather_source: q as given; params.q then views that copy as
+//   [B, sq * G, Hkv, d], its data bound at run time). These kernels' epilogue writes rows, not
+//   (token, head) pairs, so the call always writes float32 partials and the combine writes out and
+//   lse as given (combine_always, grouped_partials below), skipping the padding rows.
 // Neither with a learnable sink (one logit per query head) nor with seqused_q over dense queries (a
 // count of tokens, not rows); packed queries only without qv; one token not with an lse whose heads
 // are not adjacent.
@@ -54,9 +55,10 @@ inline bool tokens_and_heads_are_one_stride(const Tensor& t, int64_t heads_q) {
 
 // The rows of a packed call's float32 partials as the combine reads them: element strides of
 // (split, batch, KV head, query head within it, token, column) over the contiguous
-// [splits, B, Hkv, sq * g, dv] (row t * g + j; g = rows_per_token; packed queries: one batch of
-// total_q tokens), for out [B, sq, Hq, dv] and lse [B, Hq, sq] as given (packed: [total_q, Hq, dv]
-// and [Hq, total_q]; query head h = KV head h / g, within it h % g).
+// [splits, B, Hkv, sq * g, dv] (row t * g + j; g = rows_per_token, at least the ratio Hq / Hkv;
+// packed queries: one batch of total_q tokens), for out [B, sq, Hq, dv] and lse [B, Hq, sq] as
+// given (packed: [total_q, Hq, dv] and [Hq, total_q]; query head h = KV head h / ratio, within it
+// h % ratio).
 struct GroupedPartials {
   int64_t out[6];
   int64_t lse[5];
@@ -68,20 +70,24 @@ inline GroupedPartials grouped_partials(const ProblemShape& given, int64_t rows_
   return {{split * dv, batch * dv, group * dv, dv, g * dv, 1}, {split, batch, group, 1, g}};
 }
 
-inline bool is_power_of_two(int64_t x) { return x > 0 && (x & (x - 1)) == 0; }
+inline int64_t next_power_of_two(int64_t x) {
+  int64_t p = 1;
+  while (p < x) p *= 2;
+  return p;
+}
 
 // The several-token rewrite without qv (above), dense queries [B, sq, Hq, d] or packed ones
 // [total_q, Hq, d] (cu_seqlens_q: sequences of up to max_seqlen_q tokens, which the kernels count
 // in rows, SeqlenParams::q_rows_log2); the call as it is where it does not apply.
 inline KernelCall tokens_by_kv_head(const ForwardParams& p, const ProblemShape& s) {
-  const int64_t ratio = s.heads_q / s.heads_kv;
-  if (s.seqlen_q > kMostTokensPacked || !is_power_of_two(ratio) || s.seqlen_k < kFewestKeysGathered) return {p, s};
+  const int64_t ratio = s.heads_q / s.heads_kv, group = next_power_of_two(ratio);
+  if (s.seqlen_q > kMostTokensPacked || s.seqlen_k < kFewestKeysGathered) return {p, s};
   KernelCall call{p, s, /*combine_always=*/true, {}};
   const int r = s.varlen_q ? 0 : 1;  // the row axis: [total_q, H, d] or [B, sq, H, d]
-  const int64_t tokens = s.varlen_q ? s.total_q : s.seqlen_q, rows = tokens * ratio, d = s.head_dim;
+  const int64_t tokens = s.varlen_q ? s.total_q : s.seqlen_q, rows = tokens * group, d = s.head_dim;
   Tensor& q = call.params.q;
-  if (s.heads_kv > 1 || p.q.stride[r] != s.heads_q * p.q.stride[r + 1]) {
-    call.gather_source = p.q;  // as [B, sq, Hq, d] (packed: one batch), gathered contiguous
+  if (s.heads_kv > 1 || group != ratio || p.q.stride[r] != s.heads_q * p.q.stride[r + 1]) {
+    call.gather_source = p.q;  // as [B, sq, Hq, d] (packed: one batch), gathered contiguous, padded
     if (s.varlen_q) {
       call.gather_source.ndim = 4;
       for (int i = 3; i > 0; --i) {
@@ -95,7 +101,7 @@ inline KernelCall tokens_by_kv_head(const ForwardParams& p, const ProblemShape& 
     q.stride[r] = d;
     q.stride[r + 1] = rows * d;
     if (!s.varlen_q) q.stride[0] = s.heads_kv * rows * d;
-  } else {  // one KV head whose rows (t, j) are one stride already
+  } else {  // one KV head, a power-of-two ratio, whose rows (t, j) are one stride already
     q.stride[r + 1] = rows * p.q.stride[r + 1];
     q.stride[r] = p.q.stride[r + 1];
   }
@@ -108,10 +114,10 @@ inline KernelCall tokens_by_kv_head(const ForwardParams& p, const ProblemShape& 
   call.params.out.stride[r] = p.out.stride[r + 1];
   call.params.out.stride[r + 1] = ratio * p.out.stride[r + 1];
   call.params.lse = {};
-  call.shape.seqlen_q = s.seqlen_q * ratio;
+  call.shape.seqlen_q = s.seqlen_q * group;
   call.shape.total_q = s.varlen_q ? rows : s.batch * rows;
   call.shape.heads_q = s.heads_kv;
-  call.shape.rows_per_token = ratio;
+  call.shape.rows_per_token = group;
   return call;
 }
 

@@ -641,7 +641,8 @@ std::vector<KvCacheCase> kv_cache_cases() {
   }
   // Several query tokens with GQA (speculative decoding: a KV head's (token, head) rows gathered
   // into one tile, the combine writing out and lse) over ratios 4-32, split unsplit, forced and
-  // chosen, a dense cache with its extras or pages of 16; a ratio of 3 runs a tile per query head.
+  // chosen, a dense cache with its extras or pages of 16; ratios 3 and 7 with their rows padded to
+  // 4 and 8 a token (Qwen's 28/4 among them).
   for (const auto& [heads_q, heads_kv] : {std::pair{32, 8}, std::pair{64, 8}, std::pair{32, 2}, std::pair{32, 1}}) {
     for (int splits : {0, 1, 3, 32}) {
       KvCacheCase c{4, 4, heads_q, heads_kv, splits == 0 ? 6 : 4, 4096, splits != 1, splits == 0, splits == 0};
@@ -652,6 +653,11 @@ std::vector<KvCacheCase> kv_cache_cases() {
     }
   }
   cases.push_back({4, 4, 24, 8, 4, 2048, true, false, false});
+  cases.push_back({4, 3, 28, 4, 4, 2048, true, false, false});
+  KvCacheCase ratio7{4, 5, 28, 4, 6, 2048, false, true, true};
+  ratio7.num_splits = 3;
+  ratio7.page_size = 16;
+  cases.push_back(ratio7);
   // seqused_q over dense queries (the C API's form): such calls are not packed, as seqused_q counts
   // tokens where a packed call's rows are heads too; one token (0 or 1 used) and four, split or not.
   for (int seqlen_q : {1, 4}) {

@@ -2275,21 +2275,24 @@ TEST(PackedDecode, SeveralTokensOfOneKvHeadAsRowsIsTheSameAttention) {
   }
 }
 
-// Several query tokens without qv (speculative decoding with GQA or MQA), a power-of-two ratio:
-// KV head g's rows r = t * ratio + j are token t's query head g * ratio + j, gathered (several KV
-// heads, or heads not adjacent to tokens) into [B, Hkv, sq, ratio, d] as the call's q views it,
-// positions r >> log2(ratio) + sk - sq (RowGrouping::kShift). The kernels write float32 partials
-// [1, B, Hkv, rows, dv] (one split), which the combine reads through grouped_partials into out and
-// lse as given: that path gives the reference's attention. A ratio of 3 is left as it is.
+// Several query tokens without qv (speculative decoding with GQA or MQA): KV head g's rows
+// r = t * G + j (G the ratio rounded up to a power of two) are token t's query head g * ratio + j
+// for j < ratio and zeros past it, gathered (several KV heads, heads not adjacent to tokens, or
+// padding) into [B, Hkv, sq, G, d] as the call's q views it, positions r >> log2(G) + sk - sq
+// (RowGrouping::kShift). The kernels write float32 partials [1, B, Hkv, rows, dv] (one split),
+// which the combine reads through grouped_partials into out and lse as given: that path gives the
+// reference's attention.
 TEST(PackedDecode, SeveralTokensOfEachKvHeadGatheredAsRowsIsTheSameAttention) {
   const int64_t batch = 2, sq = 3, sk = fh::detail::kFewestKeysGathered, d = 8, dv = 16;
   struct Shape {
     int64_t heads_q, heads_kv;
     bool heads_outer;  // q [B, Hq, sq, d] seen as [B, sq, Hq, d]: gathered even with one KV head
   };
-  for (const Shape& h : {Shape{8, 2, false}, Shape{4, 1, false}, Shape{4, 1, true}, Shape{16, 4, true}}) {
+  // Ratios 4, 1 (as one head's rows, or gathered), 3 and 7 (rows padded to 4 and 8 a token).
+  for (const Shape& h : {Shape{8, 2, false}, Shape{4, 1, false}, Shape{4, 1, true}, Shape{16, 4, true},
+                         Shape{6, 2, false}, Shape{7, 1, false}}) {
     SCOPED_TRACE(std::to_string(h.heads_q) + "/" + std::to_string(h.heads_kv) + (h.heads_outer ? " heads outer" : ""));
-    const int64_t ratio = h.heads_q / h.heads_kv;
+    const int64_t ratio = h.heads_q / h.heads_kv, group = ratio == 3 ? 4 : ratio == 7 ? 8 : ratio;
     HostTensor q = random_tensor(FH_DTYPE_FP64, {batch, sq, h.heads_q, d}, 2121);
     fh::Tensor q_view = q.view();
     if (h.heads_outer) {
@@ -2321,12 +2324,12 @@ TEST(PackedDecode, SeveralTokensOfEachKvHeadGatheredAsRowsIsTheSameAttention) {
       const fh::detail::ProblemShape given = fh::detail::forward_shape(p);
       fh::detail::KernelCall call = fh::detail::kernel_call(p, given);
       ASSERT_TRUE(call.combine_always);
-      ASSERT_EQ(call.shape.rows_per_token, ratio);
-      ASSERT_EQ(call.shape.seqlen_q, sq * ratio);
+      ASSERT_EQ(call.shape.rows_per_token, group);
+      ASSERT_EQ(call.shape.seqlen_q, sq * group);
       ASSERT_EQ(call.shape.heads_q, h.heads_kv);
       ASSERT_FALSE(fh::detail::present(call.params.lse));  // the combine writes it
       const int64_t rows = call.shape.seqlen_q;
-      HostTensor gathered(FH_DTYPE_FP64, {batch, h.heads_kv, sq, ratio, d});
+      HostTensor gathered(FH_DTYPE_FP64, {batch, h.heads_kv, sq, group, d});  // zeros past the ratio
       if (fh::detail::present(call.gather_source)) {  // QueryGatherKernel's copy, element by element
         ASSERT_EQ(call.params.q.data, nullptr);      // bound at run time
         for (int64_t b = 0; b < batch; ++b)
@@ -2337,11 +2340,11 @@ TEST(PackedDecode, SeveralTokensOfEachKvHeadGatheredAsRowsIsTheSameAttention) {
                   gathered.set({b, g, t, j, c}, fh::test::read(call.gather_source, {b, t, g * ratio + j, c}));
         call.params.q.data = gathered.view().data;
       } else {
-        ASSERT_FALSE(h.heads_kv > 1 || h.heads_outer);
+        ASSERT_FALSE(h.heads_kv > 1 || h.heads_outer || group != ratio);
       }
       // The kernels: one split's partials, rows of each KV head, positions shifted.
       int shift = 0;
-      while ((int64_t(1) << shift) < ratio) ++shift;
+      while ((int64_t(1) << shift) < group) ++shift;
       const fh::detail::MaskSpec mask = fh::detail::mask_spec(call.params);
       const size_t partial_rows = size_t(batch * h.heads_kv * rows);
       std::vector<double> o_partial(partial_rows * size_t(dv)), lse_partial(partial_rows);
@@ -2356,7 +2359,8 @@ TEST(PackedDecode, SeveralTokensOfEachKvHeadGatheredAsRowsIsTheSameAttention) {
               double s = 0;
               for (int64_t c = 0; c < d; ++c) {
                 const double qe = fh::test::read(call.params.q, {b, r, g, c});
-                ASSERT_EQ(qe, fh::test::read(p.q, {b, r / ratio, g * ratio + r % ratio, c}));  // the token's head
+                const int64_t j_row = r % group;  // the token's head, or padding
+                ASSERT_EQ(qe, j_row < ratio ? fh::test::read(p.q, {b, r / group, g * ratio + j_row, c}) : 0.0);
                 s += qe * k.get({b, j, g, c});
               }
               scores[j] = s * 0.5;
@@ -2394,21 +2398,16 @@ TEST(PackedDecode, SeveralTokensOfEachKvHeadGatheredAsRowsIsTheSameAttention) {
       EXPECT_LE(lse_error, 1e-12);
     }
   }
-  // A ratio of 3 (no shift finds its tokens); at a ratio of 2, a learnable sink (a logit a query
-  // head), qv with two KV heads, fewer keys than kFewestKeysGathered and seqused_q over dense
-  // queries: as they are.
-  const HostTensor q6 = random_tensor(FH_DTYPE_FP64, {batch, sq, 6, d}, 2124);
+  // At a ratio of 2: a learnable sink (a logit a query head), qv with two KV heads, fewer keys than
+  // kFewestKeysGathered and seqused_q over dense queries: as they are.
   const HostTensor q4 = random_tensor(FH_DTYPE_FP64, {batch, sq, 4, d}, 2127);
   const HostTensor k2 = random_tensor(FH_DTYPE_FP64, {batch, sk, 2, d}, 2125);
-  HostTensor out6(FH_DTYPE_FP64, {batch, sq, 6, d}), out4(FH_DTYPE_FP64, {batch, sq, 4, d});
+  HostTensor out4(FH_DTYPE_FP64, {batch, sq, 4, d});
   const HostTensor sink = random_tensor(FH_DTYPE_FP32, {4}, 2126);
-  fh::ForwardParams ratio3 = fh::default_forward_params();
-  ratio3.q = q6.view();
-  ratio3.k = k2.view();
-  ratio3.v = k2.view();
-  ratio3.out = out6.view();
-  fh::ForwardParams with_sink = ratio3;
+  fh::ForwardParams with_sink = fh::default_forward_params();
   with_sink.q = q4.view();
+  with_sink.k = k2.view();
+  with_sink.v = k2.view();
   with_sink.out = out4.view();
   fh::ForwardParams with_qv = with_sink, few_keys = with_sink, tokens_used = with_sink;
   with_sink.learnable_sink = sink.view();
@@ -2418,7 +2417,7 @@ TEST(PackedDecode, SeveralTokensOfEachKvHeadGatheredAsRowsIsTheSameAttention) {
   few_keys.v = k_short.view();
   const HostTensor used = int32_tensor({3, 2});  // tokens of dense queries: not rows
   tokens_used.seqused_q = used.view();
-  for (const fh::ForwardParams& kept : {ratio3, with_sink, with_qv, few_keys, tokens_used}) {
+  for (const fh::ForwardParams& kept : {with_sink, with_qv, few_keys, tokens_used}) {
     const fh::detail::KernelCall call = fh::detail::kernel_call(kept, fh::detail::forward_shape(kept));
     EXPECT_EQ(call.shape.rows_per_token, 1);
     EXPECT_FALSE(call.combine_always);

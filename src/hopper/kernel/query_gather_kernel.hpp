@@ -1,7 +1,8 @@
 // Packed GQA over several query tokens (plan/packed_decode.hpp): q [B, sq, Hq, d] (any strides,
-// its rows 16-byte aligned) copied into [B, Hkv, sq, ratio, d], contiguous, so that the forward
-// reads KV head g's rows t * ratio + j (token t's query head g * ratio + j) as one stride. A few
-// MB against the cache's GB; plain CUDA, 16-byte copies, the destination written in order.
+// its rows 16-byte aligned) copied into [B, Hkv, sq, group, d], contiguous, so that the forward
+// reads KV head g's rows t * group + j (token t's query head g * ratio + j) as one stride; rows
+// j >= ratio (group: the ratio rounded up to a power of two) are zeros. A few MB against the
+// cache's GB; plain CUDA, 16-byte copies, the destination written in order.
 #pragma once
 
 #include <cstdint>
@@ -20,17 +21,22 @@ struct QueryGatherKernel {
     char* dst;
     int64_t batch;
     int tokens, heads_kv, ratio;
+    int group;       // rows a token: ratio, or the power of two above it
     int row_chunks;  // a row's bytes / kChunkBytes
   };
 
   CUTLASS_DEVICE void operator()(Params const& p) const {
-    const int64_t total = p.batch * p.heads_kv * p.tokens * p.ratio * p.row_chunks;
+    const int64_t total = p.batch * p.heads_kv * p.tokens * p.group * p.row_chunks;
     for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < total; i += int64_t(gridDim.x) * kThreads) {
-      int64_t rest = i;  // (batch, KV head, token, head in group, chunk), chunk fastest
+      int64_t rest = i;  // (batch, KV head, token, row of the group, chunk), chunk fastest
       const int chunk = int(rest % p.row_chunks);
       rest /= p.row_chunks;
-      const int head_in_group = int(rest % p.ratio);
-      rest /= p.ratio;
+      const int head_in_group = int(rest % p.group);
+      rest /= p.group;
+      if (head_in_group >= p.ratio) {  // padding: a row of zeros
+        reinterpret_cast<uint4*>(p.dst)[i] = make_uint4(0, 0, 0, 0);
+        continue;
+      }
       const int token = int(rest % p.tokens);
       rest /= p.tokens;
       const int kv_head = int(rest % p.heads_kv);
