@@ -220,10 +220,11 @@ struct PagedKvLoads {
   // apart: one swizzle atom's rows, at a fixed distance in the stage, so its addresses are one add
   // apart. Lane l finds where its warp's keys l, l + 32, ... lie in the cache (page table and
   // strides) before the stage is free, so the page table's latency hides behind that wait, and
-  // hands those element offsets to the lanes that copy the keys: a copy then costs a shuffle, a
-  // few adds and the cp.async to a 32-bit shared address, with no page-table read, division or
-  // generic pointer in the loop (what bf16's 24-register producer affords without spilling there;
-  // fp8's one warp, 56 registers, spills a little around it: bench/kernel_resources.txt). The
+  // hands those addresses to the lanes that copy the keys: each lane takes its key's address once
+  // (a shuffle, a bit test) and copies its pieces of the row at constant offsets from it, so a
+  // 16-byte copy costs about one add and the cp.async to a 32-bit shared address, with no
+  // page-table read, division or 64-bit arithmetic (a copy that looked its key up cost about 14
+  // instructions: the gather was bound by their issue; bench/RESULTS.md, 2026-12-07). The
   // stage's barrier counts thread 0's arrival (producer_acquire) and one of each thread, made when
   // its copies land (kv_stage_completion): the phase completes with the last copy. The counting
   // form of cp.async.mbarrier.arrive under a single expected arrival and a cancelled byte count is
@@ -246,19 +247,21 @@ struct PagedKvLoads {
     const int first_row = cutlass::canonical_warp_idx() * kKeysPerWarp;  // in the stage
     const int first_key = n_block * kBlockN + first_row;
     int const* table = table_row(params, seq);
-    // Key first_key + lane + 32 r's first element, counted from the KV head's, or -1 past the
-    // sequence. The key is at position offset_k + key of the table row (cache_leftpad).
-    int64_t key_offset[kLookups];
+    Element const* head = source.ptr + head_kv * source.head_stride;
+    // Key first_key + lane + 32 r's first element's address; past the sequence the KV head's first
+    // element's with bit 0 set (rows are 16-byte aligned: the bit is free), copied with no byte
+    // read. The key is at position offset_k + key of the table row (cache_leftpad).
+    uint64_t key_address[kLookups];
     CUTLASS_PRAGMA_UNROLL
     for (int r = 0; r < kLookups; ++r) {
       const int key = first_key + lane + 32 * r;
       int page_index, row_in_page;
       params.page_size_divmod(page_index, row_in_page, seq.offset_k + key);
-      key_offset[r] = lane + 32 * r < kKeysPerWarp && key < seq.seqlen_k && table != nullptr
-                          ? __ldg(table + page_index) * source.page_stride + row_in_page * source.row_stride
-                          : int64_t(-1);
+      key_address[r] = lane + 32 * r < kKeysPerWarp && key < seq.seqlen_k && table != nullptr
+                           ? reinterpret_cast<uint64_t>(head + __ldg(table + page_index) * source.page_stride +
+                                                        row_in_page * source.row_stride)
+                           : reinterpret_cast<uint64_t>(head) | 1;
     }
-    Element const* head = source.ptr + head_kv * source.head_stride;
     // The stages' layout over their base's shared-space address, so that an element's "pointer"
     // is its 32-bit shared address, swizzle included: the swizzle acts on address bits below the
     // base's 1024-byte alignment, the same in the generic and the shared space. Its elements are
@@ -274,24 +277,46 @@ struct PagedKvLoads {
     };
     const uint32_t key_group_bytes = shared_address(kKeysPerCopy, 0) - shared_address(0, 0);
     const int lane_key = lane / kLanesPerKey;  // keys lane_key + 8 m of the warp's
+    const int col0 = (lane % kLanesPerKey) * kPieceElements;  // then every kLanesPerKey pieces
+    constexpr int kSteps = kPiecesPerKey / kLanesPerKey;
+    constexpr int kStepElements = kLanesPerKey * kPieceElements;
+    // The lane's shared addresses of its first key, one a column step: the keys 8 apart lie
+    // key_group_bytes apart in each (one swizzle atom's rows).
+    uint32_t to[kSteps];
+    CUTLASS_PRAGMA_UNROLL
+    for (int step = 0; step < kSteps; ++step) {
+      to[step] = shared_address(first_row + lane_key, col0 + kStepElements * step);
+    }
     pipeline.producer_acquire(state);
     uint64_t* barrier = pipeline.producer_get_barrier(state);
-    CUTLASS_PRAGMA_NO_UNROLL
-    for (int step = 0; step < kPiecesPerKey / kLanesPerKey; ++step) {
-      const int col = (lane % kLanesPerKey + kLanesPerKey * step) * kPieceElements;
-      const bool col_valid = col < source.dim;
-      const uint32_t to = shared_address(first_row + lane_key, col);
+    // A key's address is shuffled in and checked once, then its kSteps pieces copied at constant
+    // offsets from it: the gather was bound by its instruction issue (about 14 instructions a
+    // 16-byte copy when each copy looked its key up; bench/RESULTS.md, 2026-12-07).
+    auto copy_keys = [&](auto full_rows) {
       CUTLASS_PRAGMA_UNROLL
       for (int m = 0; m < kKeyGroups; ++m) {
         const int key = lane_key + kKeysPerCopy * m;
-        // Keys 32 r .. 32 r + 31 of the warp are held in key_offset[r]: the same r for the whole warp.
-        const int64_t held = key_offset[kKeysPerCopy * m / 32];
-        const int64_t offset = __shfl_sync(0xffffffff, held, key % 32);
+        // Keys 32 r .. 32 r + 31 of the warp are held in key_address[r]: the same r for the whole warp.
+        const uint64_t address = __shfl_sync(0xffffffff, key_address[kKeysPerCopy * m / 32], key % 32);
         if (kKeysPerWarp % kKeysPerCopy == 0 || key < kKeysPerWarp) {
-          const bool valid = offset >= 0 && col_valid;
-          cp_async_16_zfill(to + m * key_group_bytes, head + (valid ? offset + col : 0), valid);
+          const bool key_valid = (address & 1) == 0;
+          Element const* from = reinterpret_cast<Element const*>(address & ~uint64_t(1)) + col0;
+          CUTLASS_PRAGMA_UNROLL
+          for (int step = 0; step < kSteps; ++step) {
+            if constexpr (decltype(full_rows)::value) {  // every column of the row is the call's
+              cp_async_16_zfill(to[step] + m * key_group_bytes, from + kStepElements * step, key_valid);
+            } else {  // columns past the call's head dim: zeros, read from the row's first piece
+              const bool valid = key_valid && col0 + kStepElements * step < source.dim;
+              cp_async_16_zfill(to[step] + m * key_group_bytes, from + (valid ? kStepElements * step : 0), valid);
+            }
+          }
         }
       }
+    };
+    if (source.dim == kPiecesPerKey * kPieceElements) {
+      copy_keys(cute::true_type{});
+    } else {
+      copy_keys(cute::false_type{});
     }
     cutlass::arch::cpasync_barrier_arrive_noinc(barrier);  // once this thread's copies have landed
     ++state;
