@@ -300,14 +300,15 @@ struct PagedKvLoads {
         const uint64_t address = __shfl_sync(0xffffffff, key_address[kKeysPerCopy * m / 32], key % 32);
         if (kKeysPerWarp % kKeysPerCopy == 0 || key < kKeysPerWarp) {
           const bool key_valid = (address & 1) == 0;
-          Element const* from = reinterpret_cast<Element const*>(address & ~uint64_t(1)) + col0;
+          Element const* row = reinterpret_cast<Element const*>(address & ~uint64_t(1));
           CUTLASS_PRAGMA_UNROLL
           for (int step = 0; step < kSteps; ++step) {
+            const int col = col0 + kStepElements * step;
             if constexpr (decltype(full_rows)::value) {  // every column of the row is the call's
-              cp_async_16_zfill(to[step] + m * key_group_bytes, from + kStepElements * step, key_valid);
-            } else {  // columns past the call's head dim: zeros, read from the row's first piece
-              const bool valid = key_valid && col0 + kStepElements * step < source.dim;
-              cp_async_16_zfill(to[step] + m * key_group_bytes, from + (valid ? kStepElements * step : 0), valid);
+              cp_async_16_zfill(to[step] + m * key_group_bytes, row + col, key_valid);
+            } else {  // columns past the call's head dim: zeros, no byte read (from the row's start)
+              const bool valid = key_valid && col < source.dim;
+              cp_async_16_zfill(to[step] + m * key_group_bytes, row + (valid ? col : 0), valid);
             }
           }
         }
