@@ -206,6 +206,15 @@ def _fa3_best_split(fa3, jq, jk, jv, cache_len, calls, is_causal=False):
     return best[2], best[1]
 
 
+def _fa3_beside(fa3, q, k, v, cache_len, calls, ours, is_causal=False):
+    """FA3's call on our tensors q, k, v at its best split count (_fa3_best_split) and its output's
+    largest difference from ours() (a call of ours on the same tensors): (FA3's call, that diff)."""
+    jq, jk, jv = (to_jax(fa3, x) for x in (q, k, v))
+    fn, _ = _fa3_best_split(fa3, jq, jk, jv, cache_len, calls, is_causal)
+    fa3_out = from_jax(fa3, fa3[0].block_until_ready(fn()))
+    return fn, (fa3_out.float() - ours().float()).abs().max().item()
+
+
 def _fmt(value, spec):
     """value formatted by spec, or '-' (NaN: not measured) as wide."""
     return format("-", ">" + spec.split(".")[0]) if value != value else format(value, spec)
@@ -360,10 +369,7 @@ def measure_packed_row(batch, cache_len, heads_q, heads_kv, d, fa3, args):
     diff = (fns["packed"]().float() - fns["packed_unsplit"]().float()).abs().max().item()
     jax_fns, fa3_diff = {}, NAN
     if fa3 is not None:
-        jq, jk, jv = (to_jax(fa3, x) for x in (q_dense, k, v))
-        jax_fns["fa3_dense_q"], _ = _fa3_best_split(fa3, jq, jk, jv, cache_len, args.calls)
-        fa3_out = from_jax(fa3, fa3[0].block_until_ready(jax_fns["fa3_dense_q"]()))
-        fa3_diff = (fa3_out.float() - fns["dense_q"]().float()).abs().max().item()
+        jax_fns["fa3_dense_q"], fa3_diff = _fa3_beside(fa3, q_dense, k, v, cache_len, args.calls, fns["dense_q"])
     ms = time_interleaved(fns, jax_fns, (fa3[0].block_until_ready if fa3 else None), 5, args.rounds, args.calls)
     kv_bytes = 2 * batch * cache_len * heads_kv * d * k.element_size()
     row = {"batch": batch, "query_rows": total, "cache_len": cache_len, "heads_q": heads_q, "heads_kv": heads_kv,
@@ -409,10 +415,7 @@ def measure_spec_row(batch, tokens, cache_len, heads_q, heads_kv, d, fa3, args):
     fns = {"ours": lambda: fh.flash_attn_with_kvcache(q, k, v, cache_seqlens=lengths, causal=True, num_splits=0)}
     jax_fns, fa3_diff = {}, NAN
     if fa3 is not None:
-        jq, jk, jv = (to_jax(fa3, x) for x in (q, k, v))
-        jax_fns["fa3"], _ = _fa3_best_split(fa3, jq, jk, jv, cache_len, args.calls, is_causal=True)
-        fa3_out = from_jax(fa3, fa3[0].block_until_ready(jax_fns["fa3"]()))
-        fa3_diff = (fa3_out.float() - fns["ours"]().float()).abs().max().item()
+        jax_fns["fa3"], fa3_diff = _fa3_beside(fa3, q, k, v, cache_len, args.calls, fns["ours"], is_causal=True)
     ms = time_interleaved(fns, jax_fns, (fa3[0].block_until_ready if fa3 else None), 5, args.rounds, args.calls)
     kv_bytes = 2 * batch * cache_len * heads_kv * d * k.element_size()
     pairs = batch * (tokens * cache_len - tokens * (tokens - 1) // 2)  # token t sees cache_len - tokens + t + 1 keys

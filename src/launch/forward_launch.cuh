@@ -74,7 +74,7 @@ cudaError_t run_forward_hdim(const ForwardParams& p, const detail::ProblemShape&
   hopper::LocalMaskParams mask_params = local_mask_params(p);
   // Packed GQA over several tokens (the kernels with the KV cache's code: query_row_grouping).
   mask_params.rows_per_token = int(s.rows_per_token);
-  while ((int64_t(1) << mask_params.rows_per_token_log2) < s.rows_per_token) ++mask_params.rows_per_token_log2;
+  mask_params.rows_per_token_log2 = detail::rows_per_token_log2(s);
   // (rows, d, heads, batch) views: dense [B, S, H, d]; packed [total, H, d] as one batch.
   const TensorRows q_rows = tensor_rows(p.q, s.varlen_q, seqlen.total_q, batch);
   // A dense K/V's own batch extent: a KV cache indexed by cache_batch_idx has any number of rows;

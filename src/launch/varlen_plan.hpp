@@ -45,8 +45,7 @@ hopper::SeqlenParams seqlen_params(const Params& p, const detail::ProblemShape& 
     q.cache_batch_idx = static_cast<int const*>(p.cache_batch_idx.data);
     q.seqlen_new = int(s.seqlen_new);
     q.cu_seqlens_new = static_cast<int const*>(p.cu_seqlens_k_new.data);
-    if (s.varlen_q)  // packed GQA's rows a token: a power of two there (plan/packed_decode.hpp)
-      while ((int64_t(1) << q.q_rows_log2) < s.rows_per_token) ++q.q_rows_log2;
+    if (s.varlen_q) q.q_rows_log2 = detail::rows_per_token_log2(s);  // packed GQA's rows a token
   }
   return q;
 }

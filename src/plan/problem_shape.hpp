@@ -34,6 +34,13 @@ struct ProblemShape {
   int64_t rows_per_token = 1;
 };
 
+// log2 of rows_per_token rounded up (exact where the kernels shift: a power of two there).
+inline int rows_per_token_log2(const ProblemShape& s) {
+  int log2 = 0;
+  while ((int64_t(1) << log2) < s.rows_per_token) ++log2;
+  return log2;
+}
+
 // Window bounds after folding `causal` in: causal is (-1, 0). -1 means unbounded.
 // Query row i sees key j (off = sk - sq, p = i + off) iff
 //   (p - wl <= j or wl < 0 or j < num_sink_tokens) and (j <= p + wr or wr < 0), and, with
