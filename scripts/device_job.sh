@@ -11,8 +11,9 @@
 # flashhopper.bench --fp8; with PROFILE_THROUGHPUT, bench/profile/profile_throughput.sh; with
 # AB_FP8="variants", bench/ab_fp8_tiles.sh; with AB_FILE (and the other AB_* variables),
 # bench/ab_source_line.sh last (one A/B a job: each leaves its variant linked).
-# With PREBUILT=<folder> (scripts/prebuild.sh's, carried) it builds nothing and runs on that folder
-# (not the A/B steps, which recompile objects of a build).
+# With PREBUILT=<folder> (scripts/prebuild.sh's, carried), or that folder as a .tar.xz (device_kit.sh's
+# build-kit/prebuilt.tar.xz: a tenth of the carry), it builds nothing and runs on that folder (not
+# the A/B steps, which recompile objects of a build).
 # One line a step goes to $JOB_DIR/out/progress.log; each step's output to $JOB_DIR/out/step_<step>.txt. Usage, from the
 # repository root on the GPU machine (carry the tarball and .gtest/, which scripts/device_kit.sh
 # makes here, with PREBUILD=1 the prebuilt folder too; it prints the carry list and this command):
@@ -32,6 +33,11 @@ if [ -n "${CUTLASS_TARBALL:-}" ]; then
   mkdir -p third_party && tar xJf "$CUTLASS_TARBALL" -C third_party || { log "cannot unpack $CUTLASS_TARBALL"; exit 1; }
 fi
 export BUILD="$job/build" OUT="$out"
+if [[ "${PREBUILT:-}" == *.tar.xz ]]; then  # the folder packed (scripts/device_kit.sh): unpacked here
+  folder=$(tar tJf "$src/$PREBUILT" | head -1 | cut -d/ -f1)
+  tar xJf "$src/$PREBUILT" -C "$src" || { log "cannot unpack $PREBUILT"; exit 1; }
+  PREBUILT=$folder
+fi
 if [ -n "${PREBUILT:-}" ]; then  # scripts/prebuild.sh's folder, carried: no build here
   export BUILD="$src/$PREBUILT"
   [ -f "$BUILD/libflashhopper.so.0" ] || { log "PREBUILT: no $PREBUILT/libflashhopper.so.0"; exit 1; }

@@ -4,7 +4,9 @@
 #   .gtest/                   this machine's GoogleTest headers and static archives (GTEST_ROOT there)
 #   build-kit/cutlass.tar.xz  the pinned CUTLASS headers (scripts/setup_deps.sh), for device_job.sh
 #   build-prebuilt/           with PREBUILD=1: a kernel set built here (scripts/prebuild.sh, the bench
-#                             set by default: about 12 minutes on 2 cores), so the device builds nothing
+#                             set by default: about 12 minutes on 2 cores), so the device builds nothing;
+#                             carried packed as build-kit/prebuilt.tar.xz (the library's 55 MB of
+#                             cubins pack to 5), which leaves room in the carry for the peers' parts
 # and prints the carry list and the job's command. Start it first thing in a session and go on with
 # other work: the GPU may come before the build is done (then carry the kit and build there).
 #   scripts/device_kit.sh               # .gtest and the tarball (seconds)
@@ -22,13 +24,13 @@ libs=$(ls /usr/lib/*/libgtest*.a /usr/lib/*/libgmock*.a /usr/lib/libgtest*.a 2>/
 [ -n "$libs" ] || { echo "device_kit: no libgtest*.a found under /usr/lib" >&2; exit 1; }
 # shellcheck disable=SC2086
 cp $libs .gtest/lib/
-mkdir -p build-kit
+mkdir -p build-kit && rm -f build-kit/prebuilt.tar.xz
 tar cJf build-kit/cutlass.tar.xz -C third_party cutlass/include cutlass/tools
 carry='".gtest", "build-kit"' folders=".gtest build-kit"
 if [ "${PREBUILD:-0}" = 1 ]; then
   scripts/prebuild.sh "${KERNELS:-bench}" build-prebuilt
-  carry="$carry, \"build-prebuilt\"" folders="$folders build-prebuilt"
-  job="CUTLASS_TARBALL=build-kit/cutlass.tar.xz PREBUILT=build-prebuilt"
+  tar cJf build-kit/prebuilt.tar.xz build-prebuilt
+  job="CUTLASS_TARBALL=build-kit/cutlass.tar.xz PREBUILT=build-kit/prebuilt.tar.xz"
 else
   job="CUTLASS_TARBALL=build-kit/cutlass.tar.xz KERNELS=${KERNELS:-bench}"
 fi
