@@ -98,7 +98,7 @@ struct BackwardKernelOf {
   using Mainloop =
       hopper::BackwardMainloop<Element, Tile::kBlockM, Tile::kBlockN, kHeadDim, kHeadDimV, Tile::kStages,
                                Tile::kStagesDo, kMask, kSoftcap, /*kComputeDq=*/!Tile::kDqKernel, kPacked,
-                               hopper::kSdPByOperand<Tile>>;
+                               hopper::kSdPByOperand<Tile>, hopper::kSdPTransposed<Tile>>;
   using Epilogue = hopper::BackwardEpilogue<Element, Mainloop>;
   // Causal: longest first (the backward reverses its key blocks). Otherwise key blocks in
   // order, which the deterministic dQ order relies on.

@@ -9,7 +9,9 @@
 //   P = exp2(S * scale * log2 e - LSE2)  LSE2 = LSE * log2 e, +inf for rows that see no key
 //   dS = P * (dP - D)                    D = rowsum(dO * O), from the preprocess kernel
 //   dV += P^T dO, dK += dS^T Q           P and dS go through shared memory (transposed reads);
-//                                        kDkvTransposed: dV^T += dO^T P, dK^T += Q^T dS
+//                                        kDkvTransposed: dV^T += dO^T P, dK^T += Q^T dS;
+//                                        kSdPTransposed: S^T and dP^T computed, keys as rows, so
+//                                        P^T and dS^T are dV's and dK's operands in registers
 //   dQ_m = dS K                          split by head dim; added to dQaccum (scale applied later).
 //                                        kComputeDq = false: not computed (the dQ kernel does it)
 #pragma once
@@ -44,8 +46,20 @@ CUTLASS_DEVICE void bulk_reduce_add_f32(float* gmem, float const* smem, int byte
                : "memory");
 }
 
+// The dK and dV GEMMs' atom: P^T or dS^T (A) from registers, or both operands read transposed
+// (MN-major) from shared memory.
+template <class Element, class TileShape, bool kAInRegisters>
+constexpr auto key_grad_gmma() {
+  if constexpr (kAInRegisters) {
+    return GMMA::rs_op_selector<Element, Element, float, TileShape, GMMA::Major::K, GMMA::Major::MN>();
+  } else {
+    return ss_gmma<Element, TileShape, GMMA::Major::MN, GMMA::Major::MN>();
+  }
+}
+
 template <class Element_, int kBlockM_, int kBlockN_, int kHeadDim_, int kHeadDimV_, int kStages_, int kStagesDo_,
-          MaskKind kMask_, bool kSoftcap_, bool kComputeDq_, bool kPacked_, bool kSdPByOperand_ = false>
+          MaskKind kMask_, bool kSoftcap_, bool kComputeDq_, bool kPacked_, bool kSdPByOperand_ = false,
+          bool kSdPTransposed_ = false>
 struct BackwardMainloop {
   using Element = Element_;
   static constexpr int kBlockM = kBlockM_;
@@ -80,7 +94,18 @@ struct BackwardMainloop {
   // warpgroup 0 computes S and warpgroup 1 dP, each whole, and P crosses to warpgroup 1 in float32
   // through shared memory (p_exchange) for dS.
   static constexpr bool kSdPByOperand = kSdPByOperand_;
-  static constexpr int kSdPColumns = kSdPByOperand ? kBlockN : kBlockN / kNumMmaWarpGroups;  // a warpgroup's
+  // The tile's choice (BackwardTileSize::kSdPTransposed): S^T = K Q^T and dP^T = V dO^T, the keys
+  // as the WGMMA's M, split between the warpgroups as dK's and dV's rows are. P^T and dS^T are then
+  // each warpgroup's register A operands of dV += P^T dO and dK += dS^T Q: P never goes to shared
+  // memory and dS only once, stored transposed (so as dS) for dQ = dS K. The price: a thread holds
+  // kBlockM / 4 query columns, so as many LSE2 and D values (2 rows otherwise), and each masked
+  // block as many rows' bounds: windows, whose blocks are masked on both sides, keep S and dP
+  // untransposed (transposed, the gate's window row ran at 0.91 of this; bench/RESULTS.md).
+  static constexpr bool kSdPTransposed = kSdPTransposed_ && kMask_ != MaskKind::kLocal;
+  static_assert(!kSdPTransposed || (!kSdPByOperand && !kDkvTransposed && kHeadDimV == kHeadDim));
+  // The WGMMA's N of S and dP, a warpgroup's: query rows when transposed, else key columns.
+  static constexpr int kSdPColumns =
+      kSdPTransposed ? kBlockM : (kSdPByOperand ? kBlockN : kBlockN / kNumMmaWarpGroups);
   static_assert(!(kSdPByOperand && kDkvSplitByKeys), "split by keys reads only the P and dS columns a warpgroup wrote");
   static constexpr int kDqTileFloats = kBlockM * kHeadDim;
   static_assert(kBlockM % 64 == 0 && kBlockN % 16 == 0 && kHeadDim % 32 == 0);  // d: whole 32-column atoms
@@ -90,6 +115,9 @@ struct BackwardMainloop {
 
   // S = Q K^T is (M, N) over d, dP = dO V^T (M, N) over dv: one tiled MMA (its atom is 16 deep).
   using TileShapeSdP = Shape<Int<kBlockM>, Int<kBlockN>, Int<kHeadDim>>;  // (M, N, d)
+  // The S and dP accumulators' tile: (M, N), or (N, M) when transposed.
+  using ScoreTileShape =
+      cute::conditional_t<kSdPTransposed, Shape<Int<kBlockN>, Int<kBlockM>>, Shape<Int<kBlockM>, Int<kBlockN>>>;
   // dK (N, d, M) or dK^T (d, N, M); dV likewise with dv columns.
   template <int kCols>
   using TileShapeKeyGrad = cute::conditional_t<kDkvTransposed, Shape<Int<kCols>, Int<kBlockN>, Int<kBlockM>>,
@@ -98,16 +126,18 @@ struct BackwardMainloop {
   using TileShapedV = TileShapeKeyGrad<kHeadDimV>;
   using TileShapedQ = Shape<Int<kBlockM>, Int<kHeadDim>, Int<kBlockN>>;  // (M, d, N)
 
-  using TiledMmaSdP = decltype(make_tiled_mma(ss_gmma<Element, Shape<_64, Int<kSdPColumns>, Int<kHeadDim>>>(),
-                                              Layout<Shape<_1, Int<kSdPByOperand ? 1 : 2>, _1>>{}));
+  using TiledMmaSdP = decltype(make_tiled_mma(
+      ss_gmma<Element, Shape<_64, Int<kSdPColumns>, Int<kHeadDim>>>(),
+      Layout<Shape<Int<kSdPTransposed ? 2 : 1>, Int<kSdPByOperand || kSdPTransposed ? 1 : 2>, _1>>{}));
   // dV = P^T dO and dK = dS^T Q (or dV^T = dO^T P and dK^T = Q^T dS) read both operands
-  // transposed (MN-major) from shared memory; the warpgroups split the result's rows.
+  // transposed (MN-major) from shared memory, or P^T and dS^T from registers (kSdPTransposed); the
+  // warpgroups split the result's rows.
   template <class TileShape>
   static constexpr int kKeyGradMmaN =
       kDkvSplitByKeys ? kBlockN / kNumMmaWarpGroups : int(cute::tuple_element_t<1, TileShape>::value);
   template <class TileShape>
   using TiledMmaKeyGrad = decltype(make_tiled_mma(
-      ss_gmma<Element, Shape<_64, Int<kKeyGradMmaN<TileShape>>, Int<kBlockM>>, GMMA::Major::MN, GMMA::Major::MN>(),
+      key_grad_gmma<Element, Shape<_64, Int<kKeyGradMmaN<TileShape>>, Int<kBlockM>>, kSdPTransposed>(),
       cute::conditional_t<kDkvSplitByKeys, Layout<Shape<_1, _2, _1>>, Layout<Shape<_2, _1, _1>>>{}));
   using TiledMmadK = TiledMmaKeyGrad<TileShapedK>;
   using TiledMmadV = TiledMmaKeyGrad<TileShapedV>;
@@ -175,8 +205,12 @@ struct BackwardMainloop {
   using SmemLayoutPt = SmemLayoutPdStBuffers<kPBuffers>;
   using SmemLayoutdS = SmemLayoutPdSBuffers<2>;
   using SmemLayoutdSt = SmemLayoutPdStBuffers<2>;
-  // stmatrix: four 8x8 matrices a warp where the columns allow, else two.
-  using SmemCopyAtomPdS = Copy_Atom<cute::conditional_t<kPdSSwizzled, SM90_U32x4_STSM_N, SM90_U32x2_STSM_N>, Element>;
+  // stmatrix: four 8x8 matrices a warp where the columns allow, else two; transposed (dS^T's
+  // accumulator into dS's buffer) with kSdPTransposed.
+  using SmemCopyAtomPdS = Copy_Atom<
+      cute::conditional_t<kSdPTransposed, SM90_U16x8_STSM_T,
+                          cute::conditional_t<kPdSSwizzled, SM90_U32x4_STSM_N, SM90_U32x2_STSM_N>>,
+      Element>;
 
   // Global tensors as (seqlen, d, head, batch).
   using ShapeQKV = Shape<int32_t, int32_t, int32_t, int32_t>;
@@ -211,7 +245,9 @@ struct BackwardMainloop {
     cute::array_aligned<Element, cosize_v<SmemLayoutdO>, 1024> smem_do;
     cute::array_aligned<float, kBlockM * kStages, 128> smem_lse_log2;  // per Q stage
     cute::array_aligned<float, kBlockM * kStagesDo, 128> smem_dpsum;   // per dO stage
-    cute::array_aligned<Element, cosize_v<SmemLayoutP>, 1024> smem_p;
+    cute::conditional_t<kSdPTransposed, cute::array<Element, 0>,
+                        cute::array_aligned<Element, cosize_v<SmemLayoutP>, 1024>>
+        smem_p;  // none with kSdPTransposed
     cute::array_aligned<Element, cosize_v<SmemLayoutdS>, 1024> smem_ds;
     cute::conditional_t<kComputeDq, SharedStorageDq, cute::array<float, 0>> dq;
     cutlass::arch::ClusterTransactionBarrier kv_full;
@@ -295,6 +331,15 @@ struct BackwardMainloop {
   }
   CUTLASS_DEVICE static Mask make_mask(Params const& params, SeqlenInfo const& seq) {
     return Mask(seq, params.local);
+  }
+
+  // An S or dP accumulator (or its coordinates) as (query rows, key columns), whichever way round
+  // the WGMMA computed it.
+  template <class Layout>
+  CUTLASS_DEVICE static auto scores_rowcol(Layout acc) {
+    auto rowcol = accumulator_rowcol(acc);
+    if constexpr (kSdPTransposed) return make_layout(get<1>(rowcol), get<0>(rowcol));
+    else return rowcol;
   }
 
   // The i-th query block of key block blk's walk (the mask's order, Mask::for_each_query_block's).
@@ -481,19 +526,34 @@ struct BackwardMainloop {
     auto thr_mma_dv = tiled_mma_dv.get_thread_slice(thread_idx);
     auto thr_mma_dq = tiled_mma_dq.get_thread_slice(thread_idx);
 
-    Tensor tSrQ = thr_mma_sdp.partition_fragment_A(sQ);     // (MMA, MMA_M, MMA_K, PIPE)
-    Tensor tSrK = thr_mma_sdp.partition_fragment_B(sK);     // (MMA, MMA_N, MMA_K)
-    Tensor tdPrdO = thr_mma_sdp.partition_fragment_A(sdO);  // (MMA, MMA_M, MMA_K, PIPE)
-    Tensor tdPrV = thr_mma_sdp.partition_fragment_B(sV);
+    // S's and dP's operands: the query rows' (Q, dO: x, x, MMA_K, PIPE) and the keys' (K, V) as A
+    // and B, or as B and A when transposed; sdp_gemm puts them in order.
+    auto sdp_operand = [&](auto const& s, auto is_keys) {
+      if constexpr (decltype(is_keys)::value == kSdPTransposed) return thr_mma_sdp.partition_fragment_A(s);
+      else return thr_mma_sdp.partition_fragment_B(s);
+    };
+    Tensor tSrQ = sdp_operand(sQ, cute::false_type{});
+    Tensor tSrK = sdp_operand(sK, cute::true_type{});
+    Tensor tdPrdO = sdp_operand(sdO, cute::false_type{});
+    Tensor tdPrV = sdp_operand(sV, cute::true_type{});
+    auto sdp_gemm = [&](auto const& rows, auto const& keys, auto& acc) {
+      if constexpr (kSdPTransposed) warpgroup_gemm</*kZeroInit=*/true, /*kWait=*/-1>(tiled_mma_sdp, keys, rows, acc);
+      else warpgroup_gemm</*kZeroInit=*/true, /*kWait=*/-1>(tiled_mma_sdp, rows, keys, acc);
+    };
     // dV's and dK's operands: P^T, dS^T (x, M, BUF) and dO^T, Q^T (x, M, PIPE), each as the A or
     // the B of TiledMmadV / TiledMmadK; gemm_key_grad puts them in order.
     auto key_grad_operand = [&](auto const& thr_mma, auto const& s, auto is_a) {
       if constexpr (decltype(is_a)::value) return thr_mma.partition_fragment_A(s);
       else return thr_mma.partition_fragment_B(s);
     };
-    Tensor tdVrPt = key_grad_operand(thr_mma_dv, sPt, cute::bool_constant<!kDkvTransposed>{});
+    // (P^T and dS^T from shared memory only where not transposed: in registers otherwise.)
+    auto pds_operand = [&](auto const& thr_mma, auto const& s) {
+      if constexpr (kSdPTransposed) return 0;
+      else return key_grad_operand(thr_mma, s, cute::bool_constant<!kDkvTransposed>{});
+    };
+    auto tdVrPt = pds_operand(thr_mma_dv, sPt);
     Tensor tdVrdOt = key_grad_operand(thr_mma_dv, sdOt, cute::bool_constant<kDkvTransposed>{});
-    Tensor tdKrdSt = key_grad_operand(thr_mma_dk, sdSt, cute::bool_constant<!kDkvTransposed>{});
+    auto tdKrdSt = pds_operand(thr_mma_dk, sdSt);
     Tensor tdKrQt = key_grad_operand(thr_mma_dk, sQt, cute::bool_constant<kDkvTransposed>{});
     auto gemm_key_grad = [&](auto& tiled_mma, auto const& pds, auto const& qdo, auto& acc) {
       if constexpr (kDkvTransposed) warpgroup_gemm<false, -1>(tiled_mma, qdo, pds, acc);
@@ -511,11 +571,25 @@ struct BackwardMainloop {
 
     auto smem_tiled_copy_pds = make_tiled_copy_C(SmemCopyAtomPdS{}, tiled_mma_sdp);
     auto smem_copy_pds = smem_tiled_copy_pds.get_thread_slice(sdp_thread);
-    Tensor tPsP = smem_copy_pds.partition_D(sP);     // (CPY, CPY_M, CPY_N, BUF)
-    Tensor tdSsdS = smem_copy_pds.partition_D(sdS);
+    auto tPsP = [&] {  // (CPY, CPY_M, CPY_N, BUF); no P buffer when transposed
+      if constexpr (kSdPTransposed) return 0;
+      else return smem_copy_pds.partition_D(sP);
+    }();
+    // dS^T's accumulator goes into dS's buffer through its transposed view.
+    Tensor tdSsdS = smem_copy_pds.partition_D([&] {
+      if constexpr (kSdPTransposed) return sdSt;
+      else return sdS;
+    }());
 
-    Tensor tScS = thr_mma_sdp.partition_C(make_identity_tensor(select<0, 1>(TileShapeSdP{})));
-    Tensor coords = make_tensor(tScS.data(), accumulator_rowcol(tScS.layout()));  // (rows, cols)
+    // Each accumulator value's (query row, key column) in the tile, viewed as the scores are.
+    Tensor tScS = thr_mma_sdp.partition_C([] {
+      if constexpr (kSdPTransposed) {  // a (key, query) tile whose values read (query, key)
+        return make_coord_tensor(make_layout(Shape<Int<kBlockN>, Int<kBlockM>>{}, Stride<E<1>, E<0>>{}));
+      } else {
+        return make_identity_tensor(ScoreTileShape{});
+      }
+    }());
+    Tensor coords = make_tensor(tScS.data(), scores_rowcol(tScS.layout()));  // (rows, cols)
     constexpr int kRows = decltype(size<0>(coords))::value;
     const Mask mask = make_mask(params, blk.seq);
 
@@ -547,8 +621,8 @@ struct BackwardMainloop {
       // compile-time constant (causal) or a run-time bool (the others).
       // (cute::Tensor spelled out: in a generic lambda, flashhopper::Tensor would be found.)
       auto step = [&](int m_block, auto masked) {
-        cute::Tensor tSrS = partition_fragment_C(tiled_mma_sdp, select<0, 1>(TileShapeSdP{}));
-        cute::Tensor tdPrdP = partition_fragment_C(tiled_mma_sdp, select<0, 1>(TileShapeSdP{}));
+        cute::Tensor tSrS = partition_fragment_C(tiled_mma_sdp, ScoreTileShape{});
+        cute::Tensor tdPrdP = partition_fragment_C(tiled_mma_sdp, ScoreTileShape{});
         // S -> P in place: the transform, the mask where this block needs it, the softmax.
         auto to_probabilities = [&](auto& scores, auto const& lse_log2) {
           params.transform.apply(scores);
@@ -572,90 +646,141 @@ struct BackwardMainloop {
         float lse_log2[kRows], dpsum[kRows];
         auto smem_lse_log2 = [&] { return storage.smem_lse_log2.data() + shared.q_state.index() * kBlockM; };
         shared.pipeline_q.consumer_wait(shared.q_state);
-        if constexpr (kSdPByOperand) {
-          // P crosses from warpgroup 0 to 1 through p_exchange, which warpgroup 0 writes again only
-          // after the kPdS barrier below, so after warpgroup 1 has read it.
-          float* p_exchange = storage.p_exchange.data() + thread_in_group;
-          constexpr int kStride = cutlass::NumThreadsPerWarpGroup;
-          if (warp_group == 0) {
-            warpgroup_gemm</*kZeroInit=*/true, /*kWait=*/-1>(tiled_mma_sdp, tSrQ(_, _, _, shared.q_state.index()),
-                                                             descriptors_per_use(tSrK), tSrS);
-            load_rows(lse_log2, smem_lse_log2());
-            shared.pipeline_do.consumer_wait(shared.do_state);  // dO: dV's operand, below
-            warpgroup_wait<0>();
-            cute::Tensor scores = make_tensor(tSrS.data(), accumulator_rowcol(tSrS.layout()));
-            to_probabilities(scores, lse_log2);
-            CUTLASS_PRAGMA_UNROLL
-            for (int i = 0; i < size(tSrS); ++i) p_exchange[i * kStride] = tSrS(i);
-            named_barrier_arrive(kNumMmaThreads, BwdBarrier::kPExchange);
-            store_operand(tSrS, tPsP(_, _, _, buffer % kPBuffers));
-          } else {
-            shared.pipeline_do.consumer_wait(shared.do_state);
-            warpgroup_gemm<true, -1>(tiled_mma_sdp, tdPrdO(_, _, _, shared.do_state.index()),
-                                     descriptors_per_use(tdPrV), tdPrdP);
-            load_rows(lse_log2, smem_lse_log2());
-            load_rows(dpsum, storage.smem_dpsum.data() + shared.do_state.index() * kBlockM);
-            warpgroup_wait<0>();
-            named_barrier_sync(kNumMmaThreads, BwdBarrier::kPExchange);
-            cute::Tensor tSrP = make_tensor_like(tSrS);
-            CUTLASS_PRAGMA_UNROLL
-            for (int i = 0; i < size(tSrP); ++i) tSrP(i) = p_exchange[i * kStride];
-            cute::Tensor probabilities = make_tensor(tSrP.data(), accumulator_rowcol(tSrP.layout()));
-            cute::Tensor dS = make_tensor(tdPrdP.data(), probabilities.layout());
-            Transform::dp_to_ds(dS, probabilities, dpsum, lse_log2, params.softmax_scale_log2);
-            store_operand(tdPrdP, tdSsdS(_, _, _, buffer));
-          }
-        } else {
-          warpgroup_gemm</*kZeroInit=*/true, /*kWait=*/-1>(tiled_mma_sdp, tSrQ(_, _, _, shared.q_state.index()),
-                                                           descriptors_per_use(tSrK), tSrS);
+        if constexpr (kSdPTransposed) {
+          // S^T and dP^T, then P^T and dS^T as dV's and dK's register A operands; dS^T also into
+          // dS's buffer (transposed) for dQ, which alone needs both warpgroups' keys (the barrier).
+          // P^T and dS^T are converted once both are done, so that no bf16 copy is live beside
+          // the float32 ones (spills).
+          const int q_stage = shared.q_state.index();
+          sdp_gemm(tSrQ(_, _, _, q_stage), descriptors_per_use(tSrK), tSrS);
           load_rows(lse_log2, smem_lse_log2());
           shared.pipeline_do.consumer_wait(shared.do_state);
-          warpgroup_gemm<true, -1>(tiled_mma_sdp, tdPrdO(_, _, _, shared.do_state.index()), descriptors_per_use(tdPrV),
-                                   tdPrdP);
-          load_rows(dpsum, storage.smem_dpsum.data() + shared.do_state.index() * kBlockM);
-          warpgroup_wait<1>();  // S is ready
-          cute::Tensor scores = make_tensor(tSrS.data(), accumulator_rowcol(tSrS.layout()));
+          const int do_stage = shared.do_state.index();
+          sdp_gemm(tdPrdO(_, _, _, do_stage), descriptors_per_use(tdPrV), tdPrdP);
+          warpgroup_wait<1>();  // S^T is ready
+          cute::Tensor scores = make_tensor(tSrS.data(), scores_rowcol(tSrS.layout()));
           to_probabilities(scores, lse_log2);
-          warpgroup_wait<0>();  // dP is ready
+          load_rows(dpsum, storage.smem_dpsum.data() + do_stage * kBlockM);  // after: kRows registers
+          warpgroup_wait<0>();  // dP^T is ready
+          // Softcap's dS reads LSE2 again: loaded anew rather than kept across dP's wait.
+          if constexpr (Transform::kSoftcap) load_rows(lse_log2, smem_lse_log2());
           cute::Tensor dS = make_tensor(tdPrdP.data(), scores.layout());
           Transform::dp_to_ds(dS, scores, dpsum, lse_log2, params.softmax_scale_log2);
-          // Both converted, then both stored (not store_operand twice, which moves ptxas's schedule of
-          // the hdim-128 kernels).
-          cute::Tensor rP = make_tensor_like<Element>(tSrS);
-          cute::Tensor rdS = make_tensor_like<Element>(tdPrdP);
-          convert_into(tSrS, rP);
-          convert_into(tdPrdP, rdS);
-          const int p_buffer = buffer % kPBuffers;
-          copy(smem_tiled_copy_pds, smem_copy_pds.retile_S(rP), tPsP(_, _, _, p_buffer));
-          copy(smem_tiled_copy_pds, smem_copy_pds.retile_S(rdS), tdSsdS(_, _, _, buffer));
-        }
-        // The tensor cores read P and dS through the async proxy; dQ needs both halves of dS.
-        cutlass::arch::fence_view_async_shared();
-        named_barrier_sync(kNumMmaThreads, BwdBarrier::kPdS);
-
-        // dV first, so that the dO stage is freed as early as possible; then dQ and dK.
-        // warpgroup_wait<n> waits for all but the last n.
-        gemm_key_grad(tiled_mma_dv, tdVrPt(_, _, _, buffer % kPBuffers), tdVrdOt(_, _, _, shared.do_state.index()),
-                      tdVrdV);
-        if constexpr (!kComputeDq) {
-          gemm_key_grad(tiled_mma_dk, tdKrdSt(_, _, _, buffer), tdKrQt(_, _, _, shared.q_state.index()), tdKrdK);
-          warpgroup_wait<1>();  // dV is done with dO
-          shared.pipeline_do.consumer_release(shared.do_state);
-          ++shared.do_state;
-          warpgroup_wait<0>();  // dK is done with Q
+          cute::Tensor rPt = make_tensor_like<Element>(tSrS);
+          cute::Tensor rdSt = make_tensor_like<Element>(tdPrdP);
+          convert_into(tSrS, rPt);
+          convert_into(tdPrdP, rdSt);
+          copy(smem_tiled_copy_pds, smem_copy_pds.retile_S(rdSt), tdSsdS(_, _, _, buffer));
+          auto tdVrP = make_tensor(rPt.data(), accumulator_as_a_operand(rPt.layout()));
+          auto tdKrdS = make_tensor(rdSt.data(), accumulator_as_a_operand(rdSt.layout()));
+          // dV first (frees dO soonest), then dQ, whose hand-off to the dQ writer overlaps dK.
+          warpgroup_gemm<false, -1>(tiled_mma_dv, tdVrP, tdVrdOt(_, _, _, do_stage), tdVrdV);
+          if constexpr (kComputeDq) {
+            cutlass::arch::fence_view_async_shared();  // the tensor cores read dS through the async proxy
+            named_barrier_sync(kNumMmaThreads, BwdBarrier::kPdS);
+            cute::Tensor tdQrdQ = partition_fragment_C(tiled_mma_dq, select<0, 1>(TileShapedQ{}));
+            warpgroup_gemm<true, -1>(tiled_mma_dq, get<0>(dq_operands)(_, _, _, buffer),
+                                     descriptors_per_use(get<1>(dq_operands)), tdQrdQ);
+            warpgroup_gemm<false, -1>(tiled_mma_dk, tdKrdS, tdKrQt(_, _, _, q_stage), tdKrdK);
+            warpgroup_wait<2>();  // dV is done with dO and P^T
+            warpgroup_fence_operand(rPt);
+            shared.pipeline_do.consumer_release(shared.do_state);
+            warpgroup_wait<1>();  // dQ
+            add_dq(tdQrdQ);
+          } else {
+            warpgroup_gemm<false, -1>(tiled_mma_dk, tdKrdS, tdKrQt(_, _, _, q_stage), tdKrdK);
+            warpgroup_wait<1>();  // dV is done with dO and P^T
+            warpgroup_fence_operand(rPt);
+            shared.pipeline_do.consumer_release(shared.do_state);
+          }
+          warpgroup_wait<0>();  // dK is done with Q and dS^T
+          warpgroup_fence_operand(rdSt);
           shared.pipeline_q.consumer_release(shared.q_state);
+          ++shared.do_state;
         } else {
-          cute::Tensor tdQrdQ = partition_fragment_C(tiled_mma_dq, select<0, 1>(TileShapedQ{}));
-          warpgroup_gemm<true, -1>(tiled_mma_dq, get<0>(dq_operands)(_, _, _, buffer),
-                                   descriptors_per_use(get<1>(dq_operands)), tdQrdQ);
-          gemm_key_grad(tiled_mma_dk, tdKrdSt(_, _, _, buffer), tdKrQt(_, _, _, shared.q_state.index()), tdKrdK);
-          warpgroup_wait<2>();  // dV is done with dO
-          shared.pipeline_do.consumer_release(shared.do_state);
-          ++shared.do_state;
-          warpgroup_wait<1>();  // dQ
-          add_dq(tdQrdQ);
-          warpgroup_wait<0>();  // dK is done with Q
-          shared.pipeline_q.consumer_release(shared.q_state);
+          if constexpr (kSdPByOperand) {
+            // P crosses from warpgroup 0 to 1 through p_exchange, which warpgroup 0 writes again only
+            // after the kPdS barrier below, so after warpgroup 1 has read it.
+            float* p_exchange = storage.p_exchange.data() + thread_in_group;
+            constexpr int kStride = cutlass::NumThreadsPerWarpGroup;
+            if (warp_group == 0) {
+              warpgroup_gemm</*kZeroInit=*/true, /*kWait=*/-1>(tiled_mma_sdp, tSrQ(_, _, _, shared.q_state.index()),
+                                                               descriptors_per_use(tSrK), tSrS);
+              load_rows(lse_log2, smem_lse_log2());
+              shared.pipeline_do.consumer_wait(shared.do_state);  // dO: dV's operand, below
+              warpgroup_wait<0>();
+              cute::Tensor scores = make_tensor(tSrS.data(), scores_rowcol(tSrS.layout()));
+              to_probabilities(scores, lse_log2);
+              CUTLASS_PRAGMA_UNROLL
+              for (int i = 0; i < size(tSrS); ++i) p_exchange[i * kStride] = tSrS(i);
+              named_barrier_arrive(kNumMmaThreads, BwdBarrier::kPExchange);
+              store_operand(tSrS, tPsP(_, _, _, buffer % kPBuffers));
+            } else {
+              shared.pipeline_do.consumer_wait(shared.do_state);
+              warpgroup_gemm<true, -1>(tiled_mma_sdp, tdPrdO(_, _, _, shared.do_state.index()),
+                                       descriptors_per_use(tdPrV), tdPrdP);
+              load_rows(lse_log2, smem_lse_log2());
+              load_rows(dpsum, storage.smem_dpsum.data() + shared.do_state.index() * kBlockM);
+              warpgroup_wait<0>();
+              named_barrier_sync(kNumMmaThreads, BwdBarrier::kPExchange);
+              cute::Tensor tSrP = make_tensor_like(tSrS);
+              CUTLASS_PRAGMA_UNROLL
+              for (int i = 0; i < size(tSrP); ++i) tSrP(i) = p_exchange[i * kStride];
+              cute::Tensor probabilities = make_tensor(tSrP.data(), scores_rowcol(tSrP.layout()));
+              cute::Tensor dS = make_tensor(tdPrdP.data(), probabilities.layout());
+              Transform::dp_to_ds(dS, probabilities, dpsum, lse_log2, params.softmax_scale_log2);
+              store_operand(tdPrdP, tdSsdS(_, _, _, buffer));
+            }
+          } else {
+            sdp_gemm(tSrQ(_, _, _, shared.q_state.index()), descriptors_per_use(tSrK), tSrS);
+            load_rows(lse_log2, smem_lse_log2());
+            shared.pipeline_do.consumer_wait(shared.do_state);
+            sdp_gemm(tdPrdO(_, _, _, shared.do_state.index()), descriptors_per_use(tdPrV), tdPrdP);
+            load_rows(dpsum, storage.smem_dpsum.data() + shared.do_state.index() * kBlockM);
+            warpgroup_wait<1>();  // S is ready
+            cute::Tensor scores = make_tensor(tSrS.data(), accumulator_rowcol(tSrS.layout()));
+            to_probabilities(scores, lse_log2);
+            warpgroup_wait<0>();  // dP is ready
+            cute::Tensor dS = make_tensor(tdPrdP.data(), scores.layout());
+            Transform::dp_to_ds(dS, scores, dpsum, lse_log2, params.softmax_scale_log2);
+            // Both converted, then both stored (not store_operand twice, which moves ptxas's schedule of
+            // the hdim-128 kernels).
+            cute::Tensor rP = make_tensor_like<Element>(tSrS);
+            cute::Tensor rdS = make_tensor_like<Element>(tdPrdP);
+            convert_into(tSrS, rP);
+            convert_into(tdPrdP, rdS);
+            const int p_buffer = buffer % kPBuffers;
+            copy(smem_tiled_copy_pds, smem_copy_pds.retile_S(rP), tPsP(_, _, _, p_buffer));
+            copy(smem_tiled_copy_pds, smem_copy_pds.retile_S(rdS), tdSsdS(_, _, _, buffer));
+          }
+          // The tensor cores read P and dS through the async proxy; dQ needs both halves of dS.
+          cutlass::arch::fence_view_async_shared();
+          named_barrier_sync(kNumMmaThreads, BwdBarrier::kPdS);
+
+          // dV first, so that the dO stage is freed as early as possible; then dQ and dK.
+          // warpgroup_wait<n> waits for all but the last n.
+          gemm_key_grad(tiled_mma_dv, tdVrPt(_, _, _, buffer % kPBuffers), tdVrdOt(_, _, _, shared.do_state.index()),
+                        tdVrdV);
+          if constexpr (!kComputeDq) {
+            gemm_key_grad(tiled_mma_dk, tdKrdSt(_, _, _, buffer), tdKrQt(_, _, _, shared.q_state.index()), tdKrdK);
+            warpgroup_wait<1>();  // dV is done with dO
+            shared.pipeline_do.consumer_release(shared.do_state);
+            ++shared.do_state;
+            warpgroup_wait<0>();  // dK is done with Q
+            shared.pipeline_q.consumer_release(shared.q_state);
+          } else {
+            cute::Tensor tdQrdQ = partition_fragment_C(tiled_mma_dq, select<0, 1>(TileShapedQ{}));
+            warpgroup_gemm<true, -1>(tiled_mma_dq, get<0>(dq_operands)(_, _, _, buffer),
+                                     descriptors_per_use(get<1>(dq_operands)), tdQrdQ);
+            gemm_key_grad(tiled_mma_dk, tdKrdSt(_, _, _, buffer), tdKrQt(_, _, _, shared.q_state.index()), tdKrdK);
+            warpgroup_wait<2>();  // dV is done with dO
+            shared.pipeline_do.consumer_release(shared.do_state);
+            ++shared.do_state;
+            warpgroup_wait<1>();  // dQ
+            add_dq(tdQrdQ);
+            warpgroup_wait<0>();  // dK is done with Q
+            shared.pipeline_q.consumer_release(shared.q_state);
+          }
         }
         ++shared.q_state;
         buffer ^= 1;

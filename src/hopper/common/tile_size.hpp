@@ -151,20 +151,25 @@ struct BackwardTileSize<64> {
   static constexpr bool kDqKernel = false;
 };
 
+// hdim 128: S and dP transposed (BackwardMainloop::kSdPTransposed; not under windows), so P and dS
+// feed dV and dK from registers and only dS is stored, for dQ: 193 KiB (209 under windows).
 template <>
-struct BackwardTileSize<128> {  // 209 KiB
+struct BackwardTileSize<128> {
   static constexpr int kBlockM = 64;
   static constexpr int kBlockN = 128;
   static constexpr int kStages = 2;
   static constexpr int kStagesDo = 2;
   static constexpr bool kDqKernel = false;
+  static constexpr bool kSdPTransposed = true;
 };
 
 // hdim 96: as hdim 128 (the same 64 x 128 block pair, dQ in this kernel), about 170 KiB. Its dQ GEMM's
 // warpgroups take 48 head-dim columns each, so K and V sit in 32-byte swizzle atoms
 // (BackwardMainloop::kKAtomCols). Not tuned yet.
 template <>
-struct BackwardTileSize<96> : BackwardTileSize<128> {};
+struct BackwardTileSize<96> : BackwardTileSize<128> {
+  static constexpr bool kSdPTransposed = false;
+};
 
 // hdim 192: as hdim 256 (the dQ kernel; 64 keys). Three 64-row atoms of d do not split in two,
 // so the warpgroups split dK^T and dV^T by key columns (BackwardMainloop::kDkvSplitByKeys); the
@@ -213,6 +218,13 @@ template <class Tile, class = void>
 inline constexpr bool kSdPByOperand = false;
 template <class Tile>
 inline constexpr bool kSdPByOperand<Tile, std::void_t<decltype(Tile::kSdPByOperand)>> = Tile::kSdPByOperand;
+
+// Whether a backward tile computes S^T and dP^T, keys as the WGMMA's rows
+// (BackwardMainloop::kSdPTransposed): the tiles that say so.
+template <class Tile, class = void>
+inline constexpr bool kSdPTransposed = false;
+template <class Tile>
+inline constexpr bool kSdPTransposed<Tile, std::void_t<decltype(Tile::kSdPTransposed)>> = Tile::kSdPTransposed;
 
 // The dQ kernel's tunables (head dims whose BackwardTileSize has kDqKernel): a CTA owns kBlockM
 // query rows (64 a warpgroup, or 64 shared by both: BackwardDqMainloop::kSharesRows) and streams K
