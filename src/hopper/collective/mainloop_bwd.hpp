@@ -98,9 +98,10 @@ struct BackwardMainloop {
   // as the WGMMA's M, split between the warpgroups as dK's and dV's rows are. P^T and dS^T are then
   // each warpgroup's register A operands of dV += P^T dO and dK += dS^T Q: P never goes to shared
   // memory and dS only once, stored transposed (so as dS) for dQ = dS K. The price: a thread holds
-  // kBlockM / 4 query columns, so as many LSE2 and D values (2 rows otherwise), and each masked
-  // block as many rows' bounds: windows, whose blocks are masked on both sides, keep S and dP
-  // untransposed (transposed, the gate's window row ran at 0.91 of this; bench/RESULTS.md).
+  // kBlockM / 4 query columns, so as many LSE2 and D values (2 rows otherwise); masks bound its
+  // few keys' rows (Mask::apply_by_key), not each row's keys. Windows stay untransposed: with each
+  // row's bounds their window row ran at 0.91 of untransposed (bench/RESULTS.md); by key, not yet
+  // measured.
   static constexpr bool kSdPTransposed = kSdPTransposed_ && kMask_ != MaskKind::kLocal;
   static_assert(!kSdPTransposed || (!kSdPByOperand && !kDkvTransposed && kHeadDimV == kHeadDim));
   // The WGMMA's N of S and dP, a warpgroup's: query rows when transposed, else key columns.
@@ -626,10 +627,14 @@ struct BackwardMainloop {
         // S -> P in place: the transform, the mask where this block needs it, the softmax.
         auto to_probabilities = [&](auto& scores, auto const& lse_log2) {
           params.transform.apply(scores);
+          auto apply_mask = [&] {
+            if constexpr (kSdPTransposed) mask.apply_by_key(scores, coords, m_block, blk.n_block);
+            else mask.apply(scores, coords, m_block, blk.n_block);
+          };
           if constexpr (cute::is_same_v<decltype(masked), bool>) {
-            if (masked) mask.apply(scores, coords, m_block, blk.n_block);
+            if (masked) apply_mask();
           } else if constexpr (decltype(masked)::value) {
-            mask.apply(scores, coords, m_block, blk.n_block);
+            apply_mask();
           }
           scores_to_probabilities(scores, lse_log2, params.softmax_scale_log2);
         };

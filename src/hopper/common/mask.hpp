@@ -306,6 +306,48 @@ struct AttentionMask {
       }
     }
   }
+
+  // ---- Transposed score tiles (the backward's kSdPTransposed): the query rows a key sees --------
+  // Rows [lo, hi] see key col (lo > hi: none): apply's bounds inverted, for rows without grouping.
+  // Position p sees col iff col < seqlen_k, col < col_end(p) and (col >= col_begin(p) or col is a
+  // sink token); both ends grow with p, so the rows form one interval. Rows are at least 0 and at
+  // most seqlen_q + kBlockM (padding), so the bounds start at those rows' positions.
+  CUTLASS_HOST_DEVICE void rows_seeing(int col, int& lo, int& hi) const {
+    static_assert(!kGroupedRows, "rows_seeing: rows without grouping only");
+    int p_lo = offset(), p_hi = seqlen_k + kBlockM;
+    if (col >= seqlen_k) p_lo = p_hi + 1;
+    if constexpr (kCausal) p_lo = max(p_lo, col);  // col < p + 1
+    if constexpr (kLocal) {
+      const bool sink = col < local.num_sink_tokens;
+      if (local.window_right >= 0) p_lo = max(p_lo, col - local.window_right);   // col <= p + wr
+      if (local.window_left >= 0 && !sink) p_hi = min(p_hi, col + local.window_left);  // col >= p - wl
+      if (local.chunk > 0) {  // chunk(p) = chunk(col), the lower end waived for sinks
+        const int first = floor_div(col, local.chunk) * local.chunk;
+        p_lo = max(p_lo, first);
+        if (!sink) p_hi = min(p_hi, first + local.chunk - 1);
+      }
+    }
+    lo = p_lo - offset();
+    hi = p_hi - offset();
+  }
+
+  // Masking a score tile by its keys: s and coords as apply's, for tiles whose threads hold many
+  // rows and few keys (two bounds a key instead of a row's bounds each).
+  template <class TensorS, class TensorCoord>
+  CUTLASS_DEVICE void apply_by_key(TensorS& s, TensorCoord const& coords, int m_block, int n_block) const {
+    const int row0 = m_block * kBlockM;
+    const int col0 = n_block * kBlockN;
+    CUTLASS_PRAGMA_UNROLL
+    for (int n = 0; n < size<1>(s); ++n) {
+      int lo, hi;
+      rows_seeing(col0 + get<1>(coords(0, n)), lo, hi);
+      CUTLASS_PRAGMA_UNROLL
+      for (int m = 0; m < size<0>(s); ++m) {
+        const int row = row0 + get<0>(coords(m, n));
+        if (row < lo || row > hi) s(m, n) = -INFINITY;
+      }
+    }
+  }
 };
 
 }  // namespace flashhopper::hopper

@@ -1,0 +1,115 @@
+// The backward's masking of transposed score tiles, on the host: the query rows each key sees
+// (hopper::AttentionMask::rows_seeing, which Mask::apply_by_key bounds rows by) against the same
+// mask's row-by-row bounds as Mask::apply takes them, and against the CPU reference's RowMask, over
+// random lengths, windows, sink tokens and chunks, padded rows and keys included.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <random>
+
+#include "hopper/common/mask.hpp"
+#include "reference/row_mask.hpp"
+
+namespace {
+
+using flashhopper::detail::MaskSpec;
+using flashhopper::hopper::AttentionMask;
+using flashhopper::hopper::LocalMaskParams;
+using flashhopper::hopper::MaskKind;
+using flashhopper::hopper::SeqlenInfo;
+using flashhopper::reference::detail::RowMask;
+
+constexpr int kBlockM = 64, kBlockN = 128;
+
+// Whether row sees col by apply's bounds (mask.hpp, AttentionMask::apply), spelled out row by row.
+template <class Mask>
+bool row_sees(const Mask& mask, int row, int col) {
+  int col_end = mask.seqlen_k, col_begin = 0, sink_end = 0;
+  if constexpr (Mask::kCausal) col_end = std::min(col_end, mask.position(row) + 1);
+  if constexpr (Mask::kLocal) {
+    col_end = std::min(col_end, mask.cols_hi(row));
+    col_begin = mask.cols_lo(row);
+    if (mask.local.num_sink_tokens > 0) sink_end = std::min(mask.local.num_sink_tokens, col_end);
+  }
+  return col < col_end && !(col < col_begin && col >= sink_end);
+}
+
+// Every (row, col) of the padded blocks: rows_seeing's interval against row_sees, and, inside the
+// sequence, against the reference. Returns the number of (row, col) pairs that disagree.
+template <MaskKind kKind>
+int count_mismatches(int seqlen_q, int seqlen_k, const LocalMaskParams& local, const MaskSpec& spec) {
+  const SeqlenInfo seq{seqlen_q, seqlen_k, seqlen_q, seqlen_k};
+  const AttentionMask<kBlockM, kBlockN, kKind> mask(seq, local);
+  const RowMask reference(spec, seqlen_q, seqlen_k, 0, seqlen_k);
+  const int rows = (seqlen_q + kBlockM - 1) / kBlockM * kBlockM;
+  const int cols = (seqlen_k + kBlockN - 1) / kBlockN * kBlockN;
+  int mismatches = 0;
+  for (int col = 0; col < cols; ++col) {
+    int lo = 0, hi = 0;
+    mask.rows_seeing(col, lo, hi);
+    for (int row = 0; row < rows; ++row) {
+      const bool by_key = lo <= row && row <= hi;
+      bool expected = row_sees(mask, row, col);
+      if (row < seqlen_q && col < seqlen_k) {
+        bool in_reference = false;
+        for (const auto& range : reference.visible(row)) in_reference |= range.begin <= col && col < range.end;
+        // Sink tokens with chunks: the kernels refuse them (docs/masks.md) and do not bound sinks
+        // by the chunk's start, the reference does; there only rows_seeing and apply's bounds agree.
+        if (!(local.chunk > 0 && local.num_sink_tokens > 0)) EXPECT_EQ(expected, in_reference) << row << " " << col;
+      }
+      if (by_key != expected) {
+        if (++mismatches <= 5) {
+          ADD_FAILURE() << "seqlen_q " << seqlen_q << " seqlen_k " << seqlen_k << " window " << local.window_left
+                        << "/" << local.window_right << " sinks " << local.num_sink_tokens << " chunk " << local.chunk
+                        << ": row " << row << " col " << col << " by key " << by_key << ", by row " << expected;
+        }
+      }
+    }
+  }
+  return mismatches;
+}
+
+TEST(TransposedMask, CausalRowsMatchRowBounds) {
+  std::mt19937 rng(7);
+  for (int trial = 0; trial < 300; ++trial) {
+    const int seqlen_q = 1 + int(rng() % 300), seqlen_k = 1 + int(rng() % 300);
+    MaskSpec spec;
+    spec.window_left = -1;
+    spec.window_right = 0;
+    EXPECT_EQ(count_mismatches<MaskKind::kCausal>(seqlen_q, seqlen_k, LocalMaskParams{}, spec), 0);
+  }
+}
+
+TEST(TransposedMask, LocalRowsMatchRowBounds) {
+  std::mt19937 rng(11);
+  for (int trial = 0; trial < 600; ++trial) {
+    const int seqlen_q = 1 + int(rng() % 300), seqlen_k = 1 + int(rng() % 300);
+    LocalMaskParams local;
+    local.window_left = rng() % 4 == 0 ? -1 : int(rng() % 200);
+    local.window_right = rng() % 4 == 0 ? -1 : int(rng() % 200);
+    local.num_sink_tokens = local.window_left >= 0 && rng() % 2 ? int(rng() % 9) : 0;
+    local.chunk = rng() % 3 == 0 ? 1 + int(rng() % 100) : 0;
+    MaskSpec spec;
+    spec.window_left = local.window_left;
+    spec.window_right = local.window_right;
+    spec.num_sink_tokens = local.num_sink_tokens;
+    spec.attention_chunk = local.chunk;
+    EXPECT_EQ(count_mismatches<MaskKind::kLocal>(seqlen_q, seqlen_k, local, spec), 0);
+  }
+}
+
+TEST(TransposedMask, KeysPastTheSequenceSeeNoRow) {
+  const SeqlenInfo seq{100, 130, 100, 130};
+  const AttentionMask<kBlockM, kBlockN, MaskKind::kNone> mask(seq);
+  for (int col = 130; col < 256; ++col) {
+    int lo = 0, hi = 0;
+    mask.rows_seeing(col, lo, hi);
+    EXPECT_GT(lo, hi) << col;
+  }
+  int lo = 0, hi = 0;
+  mask.rows_seeing(129, lo, hi);
+  EXPECT_LE(lo, 0);
+  EXPECT_GE(hi, 127);
+}
+
+}  // namespace
