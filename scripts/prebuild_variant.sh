@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# A one-line variant of the prebuilt kernel set, built here for an A/B on the GPU machine that
+# compiles nothing there (its device minutes go to the runs): the tree of the prebuilt folder's
+# commit with FROM -> TO in FILE, the named instantiation files recompiled by the prebuild's own
+# compile commands pointed at that tree, the library relinked with them, packed as
+# build-kit/variant_NAME.tar.xz (the folder build-variant-NAME with libflashhopper.so.0, a few MB).
+#   scripts/prebuild_variant.sh NAME FILE 'FROM' 'TO' STEM...
+#     STEM: src/hopper/instantiations/<STEM>.cu, the files that read the line (e.g. bwd_bf16_hdim128
+#     bwd_bf16_hdim128_packed for the hdim-128 backward); PREBUILT (default build-prebuilt) the
+#     folder scripts/prebuild.sh made, PREBUILD_DIR its build folder (default that of its KERNELS).
+# On the device, after unpacking it and the prebuilt folder: bench/ab_compare.sh
+# build-prebuilt/libflashhopper.so build-variant-NAME/libflashhopper.so.0 [benchmark arguments];
+# the prebuilt test binaries run the variant with LD_LIBRARY_PATH=build-variant-NAME.
+set -euo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+cd "$root"
+[ $# -ge 5 ] || { sed -n '2,14p' "$0" >&2; exit 2; }
+name=$1 file=$2 from=$3 to=$4
+shift 4
+prebuilt=${PREBUILT:-build-prebuilt}
+[ -f "$prebuilt/COMMIT" ] || { echo "prebuild_variant: no $prebuilt/COMMIT (scripts/prebuild.sh first)" >&2; exit 1; }
+commit=$(cat "$prebuilt/COMMIT") kernels=$(cut -d' ' -f1 "$prebuilt/KERNELS")
+build=${PREBUILD_DIR:-/tmp/flashhopper-prebuild-$kernels}
+[ -f "$build/build.ninja" ] || { echo "prebuild_variant: no build folder $build" >&2; exit 1; }
+source_root=$(sed -n 's/^CMAKE_HOME_DIRECTORY:INTERNAL=//p' "$build/CMakeCache.txt")
+# The build folder must hold the prebuilt commit's objects: its sources as they were then.
+if ! git -C "$source_root" diff --quiet "$commit" -- src include; then
+  echo "prebuild_variant: $source_root/src or include differ from $commit, which $build was built from" >&2
+  exit 1
+fi
+work=/tmp/flashhopper-variant-$name
+rm -rf "$work" && mkdir -p "$work/tree" "$work/objects" "$work/build-variant-$name"
+git -C "$root" archive "$commit" src include | tar x -C "$work/tree"
+ln -s "$source_root/third_party" "$work/tree/third_party"
+python3 - "$work/tree/$file" "$from" "$to" <<'PY'
+import sys
+path, old, new = sys.argv[1:]
+text = open(path).read()
+if text.count(old) != 1:
+    sys.exit(f"prebuild_variant: '{old}' is in {path} {text.count(old)} times (must be once)")
+open(path, "w").write(text.replace(old, new))
+PY
+cd "$build"
+link=$(ninja -t commands libflashhopper.so.0.1.0 | tail -1)
+pids=()
+for stem in "$@"; do
+  object=CMakeFiles/flashhopper_kernels.dir/src/hopper/instantiations/$stem.cu.o
+  command=$(ninja -t commands "$object" | tail -1)
+  [[ "$command" == *nvcc* ]] || { echo "prebuild_variant: no compile command for $object" >&2; exit 1; }
+  command=${command//$source_root\//$work\/tree\/}
+  command=${command//$object/$work\/objects\/$stem.cu.o}
+  link=${link//$object/$work\/objects\/$stem.cu.o}
+  (eval "$command") > "$work/compile_$stem.log" 2>&1 &
+  pids+=($!)
+done
+for pid in "${pids[@]}"; do wait "$pid" || { echo "prebuild_variant: a compile failed ($work/compile_*.log)" >&2; exit 1; }; done
+link=${link//-o libflashhopper.so.0.1.0/-o $work\/build-variant-$name\/libflashhopper.so.0}
+eval "$link"
+ln -sf libflashhopper.so.0 "$work/build-variant-$name/libflashhopper.so"
+printf '%s\n%s: %s -> %s\n' "$commit" "$file" "$from" "$to" > "$work/build-variant-$name/VARIANT"
+mkdir -p "$root/build-kit"
+tar cJf "$root/build-kit/variant_$name.tar.xz" -C "$work" "build-variant-$name"
+echo "variant $name: build-kit/variant_$name.tar.xz ($(du -k "$root/build-kit/variant_$name.tar.xz" | cut -f1) KiB)"
