@@ -165,7 +165,8 @@ struct BackwardTileSize<128> {
 
 // hdim 96: as hdim 128 (the same 64 x 128 block pair, dQ in this kernel), about 170 KiB. Its dQ GEMM's
 // warpgroups take 48 head-dim columns each, so K and V sit in 32-byte swizzle atoms
-// (BackwardMainloop::kKAtomCols). Not tuned yet.
+// (BackwardMainloop::kKAtomCols). Not tuned yet; untransposed until measured (transposed, it
+// compiles without local traffic in its loops: bench/RESULTS.md, 2026-12-07 noon).
 template <>
 struct BackwardTileSize<96> : BackwardTileSize<128> {
   static constexpr bool kSdPTransposed = false;
