@@ -70,17 +70,11 @@ inline GroupedPartials grouped_partials(const ProblemShape& given, int64_t rows_
   return {{split * dv, batch * dv, group * dv, dv, g * dv, 1}, {split, batch, group, 1, g}};
 }
 
-inline int64_t next_power_of_two(int64_t x) {
-  int64_t p = 1;
-  while (p < x) p *= 2;
-  return p;
-}
-
 // The several-token rewrite without qv (above), dense queries [B, sq, Hq, d] or packed ones
 // [total_q, Hq, d] (cu_seqlens_q: sequences of up to max_seqlen_q tokens, which the kernels count
 // in rows, SeqlenParams::q_rows_log2); the call as it is where it does not apply.
 inline KernelCall tokens_by_kv_head(const ForwardParams& p, const ProblemShape& s) {
-  const int64_t ratio = s.heads_q / s.heads_kv, group = next_power_of_two(ratio);
+  const int64_t ratio = s.heads_q / s.heads_kv, group = int64_t(1) << ceil_log2(ratio);
   if (s.seqlen_q > kMostTokensPacked || s.seqlen_k < kFewestKeysGathered) return {p, s};
   KernelCall call{p, s, /*combine_always=*/true, {}};
   const int r = s.varlen_q ? 0 : 1;  // the row axis: [total_q, H, d] or [B, sq, H, d]

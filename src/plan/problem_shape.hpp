@@ -34,12 +34,15 @@ struct ProblemShape {
   int64_t rows_per_token = 1;
 };
 
-// log2 of rows_per_token rounded up (exact where the kernels shift: a power of two there).
-inline int rows_per_token_log2(const ProblemShape& s) {
-  int log2 = 0;
-  while ((int64_t(1) << log2) < s.rows_per_token) ++log2;
-  return log2;
+// The least k with 2^k >= x (x >= 1).
+inline int ceil_log2(int64_t x) {
+  int k = 0;
+  while ((int64_t(1) << k) < x) ++k;
+  return k;
 }
+
+// log2 of rows_per_token rounded up (exact where the kernels shift: a power of two there).
+inline int rows_per_token_log2(const ProblemShape& s) { return ceil_log2(s.rows_per_token); }
 
 // Window bounds after folding `causal` in: causal is (-1, 0). -1 means unbounded.
 // Query row i sees key j (off = sk - sq, p = i + off) iff

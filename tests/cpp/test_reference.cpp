@@ -2275,6 +2275,48 @@ TEST(PackedDecode, SeveralTokensOfOneKvHeadAsRowsIsTheSameAttention) {
   }
 }
 
+// A row of one split's partials, as the kernels write them (here in double): from the row's
+// scaled scores (-inf where it sees no key) its LSE, returned, and O = softmax(scores) V into o,
+// value(j, c) reading V.
+template <class Value>
+double partial_row(std::vector<double> scores, int64_t dv, const Value& value, double* o) {
+  double max_score = -INFINITY;
+  for (double s : scores) max_score = std::max(max_score, s);
+  double sum = 0;
+  for (double& s : scores) sum += (s = std::exp(s - max_score));
+  for (int64_t c = 0; c < dv; ++c) {
+    double acc = 0;
+    for (size_t j = 0; j < scores.size(); ++j) acc += scores[j] / sum * value(int64_t(j), c);
+    o[c] = acc;
+  }
+  return max_score + std::log(sum);
+}
+
+// The combine of one split's grouped partials (detail::grouped_partials' strides) against the
+// reference's out and lse: the largest differences {out, lse} over batches x query heads x
+// tokens, lse_at(b, h, t) and out_at(b, t, h, c) reading the reference.
+template <class LseAt, class OutAt>
+std::pair<double, double> grouped_combine_errors(const fh::detail::GroupedPartials& strides,
+                                                 const std::vector<double>& o_partial,
+                                                 const std::vector<double>& lse_partial, int64_t batch,
+                                                 int64_t heads_q, int64_t ratio, int64_t tokens, int64_t dv,
+                                                 const LseAt& lse_at, const OutAt& out_at) {
+  double out_error = 0, lse_error = 0;
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t h = 0; h < heads_q; ++h)
+      for (int64_t t = 0; t < tokens; ++t) {
+        const int64_t group = h / ratio, within = h % ratio;
+        const int64_t l = b * strides.lse[1] + group * strides.lse[2] + within * strides.lse[3] + t * strides.lse[4];
+        lse_error = std::max(lse_error, std::abs(lse_partial[size_t(l)] - lse_at(b, h, t)));
+        for (int64_t c = 0; c < dv; ++c) {
+          const int64_t o = b * strides.out[1] + group * strides.out[2] + within * strides.out[3] +
+                            t * strides.out[4] + c * strides.out[5];
+          out_error = std::max(out_error, std::abs(o_partial[size_t(o)] - out_at(b, t, h, c)));
+        }
+      }
+  return {out_error, lse_error};
+}
+
 // Several query tokens without qv (speculative decoding with GQA or MQA): KV head g's rows
 // r = t * G + j (G the ratio rounded up to a power of two) are token t's query head g * ratio + j
 // for j < ratio and zeros past it, gathered (several KV heads, heads not adjacent to tokens, or
@@ -2291,7 +2333,8 @@ TEST(PackedDecode, SeveralTokensOfEachKvHeadGatheredAsRowsIsTheSameAttention) {
   // Ratios 4, 1 (as one head's rows, or gathered), 3 and 7 (rows padded to 4 and 8 a token).
   for (const Shape& h : {Shape{8, 2, false}, Shape{4, 1, false}, Shape{4, 1, true}, Shape{16, 4, true},
                          Shape{6, 2, false}, Shape{7, 1, false}}) {
-    SCOPED_TRACE(std::to_string(h.heads_q) + "/" + std::to_string(h.heads_kv) + (h.heads_outer ? " heads outer" : ""));
+    SCOPED_TRACE(std::to_string(h.heads_q) + "/" + std::to_string(h.heads_kv) +
+                 (h.heads_outer ? " heads outer" : ""));
     const int64_t ratio = h.heads_q / h.heads_kv, group = ratio == 3 ? 4 : ratio == 7 ? 8 : ratio;
     HostTensor q = random_tensor(FH_DTYPE_FP64, {batch, sq, h.heads_q, d}, 2121);
     fh::Tensor q_view = q.view();
@@ -2343,8 +2386,7 @@ TEST(PackedDecode, SeveralTokensOfEachKvHeadGatheredAsRowsIsTheSameAttention) {
         ASSERT_FALSE(h.heads_kv > 1 || h.heads_outer || group != ratio);
       }
       // The kernels: one split's partials, rows of each KV head, positions shifted.
-      int shift = 0;
-      while ((int64_t(1) << shift) < group) ++shift;
+      const int shift = fh::detail::rows_per_token_log2(call.shape);
       const fh::detail::MaskSpec mask = fh::detail::mask_spec(call.params);
       const size_t partial_rows = size_t(batch * h.heads_kv * rows);
       std::vector<double> o_partial(partial_rows * size_t(dv)), lse_partial(partial_rows);
@@ -2353,7 +2395,6 @@ TEST(PackedDecode, SeveralTokensOfEachKvHeadGatheredAsRowsIsTheSameAttention) {
           for (int64_t r = 0; r < rows; ++r) {
             const int64_t pos = (r >> shift) + sk - sq;
             std::vector<double> scores(sk, -INFINITY);
-            double max_score = -INFINITY;
             for (int64_t j = 0; j < sk; ++j) {
               if (!position_sees_key(mask, pos, j)) continue;
               double s = 0;
@@ -2364,36 +2405,19 @@ TEST(PackedDecode, SeveralTokensOfEachKvHeadGatheredAsRowsIsTheSameAttention) {
                 s += qe * k.get({b, j, g, c});
               }
               scores[j] = s * 0.5;
-              max_score = std::max(max_score, scores[j]);
             }
-            double sum = 0;
-            for (double& s : scores) sum += (s = std::exp(s - max_score));
             const int64_t row = (b * h.heads_kv + g) * rows + r;
-            lse_partial[size_t(row)] = max_score + std::log(sum);
-            for (int64_t c = 0; c < dv; ++c) {
-              double o = 0;
-              for (int64_t j = 0; j < sk; ++j) o += scores[j] / sum * v.get({b, j, g, c});
-              o_partial[size_t(row * dv + c)] = o;
-            }
+            auto value = [&](int64_t j, int64_t c) { return v.get({b, j, g, c}); };
+            lse_partial[size_t(row)] = partial_row(scores, dv, value, &o_partial[size_t(row * dv)]);
           }
         }
       }
       // The combine (one split: its partials as they are), through the grouped strides.
       const fh::detail::GroupedPartials strides = fh::detail::grouped_partials(given, call.shape.rows_per_token);
-      double out_error = 0, lse_error = 0;
-      for (int64_t b = 0; b < batch; ++b)
-        for (int64_t hq = 0; hq < h.heads_q; ++hq)
-          for (int64_t t = 0; t < sq; ++t) {
-            const int64_t group = hq / ratio, within = hq % ratio;
-            const int64_t l =
-                b * strides.lse[1] + group * strides.lse[2] + within * strides.lse[3] + t * strides.lse[4];
-            lse_error = std::max(lse_error, std::abs(lse_partial[size_t(l)] - lse.get({b, hq, t})));
-            for (int64_t c = 0; c < dv; ++c) {
-              const int64_t o = b * strides.out[1] + group * strides.out[2] + within * strides.out[3] +
-                                t * strides.out[4] + c * strides.out[5];
-              out_error = std::max(out_error, std::abs(o_partial[size_t(o)] - out.get({b, t, hq, c})));
-            }
-          }
+      const auto [out_error, lse_error] = grouped_combine_errors(
+          strides, o_partial, lse_partial, batch, h.heads_q, ratio, sq, dv,
+          [&](int64_t b, int64_t hq, int64_t t) { return lse.get({b, hq, t}); },
+          [&](int64_t b, int64_t t, int64_t hq, int64_t c) { return out.get({b, t, hq, c}); });
       EXPECT_LE(out_error, 1e-12);
       EXPECT_LE(lse_error, 1e-12);
     }
@@ -2469,7 +2493,6 @@ TEST(PackedDecode, PackedQueriesOfEachKvHeadGatheredAsRowsIsTheSameAttention) {
       for (int64_t r = 0; r < seq_rows; ++r) {
         const int64_t pos = (r >> 2) + sk - tokens[size_t(b)];  // causal, bottom-right aligned
         std::vector<double> scores(static_cast<size_t>(sk));
-        double max_score = -INFINITY;
         for (int64_t j = 0; j < sk; ++j) {
           double s = 0;
           for (int64_t c = 0; c < d; ++c) {
@@ -2478,32 +2501,18 @@ TEST(PackedDecode, PackedQueriesOfEachKvHeadGatheredAsRowsIsTheSameAttention) {
             s += qe * k.get({b * sk + j, g, c});
           }
           scores[size_t(j)] = j <= pos ? s * 0.5 : -INFINITY;
-          max_score = std::max(max_score, scores[size_t(j)]);
         }
-        double sum = 0;
-        for (double& s : scores) sum += (s = std::exp(s - max_score));
         const int64_t row = g * rows + first_row + r;
-        lse_partial[size_t(row)] = max_score + std::log(sum);
-        for (int64_t c = 0; c < dv; ++c) {
-          double o = 0;
-          for (int64_t j = 0; j < sk; ++j) o += scores[size_t(j)] / sum * v.get({b * sk + j, g, c});
-          o_partial[size_t(row * dv + c)] = o;
-        }
+        auto value = [&](int64_t j, int64_t c) { return v.get({b * sk + j, g, c}); };
+        lse_partial[size_t(row)] = partial_row(scores, dv, value, &o_partial[size_t(row * dv)]);
       }
     }
   }
   const fh::detail::GroupedPartials strides = fh::detail::grouped_partials(given, ratio);
-  double out_error = 0, lse_error = 0;
-  for (int64_t t = 0; t < total_q; ++t)
-    for (int64_t h = 0; h < heads_q; ++h) {
-      const int64_t group = h / ratio, within = h % ratio;
-      const int64_t l = group * strides.lse[2] + within * strides.lse[3] + t * strides.lse[4];
-      lse_error = std::max(lse_error, std::abs(lse_partial[size_t(l)] - lse.get({h, t})));
-      for (int64_t c = 0; c < dv; ++c) {
-        const int64_t o = group * strides.out[2] + within * strides.out[3] + t * strides.out[4] + c * strides.out[5];
-        out_error = std::max(out_error, std::abs(o_partial[size_t(o)] - out.get({t, h, c})));
-      }
-    }
+  const auto [out_error, lse_error] = grouped_combine_errors(
+      strides, o_partial, lse_partial, /*batch=*/1, heads_q, ratio, total_q, dv,
+      [&](int64_t, int64_t h, int64_t t) { return lse.get({h, t}); },
+      [&](int64_t, int64_t t, int64_t h, int64_t c) { return out.get({t, h, c}); });
   EXPECT_LE(out_error, 1e-12);
   EXPECT_LE(lse_error, 1e-12);
 }
