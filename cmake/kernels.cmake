@@ -12,7 +12,8 @@ endif()
 set(FLASHHOPPER_KERNEL_SOURCES ${PROJECT_SOURCE_DIR}/src/launch/forward_dispatch.cu
     ${PROJECT_SOURCE_DIR}/src/launch/backward_dispatch.cu ${PROJECT_SOURCE_DIR}/src/launch/varlen_plan.cu
     ${PROJECT_SOURCE_DIR}/src/launch/combine_launch.cu ${PROJECT_SOURCE_DIR}/src/launch/kv_append_launch.cu
-    ${PROJECT_SOURCE_DIR}/src/launch/packed_decode_launch.cu)
+    ${PROJECT_SOURCE_DIR}/src/launch/packed_decode_launch.cu
+    ${PROJECT_SOURCE_DIR}/src/launch/tensor_map_encode.cu)
 set(FLASHHOPPER_KERNEL_DEFINES FLASHHOPPER_KERNEL_SET=${_set_index})
 foreach(_file IN LISTS FLASHHOPPER_KERNEL_FILES_${FLASHHOPPER_KERNELS})
   list(APPEND FLASHHOPPER_KERNEL_SOURCES ${PROJECT_SOURCE_DIR}/src/hopper/instantiations/${_file}.cu)
