@@ -177,6 +177,12 @@ struct ForwardMainloop {
                              cute::conditional_t<kTransposesV, StrideQK, StrideVt>, Pipeline, PipelineState,
                              kTransposesV>;
   using PagedMode = typename Paged::PagedMode;
+  // Without kPagedKv the kernel's parameters hold none of Paged's (its TMA descriptors and gather
+  // sources: 1152 of a dense launch's 3072 bytes, copied by every launch).
+  struct NoPagedParams {
+    static constexpr PagedMode mode = PagedMode::kNone;
+  };
+  using PagedParams = cute::conditional_t<kPagedKv, typename Paged::Params, NoPagedParams>;
 
   static constexpr uint32_t kTmaBytesQ = cosize_v<SmemLayoutQ> * sizeof(Element);
   static constexpr uint32_t kTmaBytesK = size(take<0, 2>(SmemLayoutK{})) * sizeof(Element);
@@ -298,7 +304,7 @@ struct ForwardMainloop {
     float const* learnable_sink;
     cutlass::FastDivmod heads_per_kv_head;
     SeqlenParams seqlen;
-    typename Paged::Params paged;  // paged only
+    PagedParams paged;
     Descale q_descale, k_descale, v_descale;  // fp8 only
     VColumnMajorParams<kTransposesV> v_column_major;  // fp8 only
   };
@@ -306,7 +312,7 @@ struct ForwardMainloop {
   // The producer's threads: one, or a warp or the warpgroup for a paged cache.
   CUTLASS_HOST_DEVICE static int producer_threads(Params const& params) {
     if constexpr (!kPagedKv) return 1;
-    return Paged::producer_threads(params.paged);
+    else return Paged::producer_threads(params.paged);
   }
 
   // What completes a K or V stage: TMA bytes and thread 0's arrival; when the warpgroup gathers,
@@ -352,13 +358,15 @@ struct ForwardMainloop {
     }();
     const int heads_per_kv_head = get<2>(args.shape_q) / get<2>(args.shape_k);
     const float scale = Transform::softmax_scale(args.softmax_scale, args.softcap);
-    typename Paged::Params paged;
-    if (kPagedKv && args.page_table != nullptr) {
-      auto const& v_pages = [&]() -> auto const& {  // V as Paged loads it: as stored with fp8
-        if constexpr (kTransposesV) return mV; else return mVt;
-      }();
-      paged = Paged::make(mK, v_pages, args.page_table, args.page_table_stride, args.page_table_rows, args.page_size,
-                          /*keys_start_mid_page=*/args.seqlen.cache_leftpad != nullptr);
+    PagedParams paged{};
+    if constexpr (kPagedKv) {
+      if (args.page_table != nullptr) {
+        auto const& v_pages = [&]() -> auto const& {  // V as Paged loads it: as stored with fp8
+          if constexpr (kTransposesV) return mV; else return mVt;
+        }();
+        paged = Paged::make(mK, v_pages, args.page_table, args.page_table_stride, args.page_table_rows,
+                            args.page_size, /*keys_start_mid_page=*/args.seqlen.cache_leftpad != nullptr);
+      }
     }
     QvParams<kQv> qv{};
     if constexpr (kQv) {
@@ -517,12 +525,18 @@ struct ForwardMainloop {
       auto const& stages = [&]() -> auto const& {
         if constexpr (kIsV) return v_stages; else return sK;
       }();
-      if (kPagedKv && params.paged.mode == PagedMode::kGather) {
-        Paged::template gather_stage<kIsV>(params.paged, pipeline, state, stages, seq, head_kv, n_block);
-      } else if (kPagedKv && params.paged.mode != PagedMode::kNone) {
-        Paged::template load_chunks_stage<kIsV>(params.paged, kIsV ? v_pages : params.shape_k, pipeline, state,
-                                                stages, seq, head_kv, n_block);
-      } else if constexpr (kIsV) {
+      if constexpr (kPagedKv) {
+        if (params.paged.mode == PagedMode::kGather) {
+          Paged::template gather_stage<kIsV>(params.paged, pipeline, state, stages, seq, head_kv, n_block);
+          return;
+        }
+        if (params.paged.mode != PagedMode::kNone) {
+          Paged::template load_chunks_stage<kIsV>(params.paged, kIsV ? v_pages : params.shape_k, pipeline, state,
+                                                  stages, seq, head_kv, n_block);
+          return;
+        }
+      }
+      if constexpr (kIsV) {
         if constexpr (kTransposesV) {
           if (params.v_column_major.enabled) {
             tma_load_stage(pipeline, state, params.v_column_major.tma, get<0>(tma_v_column_parts)(_, n_block),
