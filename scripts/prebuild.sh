@@ -23,9 +23,10 @@ if [ -n "${PROMOTE:-}" ]; then
   rm -rf "$src" && mkdir -p "$src" && git -C "$root" archive HEAD | tar x -C "$src"
   ln -s "$root/third_party" "$src/third_party"
   for row in $PROMOTE; do
-    pattern="HeadDims(${row/:/, }),"
-    grep -qF "$pattern" "$src/scripts/kernel_manifest.py" || { echo "prebuild: no manifest row $pattern" >&2; exit 2; }
-    sed -i "s/HeadDims(${row/:/, }),/HeadDims(${row/:/, }, bf16_set=\"$kernels\"),/" "$src/scripts/kernel_manifest.py"
+    pattern="HeadDims(${row/:/, }"  # the row's other arguments, if any, stay
+    grep -qE "HeadDims\(${row/:/, }[,)]" "$src/scripts/kernel_manifest.py" ||
+      { echo "prebuild: no manifest row $pattern)" >&2; exit 2; }
+    sed -i -E "s/HeadDims\(${row/:/, }([,)])/HeadDims(${row/:/, }, bf16_set=\"$kernels\"\1/" "$src/scripts/kernel_manifest.py"
   done
   (cd "$src" && python3 scripts/generate_kernels.py >/dev/null)
 fi
