@@ -99,10 +99,10 @@ struct BackwardMainloop {
   // each warpgroup's register A operands of dV += P^T dO and dK += dS^T Q: P never goes to shared
   // memory and dS only once, stored transposed (so as dS) for dQ = dS K. The price: a thread holds
   // kBlockM / 4 query columns, so as many LSE2 and D values (2 rows otherwise); masks bound its
-  // few keys' rows (Mask::apply_by_key), not each row's keys. Windows stay untransposed: with each
-  // row's bounds their window row ran at 0.91 of untransposed (bench/RESULTS.md); by key, not yet
-  // measured.
-  static constexpr bool kSdPTransposed = kSdPTransposed_ && kMask_ != MaskKind::kLocal;
+  // few keys' rows (Mask::apply_by_key), not each row's keys. Windows too (3-5% faster than
+  // untransposed, bench/RESULTS.md, 2026-12-07 evening), but with softcap: transposed, its loop's
+  // local traffic doubles (29 -> 70 operations), not yet measured.
+  static constexpr bool kSdPTransposed = kSdPTransposed_ && !(kMask_ == MaskKind::kLocal && kSoftcap_);
   static_assert(!kSdPTransposed || (!kSdPByOperand && !kDkvTransposed && kHeadDimV == kHeadDim));
   // The WGMMA's N of S and dP, a warpgroup's: query rows when transposed, else key columns.
   static constexpr int kSdPColumns =
