@@ -471,19 +471,19 @@ struct BackwardMainloop {
           if (lane == 0) {
             bulk_reduce_add_f32(dq_tile, storage.dq.smem_dq.data(), kDqTileFloats * sizeof(float));
             tma_store_arrive();
-            if (params.deterministic) {
-              // The add must have landed, not just been read, before the next key block's turn.
-              asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
-              asm volatile("fence.proxy.async.global;\n" ::: "memory");
-              // Release: the add (made visible to the generic proxy above) comes before the count.
-              // Lighter than __threadfence() and atomicAdd.
-              asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(semaphore) : "memory");
-            } else {
-              tma_store_wait<0>();
-            }
+            tma_store_wait<0>();  // the add has read the buffer: it may be written again
           }
           __syncwarp();
           named_barrier_arrive(kDqBarrierThreads, BwdBarrier::kDqEmpty0, 0);
+          if (params.deterministic && lane == 0) {
+            // The add must have landed, not just been read, before the next key block's turn; the
+            // warpgroups meanwhile write the next dQ tile into the freed buffer.
+            asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+            asm volatile("fence.proxy.async.global;\n" ::: "memory");
+            // Release: the add (made visible to the generic proxy above) comes before the count.
+            // Lighter than __threadfence() and atomicAdd.
+            asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(semaphore) : "memory");
+          }
         }
       }
     }

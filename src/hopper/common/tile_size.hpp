@@ -141,7 +141,8 @@ struct BackwardTileSize;
 
 // hdim 64: 128-row query blocks halve the per-block costs (the barrier between the warpgroups, the
 // fences after the P, dS and dQ stores, the dQ hand-off) of GEMMs only 64 deep. 226 KiB with P
-// once: 2 Q and dO stages, one dQ buffer.
+// once: 2 Q and dO stages, one dQ buffer. 64-row blocks transposed (as hdim 128) ran 2-11% faster
+// but 11-20% slower deterministic, twice the dQ turns (bench/RESULTS.md, 2026-12-07 evening).
 template <>
 struct BackwardTileSize<64> {
   static constexpr int kBlockM = 128;
