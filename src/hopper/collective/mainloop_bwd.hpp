@@ -103,6 +103,10 @@ struct BackwardMainloop {
   // untransposed, bench/RESULTS.md, 2026-12-07 evening), but with softcap: transposed, its loop's
   // local traffic doubles (29 -> 70 operations), not yet measured.
   static constexpr bool kSdPTransposed = kSdPTransposed_ && !(kMask_ == MaskKind::kLocal && kSoftcap_);
+  // Transposed, a thread's S^T and dP^T hold kBlockM / 4 query columns, each with its LSE2 and D.
+  // With 128-row blocks those would be 64 registers beside S^T and dP^T's 128 (they spilled), so
+  // they stay in their shared stages and are read where used; with 64-row blocks, in registers.
+  static constexpr bool kRowValuesInSmem = kSdPTransposed && kBlockM >= 128;
   static_assert(!kSdPTransposed || (!kSdPByOperand && !kDkvTransposed && kHeadDimV == kHeadDim));
   // The WGMMA's N of S and dP, a warpgroup's: query rows when transposed, else key columns.
   static constexpr int kSdPColumns =
@@ -341,6 +345,19 @@ struct BackwardMainloop {
     auto rowcol = accumulator_rowcol(acc);
     if constexpr (kSdPTransposed) return make_layout(get<1>(rowcol), get<0>(rowcol));
     else return rowcol;
+  }
+
+  // A thread's LSE2 or D values, read from their shared stage where used (kRowValuesInSmem):
+  // index m is the thread's m-th row of the scores' (rows, cols) view, as a register array's.
+  template <class Coords>
+  struct RowValuesInSmem {
+    float const* stage;
+    Coords const& coords;
+    CUTLASS_DEVICE float operator[](int m) const { return stage[get<0>(coords(m, 0))]; }
+  };
+  template <class Coords>
+  CUTLASS_DEVICE static RowValuesInSmem<Coords> row_values_in_smem(float const* stage, Coords const& coords) {
+    return {stage, coords};
   }
 
   // The i-th query block of key block blk's walk (the mask's order, Mask::for_each_query_block's).
@@ -658,19 +675,27 @@ struct BackwardMainloop {
           // the float32 ones (spills).
           const int q_stage = shared.q_state.index();
           sdp_gemm(tSrQ(_, _, _, q_stage), descriptors_per_use(tSrK), tSrS);
-          load_rows(lse_log2, smem_lse_log2());
+          if constexpr (!kRowValuesInSmem) load_rows(lse_log2, smem_lse_log2());
           shared.pipeline_do.consumer_wait(shared.do_state);
           const int do_stage = shared.do_state.index();
           sdp_gemm(tdPrdO(_, _, _, do_stage), descriptors_per_use(tdPrV), tdPrdP);
           warpgroup_wait<1>();  // S^T is ready
           cute::Tensor scores = make_tensor(tSrS.data(), scores_rowcol(tSrS.layout()));
-          to_probabilities(scores, lse_log2);
-          load_rows(dpsum, storage.smem_dpsum.data() + do_stage * kBlockM);  // after: kRows registers
-          warpgroup_wait<0>();  // dP^T is ready
-          // Softcap's dS reads LSE2 again: loaded anew rather than kept across dP's wait.
-          if constexpr (Transform::kSoftcap) load_rows(lse_log2, smem_lse_log2());
           cute::Tensor dS = make_tensor(tdPrdP.data(), scores.layout());
-          Transform::dp_to_ds(dS, scores, dpsum, lse_log2, params.softmax_scale_log2);
+          if constexpr (kRowValuesInSmem) {
+            const auto smem_lse = row_values_in_smem(smem_lse_log2(), coords);
+            to_probabilities(scores, smem_lse);
+            warpgroup_wait<0>();  // dP^T is ready
+            Transform::dp_to_ds(dS, scores, row_values_in_smem(storage.smem_dpsum.data() + do_stage * kBlockM, coords),
+                                smem_lse, params.softmax_scale_log2);
+          } else {
+            to_probabilities(scores, lse_log2);
+            load_rows(dpsum, storage.smem_dpsum.data() + do_stage * kBlockM);  // after: kRows registers
+            warpgroup_wait<0>();  // dP^T is ready
+            // Softcap's dS reads LSE2 again: loaded anew rather than kept across dP's wait.
+            if constexpr (Transform::kSoftcap) load_rows(lse_log2, smem_lse_log2());
+            Transform::dp_to_ds(dS, scores, dpsum, lse_log2, params.softmax_scale_log2);
+          }
           cute::Tensor rPt = make_tensor_like<Element>(tSrS);
           cute::Tensor rdSt = make_tensor_like<Element>(tdPrdP);
           convert_into(tSrS, rPt);

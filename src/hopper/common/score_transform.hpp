@@ -54,14 +54,14 @@ struct ScoreTransform {
   // derivative. With softcap that is 1 - t^2, t = tanh(scale * s / cap) recovered from
   // P = exp2(t * scale_log2 - LSE2) as t = (log2 P + LSE2) / scale_log2 (scale_log2 = cap * log2 e),
   // which keeps no t in registers. Clamping t to [-1, 1] also maps P = 0 (t = -inf, or NaN for a
-  // row with LSE2 = +inf) to a factor 0.
-  template <int kRows, class TensordP, class TensorP>
-  static CUTLASS_DEVICE void dp_to_ds(TensordP& dp, TensorP const& p, float const (&dpsum)[kRows],
-                                      float const (&lse_log2)[kRows], float scale_log2) {
+  // row with LSE2 = +inf) to a factor 0. dpsum and lse_log2: the rows' values by index.
+  template <class TensordP, class TensorP, class RowValuesD, class RowValuesLse>
+  static CUTLASS_DEVICE void dp_to_ds(TensordP& dp, TensorP const& p, RowValuesD const& dpsum,
+                                      RowValuesLse const& lse_log2, float scale_log2) {
     if constexpr (kSoftcap) {
       const float inv_scale_log2 = 1.f / scale_log2;
       CUTLASS_PRAGMA_UNROLL
-      for (int m = 0; m < kRows; ++m) {
+      for (int m = 0; m < size<0>(dp); ++m) {
         CUTLASS_PRAGMA_UNROLL
         for (int n = 0; n < size<1>(dp); ++n) {
           const float t = fmaxf(fminf((__log2f(p(m, n)) + lse_log2[m]) * inv_scale_log2, 1.f), -1.f);
@@ -70,7 +70,7 @@ struct ScoreTransform {
       }
     } else {
       CUTLASS_PRAGMA_UNROLL
-      for (int m = 0; m < kRows; ++m) {
+      for (int m = 0; m < size<0>(dp); ++m) {
         CUTLASS_PRAGMA_UNROLL
         for (int n = 0; n < size<1>(dp); ++n) dp(m, n) = p(m, n) * (dp(m, n) - dpsum[m]);
       }

@@ -129,11 +129,12 @@ CUTLASS_DEVICE void scale_rows(TensorO& o, float const (&o_scale)[kRows]) {
 }
 
 // Backward: the scores s (rows, cols) become the probabilities in place, from the forward's
-// row LSE: p = exp2(s * scale_log2 - lse_log2[row]).
-template <int kRows, class TensorS>
-CUTLASS_DEVICE void scores_to_probabilities(TensorS& s, float const (&lse_log2)[kRows], float scale_log2) {
+// row LSE: p = exp2(s * scale_log2 - lse_log2[row]). lse_log2: the rows' values by index (an array,
+// or a reader of them in shared memory).
+template <class TensorS, class RowValues>
+CUTLASS_DEVICE void scores_to_probabilities(TensorS& s, RowValues const& lse_log2, float scale_log2) {
   CUTLASS_PRAGMA_UNROLL
-  for (int m = 0; m < kRows; ++m) {
+  for (int m = 0; m < size<0>(s); ++m) {
     CUTLASS_PRAGMA_UNROLL
     for (int n = 0; n < size<1>(s); ++n) s(m, n) = exp2f(s(m, n) * scale_log2 - lse_log2[m]);
   }
