@@ -23,16 +23,15 @@ commit=$(cat "$prebuilt/COMMIT") kernels=$(cut -d' ' -f1 "$prebuilt/KERNELS")
 build=${PREBUILD_DIR:-/tmp/flashhopper-prebuild-$kernels}
 [ -f "$build/build.ninja" ] || { echo "prebuild_variant: no build folder $build" >&2; exit 1; }
 source_root=$(sed -n 's/^CMAKE_HOME_DIRECTORY:INTERNAL=//p' "$build/CMakeCache.txt")
-work=/tmp/flashhopper-variant-$name
-rm -rf "$work" && mkdir -p "$work/tree" "$work/objects" "$work/build-variant-$name"
-git -C "$root" archive "$commit" src include | tar x -C "$work/tree"
-# The build folder must hold the prebuilt commit's objects: its sources as they were then (compared
-# file by file, so that a PROMOTE build's tree, an archive rather than a checkout, passes too).
-if ! diff -rq "$work/tree/src" "$source_root/src" >/dev/null ||
-   ! diff -rq "$work/tree/include" "$source_root/include" >/dev/null; then
+# The build folder must hold the prebuilt commit's objects: its sources as they were then. A
+# PROMOTE build's tree is its own copy (prebuild.sh: the commit's files, the manifest regenerated).
+if [ "$source_root" = "$root" ] && ! git -C "$root" diff --quiet "$commit" -- src include; then
   echo "prebuild_variant: $source_root/src or include differ from $commit, which $build was built from" >&2
   exit 1
 fi
+work=/tmp/flashhopper-variant-$name
+rm -rf "$work" && mkdir -p "$work/tree" "$work/objects" "$work/build-variant-$name"
+cp -a "$source_root/src" "$source_root/include" "$work/tree/"
 ln -s "$source_root/third_party" "$work/tree/third_party"
 python3 - "$work/tree/$file" "$from" "$to" <<'PY'
 import sys
