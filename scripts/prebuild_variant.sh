@@ -6,7 +6,8 @@
 # build-kit/variant_NAME.tar.xz (the folder build-variant-NAME with libflashhopper.so.0, a few MB).
 #   scripts/prebuild_variant.sh NAME FILE 'FROM' 'TO' STEM...
 #     STEM: src/hopper/instantiations/<STEM>.cu, the files that read the line (e.g. bwd_bf16_hdim128
-#     bwd_bf16_hdim128_packed for the hdim-128 backward); PREBUILT (default build-prebuilt) the
+#     bwd_bf16_hdim128_packed for the hdim-128 backward), or src/<STEM>.cu where it holds a '/' (e.g.
+#     launch/forward_dispatch, which reads the forward's tile extents); PREBUILT (default build-prebuilt) the
 #     folder scripts/prebuild.sh made, PREBUILD_DIR its build folder (default that of its KERNELS).
 # On the device, after unpacking it and the prebuilt folder: bench/ab_compare.sh
 # build-prebuilt/libflashhopper.so build-variant-NAME/libflashhopper.so.0 [benchmark arguments];
@@ -46,12 +47,14 @@ link=$(ninja -t commands libflashhopper.so.0.1.0 | tail -1)
 pids=()
 for stem in "$@"; do
   object=CMakeFiles/flashhopper_kernels.dir/src/hopper/instantiations/$stem.cu.o
+  [[ "$stem" == */* ]] && object=CMakeFiles/flashhopper_kernels.dir/src/$stem.cu.o  # e.g. launch/forward_dispatch
   command=$(ninja -t commands "$object" | tail -1)
   [[ "$command" == *nvcc* ]] || { echo "prebuild_variant: no compile command for $object" >&2; exit 1; }
   command=${command//$source_root\//$work\/tree\/}
-  command=${command//$object/$work\/objects\/$stem.cu.o}
-  link=${link//$object/$work\/objects\/$stem.cu.o}
-  (eval "$command") > "$work/compile_$stem.log" 2>&1 &
+  flat=${stem//\//_}
+  command=${command//$object/$work\/objects\/$flat.cu.o}
+  link=${link//$object/$work\/objects\/$flat.cu.o}
+  (eval "$command") > "$work/compile_$flat.log" 2>&1 &
   pids+=($!)
 done
 for pid in "${pids[@]}"; do wait "$pid" || { echo "prebuild_variant: a compile failed ($work/compile_*.log)" >&2; exit 1; }; done
