@@ -4,7 +4,9 @@
 // with 1024, 1792 and 3072 bytes of them (a dense forward's and a general one's sizes since 11329f2),
 // through <<<>>> and through cudaLaunchKernelEx with a cluster attribute, as launch_common.cuh
 // does. What they cost explains the gap between host_overhead_cpp's calls and its empty launch.
-//   ./build/bench/profile/launch_costs [calls per loop, default 2000] [loops, default 7]
+// A loop stays short enough (200 calls) that its launches never fill the stream's queue, where a
+// launch would wait for the GPU and the loop time the kernels instead.
+//   ./build/bench/profile/launch_costs [calls per loop, default 200] [loops, default 7]
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <cuda_runtime.h>
@@ -65,7 +67,7 @@ double median_us(const std::function<int()>& call, int count, int loops, cudaStr
 }  // namespace
 
 int main(int argc, char** argv) {
-  const int count = argc > 1 ? std::atoi(argv[1]) : 2000;
+  const int count = argc > 1 ? std::atoi(argv[1]) : 200;
   const int loops = argc > 2 ? std::atoi(argv[2]) : 7;
   int devices = 0;
   if (count < 1 || loops < 1) {
