@@ -5,6 +5,7 @@
 # compile commands pointed at that tree, the library relinked with them, packed as
 # build-kit/variant_NAME.tar.xz (the folder build-variant-NAME with libflashhopper.so.0, a few MB).
 #   scripts/prebuild_variant.sh NAME FILE 'FROM' 'TO' STEM...
+#   scripts/prebuild_variant.sh NAME CHANGE.diff - - STEM...   (a change of several lines or files: git diff's output)
 #     STEM: src/hopper/instantiations/<STEM>.cu, the files that read the line (e.g. bwd_bf16_hdim128
 #     bwd_bf16_hdim128_packed for the hdim-128 backward), or src/<STEM>.cu where it holds a '/' (e.g.
 #     launch/forward_dispatch, which reads the forward's tile extents); PREBUILT (default build-prebuilt) the
@@ -15,7 +16,7 @@
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
-[ $# -ge 5 ] || { sed -n '2,14p' "$0" >&2; exit 2; }
+[ $# -ge 5 ] || { sed -n '2,15p' "$0" >&2; exit 2; }
 name=$1 file=$2 from=$3 to=$4
 shift 4
 prebuilt=${PREBUILT:-build-prebuilt}
@@ -34,7 +35,10 @@ work=/tmp/flashhopper-variant-$name
 rm -rf "$work" && mkdir -p "$work/tree" "$work/objects" "$work/build-variant-$name"
 cp -a "$source_root/src" "$source_root/include" "$work/tree/"
 ln -s "$source_root/third_party" "$work/tree/third_party"
-python3 - "$work/tree/$file" "$from" "$to" <<'PY'
+if [ "$from" = - ] && [ "$to" = - ]; then  # FILE: a patch of src/ and include/ (git diff's form)
+  patch -s -p1 -d "$work/tree" < "$file" || { echo "prebuild_variant: $file does not apply" >&2; exit 1; }
+else
+  python3 - "$work/tree/$file" "$from" "$to" <<'PY'
 import sys
 path, old, new = sys.argv[1:]
 text = open(path).read()
@@ -42,6 +46,7 @@ if text.count(old) != 1:
     sys.exit(f"prebuild_variant: '{old}' is in {path} {text.count(old)} times (must be once)")
 open(path, "w").write(text.replace(old, new))
 PY
+fi
 cd "$build"
 link=$(ninja -t commands libflashhopper.so.0.1.0 | tail -1)
 pids=()
