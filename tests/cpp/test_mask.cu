@@ -1,11 +1,14 @@
-// The backward's masking of transposed score tiles, on the host: the query rows each key sees
-// (hopper::AttentionMask::rows_seeing, which Mask::apply_by_key bounds rows by) against the same
-// mask's row-by-row bounds as Mask::apply takes them, and against the CPU reference's RowMask, over
-// random lengths, windows, sink tokens and chunks, padded rows and keys included.
+// The masks' block logic on the host. The backward's masking of transposed score tiles: the query
+// rows each key sees (hopper::AttentionMask::rows_seeing, which Mask::apply_by_key bounds rows by)
+// against the same mask's row-by-row bounds as Mask::apply takes them, and against the CPU
+// reference's RowMask, over random lengths, windows, sink tokens and chunks, padded rows and keys
+// included. The forward's walk: the steps it runs without masking code (unmasked_steps) against
+// crosses_boundary block by block.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <random>
+#include <vector>
 
 #include "hopper/common/mask.hpp"
 #include "reference/row_mask.hpp"
@@ -96,6 +99,69 @@ TEST(TransposedMask, LocalRowsMatchRowBounds) {
     spec.attention_chunk = local.chunk;
     EXPECT_EQ(count_mismatches<MaskKind::kLocal>(seqlen_q, seqlen_k, local, spec), 0);
   }
+}
+
+// The forward's walks of every query block (whole, each split's part, a CTA pair's shared walk):
+// the steps unmasked_steps gives must cross no boundary (the kernel skips the mask there); the
+// count of such steps it leaves masked is returned (the window's crossing-free steps lie in one run,
+// so with no sink blocks and no chunk none should be).
+template <int kM, MaskKind kKind>
+int check_unmasked_steps(int seqlen_q, int seqlen_k, const LocalMaskParams& local, int* checked) {
+  using Mask = AttentionMask<kM, kBlockN, kKind>;
+  const SeqlenInfo seq{seqlen_q, seqlen_k, seqlen_q, seqlen_k};
+  const Mask mask(seq, local);
+  int left_masked = 0;
+  const int num_m_blocks = (seqlen_q + kM - 1) / kM;
+  for (int m_block = 0; m_block < num_m_blocks; ++m_block) {
+    const typename Mask::KeyBlocks whole = mask.key_blocks(m_block);
+    std::vector<typename Mask::KeyBlocks> walks{whole, mask.key_blocks(std::min(m_block | 1, num_m_blocks - 1))};
+    for (int num_splits : {2, 3, 7})
+      for (int split = 0; split < num_splits; ++split) walks.push_back(whole.split(split, num_splits));
+    for (const auto& walk : walks) {
+      int begin = 0, end = 0;
+      mask.unmasked_steps(walk, m_block, begin, end);
+      EXPECT_LE(0, begin);
+      EXPECT_LE(begin, end);
+      EXPECT_LE(end, walk.count() > 0 ? walk.n_max - walk.n_min : 0);
+      for (int i = 0; i < walk.count(); ++i) {
+        const bool crosses = mask.crosses_boundary(m_block, walk.at(i));
+        const bool unmasked = begin <= i && i < end;
+        ++*checked;
+        if (unmasked && crosses) {
+          ADD_FAILURE() << "seqlen_q " << seqlen_q << " seqlen_k " << seqlen_k << " window " << local.window_left
+                        << "/" << local.window_right << " sinks " << local.num_sink_tokens << " chunk "
+                        << local.chunk << ": m_block " << m_block << " step " << i << " (key block " << walk.at(i)
+                        << ") crosses a boundary but runs unmasked";
+          return left_masked;
+        }
+        if (!unmasked && !crosses && i > 0 && i < walk.n_max - walk.n_min) ++left_masked;
+      }
+    }
+  }
+  return left_masked;
+}
+
+TEST(ForwardWalk, UnmaskedStepsCrossNoBoundary) {
+  std::mt19937 rng(13);
+  int checked = 0;
+  for (int trial = 0; trial < 400; ++trial) {
+    const int seqlen_q = 1 + int(rng() % 1200), seqlen_k = 1 + int(rng() % 1200);
+    EXPECT_EQ((check_unmasked_steps<128, MaskKind::kCausal>(seqlen_q, seqlen_k, LocalMaskParams{}, &checked)), 0);
+    EXPECT_EQ((check_unmasked_steps<192, MaskKind::kCausal>(seqlen_q, seqlen_k, LocalMaskParams{}, &checked)), 0);
+    LocalMaskParams local;
+    local.window_left = rng() % 4 == 0 ? -1 : int(rng() % 700);
+    local.window_right = rng() % 4 == 0 ? -1 : int(rng() % 700);
+    local.num_sink_tokens = local.window_left >= 0 && rng() % 2 ? int(rng() % 300) : 0;
+    local.chunk = local.num_sink_tokens == 0 && rng() % 4 == 0 ? 1 + int(rng() % 600) : 0;
+    const int expected_left = local.chunk > 0 || local.num_sink_tokens > 0 ? -1 : 0;
+    const int left_128 = check_unmasked_steps<128, MaskKind::kLocal>(seqlen_q, seqlen_k, local, &checked);
+    const int left_192 = check_unmasked_steps<192, MaskKind::kLocal>(seqlen_q, seqlen_k, local, &checked);
+    if (expected_left == 0) {
+      EXPECT_EQ(left_128, 0);
+      EXPECT_EQ(left_192, 0);
+    }
+  }
+  EXPECT_GT(checked, 100000);  // the trials walked many blocks
 }
 
 TEST(TransposedMask, KeysPastTheSequenceSeeNoRow) {

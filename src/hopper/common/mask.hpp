@@ -96,9 +96,9 @@ struct AttentionMask {
     int n_min;
     int n_max;
     int num_sink_blocks;  // blocks [0, num_sink_blocks), all below n_min
-    CUTLASS_DEVICE int count() const { return max(n_max - n_min, 0) + num_sink_blocks; }
+    CUTLASS_HOST_DEVICE int count() const { return max(n_max - n_min, 0) + num_sink_blocks; }
     // The i-th block of the walk, i in [0, count()).
-    CUTLASS_DEVICE int at(int i) const {
+    CUTLASS_HOST_DEVICE int at(int i) const {
       const int window = max(n_max - n_min, 0);
       return i < window ? n_max - 1 - i : num_sink_blocks - 1 - (i - window);
     }
@@ -106,7 +106,7 @@ struct AttentionMask {
     // blocks (the last ones may be short or empty), as a walk of the same form, so that the
     // mainloops keep three registers for it: a part that would end among the sink blocks takes
     // them all (a block or two: sink tokens are few).
-    CUTLASS_DEVICE KeyBlocks split(int split, int num_splits) const {
+    CUTLASS_HOST_DEVICE KeyBlocks split(int split, int num_splits) const {
       const int window = max(n_max - n_min, 0), total = count();
       const int per_split = (total + num_splits - 1) / num_splits;
       auto snap = [&](int i) { return i <= window ? i : total; };
@@ -126,7 +126,7 @@ struct AttentionMask {
       return part;
     }
   };
-  CUTLASS_DEVICE KeyBlocks key_blocks(int m_block) const {
+  CUTLASS_HOST_DEVICE KeyBlocks key_blocks(int m_block) const {
     const int row_first = m_block * kBlockM;
     const int row_last = min(row_first + kBlockM, seqlen_q) - 1;
     KeyBlocks b;
@@ -186,7 +186,7 @@ struct AttentionMask {
 
   // ---- Which blocks need masking --------------------------------------------------------------
   // True when block (m_block, n_block) holds a score that some row of the tile may not see.
-  CUTLASS_DEVICE bool crosses_boundary(int m_block, int n_block) const {
+  CUTLASS_HOST_DEVICE bool crosses_boundary(int m_block, int n_block) const {
     const int col_first = n_block * kBlockN, col_last = col_first + kBlockN - 1;
     if (col_last >= seqlen_k) return true;
     const int row_first = m_block * kBlockM, row_last = row_first + kBlockM - 1;
@@ -201,6 +201,28 @@ struct AttentionMask {
         return true;
     }
     return false;
+  }
+
+  // The forward's walk b of query block m_block: its steps [*i_begin, *i_end), window blocks that
+  // cross no boundary (crosses_boundary false for each), so that the loop there carries no masking
+  // code. crosses_boundary's bounds as ranges of blocks; the sink blocks after the window count as
+  // crossing, as does every block of a tile whose rows straddle a chunk boundary.
+  CUTLASS_HOST_DEVICE void unmasked_steps(KeyBlocks const& b, int m_block, int& i_begin, int& i_end) const {
+    const int row_first = m_block * kBlockM, row_last = row_first + kBlockM - 1;
+    const int n_end = min(cols_hi(row_first) / kBlockN, b.n_max);  // blocks below: every column <= the right end
+    int n_begin = b.n_min;
+    bool none = false;
+    if constexpr (kLocal) {
+      n_begin = max(n_begin, ceil_div_pos(cols_lo(row_last), kBlockN));  // at or past the left end
+      none = local.chunk > 0 &&
+             floor_div(position(row_first), local.chunk) != floor_div(position(row_last), local.chunk);
+    }
+    if (none || n_end <= n_begin) {
+      i_begin = i_end = 0;
+    } else {  // step i visits block b.n_max - 1 - i
+      i_begin = b.n_max - n_end;
+      i_end = b.n_max - n_begin;
+    }
   }
 
   // ---- The backward's walk over a key block's query blocks ------------------------------------
