@@ -324,15 +324,8 @@ struct BackwardDqMainloop {
     clear(tdQrdQ);
 
     PipelineStateK pipe_k_previous;  // the previous block's K stage, read by its dQ GEMM
-    // The score transform, then, in a step that may cross a mask boundary, the mask where it does.
-    auto mask_scores = [&](int n_block, auto may_cross) {
-      params.transform.apply(scores);
-      if constexpr (decltype(may_cross)::value) {
-        if (mask.crosses_boundary(work.block, n_block)) mask.apply(scores, coords, work.block, n_block);
-      }
-    };
-    // Step i of the walk, inlined at each call (as the forward's).
-    auto step = [&](int i, auto may_cross) CUTLASS_LAMBDA_FUNC_INLINE {
+    CUTLASS_PRAGMA_NO_UNROLL
+    for (int i = 0; i < num_blocks; ++i) {
       const int n_block = blocks.at(i);
       shared.pipeline_k.consumer_wait(shared.k_state);
       if constexpr (kSdPByOperand) {
@@ -346,7 +339,8 @@ struct BackwardDqMainloop {
           shared.pipeline_v.consumer_wait(shared.v_state);  // V is warpgroup 1's: released unread
           shared.pipeline_v.consumer_release(shared.v_state);
           warpgroup_wait<0>();  // S is ready, and the previous block's dQ GEMM is done with its K
-          mask_scores(n_block, may_cross);
+          params.transform.apply(scores);
+          if (mask.crosses_boundary(work.block, n_block)) mask.apply(scores, coords, work.block, n_block);
           scores_to_probabilities(scores, lse_log2, params.softmax_scale_log2);
           CUTLASS_PRAGMA_UNROLL
           for (int j = 0; j < size(tSrS); ++j) exchange[j * kStride] = tSrS(j);
@@ -381,7 +375,8 @@ struct BackwardDqMainloop {
         if constexpr (kStagesK > 1) {
           if (i > 0) shared.pipeline_k.consumer_release(pipe_k_previous);
         }
-        mask_scores(n_block, may_cross);
+        params.transform.apply(scores);
+        if (mask.crosses_boundary(work.block, n_block)) mask.apply(scores, coords, work.block, n_block);
         scores_to_probabilities(scores, lse_log2, params.softmax_scale_log2);
         warpgroup_wait<0>();  // dP is ready
         shared.pipeline_v.consumer_release(shared.v_state);
@@ -399,23 +394,6 @@ struct BackwardDqMainloop {
       }
       pipe_k_previous = shared.k_state;
       ++shared.k_state;
-    };
-    // Causal and windows: the steps whose blocks cross no boundary run without the masking code
-    // (as the forward's walk). Unmasked kernels keep one loop that tests each block: peeling the
-    // first (the only one with key padding) spilled in them (hdim 256: 106 local operations).
-    if constexpr (kMask == MaskKind::kNone) {
-      CUTLASS_PRAGMA_NO_UNROLL
-      for (int i = 0; i < num_blocks; ++i) step(i, cute::true_type{});
-    } else {
-      int unmasked_begin, unmasked_end;
-      mask.unmasked_steps(blocks, work.block, unmasked_begin, unmasked_end);
-      int i = 0;
-      CUTLASS_PRAGMA_NO_UNROLL
-      for (; i < min(unmasked_begin, num_blocks); ++i) step(i, cute::true_type{});
-      CUTLASS_PRAGMA_NO_UNROLL
-      for (; i < min(unmasked_end, num_blocks); ++i) step(i, cute::false_type{});
-      CUTLASS_PRAGMA_NO_UNROLL
-      for (; i < num_blocks; ++i) step(i, cute::true_type{});
     }
     warpgroup_wait<0>();
     if constexpr (kStagesK > 1) shared.pipeline_k.consumer_release(pipe_k_previous);

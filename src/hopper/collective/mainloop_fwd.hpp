@@ -826,9 +826,10 @@ struct ForwardMainloop {
     if constexpr (kMask == MaskKind::kNone) {
       CUTLASS_PRAGMA_NO_UNROLL
       for (int i = 1; i < num_blocks; ++i) step(i, cute::false_type{});
-    } else if constexpr (kFeatures != ForwardFeatures::kNone) {
-      // The general kernels keep one loop: three spilled in them (hdim 128 causal: 0 -> 13 local
-      // operations in the loops, window 17 -> 70).
+    } else if constexpr (kFeatures != ForwardFeatures::kNone || kRowWarpGroups > 2) {
+      // One loop that tests each block in the general kernels, where three spilled (hdim 128 causal:
+      // 0 -> 13 local operations in the loops, window 17 -> 70), and in three-warpgroup tiles (hdim
+      // 64), where three ran 3-4% slower causal (bench/RESULTS.md, 2026-12-07 night).
       CUTLASS_PRAGMA_NO_UNROLL
       for (int i = 1; i < num_blocks; ++i) step(i, cute::true_type{});
     } else {
