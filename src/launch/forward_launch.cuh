@@ -44,7 +44,7 @@ struct ForwardKernelOf {
   // share their K/V in L2 when the blocks of a head go together.
   using Scheduler = hopper::PersistentTileScheduler</*kLongestFirst=*/kMask == hopper::MaskKind::kCausal,
                                                     Mainloop::kPacked, Mainloop::kSplitKv, kClusterM>;
-  using Kernel = hopper::ForwardKernel<Mainloop, Epilogue, Scheduler>;
+  using Kernel = hopper::ForwardKernel<Mainloop, Epilogue, Scheduler, hopper::kForwardConsumerRegisters<Tile>>;
   static constexpr bool kUsesExtendedGmma = Mainloop::kUsesExtendedGmma;
 };
 

@@ -31,6 +31,7 @@
 #include "hopper/collective/paged_kv_loads.hpp"
 #include "hopper/common/descale.hpp"
 #include "hopper/common/forward_features.hpp"
+#include "hopper/common/fp8_v_transpose.hpp"
 #include "hopper/common/gmma_shapes.hpp"
 #include "hopper/common/mask.hpp"
 #include "hopper/common/named_barrier.hpp"
@@ -856,13 +857,9 @@ struct ForwardMainloop {
     ++shared.v_state;
   }
 
-  // fp8: slot s of a 32-key slice of P V's operands holds key key_of_fp8_slot(s) of the slice, the
-  // key of P's byte s in fp8_operand_from_scores (utils.hpp): of slot 16 h + 4 t + i, the
-  // accumulator's key column 8 (2 h + i / 2) + 2 t + i % 2.
-  static constexpr CUTLASS_HOST_DEVICE int key_of_fp8_slot(int slot) {
-    const int h = slot / 16, t = slot % 16 / 4, i = slot % 4;
-    return 16 * h + 8 * (i / 2) + 2 * t + i % 2;
-  }
+  // fp8: V's bytes in the staging buffers and in P V's stages, and the transpose's moves
+  // (fp8_v_transpose.hpp). Slot s of a 32-key slice of P V's operands holds key key_of_fp8_slot(s).
+  using VTranspose = Fp8VTranspose<kBlockN, kHeadDimV>;
 
   // fp8: byte v of slice k of a thread's P (fp8_operand_from_scores) is, by CuTe's layouts of the
   // two MMAs, the accumulator value of the same row and of the key that P V's stage holds at that
@@ -876,64 +873,46 @@ struct ForwardMainloop {
         for (int byte = 0; byte < 16; ++byte) {
           const int i = byte % 4, r = byte / 4 % 2, h = byte / 8;
           const int a = ALayout{}(thread, byte), c = CLayout{}(thread, i % 2 + 2 * r + 4 * (4 * slice + 2 * h + i / 2));
-          if (a % 64 != c % 64 || c / 64 != 32 * slice + key_of_fp8_slot(a / 64)) return false;
+          if (a % 64 != c % 64 || c / 64 != 32 * slice + VTranspose::key_of_fp8_slot(a / 64)) return false;
         }
     return true;
   }
-
-  // fp8: byte offsets in the staging buffers (N, dv, stages) and in P V's stages (dv, N, stages),
-  // as CuTe's swizzled layouts place them (transpose_offsets_agree). Both tile 8-row swizzle atoms
-  // of `w`-byte rows (128, 64 or 32: the widest that divides the row), rows first: a row's offset in
-  // its atom is row * w with its 16-byte chunk index XORed by the row (w = 128), row / 2 (w = 64) or
-  // row / 4 (w = 32). That offset is XOR-linear in the row, which the transpose's address arithmetic
-  // relies on.
-  static constexpr int kStagedRowBytes = kHeadDimV % 128 == 0 ? 128 : 64;
-  static constexpr int kVtRowBytes = kBlockN % 128 == 0 ? 128 : kBlockN % 64 == 0 ? 64 : 32;
-  static constexpr CUTLASS_HOST_DEVICE int atom_row_offset(int row, int w) {
-    return row * w ^ ((w == 128 ? row : w == 64 ? row >> 1 & 3 : row >> 2 & 1) << 4);
-  }
-  static constexpr CUTLASS_HOST_DEVICE int staged_v_offset(int key, int column, int stage) {
-    constexpr int w = kStagedRowBytes;
-    return stage * kBlockN * kHeadDimV + column / w * (kBlockN * w) + key / 8 * (8 * w) +
-           (atom_row_offset(key % 8, w) ^ column % w);
-  }
-  static constexpr CUTLASS_HOST_DEVICE int vt_offset(int column, int slot, int stage) {
-    constexpr int w = kVtRowBytes;
-    return stage * kHeadDimV * kBlockN + slot / w * (kHeadDimV * w) + column / 8 * (8 * w) +
-           (atom_row_offset(column % 8, w) ^ slot % w);
-  }
-  // Column-major V's reorder: slot s = 4 t + i of a 16-key half takes, as transpose_v's PRMTs pick
-  // it, byte 2 (t % 2) + i % 2 of word t / 2 (i < 2) or of word 2 + t / 2 (i >= 2) of the half's
-  // keys in order; that byte must be key key_of_fp8_slot(s), and each half keep its keys.
-  static constexpr bool fp8_half_slice_order_agrees() {
-    for (int s = 0; s < 16; ++s) {
-      const int t = s / 4, i = s % 4;
-      const int word = i < 2 ? t / 2 : 2 + t / 2, byte = 2 * (t % 2) + i % 2;
-      if (4 * word + byte != key_of_fp8_slot(s) || key_of_fp8_slot(16 + s) != 16 + key_of_fp8_slot(s)) return false;
-    }
-    return true;
-  }
+  // The transpose's byte offsets are CuTe's layouts' of the staging buffers and P V's stages.
   static constexpr bool transpose_offsets_agree() {
     for (int n : {0, 1, 4, 7, 8, 13, 31, 32, kBlockN - 1})
       for (int c : {0, 1, 8, 15, 16, 63, kHeadDimV / 2, kHeadDimV - 1})
         for (int stage : {0, kStages - 1})
-          if (int(SmemLayoutVAsB{}(n, c, stage)) != staged_v_offset(n, c, stage) ||
-              int(SmemLayoutVtK{}(c, n, stage)) != vt_offset(c, n, stage))
+          if (int(SmemLayoutVAsB{}(n, c, stage)) != VTranspose::staged_v_offset(n, c, stage) ||
+              int(SmemLayoutVtK{}(c, n, stage)) != VTranspose::vt_offset(c, n, stage))
             return false;
     return true;
   }
 
+  // fp8: warp kWarp's units of a block (kWarp, kWarp + kWarps, ...): unrolled, so that each unit's two
+  // addresses are the lane's bases with a constant XOR and add (a unit index known only at run
+  // time cost about 20 instructions of address arithmetic a unit), and each unit's load issued
+  // before the previous unit's store (the asm statements keep their order), two in flight.
+  template <int kWarp, int kWarps>
+  CUTLASS_DEVICE static void transpose_units(uint32_t load_base, uint32_t store_base) {
+    static_assert(kWarp < VTranspose::kUnits);
+    uint32_t loaded[2][4];
+    load_matrices_x4_transposed(VTranspose::load_address(load_base, kWarp), loaded[0]);
+    CUTLASS_PRAGMA_UNROLL
+    for (int unit = kWarp, i = 0; unit < VTranspose::kUnits; unit += kWarps, ++i) {
+      if (unit + kWarps < VTranspose::kUnits)
+        load_matrices_x4_transposed(VTranspose::load_address(load_base, unit + kWarps), loaded[(i + 1) % 2]);
+      uint32_t stored[4];
+      VTranspose::reorder(loaded[i % 2], stored);
+      store_matrices_x4(VTranspose::store_address(store_base, unit), stored);
+    }
+  }
+
   // fp8, the producer's warps 1-3 (kTransposeThreads, `thread` their index): each of the tile's
   // num_blocks V blocks from its staging buffer (N, dv) into P V's stage (dv, N) in key_of_fp8_slot's
-  // order. A half-warp moves 16 slots by 64 columns a step, a lane (g, h) = (lane % 8, lane / 8 % 2)
-  // 8 slots (8 h .. 8 h + 7) by 8 columns (8 g .. 8 g + 7): eight 64-bit loads (a key each), an
-  // 8 x 8 byte transpose (48 PRMT), eight 64-bit stores (a column each). Its loads read two keys 4
-  // apart (slot bit 3 is key bit 2), whose swizzles put their halves of a 128-byte row on different
-  // banks (64-byte rows, dv 64: two ways on the same). Its stores would all write the same column
-  // of 8 (the same swizzled chunk) at once, so lane g takes its columns in the order c ^ g (in the
-  // transpose's first PRMTs) and the half-warp's stores fall on 16 different 8-byte banks.
-  // Addresses: a base a step, then one XOR or add each (the layouts' XOR-linearity); CuTe's general
-  // layout arithmetic cost 17 instructions an address.
+  // order, a warp a unit of 16 slots by 32 columns at a time: one ldmatrix.x4.trans, four PRMT, one
+  // stmatrix.x4 (Fp8VTranspose). Its loads read 8 keys' 16-byte chunks at a column, which the
+  // staging buffer's swizzle puts on different banks; its stores write 8 columns' chunks at a slot,
+  // columns c and c + 8 of which share banks (two ways).
   //
   // V column-major (v_column_major): the staging buffer already has P V's layout, keys in their
   // order; each 16-byte chunk (16 keys, a half of a 32-key slice) only reorders its bytes into
@@ -943,18 +922,9 @@ struct ForwardMainloop {
     static_assert(kTransposesV);
     static_assert(fp8_keys_agree(), "P's bytes and V's transposed keys must pair the same key");
     static_assert(transpose_offsets_agree(), "the transpose's offsets must be CuTe's layouts'");
-    constexpr int kSlotChunks = kBlockN / 16, kColumnChunks = kHeadDimV / 64;
-    static_assert(kBlockN % 32 == 0 && kHeadDimV % 64 == 0 && kTransposeThreads % 16 == 0);
-    constexpr int kTiles = kSlotChunks * kColumnChunks, kHalfWarps = kTransposeThreads / 16;
-    const int half_warp = thread / 16, g = thread % 8, h = thread / 8 % 2;
-    // Lane g's column order c ^ g as PRMT selectors over a key's 8 bytes (lo, hi): columns 0-3, 4-7.
-    uint32_t select_low = 0, select_high = 0;
-    CUTLASS_PRAGMA_UNROLL
-    for (int c = 0; c < 4; ++c) {
-      select_low |= uint32_t(c ^ g) << (4 * c);
-      select_high |= uint32_t((4 + c) ^ g) << (4 * c);
-    }
-    const uint32_t column_order = uint32_t(atom_row_offset(g, kVtRowBytes));
+    static_assert(VTranspose::column_major_order_agrees(), "the chunk's byte order must be key_of_fp8_slot's");
+    constexpr int kTransposeWarps = kTransposeThreads / cutlass::NumThreadsPerWarp;
+    const int warp = thread / cutlass::NumThreadsPerWarp, lane = thread % cutlass::NumThreadsPerWarp;
     const uint32_t staged = cast_smem_ptr_to_uint(shared.kv.smem_v_staged.data());
     const uint32_t transposed = cast_smem_ptr_to_uint(shared.kv.smem_v.data());
     // The XORs act on whole addresses: both buffers start on a swizzle atom's repeat (as the TMA's
@@ -967,52 +937,24 @@ struct ForwardMainloop {
       pipeline_vt.producer_acquire(vt_state);
       const int from = shared.v_state.index(), to = vt_state.index();
       if (v_column_major) {
-        static_assert(fp8_half_slice_order_agrees(), "the chunk's byte order must be key_of_fp8_slot's");
         constexpr int kStageBytes = kBlockN * kHeadDimV, kChunks = kStageBytes / 16;
         const uint32_t from_stage = staged + uint32_t(from * kStageBytes);
         const uint32_t to_stage = transposed + uint32_t(to * kStageBytes);
 #pragma unroll 1
         for (int chunk = thread; chunk < kChunks; chunk += kTransposeThreads) {
-          uint32_t keys[4];
+          uint32_t keys[4], slots[4];
           load_shared_u32x4(from_stage + 16 * chunk, keys);
-          // Slots 4t .. 4t + 3 hold keys 2t, 2t + 1, 8 + 2t, 9 + 2t of the half.
-          store_shared_u32x4(to_stage + 16 * chunk,
-                             {__byte_perm(keys[0], keys[2], 0x5410), __byte_perm(keys[0], keys[2], 0x7632),
-                              __byte_perm(keys[1], keys[3], 0x5410), __byte_perm(keys[1], keys[3], 0x7632)});
+          VTranspose::reorder_column_major(keys, slots);
+          store_shared_u32x4(to_stage + 16 * chunk, slots);
         }
       } else {
-#pragma unroll 1
-        for (int tile = half_warp; tile < kTiles; tile += kHalfWarps) {
-          const int slot = tile % kSlotChunks * 16 + 8 * h, column = tile / kSlotChunks * 64 + 8 * g;
-          // key_of_fp8_slot moves bits: of an 8-aligned slot plus j < 8, the slot's key plus j's, and
-          // the slot's key is 0 or 4 mod 8 where j's is below 4 (so rows add as they XOR).
-          const int key = slot / 32 * 32 + key_of_fp8_slot(slot % 32);
-          const uint32_t load_base = staged + uint32_t(staged_v_offset(key, column, from));
-          uint32_t lo[8], hi[8];
-          CUTLASS_PRAGMA_UNROLL
-          for (int j = 0; j < 8; ++j) {
-            constexpr int kW = kStagedRowBytes;
-            const int key_j = key_of_fp8_slot(j);
-            load_shared_u32x2((load_base ^ uint32_t(atom_row_offset(key_j % 8, kW))) + uint32_t(key_j / 8 * 8 * kW),
-                              lo[j], hi[j]);
-          }
-          uint32_t ordered[2][8];  // [columns 0-3 or 4-7 in lane g's order][key]
-          CUTLASS_PRAGMA_UNROLL
-          for (int j = 0; j < 8; ++j) {
-            ordered[0][j] = __byte_perm(lo[j], hi[j], select_low);
-            ordered[1][j] = __byte_perm(lo[j], hi[j], select_high);
-          }
-          const uint32_t store_base = (transposed + uint32_t(vt_offset(column, slot, to))) ^ column_order;
-          CUTLASS_PRAGMA_UNROLL
-          for (int half = 0; half < 2; ++half) {
-            uint32_t first[4], second[4];  // column 4 half + c (lane order): slots 0-3, 4-7
-            transpose_bytes_4x4({ordered[half][0], ordered[half][1], ordered[half][2], ordered[half][3]}, first);
-            transpose_bytes_4x4({ordered[half][4], ordered[half][5], ordered[half][6], ordered[half][7]}, second);
-            CUTLASS_PRAGMA_UNROLL
-            for (int c = 0; c < 4; ++c)
-              store_shared_u32x2(store_base ^ uint32_t(atom_row_offset(4 * half + c, kVtRowBytes)), first[c],
-                                 second[c]);
-          }
+        const uint32_t load_base = staged + uint32_t(VTranspose::load_lane_offset(lane, from));
+        const uint32_t store_base = transposed + uint32_t(VTranspose::store_lane_offset(lane, to));
+        static_assert(kTransposeWarps == 3);
+        switch (warp) {
+          case 0: transpose_units<0, kTransposeWarps>(load_base, store_base); break;
+          case 1: transpose_units<1, kTransposeWarps>(load_base, store_base); break;
+          default: transpose_units<2, kTransposeWarps>(load_base, store_base); break;
         }
       }
       shared.pipeline_v.consumer_release(shared.v_state);

@@ -104,12 +104,17 @@ struct ForwardTileSize<256, 256, kMasked> {
 // registers a third would take), key blocks in whole 32-key MMA slices. Shared memory counts V
 // twice, staged as loaded and transposed: (kBlockM * d + kStages * kBlockN * (d + 2 dv)) bytes,
 // O's bf16 kBlockM * dv * 2 beside it where that fits. Chosen to fit, not tuned yet.
+// kConsumerRegisters: the MMA warpgroups' registers a thread; the producer keeps the rest of the
+// launch's 3 x 168 (56 here, which its TMA issue and V transpose take without spilling). Wider key
+// blocks need 240 (their S and P beside O), which leaves the producer 24: its TMA issue then spills
+// to the stack, outside the consumers' loop.
 template <int kHeadDim, int kHeadDimV, bool kMasked>
 struct ForwardTileSizeFp8 {
   static_assert(kHeadDim == kHeadDimV && (kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256));
   static constexpr int kBlockM = 128;
   static constexpr int kBlockN = kHeadDim == 256 ? 64 : 128;  // 256: 128 K + 64 Q = 192 KiB
   static constexpr int kStages = 2;
+  static constexpr int kConsumerRegisters = 224;
 };
 
 // The CTAs of a cluster that share each K/V block by TMA multicast, where the tile says (kClusterM),
@@ -119,6 +124,14 @@ template <class Tile, class = void>
 inline constexpr int kForwardClusterM = 1;
 template <class Tile>
 inline constexpr int kForwardClusterM<Tile, std::void_t<decltype(Tile::kClusterM)>> = Tile::kClusterM;
+
+// The consumers' registers a thread where the tile says (kConsumerRegisters), else 0: the kernel's
+// rule (ForwardKernel).
+template <class Tile, class = void>
+inline constexpr int kForwardConsumerRegisters = 0;
+template <class Tile>
+inline constexpr int kForwardConsumerRegisters<Tile, std::void_t<decltype(Tile::kConsumerRegisters)>> =
+    Tile::kConsumerRegisters;
 
 // The forward's tile of a family: fp8's table or the 16-bit one.
 template <bool kFp8, int kHeadDim, int kHeadDimV, bool kMasked>

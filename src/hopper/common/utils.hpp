@@ -39,14 +39,6 @@ CUTLASS_DEVICE uint32_t load_shared_u32(uint32_t smem_addr) {
 CUTLASS_DEVICE void store_shared_u32(uint32_t smem_addr, uint32_t v) {
   asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(smem_addr), "r"(v));
 }
-// 8 bytes at an 8-byte aligned shared address, as (bytes 0-3, bytes 4-7).
-CUTLASS_DEVICE void load_shared_u32x2(uint32_t smem_addr, uint32_t& lo, uint32_t& hi) {
-  asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(lo), "=r"(hi) : "r"(smem_addr));
-}
-CUTLASS_DEVICE void store_shared_u32x2(uint32_t smem_addr, uint32_t lo, uint32_t hi) {
-  asm volatile("st.shared.v2.u32 [%0], {%1, %2};\n" ::"r"(smem_addr), "r"(lo), "r"(hi));
-}
-
 // 16 bytes at a 16-byte aligned shared address.
 CUTLASS_DEVICE void load_shared_u32x4(uint32_t smem_addr, uint32_t (&v)[4]) {
   asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
@@ -58,14 +50,18 @@ CUTLASS_DEVICE void store_shared_u32x4(uint32_t smem_addr, uint32_t const (&v)[4
                "r"(v[3]));
 }
 
-// A 4 x 4 byte transpose: byte c of rows[j] becomes byte j of columns[c].
-CUTLASS_DEVICE void transpose_bytes_4x4(uint32_t const (&rows)[4], uint32_t (&columns)[4]) {
-  const uint32_t low01 = __byte_perm(rows[0], rows[1], 0x5140), high01 = __byte_perm(rows[0], rows[1], 0x7362);
-  const uint32_t low23 = __byte_perm(rows[2], rows[3], 0x5140), high23 = __byte_perm(rows[2], rows[3], 0x7362);
-  columns[0] = __byte_perm(low01, low23, 0x5410);
-  columns[1] = __byte_perm(low01, low23, 0x7632);
-  columns[2] = __byte_perm(high01, high23, 0x5410);
-  columns[3] = __byte_perm(high01, high23, 0x7632);
+// A warp's four 8 x 8 matrices of 16-bit elements: lanes 8m .. 8m + 7 give the addresses of matrix
+// m's rows (16 bytes each). ldmatrix .trans hands thread t, of matrix m, elements (2 (t % 4), t / 4)
+// and (2 (t % 4) + 1, t / 4) in words[m]; stmatrix stores words[m] as elements (t / 4, 2 (t % 4))
+// and (t / 4, 2 (t % 4) + 1). The first element in the low half.
+CUTLASS_DEVICE void load_matrices_x4_transposed(uint32_t smem_addr, uint32_t (&words)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(words[0]), "=r"(words[1]), "=r"(words[2]), "=r"(words[3])
+               : "r"(smem_addr));
+}
+CUTLASS_DEVICE void store_matrices_x4(uint32_t smem_addr, uint32_t const (&words)[4]) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(smem_addr), "r"(words[0]),
+               "r"(words[1]), "r"(words[2]), "r"(words[3]));
 }
 
 // Issue one warpgroup GEMM C (+)= A B over the K mode. kWait >= 0 waits until at most kWait
@@ -128,7 +124,7 @@ CUTLASS_DEVICE auto accumulator_as_a_operand(Layout acc) {
 // 4t .. 4t + 3 and 16 + 4t .. 16 + 4t + 3 of a slice (t = lane % 4, rows r and r + 8), where the
 // accumulator holds keys 2t, 2t + 1 of every 8. fp8_operand_from_scores keeps each value in its
 // thread and takes them in register order; the B operand's rows take the keys in the same order
-// (ForwardMainloop::key_of_fp8_slot), so that each product pairs the same key.
+// (Fp8VTranspose::key_of_fp8_slot), so that each product pairs the same key.
 template <class Layout>
 CUTLASS_DEVICE auto fp8_operand_layout(Layout acc) {
   static_assert(decltype(size<0>(acc))::value % 16 == 0 && decltype(size<2>(acc))::value == 1);

@@ -20,7 +20,9 @@ namespace flashhopper::hopper {
 
 using namespace cute;
 
-template <class Mainloop_, class Epilogue_, class Scheduler_>
+// kTileConsumerRegisters: the consumer warpgroups' registers a thread where the tile table says
+// (ForwardTileSizeFp8::kConsumerRegisters), else 0 for the rule below.
+template <class Mainloop_, class Epilogue_, class Scheduler_, int kTileConsumerRegisters = 0>
 struct ForwardKernel {
   using Mainloop = Mainloop_;
   using Epilogue = Epilogue_;
@@ -33,18 +35,20 @@ struct ForwardKernel {
   static constexpr int kNumMmaWarpGroups = Mainloop::kNumMmaWarpGroups;
   static constexpr int kNumMmaThreads = Mainloop::kNumMmaThreads;
   static constexpr int kNumThreads = kNumMmaThreads + cutlass::NumThreadsPerWarpGroup;
-  // 64K registers a CTA: the producer keeps the minimum, the consumers take the rest; with fp8 the
-  // producer's V transpose needs some (its 16 bytes in flight, their addresses).
-  static constexpr int kProducerRegisters = kTransposesV ? 56 : kNumMmaWarpGroups == 2 ? 24 : 32;
-  static constexpr int kConsumerRegisters = kNumMmaWarpGroups == 2 ? (kTransposesV ? 224 : 240) : 160;
   static_assert(kNumMmaWarpGroups == 2 || kNumMmaWarpGroups == 3);
-  // setmaxnreg moves registers within the CTA's launch allocation, so the split must fit in it:
-  // else the consumers' increase waits forever (a 32-register producer beside two 240-register
-  // consumers hangs). These kernels launch with the most a thread can have, 65536 / kNumThreads
-  // rounded down to a multiple of 8 (ptxas -v: 168 and 128).
-  static_assert((kProducerRegisters + kNumMmaWarpGroups * kConsumerRegisters) * cutlass::NumThreadsPerWarpGroup <=
-                    65536 / kNumThreads / 8 * 8 * kNumThreads,
-                "the register split exceeds the CTA's launch allocation");
+  // 64K registers a CTA. These kernels launch with the most a thread can have, 65536 / kNumThreads
+  // rounded down to a multiple of 8 (ptxas -v: 168 and 128), and setmaxnreg moves registers within
+  // that allocation: the consumers take 240 (two warpgroups) or 160 (three), or the tile's number,
+  // and the producer keeps the rest (24, 32; 56 beside two of 224). A split past the allocation
+  // would hang the consumers' increase (a 32-register producer beside two 240-register consumers).
+  static constexpr int kLaunchRegisters = 65536 / kNumThreads / 8 * 8;
+  static constexpr int kConsumerRegisters =
+      kTileConsumerRegisters != 0 ? kTileConsumerRegisters : kNumMmaWarpGroups == 2 ? 240 : 160;
+  static constexpr int kProducerRegisters = kLaunchRegisters * (kNumMmaWarpGroups + 1) -
+                                            kNumMmaWarpGroups * kConsumerRegisters;
+  static_assert(kConsumerRegisters % 8 == 0 && kConsumerRegisters <= 256 && kProducerRegisters >= 24 &&
+                    kProducerRegisters <= kLaunchRegisters,
+                "setmaxnreg: multiples of 8 from 24 to 256, within the launch allocation");
 
   static constexpr int kSmemLimit = kSmemLimitBytes;
   static constexpr int kOBytes = cosize_v<typename Epilogue::SmemLayoutO> * sizeof(ElementOut);
