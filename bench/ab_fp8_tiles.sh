@@ -3,7 +3,8 @@
 # built the bench set into $JOB_DIR (default /tmp/fhjob): each variant rewrites, in the job's copy
 # of the source, the fp8 tile line of src/hopper/common/tile_size.hpp (unmasked key blocks at head
 # dims 128 and 256), optionally the producer/consumer register split and the share of exponents
-# on the FMA pipe (src/hopper/kernel/forward_kernel.hpp), rebuilds only the fp8 hdim-128 and
+# on the FMA pipe (ForwardTileSizeFp8::kConsumerRegisters in tile_size.hpp, kFmaExpEvery in
+# src/hopper/kernel/forward_kernel.hpp), rebuilds only the fp8 hdim-128 and
 # hdim-256 objects and forward_dispatch (ninja -t commands: no header-driven rebuild of the rest),
 # relinks libflashhopper.so and runs python -m flashhopper.bench --fp8 (unmasked, 4k and 16k) after
 # a run of the unchanged build. The job's source is restored at the end. Usage:
@@ -50,10 +51,10 @@ for variant in "$@"; do
   blocks="kHeadDim == 256 ? (kMasked ? 64 : $block256) : kHeadDim == 128 && !kMasked ? $block128 : 128"
   rewrite "$tile" "static constexpr int kBlockN = kHeadDim == 256 ? 64 : 128;" \
     "static constexpr int kBlockN = $blocks;" || continue
-  if [ "$producer" != 56 ]; then
+  if [ "$producer" != 56 ]; then  # the tile's consumers take the rest of 3 x 168 (ForwardKernel)
     consumer=$(( (504 - producer) / 2 / 8 * 8 ))
-    rewrite "$kernel" "kProducerRegisters = kTransposesV ? 56 :" "kProducerRegisters = kTransposesV ? $producer :" &&
-      rewrite "$kernel" "(kTransposesV ? 224 : 240)" "(kTransposesV ? $consumer : 240)" || continue
+    rewrite "$tile" "static constexpr int kConsumerRegisters = 224;" \
+      "static constexpr int kConsumerRegisters = $consumer;" || continue
   fi
   if [ "$fma" != 0 ]; then
     every="Mainloop::Transform::kFmaExpEvery"
