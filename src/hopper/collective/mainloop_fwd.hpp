@@ -67,9 +67,11 @@ struct ForwardMainloop {
   // Q's WGMMA descriptors (one per 16 columns of d) built per use rather than held across the key
   // loop, where holding them spills: the general kernels of head dims 192 and 256 (hdim 256 causal:
   // 42 local loads/stores in the loop, none per use; bench/RESULTS.md), and every kernel of head
-  // dim 512 (dense: 1-22 -> 0 in the loop, as built here). Elsewhere the code stays as measured.
+  // dim 512 (dense: 1-22 -> 0 in the loop, as built here), and fp8 at head dim 256 with key blocks
+  // of 128 (4 -> 0 at 240 registers; not today's tile). Elsewhere the code stays as measured.
   static constexpr bool kQDescriptorsPerUse =
-      kHeadDim >= 192 && !kQv && (kFeatures != ForwardFeatures::kNone || kHeadDim > 256);
+      kHeadDim >= 192 && !kQv &&
+      (kFeatures != ForwardFeatures::kNone || kHeadDim > 256 || (sizeof(Element_) == 1 && kBlockN_ >= 128));
   static constexpr bool kSplitsO = kHeadDimV > 256;  // O's columns over two warpgroups (above)
   static constexpr int kRowWarpGroups = kBlockM / 64;
   static constexpr int kColumnWarpGroups = kSplitsO ? 2 : 1;
