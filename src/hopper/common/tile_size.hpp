@@ -100,10 +100,11 @@ struct ForwardTileSize<256, 256, kMasked> {
   static constexpr int kStages = 2;
 };
 
-// fp8 (e4m3) forward, per head dim: two consumer warpgroups (the producer's transposing warps need
-// registers a third would take), key blocks in whole 32-key MMA slices. Shared memory counts V
-// twice, staged as loaded and transposed: (kBlockM * d + kStages * kBlockN * (d + 2 dv)) bytes,
-// O's bf16 kBlockM * dv * 2 beside it where that fits. Chosen to fit, not tuned yet.
+// fp8 (e4m3) forward, per head dim: two consumer warpgroups (a third at head dim 64, as bf16's,
+// builds since the V transpose needs few registers: bench/ab_fp8_tiles.sh's M64), key blocks in
+// whole 32-key MMA slices. Shared memory counts V twice, staged as loaded and transposed:
+// (kBlockM * d + kStages * kBlockN * (d + 2 dv)) bytes, O's bf16 kBlockM * dv * 2 beside it where
+// that fits. Chosen to fit, not tuned yet.
 // kConsumerRegisters: the MMA warpgroups' registers a thread; the producer keeps the rest of the
 // launch's 3 x 168 (56 here, which its TMA issue and V transpose take without spilling). Wider key
 // blocks need 240 (their S and P beside O), which leaves the producer 24: its TMA issue then spills
@@ -111,7 +112,7 @@ struct ForwardTileSize<256, 256, kMasked> {
 template <int kHeadDim, int kHeadDimV, bool kMasked>
 struct ForwardTileSizeFp8 {
   static_assert(kHeadDim == kHeadDimV && (kHeadDim == 64 || kHeadDim == 128 || kHeadDim == 256));
-  static constexpr int kBlockM = 128;
+  static constexpr int kBlockM = 128;  // fp8: two consumer warpgroups
   static constexpr int kBlockN = kHeadDim == 256 ? 64 : 128;  // 256: 128 K + 64 Q = 192 KiB
   static constexpr int kStages = 2;
   static constexpr int kConsumerRegisters = 224;
