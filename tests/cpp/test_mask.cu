@@ -102,9 +102,10 @@ TEST(TransposedMask, LocalRowsMatchRowBounds) {
 }
 
 // The forward's walks of every query block (whole, each split's part, a CTA pair's shared walk):
-// the steps unmasked_steps gives must cross no boundary (the kernel skips the mask there); the
-// count of such steps it leaves masked is returned (the window's crossing-free steps lie in one run,
-// so with no sink blocks and no chunk none should be).
+// the steps unmasked_steps gives (and, causal, those from first_unmasked_step on) must cross no
+// boundary (the kernel skips the mask there); the count of such steps it leaves masked is returned
+// (the window's crossing-free steps lie in one run, so with no sink blocks and no chunk none should
+// be).
 template <int kM, MaskKind kKind>
 int check_unmasked_steps(int seqlen_q, int seqlen_k, const LocalMaskParams& local, int* checked) {
   using Mask = AttentionMask<kM, kBlockN, kKind>;
@@ -123,9 +124,19 @@ int check_unmasked_steps(int seqlen_q, int seqlen_k, const LocalMaskParams& loca
       EXPECT_LE(0, begin);
       EXPECT_LE(begin, end);
       EXPECT_LE(end, walk.count() > 0 ? walk.n_max - walk.n_min : 0);
+      int first_unmasked = walk.count();  // causal: the two-run walk's second run (every step after)
+      if constexpr (kKind == MaskKind::kCausal) {
+        first_unmasked = mask.first_unmasked_step(walk, m_block);
+        if (begin < end) EXPECT_EQ(end, walk.count()) << "a causal walk's unmasked run must reach its end";
+      }
       for (int i = 0; i < walk.count(); ++i) {
         const bool crosses = mask.crosses_boundary(m_block, walk.at(i));
         const bool unmasked = begin <= i && i < end;
+        if (i >= first_unmasked && crosses) {
+          ADD_FAILURE() << "causal seqlen_q " << seqlen_q << " seqlen_k " << seqlen_k << ": m_block " << m_block
+                        << " step " << i << " crosses the diagonal after first_unmasked_step " << first_unmasked;
+          return left_masked;
+        }
         ++*checked;
         if (unmasked && crosses) {
           ADD_FAILURE() << "seqlen_q " << seqlen_q << " seqlen_k " << seqlen_k << " window " << local.window_left

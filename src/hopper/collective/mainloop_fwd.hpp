@@ -832,10 +832,19 @@ struct ForwardMainloop {
     } else if constexpr (kFeatures != ForwardFeatures::kNone || kRowWarpGroups > 2) {
       // One loop that tests each block in the general kernels, where three spilled (hdim 128 causal:
       // 0 -> 13 local operations in the loops, window 17 -> 70), and in three-warpgroup tiles (hdim
-      // 64), where three ran 3-4% slower causal (bench/RESULTS.md, 2026-12-07 night).
+      // 64), where three ran 3-4% slower causal (bench/RESULTS.md, 2026-12-07 night; the causal
+      // branch's two loops there wait for their A/B: "the causal walk in two loops").
       CUTLASS_PRAGMA_NO_UNROLL
       for (int i = 1; i < num_blocks; ++i) step(i, cute::true_type{});
-    } else {
+    } else if constexpr (kMask == MaskKind::kCausal) {
+      // The diagonal's steps, then those that cross nothing (first_unmasked_step): two loops.
+      const int first_unmasked = mask.first_unmasked_step(blocks, work.block);
+      int i = 1;
+      CUTLASS_PRAGMA_NO_UNROLL
+      for (; i < min(first_unmasked, num_blocks); ++i) step(i, cute::true_type{});
+      CUTLASS_PRAGMA_NO_UNROLL
+      for (; i < num_blocks; ++i) step(i, cute::false_type{});
+    } else {  // windows: unmasked steps between the ends' masked ones
       int unmasked_begin, unmasked_end;
       mask.unmasked_steps(blocks, work.block, unmasked_begin, unmasked_end);
       int i = 1;

@@ -225,6 +225,16 @@ struct AttentionMask {
     }
   }
 
+  // Causal: a walk's steps that cross a boundary all come first (the diagonal's blocks, and those a
+  // CTA pair's shared walk takes past this tile's diagonal), so the walk is two runs: the first step
+  // of the unmasked run (b.count() where every step crosses), from which none does.
+  CUTLASS_HOST_DEVICE int first_unmasked_step(KeyBlocks const& b, int m_block) const {
+    static_assert(kCausal, "a causal walk's unmasked steps run to its end; a window's may not");
+    int i_begin, i_end;
+    unmasked_steps(b, m_block, i_begin, i_end);
+    return i_begin < i_end ? i_begin : b.count();
+  }
+
   // ---- The backward's walk over a key block's query blocks ------------------------------------
   // The i-th query block of key block n_block's walk over [m_block_min, m_block_max), the same in
   // the producer, the MMA warpgroups and the dQ writer. Causal walks down from the last block to
