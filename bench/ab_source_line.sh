@@ -11,7 +11,8 @@
 #   AB_TESTS='test_backward_gpu:Grid/*bf16_d512*' AB_BENCH='--hdims 512 --seqlens 8192 16384' bench/ab_source_line.sh
 # AB_UNITS: instantiation file stems (src/hopper/instantiations/<stem>.cu), AB_UNITS_2, ... a side's
 # own where only some of them read its line (AB_UNITS_1 for side b); AB_TESTS: binary:gtest
-# filter pairs, space-separated (optional); AB_BENCH: bench/bench_head_dims.py's arguments;
+# filter pairs, space-separated (optional); AB_BENCH: the benchmark's arguments (AB_BENCH_SCRIPT,
+# default bench/bench_head_dims.py; bench/bench_features.py for masks and softcap);
 # AB_TESTS_1, AB_BENCH_1, ...: a side's own instead. Output
 # in $JOB_DIR/out/ab_line/ (a/, b/, ..., tests_<side>.log, progress.log with "AB DONE" last). A FROM
 # that is not in the file, a failed compile or link: logged, and that side is not run.
@@ -34,7 +35,8 @@ side() {  # the tests, then the benchmark, of the library as it is now
   done
   # shellcheck disable=SC2086
   (cd "$src" && PYTHONUNBUFFERED=1 FLASHHOPPER_LIBRARY="$build/libflashhopper.so" PYTHONPATH="$src/python" \
-    timeout 300 python3 bench/bench_head_dims.py $bench --out "$out/$name" > "$out/bench_$name.txt" 2>&1)
+    timeout 300 python3 "${AB_BENCH_SCRIPT:-bench/bench_head_dims.py}" $bench --out "$out/$name" \
+    > "$out/bench_$name.txt" 2>&1)
   log "side $name bench rc=$?"
 }
 

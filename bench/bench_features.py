@@ -1,16 +1,21 @@
 #!/usr/bin/env python3
 """Masks and score transforms side by side: FlashHopper against FlashAttention-4's sm90 path (when
 `flash_attn.cute` imports: pip package flash-attn-4==4.0.0b36) and against FlashHopper's
-own call without the feature, forward and backward, bf16, GQA 32/8, head dim 128.
+own call without the feature, forward and backward, bf16, GQA 32/8 (--kv-heads 32: MHA), head dim
+128 (--hdims: any of the built ones, each row once per head dim).
 
-Rows: sliding window (4095, 0) at 16k and (1023, 0) at 128k tokens, softcap 30 causal at 16k
-(and the same call without softcap), learnable sinks at 16k, non-causal and causal (and the same
-calls without). TFLOP/s count the visible (query, key) pairs: 4 * heads * d * pairs forward,
-2.5x that backward. Median of interleaved rounds (flashhopper.bench_timing.time_all_ms). The
-backward rows also give each backend's peak memory over one forward + backward step through
-autograd (flash_attn_func; FA4's flash_attn_func), MiB above what was allocated before it.
+Rows (the default set): sliding window (4095, 0) at 16k and (1023, 0) at 128k tokens, softcap 30
+causal at 16k (and the same call without softcap), learnable sinks at 16k, non-causal and causal
+(and the same calls without). --rows grid: issue 48's set at --tokens (default 16384; 4096 too):
+windows (1023, 0), (4095, 0), (1023, 1023) and (4095, 4095), chunks of 8192 causal, softcap 30
+causal and not, learnable sinks causal and not, each beside the same call without the feature.
+TFLOP/s count the visible (query, key) pairs: 4 * heads * d * pairs forward, 2.5x that backward.
+Median of interleaved rounds (flashhopper.bench_timing.time_all_ms). The backward rows also give
+each backend's peak memory over one forward + backward step through autograd (flash_attn_func;
+FA4's flash_attn_func), MiB above what was allocated before it.
 
     PYTHONPATH=python FLASHHOPPER_LIBRARY=build/libflashhopper.so python3 bench/bench_features.py --out DIR
+    ... bench/bench_features.py --rows grid --hdims 64 128 256 --tokens 4096 16384 --passes fwd
 """
 import argparse
 import csv
@@ -32,10 +37,10 @@ except Exception as error:  # FA4 missing: its columns stay empty
 else:
     FA4_ERROR = ""
 
-HEADS_Q, HEADS_KV, HEAD_DIM = 32, 8, 128
+HEADS_Q = 32
 
 
-def visible_pairs(seqlen, window=(-1, -1), causal=False):
+def visible_pairs(seqlen, window=(-1, -1), causal=False, chunk=0):
     """Number of visible (row, key) pairs of one head, sq = sk = seqlen."""
     rows = torch.arange(seqlen, dtype=torch.int64)
     left, right = window
@@ -43,6 +48,9 @@ def visible_pairs(seqlen, window=(-1, -1), causal=False):
         right = 0
     lo = torch.zeros_like(rows) if left < 0 else (rows - left).clamp(min=0)
     hi = torch.full_like(rows, seqlen) if right < 0 else (rows + right + 1).clamp(max=seqlen)
+    if chunk > 0:  # the row's chunk of keys, on top of the window
+        lo = torch.maximum(lo, rows // chunk * chunk)
+        hi = torch.minimum(hi, rows // chunk * chunk + chunk)
     return int((hi - lo).clamp(min=0).sum())
 
 
@@ -56,8 +64,25 @@ ROWS = [
 ]
 
 
+def grid_rows(tokens):
+    """Issue 48's rows at `tokens` tokens (one sequence), each beside the call without the feature."""
+    causal, full = dict(causal=True), dict()
+    return [
+        ("window 1023", tokens, 1, dict(window_size=(1023, 0)), causal),
+        ("window 4095", tokens, 1, dict(window_size=(4095, 0)), causal),
+        ("window 1023 two-sided", tokens, 1, dict(window_size=(1023, 1023)), full),
+        ("window 4095 two-sided", tokens, 1, dict(window_size=(4095, 4095)), full),
+        ("chunk 8192 causal", tokens, 1, dict(causal=True, attention_chunk=8192), causal),
+        ("softcap 30 causal", tokens, 1, dict(causal=True, softcap=30.0), causal),
+        ("softcap 30", tokens, 1, dict(softcap=30.0), full),
+        ("learnable sink", tokens, 1, dict(learnable_sink=True), full),
+        ("learnable sink causal", tokens, 1, dict(causal=True, learnable_sink=True), causal),
+    ]
+
+
 def pairs_of(seqlen, options):
-    return visible_pairs(seqlen, options.get("window_size", (-1, -1)), options.get("causal", False))
+    return visible_pairs(seqlen, options.get("window_size", (-1, -1)), options.get("causal", False),
+                         options.get("attention_chunk", 0))
 
 
 def main():
@@ -67,16 +92,28 @@ def main():
     parser.add_argument("--calls", type=int, default=5)
     parser.add_argument("--passes", nargs="+", choices=("fwd", "bwd"), default=["fwd", "bwd"],
                         help="which passes to time (a forward-only build: --passes fwd)")
+    parser.add_argument("--hdims", type=int, nargs="+", default=[128], help="head dims (each built family)")
+    parser.add_argument("--kv-heads", type=int, default=8, help="KV heads beside 32 query heads (32: MHA)")
+    parser.add_argument("--rows", choices=("default", "grid"), default="default",
+                        help="the default rows, or issue 48's grid at each of --tokens")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[16384], help="--rows grid: tokens a row")
     args = parser.parse_args()
+    if HEADS_Q % args.kv_heads != 0:
+        parser.error(f"--kv-heads {args.kv_heads} must divide the {HEADS_Q} query heads")
+    row_set = ROWS if args.rows == "default" else [r for tokens in args.tokens for r in grid_rows(tokens)]
+    # A row's label names its head dim, heads and tokens where they are not the default set's.
+    labelled = args.hdims != [128] or args.kv_heads != 8 or args.rows == "grid"
     os.makedirs(args.out, exist_ok=True)
     gpu = torch.cuda.get_device_name()
     date = datetime.date.today().isoformat()
     if fa4_func is None:
         print(f"FlashAttention-4 not available ({FA4_ERROR}): its columns stay empty", flush=True)
     results = []
-    for name, seqlen, batch, options, baseline in ROWS:
-        q = torch.randn(batch, seqlen, HEADS_Q, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-        k, v = (torch.randn(batch, seqlen, HEADS_KV, HEAD_DIM, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    for hdim, (row_name, seqlen, batch, options, baseline) in [(d, r) for d in args.hdims for r in row_set]:
+        name = f"{row_name} d{hdim} {HEADS_Q}/{args.kv_heads} {seqlen // 1024}k" if labelled else row_name
+        q = torch.randn(batch, seqlen, HEADS_Q, hdim, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(batch, seqlen, args.kv_heads, hdim, device="cuda", dtype=torch.bfloat16)
+                for _ in range(2))
         dout = torch.randn_like(q)
         sink = torch.randn(HEADS_Q, device="cuda", dtype=torch.float32)
 
@@ -123,10 +160,11 @@ def main():
                     print(f"  {name} {pass_} fa4: {error}", flush=True)
             torch.cuda.synchronize()
             times = time_all_ms(fns, warmup=3, rounds=args.rounds, calls=args.calls)
-            row = {"date": date, "gpu": gpu, "row": name, "pass": pass_, "seqlen": seqlen}
+            row = {"date": date, "gpu": gpu, "row": name, "pass": pass_, "seqlen": seqlen, "hdim": hdim,
+                   "heads_q": HEADS_Q, "heads_kv": args.kv_heads}
             for backend in ("flashhopper", "flashhopper_without", "fa4"):
                 ms = times.get(backend, float("nan"))
-                fl = 4.0 * batch * HEADS_Q * HEAD_DIM * pair_count[backend] * (2.5 if pass_ == "bwd" else 1.0)
+                fl = 4.0 * batch * HEADS_Q * hdim * pair_count[backend] * (2.5 if pass_ == "bwd" else 1.0)
                 row[f"{backend}_ms"] = ms
                 row[f"{backend}_tflops"] = fl / (ms * 1e-3) / 1e12 if ms == ms else float("nan")
             if pass_ == "bwd":
@@ -147,7 +185,8 @@ def main():
         writer.writerows(results)
     print("\n".join(table_lines(results)))
     print(f"written: {path}")
-    _plot(results, os.path.join(args.out, "bench_features.png"), gpu, date)
+    _plot(results, os.path.join(args.out, "bench_features.png"), gpu, date,
+          f"GQA {HEADS_Q}/{args.kv_heads}, hdim {'/'.join(map(str, args.hdims))}")
 
 
 def table_lines(results):
@@ -163,7 +202,7 @@ def table_lines(results):
     return lines
 
 
-def _plot(results, path, gpu, date):
+def _plot(results, path, gpu, date, shape="GQA 32/8, hdim 128"):
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -182,7 +221,7 @@ def _plot(results, path, gpu, date):
     ax.set_xticks(range(len(results)))
     ax.set_xticklabels(labels, fontsize=7)
     ax.set_ylabel("TFLOP/s (visible pairs)")
-    ax.set_title(f"Masks and score transforms, bf16, GQA 32/8, hdim 128 ({gpu}, {date})")
+    ax.set_title(f"Masks and score transforms, bf16, {shape} ({gpu}, {date})")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -2081,6 +2081,41 @@ def test_bench_features_table_gives_the_steps_peak_memory():
     assert lines[4] == "| softcap 30 causal | bwd | 409 | 523 | nan | nan | 0.78 | 385 / - |"
 
 
+def test_bench_features_counts_the_visible_pairs_of_each_grid_row():
+    """bench/bench_features.py's FLOP count: visible_pairs against a pair-by-pair count of the
+    library's mask rules (windows bottom-right aligned, causal, chunks on top), and --rows grid's
+    rows (issue 48's set), each beside a call without its feature."""
+    import importlib.util
+    script = pathlib.Path(__file__).resolve().parents[2] / "bench" / "bench_features.py"
+    spec = importlib.util.spec_from_file_location("bench_features", script)
+    bench_features = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_features)
+
+    def brute(seqlen, window, causal, chunk):
+        left, right = window
+        right = 0 if causal else right
+        count = 0
+        for i in range(seqlen):
+            for j in range(seqlen):
+                seen = (left < 0 or j >= i - left) and (right < 0 or j <= i + right)
+                if chunk > 0:
+                    seen = seen and j // chunk == i // chunk
+                count += seen
+        return count
+
+    for seqlen in (1, 7, 40):
+        for window in ((-1, -1), (3, 0), (5, 5), (0, 2), (-1, 4)):
+            for causal in (False, True):
+                for chunk in (0, 1, 6, 64):
+                    assert bench_features.visible_pairs(seqlen, window, causal, chunk) == \
+                        brute(seqlen, window, causal, chunk), (seqlen, window, causal, chunk)
+    rows = bench_features.grid_rows(4096)
+    assert len(rows) == 9 and len({name for name, *_ in rows}) == 9
+    for name, seqlen, batch, options, baseline in rows:
+        assert seqlen == 4096 and batch == 1 and baseline is not None and options != baseline, name
+        assert 0 < bench_features.pairs_of(seqlen, options) <= seqlen * seqlen
+
+
 def test_bench_varlen_selftest(tmp_path):
     """bench/bench_varlen.py --selftest: its pair counts and batches, and its CSV (every field, the
     step peak columns included), plot and table from made-up timings, without a GPU."""
