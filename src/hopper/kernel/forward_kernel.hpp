@@ -46,8 +46,8 @@ struct ForwardKernel {
       kTileConsumerRegisters != 0 ? kTileConsumerRegisters : kNumMmaWarpGroups == 2 ? 240 : 160;
   static constexpr int kProducerRegisters = kLaunchRegisters * (kNumMmaWarpGroups + 1) -
                                             kNumMmaWarpGroups * kConsumerRegisters;
-  static_assert(kConsumerRegisters % 8 == 0 && kConsumerRegisters <= 256 && kProducerRegisters >= 24 &&
-                    kProducerRegisters <= kLaunchRegisters,
+  static_assert(kConsumerRegisters % 8 == 0 && kProducerRegisters % 8 == 0 && kConsumerRegisters <= 256 &&
+                    kProducerRegisters >= 24 && kProducerRegisters <= kLaunchRegisters,
                 "setmaxnreg: multiples of 8 from 24 to 256, within the launch allocation");
 
   static constexpr int kSmemLimit = kSmemLimitBytes;
