@@ -13,7 +13,8 @@
 # own where only some of them read its line (AB_UNITS_1 for side b); AB_TESTS: binary:gtest
 # filter pairs, space-separated (optional); AB_BENCH: the benchmark's arguments (AB_BENCH_SCRIPT,
 # default bench/bench_head_dims.py; bench/bench_features.py for masks and softcap);
-# AB_TESTS_1, AB_BENCH_1, ...: a side's own instead. Output
+# AB_TESTS_1, AB_BENCH_1, ...: a side's own instead; AB_ALSO_FROM_n / AB_ALSO_TO_n: a second line
+# side n rewrites with its first (n = 1: side b). Output
 # in $JOB_DIR/out/ab_line/ (a/, b/, ..., tests_<side>.log, progress.log with "AB DONE" last). A FROM
 # that is not in the file, a failed compile or link: logged, and that side is not run.
 set -u
@@ -43,11 +44,15 @@ side() {  # the tests, then the benchmark, of the library as it is now
 # shellcheck source=bench/ab_common.sh
 source "$(dirname "$0")/ab_common.sh"  # rewrite, rebuild_library
 
-# One variant: FROM -> TO in the file, the units rebuilt and the library relinked, the file restored.
+# One variant: FROM -> TO in the file (and ALSO_FROM -> ALSO_TO where given), the units rebuilt and
+# the library relinked, the file restored.
 build_variant() {
-  local name=$1 from=$2 to=$3 units=$4 stem ok=0 objects=()
+  local name=$1 from=$2 to=$3 units=$4 also_from=$5 also_to=$6 stem ok=0 objects=()
   cp "$file" "$out/source.orig"
-  rewrite "$file" "$from" "$to" || { log "side $name not run"; return 1; }
+  rewrite "$file" "$from" "$to" || { log "side $name not run"; cp "$out/source.orig" "$file"; return 1; }
+  if [ -n "$also_from" ]; then
+    rewrite "$file" "$also_from" "$also_to" || { log "side $name not run"; cp "$out/source.orig" "$file"; return 1; }
+  fi
   for stem in $units; do objects+=("CMakeFiles/flashhopper_kernels.dir/src/hopper/instantiations/$stem.cu.o"); done
   rebuild_library "$name" "${objects[@]}" && ok=1
   cp "$out/source.orig" "$file"
@@ -59,12 +64,14 @@ sides=(b c d e f g h)
 for i in "${!sides[@]}"; do
   n=$((i + 1))
   units_var="AB_UNITS_$n" tests_var="AB_TESTS_$n" bench_var="AB_BENCH_$n"
+  also_from_var="AB_ALSO_FROM_$n" also_to_var="AB_ALSO_TO_$n"
   if [ "$n" = 1 ]; then from=$AB_FROM to=$AB_TO; else
     from_var="AB_FROM_$n" to_var="AB_TO_$n"
     [ -n "${!from_var:-}" ] || break
     from=${!from_var} to=${!to_var:?$to_var: the replacement of $from_var}
   fi
   units=${!units_var:-$AB_UNITS} tests=${!tests_var:-${AB_TESTS:-}} bench=${!bench_var:-${AB_BENCH:-}}
-  build_variant "${sides[$i]}" "$from" "$to" "$units" && side "${sides[$i]}" "$tests" "$bench"
+  build_variant "${sides[$i]}" "$from" "$to" "$units" "${!also_from_var:-}" "${!also_to_var:-}" &&
+    side "${sides[$i]}" "$tests" "$bench"
 done
 log "AB DONE"

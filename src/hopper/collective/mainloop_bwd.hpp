@@ -100,13 +100,15 @@ struct BackwardMainloop {
   // memory and dS only once, stored transposed (so as dS) for dQ = dS K. The price: a thread holds
   // kBlockM / 4 query columns, so as many LSE2 and D values (2 rows otherwise); masks bound its
   // few keys' rows (Mask::apply_by_key), not each row's keys. Windows too (3-5% faster than
-  // untransposed, bench/RESULTS.md, 2026-12-07 evening), but with softcap: transposed, its loop's
-  // local traffic doubles (29 -> 70 operations), not yet measured.
-  static constexpr bool kSdPTransposed = kSdPTransposed_ && !(kMask_ == MaskKind::kLocal && kSoftcap_);
+  // untransposed, bench/RESULTS.md, 2026-12-07 evening), with softcap as well since their row
+  // values stay in shared memory (below; in registers its loop's local traffic doubled, 29 -> 70).
+  static constexpr bool kSdPTransposed = kSdPTransposed_;
   // Transposed, a thread's S^T and dP^T hold kBlockM / 4 query columns, each with its LSE2 and D.
   // With 128-row blocks those would be 64 registers beside S^T and dP^T's 128 (they spilled), so
-  // they stay in their shared stages and are read where used; with 64-row blocks, in registers.
-  static constexpr bool kRowValuesInSmem = kSdPTransposed && kBlockM >= 128;
+  // they stay in their shared stages and are read where used; so too under a window, whose mask
+  // bounds take registers (hdim 128's 64-row blocks: window 26 -> 0 local operations in the loop,
+  // packed 68 -> 4, with softcap 29 -> 0 and 56 -> 0); elsewhere with 64-row blocks, in registers.
+  static constexpr bool kRowValuesInSmem = kSdPTransposed && (kBlockM >= 128 || kMask_ == MaskKind::kLocal);
   static_assert(!kSdPTransposed || (!kSdPByOperand && !kDkvTransposed && kHeadDimV == kHeadDim));
   // The WGMMA's N of S and dP, a warpgroup's: query rows when transposed, else key columns.
   static constexpr int kSdPColumns =

@@ -167,8 +167,8 @@ struct BackwardTileSize<64> {
 };
 
 // hdim 128: S and dP transposed (BackwardMainloop::kSdPTransposed), so P and dS feed dV and dK from
-// registers and only dS is stored, for dQ: 193 KiB (209 under a window with softcap, untransposed). A
-// third Q stage did not pay (0.97-1.03 of two, bench/RESULTS.md).
+// registers and only dS is stored, for dQ: 193 KiB. A third Q stage did not pay (0.97-1.03 of two,
+// bench/RESULTS.md).
 template <>
 struct BackwardTileSize<128> {
   static constexpr int kBlockM = 64;
