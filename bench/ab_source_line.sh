@@ -12,7 +12,8 @@
 # AB_UNITS: instantiation file stems (src/hopper/instantiations/<stem>.cu), AB_UNITS_2, ... a side's
 # own where only some of them read its line (AB_UNITS_1 for side b); AB_TESTS: binary:gtest
 # filter pairs, space-separated (optional); AB_BENCH: the benchmark's arguments (AB_BENCH_SCRIPT,
-# default bench/bench_head_dims.py; bench/bench_features.py for masks and softcap);
+# default bench/bench_head_dims.py; bench/bench_features.py for masks and softcap; '-m
+# flashhopper.bench' for the deterministic backward's column);
 # AB_TESTS_1, AB_BENCH_1, ...: a side's own instead; AB_ALSO_FROM_n / AB_ALSO_TO_n: a second line
 # side n rewrites with its first (n = 1: side b). Output
 # in $JOB_DIR/out/ab_line/ (a/, b/, ..., tests_<side>.log, progress.log with "AB DONE" last). A FROM
@@ -36,7 +37,7 @@ side() {  # the tests, then the benchmark, of the library as it is now
   done
   # shellcheck disable=SC2086
   (cd "$src" && PYTHONUNBUFFERED=1 FLASHHOPPER_LIBRARY="$build/libflashhopper.so" PYTHONPATH="$src/python" \
-    timeout 300 python3 "${AB_BENCH_SCRIPT:-bench/bench_head_dims.py}" $bench --out "$out/$name" \
+    timeout 300 python3 ${AB_BENCH_SCRIPT:-bench/bench_head_dims.py} $bench --out "$out/$name" \
     > "$out/bench_$name.txt" 2>&1)
   log "side $name bench rc=$?"
 }
