@@ -4,8 +4,8 @@
 # of the source, the fp8 tile line of src/hopper/common/tile_size.hpp (unmasked key blocks at head
 # dims 128 and 256), optionally the producer/consumer register split and the share of exponents
 # on the FMA pipe (ForwardTileSizeFp8::kConsumerRegisters in tile_size.hpp, kFmaExpEvery in
-# src/hopper/kernel/forward_kernel.hpp), rebuilds only the fp8 hdim-128 and
-# hdim-256 objects and forward_dispatch (ninja -t commands: no header-driven rebuild of the rest),
+# src/hopper/kernel/forward_kernel.hpp), rebuilds only the fp8 hdim-64, 128 and 256 objects and
+# forward_dispatch (ninja -t commands: no header-driven rebuild of the rest),
 # relinks libflashhopper.so and runs python -m flashhopper.bench --fp8 (unmasked, 4k and 16k) after
 # a run of the unchanged build. The job's source is restored at the end. Usage:
 #   bench/ab_fp8_tiles.sh VARIANT...     VARIANT = B128:B256:EXT128:EXT256:PRODUCER_REGS:FMA_EVERY[:M64]
