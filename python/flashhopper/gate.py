@@ -4,7 +4,8 @@
 
 Rows (bf16): the dense grid (16k tokens, model dim 2048; hdim 128 at 1k, 4k, 16k, hdims 64 and 256
 at 8k, causal and not), the feature rows (GQA 32/8, hdim 128: windows, softcap, learnable sinks, a
-packed batch), forward and backward, and three decode rows against a KV cache (dense and paged).
+packed batch; hdims 64 and 256: a window and softcap), forward and backward, and three decode rows
+against a KV cache (dense and paged).
 Every row is FlashHopper alone: the peers are the side-by-side benchmarks' business. The rows are
 timed in interleaved rounds (each round times every row once, `calls` back-to-back calls between
 CUDA events), and each row's median is compared with the baseline: the best figure measured for it
@@ -192,6 +193,15 @@ def rows() -> list:
             _attention_row("learnable sink causal 16k", pass_, 1, 16384, causal=True, sink=True, **gqa),
             _attention_row("packed 11 causal", pass_, 1, 0, causal=True, lengths=PACKED_11, **gqa),
         ]
+        # Windows and softcap at the other head dims' tiles (64: three warpgroups; 256: Q's
+        # descriptors held or built per use), whose kernels differ from hdim 128's.
+        for hdim in (64, 256):
+            other = dict(heads_q=HEADS_Q, heads_kv=HEADS_KV, hdim=hdim)
+            out += [
+                _attention_row(f"window 4095 16k hdim {hdim}", pass_, 1, 16384, window=(4095, 0), **other),
+                _attention_row(f"softcap 30 causal 16k hdim {hdim}", pass_, 1, 16384, causal=True, softcap=30.0,
+                               **other),
+            ]
     out += [_decode_row("decode 8 x 16k", 8, 16384), _decode_row("decode 64 x 16k", 64, 16384),
             _decode_row("decode paged 256, 32 x 16k", 32, 16384, page_size=256)]
     return out
