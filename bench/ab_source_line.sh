@@ -16,12 +16,15 @@
 # flashhopper.bench' for the deterministic backward's column);
 # AB_TESTS_1, AB_BENCH_1, ...: a side's own instead; AB_ALSO_FROM_n / AB_ALSO_TO_n: a second line
 # side n rewrites with its first (n = 1: side b). Output
-# in $JOB_DIR/out/ab_line/ (a/, b/, ..., tests_<side>.log, progress.log with "AB DONE" last). A FROM
-# that is not in the file, a failed compile or link: logged, and that side is not run.
+# in $JOB_DIR/out/ab_line/ (ab_line_$AB_NAME/ where AB_NAME is set; a/, b/, ..., tests_<side>.log,
+# progress.log with "AB DONE" last). A FROM that is not in the file, a failed compile or link:
+# logged, and that side is not run. AB_RESTORE=1: at the end, the units rebuilt from the restored
+# source and the library relinked, so that another A/B can follow on the same build (a queue:
+# scripts/device_job.sh's AB_QUEUE).
 set -u
 set -f  # AB_TESTS' gtest filters are split on spaces, never expanded as file names
 job="${JOB_DIR:-/tmp/fhjob}"
-src="$job/src" build="$job/build" out="$job/out/ab_line"
+src="$job/src" build="$job/build" out="$job/out/ab_line${AB_NAME:+_$AB_NAME}"
 mkdir -p "$out"
 log() { echo "$(date +%T) $*" >> "$out/progress.log"; }
 file="$src/${AB_FILE:?AB_FILE: the file to rewrite, relative to the repository root}"
@@ -74,5 +77,17 @@ for i in "${!sides[@]}"; do
   units=${!units_var:-$AB_UNITS} tests=${!tests_var:-${AB_TESTS:-}} bench=${!bench_var:-${AB_BENCH:-}}
   build_variant "${sides[$i]}" "$from" "$to" "$units" "${!also_from_var:-}" "${!also_to_var:-}" &&
     side "${sides[$i]}" "$tests" "$bench"
+  all_units="${all_units:-} $units"
 done
+if [ "${AB_RESTORE:-0}" = 1 ]; then
+  objects=()
+  for stem in $(echo "${all_units:-}" | tr ' ' '\n' | sort -u); do
+    objects+=("CMakeFiles/flashhopper_kernels.dir/src/hopper/instantiations/$stem.cu.o")
+  done
+  if [ ${#objects[@]} -gt 0 ] && rebuild_library base "${objects[@]}"; then
+    log "restored: the base library relinked"
+  else
+    log "restore failed: the library may still be a variant's"
+  fi
+fi
 log "AB DONE"

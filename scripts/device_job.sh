@@ -10,7 +10,8 @@
 # absorbed-MLA decode rows and split_sweep.py (MLA and GQA); with BENCH_FP8=1 (bench set up), python -m
 # flashhopper.bench --fp8; with PROFILE_THROUGHPUT, bench/profile/profile_throughput.sh; with
 # AB_FP8="variants", bench/ab_fp8_tiles.sh; with AB_FILE (and the other AB_* variables),
-# bench/ab_source_line.sh last (one A/B a job: each leaves its variant linked).
+# bench/ab_source_line.sh (it leaves its variant linked); with AB_QUEUE=FILE, the one-line A/Bs
+# FILE lists (`ab_run NAME VAR=VALUE ...`), each on the base library, last.
 # With PREBUILT=<folder> (scripts/prebuild.sh's, carried), or that folder as a .tar.xz (device_kit.sh's
 # build-kit/prebuilt.tar.xz: a tenth of the carry), it builds nothing and runs on that folder (not
 # the A/B steps, which recompile objects of a build).
@@ -148,5 +149,23 @@ if [ -n "${AB_FILE:-}" ]; then
   log "ab line: $AB_FILE: $AB_TO"
   JOB_DIR="$job" bash "$src/bench/ab_source_line.sh" > "$out/ab_line.txt" 2>&1
   log "ab line rc=$?: $(grep -c . "$out/ab_line/progress.log" 2>/dev/null) progress lines"
+fi
+if [ -n "${AB_QUEUE:-}" ]; then
+  # Several one-line A/Bs on this build, one after another: AB_QUEUE is a bash file (relative to
+  # the repository root, or absolute) of `ab_run NAME VAR=VALUE ...` lines (the AB_* variables of
+  # bench/ab_source_line.sh; backslashes continue a line). Each writes $out/ab_line_NAME/ and
+  # relinks the base library when done (AB_RESTORE=1), so the next starts from it.
+  ab_run() {
+    local name=$1
+    shift
+    log "ab queue: $name"
+    (export AB_NAME="$name" AB_RESTORE=1 JOB_DIR="$job" "$@"; bash "$src/bench/ab_source_line.sh") \
+      > "$out/ab_line_$name.txt" 2>&1
+    log "ab queue $name rc=$?: $(tail -1 "$out/ab_line_$name/progress.log" 2>/dev/null)"
+  }
+  queue="$AB_QUEUE"
+  [ "${queue#/}" = "$queue" ] && queue="$src/$queue"
+  # shellcheck disable=SC1090
+  source "$queue" || log "ab queue: cannot read $AB_QUEUE"
 fi
 log "ALL DONE"
