@@ -11,7 +11,7 @@
 # flashhopper.bench --fp8; with PROFILE_THROUGHPUT, bench/profile/profile_throughput.sh; with
 # AB_FP8="variants", bench/ab_fp8_tiles.sh; with AB_FILE (and the other AB_* variables),
 # bench/ab_source_line.sh (it leaves its variant linked); with AB_QUEUE=FILE, the one-line A/Bs
-# FILE lists (`ab_run NAME VAR=VALUE ...`), each on the base library, last.
+# FILE lists (`ab_run NAME VAR=VALUE ...`), each on the base library, then AB_FP8's, last.
 # With PREBUILT=<folder> (scripts/prebuild.sh's, carried), or that folder as a .tar.xz (device_kit.sh's
 # build-kit/prebuilt.tar.xz: a tenth of the carry), it builds nothing and runs on that folder (not
 # the A/B steps, which recompile objects of a build).
@@ -135,14 +135,6 @@ if [ -n "${PROFILE_THROUGHPUT:-}" ]; then
     bash "$src/bench/profile/profile_throughput.sh" "${profile_calls[@]}" > "$out/throughput.txt" 2>&1
   log "profile throughput rc=$?"
 fi
-if [ -n "${AB_FP8:-}" ]; then
-  # The fp8 key-block A/B on this build (bench/ab_fp8_tiles.sh; its variants, space-separated, and
-  # its tables under $out/ab), last: it relinks the library with each variant.
-  log "ab fp8: $AB_FP8"
-  # shellcheck disable=SC2086
-  JOB_DIR="$job" bash "$src/bench/ab_fp8_tiles.sh" $AB_FP8 > "$out/ab_fp8.txt" 2>&1
-  log "ab fp8 rc=$?: $(tail -1 "$out/ab/progress.log" 2>/dev/null)"
-fi
 if [ -n "${AB_FILE:-}" ]; then
   # A one-line A/B on this build (bench/ab_source_line.sh with the AB_* variables), last: it
   # relinks the library with side b.
@@ -167,5 +159,13 @@ if [ -n "${AB_QUEUE:-}" ]; then
   [ "${queue#/}" = "$queue" ] && queue="$src/$queue"
   # shellcheck disable=SC1090
   source "$queue" || log "ab queue: cannot read $AB_QUEUE"
+fi
+if [ -n "${AB_FP8:-}" ]; then
+  # The fp8 key-block A/B on this build (bench/ab_fp8_tiles.sh; its variants, space-separated, and
+  # its tables under $out/ab), last: it relinks the library with each variant.
+  log "ab fp8: $AB_FP8"
+  # shellcheck disable=SC2086
+  JOB_DIR="$job" bash "$src/bench/ab_fp8_tiles.sh" $AB_FP8 > "$out/ab_fp8.txt" 2>&1
+  log "ab fp8 rc=$?: $(tail -1 "$out/ab/progress.log" 2>/dev/null)"
 fi
 log "ALL DONE"
