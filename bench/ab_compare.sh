@@ -5,6 +5,12 @@
 # Usage: bench/ab_compare.sh LIB_A LIB_B [LIB_C ...] [benchmark arguments, e.g. --passes bwd --seqlens 2048]
 # A library may be given as LIB@PYTHONPATH: the Python package it runs under (an older library
 # needs its own checkout's python/; default: this checkout's).
+# AB_PASSES=N takes the libraries in turn N times (a b a b: a host's slow spell shows as a spread
+# within a side, not as a difference between sides); pass 2's output goes to $OUT/a.2, ...
+# AB_GATE=1 times the speed gate's rows instead (`python -m flashhopper.bench --gate`, the
+# arguments its own, e.g. --rows "dense hdim 64" window softcap): each run's figures go to
+# $OUT/gate_<side>.<pass>.csv, and a table of every row's figure per side and pass, with each
+# side's median over a's, is printed last (bench/ab_gate_table.py).
 set -uo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 libs=()
@@ -18,13 +24,26 @@ if [ ${#libs[@]} -lt 1 ] || [ ${#libs[@]} -gt ${#sides[@]} ]; then
   echo "ab_compare.sh: give 1 to ${#sides[@]} libraries before the benchmark arguments (got ${#libs[@]})" >&2
   exit 2
 fi
-for i in "${!libs[@]}"; do
-  side=${sides[$i]}
-  mkdir -p "$out/$side"
-  lib="${libs[$i]%%@*}"
-  package="$root/python"
-  [ "$lib" != "${libs[$i]}" ] && package="${libs[$i]#*@}"
-  echo "==== $side: $lib (package $package)"
-  PYTHONUNBUFFERED=1 FLASHHOPPER_LIBRARY="$lib" PYTHONPATH="$package" \
-    timeout 280 python3 "$root/bench/benchmark_attention.py" --out "$out/$side" "$@" 2>&1 | tail -32
+passes=${AB_PASSES:-1}
+mkdir -p "$out"
+for pass in $(seq "$passes"); do
+  for i in "${!libs[@]}"; do
+    side=${sides[$i]}
+    lib="${libs[$i]%%@*}"
+    package="$root/python"
+    [ "$lib" != "${libs[$i]}" ] && package="${libs[$i]#*@}"
+    echo "==== $side (pass $pass): $lib (package $package)"
+    if [ "${AB_GATE:-0}" = 1 ]; then
+      PYTHONUNBUFFERED=1 FLASHHOPPER_LIBRARY="$lib" PYTHONPATH="$package" \
+        timeout 280 python3 -m flashhopper.bench --gate --out "$out/gate_$side.$pass.csv" "$@" 2>&1 | tail -4
+    else
+      folder="$out/$side" && [ "$pass" -gt 1 ] && folder="$out/$side.$pass"
+      mkdir -p "$folder"
+      PYTHONUNBUFFERED=1 FLASHHOPPER_LIBRARY="$lib" PYTHONPATH="$package" \
+        timeout 280 python3 "$root/bench/benchmark_attention.py" --out "$folder" "$@" 2>&1 | tail -32
+    fi
+  done
 done
+if [ "${AB_GATE:-0}" = 1 ]; then
+  python3 "$root/bench/ab_gate_table.py" "$out" | tee "$out/ab_gate_table.md"
+fi

@@ -2116,6 +2116,33 @@ def test_bench_features_counts_the_visible_pairs_of_each_grid_row():
         assert 0 < bench_features.pairs_of(seqlen, options) <= seqlen * seqlen
 
 
+def test_ab_gate_table_sets_sides_and_passes_side_by_side(tmp_path):
+    """bench/ab_gate_table.py: the gate CSVs of bench/ab_compare.sh's AB_GATE mode (written by the
+    gate's own writer), each side's figures in pass order and its median over side a's; a row only
+    one side ran shows '-' for the others."""
+    import importlib.util
+    from flashhopper import gate
+    script = pathlib.Path(__file__).resolve().parents[2] / "bench" / "ab_gate_table.py"
+    spec = importlib.util.spec_from_file_location("ab_gate_table", script)
+    ab_gate_table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab_gate_table)
+    figures = {("a", 1): (400.0, 90.0), ("b", 1): (440.0, 99.0), ("a", 2): (410.0, 80.0),
+               ("b", 2): (420.0, 81.0), ("a", 3): (390.0, 85.0), ("b", 3): (430.0, None)}
+    for (side, pass_), (fwd, bwd) in figures.items():
+        measured = {("dense hdim 64 causal 8192", "fwd"): fwd}
+        if bwd is not None:
+            measured[("window 4095 16384", "bwd")] = bwd
+        units = {key: "TFLOP/s" for key in measured}
+        gate.write_baseline(str(tmp_path / f"gate_{side}.{pass_}.csv"),
+                            gate.updated_baseline(None, measured, units, "GPU", "2026-12-08", "abc"))
+    (tmp_path / "gate_a.x.csv").write_text("not a pass\n")  # not of the pattern: ignored
+    lines = ab_gate_table.table(ab_gate_table.read_runs(str(tmp_path)))
+    assert lines[0] == "| row | pass | a | b | b/a |"
+    assert lines[2] == "| dense hdim 64 causal 8192 | fwd | 400.0 / 410.0 / 390.0 | 440.0 / 420.0 / 430.0 | 1.075 |"
+    assert lines[3] == "| window 4095 16384 | bwd | 90.0 / 80.0 / 85.0 | 99.0 / 81.0 | 1.059 |"
+    assert ab_gate_table.table({}) == ["ab_gate_table: no gate_<side>.<pass>.csv found"]
+
+
 def test_bench_varlen_selftest(tmp_path):
     """bench/bench_varlen.py --selftest: its pair counts and batches, and its CSV (every field, the
     step peak columns included), plot and table from made-up timings, without a GPU."""
