@@ -11,7 +11,8 @@
 # flashhopper.bench --fp8; with PROFILE_THROUGHPUT, bench/profile/profile_throughput.sh; with
 # AB_FP8="variants", bench/ab_fp8_tiles.sh; with AB_FILE (and the other AB_* variables),
 # bench/ab_source_line.sh (it leaves its variant linked); with AB_QUEUE=FILE, the one-line A/Bs
-# FILE lists (`ab_run NAME VAR=VALUE ...`), each on the base library, then AB_FP8's, last.
+# FILE lists (`ab_run NAME VAR=VALUE ...`), each on the base library; with AB_VARIANTS=FILE, the A/Bs
+# of prebuilt variants it lists (prebuild_variant.sh --queue's, no compile here); AB_FP8's last.
 # With PREBUILT=<folder> (scripts/prebuild.sh's, carried), or that folder as a .tar.xz (device_kit.sh's
 # build-kit/prebuilt.tar.xz: a tenth of the carry), it builds nothing and runs on that folder (not
 # the A/B steps, which recompile objects of a build).
@@ -159,6 +160,42 @@ if [ -n "${AB_QUEUE:-}" ]; then
   [ "${queue#/}" = "$queue" ] && queue="$src/$queue"
   # shellcheck disable=SC1090
   source "$queue" || log "ab queue: cannot read $AB_QUEUE"
+fi
+if [ -n "${AB_VARIANTS:-}" ]; then
+  # A/Bs of variants prebuilt on the CPU machine (scripts/prebuild_variant.sh: the carried
+  # build-kit/variant_NAME.tar.xz), which compile nothing here: AB_VARIANTS is the queue file they
+  # were built from (`variant NAME FILE 'FROM' 'TO' 'STEM...' 'BINARY:FILTER ...' GATE_ARGUMENTS...`
+  # lines; prebuild_variant.sh --queue). Each carried one runs its tests on the
+  # variant (the test binaries load the library from LD_LIBRARY_PATH), then the gate's rows it
+  # names on the base and the variant in turn, twice (bench/ab_compare.sh AB_GATE=1 AB_PASSES=2),
+  # into $out/ab_NAME/. A variant of another commit than the base's is refused.
+  variant() {
+    local name=$1 tests=$6 spec folder="$job/build-variant-$1"
+    shift 6
+    [ -f "$src/build-kit/variant_$name.tar.xz" ] || { log "ab variant $name: not carried"; return; }
+    log "ab variant: $name"
+    mkdir -p "$out/ab_$name"
+    tar xJf "$src/build-kit/variant_$name.tar.xz" -C "$job" || { log "ab variant $name: cannot unpack"; return; }
+    if [ "$(head -1 "$folder/VARIANT")" != "$(cat "$BUILD/COMMIT" 2>/dev/null)" ]; then
+      log "ab variant $name: built from $(head -1 "$folder/VARIANT"), the base from $(cat "$BUILD/COMMIT" 2>/dev/null)"
+      return
+    fi
+    set -f
+    for spec in $tests; do
+      LD_LIBRARY_PATH="$folder:$BUILD" timeout 300 "$BUILD/tests/cpp/${spec%%:*}" --gtest_brief=1 \
+        --gtest_filter="${spec#*:}" >> "$out/ab_$name/tests.log" 2>&1
+      log "ab variant $name tests ${spec%%:*} rc=$?: $(grep -E '^\[  (PASSED|FAILED)  \]' "$out/ab_$name/tests.log" |
+        tail -2 | tr '\n' ' ')"
+    done
+    set +f
+    (cd "$src" && OUT="$out/ab_$name" AB_GATE=1 AB_PASSES="${AB_VARIANT_PASSES:-2}" bash bench/ab_compare.sh \
+      "$BUILD/libflashhopper.so" "$folder/libflashhopper.so.0" "$@") > "$out/ab_$name.txt" 2>&1
+    log "ab variant $name rc=$?: $(grep -c '^| ' "$out/ab_$name/ab_gate_table.md" 2>/dev/null) table lines"
+  }
+  variants="$AB_VARIANTS"
+  [ "${variants#/}" = "$variants" ] && variants="$src/$variants"
+  # shellcheck disable=SC1090
+  source "$variants" || log "ab variants: cannot read $AB_VARIANTS"
 fi
 if [ -n "${AB_FP8:-}" ]; then
   # The fp8 key-block A/B on this build (bench/ab_fp8_tiles.sh; its variants, space-separated, and

@@ -13,10 +13,28 @@
 # On the device, after unpacking it and the prebuilt folder: bench/ab_compare.sh
 # build-prebuilt/libflashhopper.so build-variant-NAME/libflashhopper.so.0 [benchmark arguments];
 # the prebuilt test binaries run the variant with LD_LIBRARY_PATH=build-variant-NAME.
+#   scripts/prebuild_variant.sh --queue QUEUE [NAME...]
+#     builds the variants a queue file lists (all, or those named), one after another: a bash file of
+#     `variant NAME FILE 'FROM' 'TO' 'STEM...' 'BINARY:FILTER ...' GATE_ARGUMENTS...` lines, which
+#     scripts/device_job.sh's AB_VARIANTS runs on the GPU machine (the tests, then the gate's rows).
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
-[ $# -ge 5 ] || { sed -n '2,15p' "$0" >&2; exit 2; }
+if [ "${1:-}" = --queue ]; then
+  queue=${2:?--queue QUEUE}
+  shift 2
+  wanted=" $* "
+  variant() {
+    local name=$1 file=$2 from=$3 to=$4 stems=$5
+    [ "$wanted" = "  " ] || [[ "$wanted" == *" $name "* ]] || return 0
+    # shellcheck disable=SC2086
+    "$root/scripts/prebuild_variant.sh" "$name" "$file" "$from" "$to" $stems || echo "variant $name: FAILED" >&2
+  }
+  # shellcheck disable=SC1090
+  source "$queue"
+  exit 0
+fi
+[ $# -ge 5 ] || { sed -n '2,19p' "$0" >&2; exit 2; }
 name=$1 file=$2 from=$3 to=$4
 shift 4
 prebuilt=${PREBUILT:-build-prebuilt}

@@ -1,0 +1,60 @@
+# shellcheck shell=bash
+# One-line variants of the bench set that wait for a GPU, built here on the CPU machine against the
+# prebuilt set (scripts/prebuild_variant.sh --queue bench/ab_variants_pending.sh [NAME...]: each a
+# build-kit/variant_NAME.tar.xz) and run on the GPU machine without compiling there
+# (scripts/device_job.sh AB_VARIANTS=bench/ab_variants_pending.sh: the tests named, then the gate's
+# rows named, base and variant in turn twice). In the order to run them, the forward's first (issue
+# 52). The same changes as bench/ab_queue_pending.sh's entries (its comments and bench/RESULTS.md
+# say why each); remove an entry once it has run.
+#   variant NAME FILE 'FROM' 'TO' 'STEM...' 'BINARY:FILTER ...' GATE_ARGUMENTS...
+
+# FlashAttention-4's forward schedule choices: a CTA a tile instead of a persistent grid (dense
+# kernels), K/V multicast to CTA pairs at head dims 128 and 256, no ping-pong at 256.
+variant grid src/launch/forward_launch.cuh \
+  'forward_kernel_entry<Kernel>, Scheduler::grid_size(params.scheduler, num_sms),' \
+  'forward_kernel_entry<Kernel>, params.scheduler.num_tiles,' \
+  'fwd_bf16_hdim64 fwd_bf16_hdim128 fwd_bf16_hdim256' 'test_forward_gpu:Grid/*bf16_d128_*' \
+  --passes fwd --rows 'dense hdim'
+variant cluster128 src/hopper/common/tile_size.hpp \
+  'kClusterM = 1;  // 128 forward' 'kClusterM = 2;  // 128 forward' \
+  fwd_bf16_hdim128 'test_forward_gpu:Grid/*bf16_d128_*' --passes fwd --rows 'dense hdim 128'
+variant pingpong256 src/hopper/collective/mainloop_fwd.hpp \
+  'kPingPong = kNumMmaWarpGroups > 1 && !kSplitsO;' \
+  'kPingPong = kNumMmaWarpGroups > 1 && !kSplitsO && kHeadDim <= 128;' \
+  fwd_bf16_hdim256 'test_forward_gpu:*bf16_d256*' --passes fwd --rows 'hdim 256'
+variant cluster256 src/hopper/common/tile_size.hpp \
+  'kClusterM = 1;  // 256 forward' 'kClusterM = 2;  // 256 forward' \
+  fwd_bf16_hdim256 'test_forward_gpu:Grid/*bf16_d256_*' --passes fwd --rows 'dense hdim 256'
+
+# "The causal walk in two loops": head dim 64's causal in two loops (b) and windows in three (c);
+# head dim 256's windows and softcap with Q's descriptors built per use (e).
+variant loops64_causal src/hopper/collective/mainloop_fwd.hpp \
+  'kFeatures != ForwardFeatures::kNone || kRowWarpGroups > 2) {' \
+  'kFeatures != ForwardFeatures::kNone || (kRowWarpGroups > 2 && kMask != MaskKind::kCausal)) {' \
+  fwd_bf16_hdim64 'test_forward_gpu:*bf16_d64*' --passes fwd --rows 'hdim 64'
+variant loops64_local src/hopper/collective/mainloop_fwd.hpp \
+  'kFeatures != ForwardFeatures::kNone || kRowWarpGroups > 2) {' \
+  'kFeatures != ForwardFeatures::kNone || (kRowWarpGroups > 2 && kMask != MaskKind::kLocal)) {' \
+  fwd_bf16_hdim64 'test_forward_gpu:*bf16_d64*' --passes fwd --rows 'hdim 64'
+variant qdesc256 src/hopper/collective/mainloop_fwd.hpp \
+  '(kFeatures != ForwardFeatures::kNone || kHeadDim > 256 ||' \
+  '(kFeatures != ForwardFeatures::kNone || kHeadDim > 256 || kMask_ == MaskKind::kLocal || kSoftcap_ ||' \
+  fwd_bf16_hdim256 'test_forward_gpu:*bf16_d256*' --passes fwd --rows 'hdim 256'
+
+# "The hdim-128 backward's windows without loop spills": the row values back in registers (windows
+# still transposed), and windows untransposed altogether (softcap windows as before).
+variant bwd_windows_registers src/hopper/collective/mainloop_bwd.hpp \
+  'kRowValuesInSmem = kSdPTransposed && (kBlockM >= 128 || kMask_ == MaskKind::kLocal);' \
+  'kRowValuesInSmem = kSdPTransposed && kBlockM >= 128;' \
+  'bwd_bf16_hdim128 bwd_bf16_hdim128_packed' 'test_backward_gpu:*d128*' \
+  --passes bwd --rows window softcap 'dense hdim 128 causal 16384'
+variant bwd_windows_untransposed src/hopper/collective/mainloop_bwd.hpp \
+  'kSdPTransposed = kSdPTransposed_;' 'kSdPTransposed = kSdPTransposed_ && kMask_ != MaskKind::kLocal;' \
+  'bwd_bf16_hdim128 bwd_bf16_hdim128_packed' 'test_backward_gpu:*d128*' \
+  --passes bwd --rows window softcap 'dense hdim 128 causal 16384'
+
+# Head dim 64's backward transposed with its 128-row blocks (the gate has no deterministic row:
+# bench/ab_queue_pending.sh's entry times that column).
+variant bwd64_transposed src/hopper/common/tile_size.hpp \
+  'struct BackwardTileSize<64> {' 'struct BackwardTileSize<64> { static constexpr bool kSdPTransposed = true;' \
+  bwd_bf16_hdim64 'test_backward_gpu:*d64*' --passes bwd --rows 'hdim 64'
