@@ -170,12 +170,15 @@ if [ -n "${AB_VARIANTS:-}" ]; then
   # names on the base and the variant in turn, twice (bench/ab_compare.sh AB_GATE=1 AB_PASSES=2),
   # into $out/ab_NAME/. A variant of another commit than the base's is refused.
   variant() {
-    local name=$1 tests=$6 spec folder="$job/build-variant-$1"
+    local name=$1 tests=$6 spec folder="$job/build-variant-$1" packed
     shift 6
-    [ -f "$src/build-kit/variant_$name.tar.xz" ] || { log "ab variant $name: not carried"; return; }
+    # The repository root's copy first: a later call may have carried it while the job ran.
+    packed="$root/build-kit/variant_$name.tar.xz"
+    [ -f "$packed" ] || packed="$src/build-kit/variant_$name.tar.xz"
+    [ -f "$packed" ] || { log "ab variant $name: not carried"; return; }
     log "ab variant: $name"
     mkdir -p "$out/ab_$name"
-    tar xJf "$src/build-kit/variant_$name.tar.xz" -C "$job" || { log "ab variant $name: cannot unpack"; return; }
+    tar xJf "$packed" -C "$job" || { log "ab variant $name: cannot unpack"; return; }
     if [ "$(head -1 "$folder/VARIANT")" != "$(cat "$BUILD/COMMIT" 2>/dev/null)" ]; then
       log "ab variant $name: built from $(head -1 "$folder/VARIANT"), the base from $(cat "$BUILD/COMMIT" 2>/dev/null)"
       return
