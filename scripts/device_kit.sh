@@ -11,6 +11,9 @@
 # other work: the GPU may come before the build is done (then carry the kit and build there).
 #   scripts/device_kit.sh               # .gtest and the tarball (seconds)
 #   PREBUILD=1 scripts/device_kit.sh    # and the prebuilt bench set (KERNELS=... for another set)
+#   PREBUILD=1 VARIANTS=bench/ab_variants_pending.sh scripts/device_kit.sh
+#                                       # and the variants that queue lists, for device_job.sh's AB_VARIANTS
+#                                       # (about 5 MB each: the carry holds about ten)
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
@@ -31,6 +34,11 @@ if [ "${PREBUILD:-0}" = 1 ]; then
   scripts/prebuild.sh "${KERNELS:-bench}" build-prebuilt
   tar cJf build-kit/prebuilt.tar.xz build-prebuilt
   job="CUTLASS_TARBALL=build-kit/cutlass.tar.xz PREBUILT=build-kit/prebuilt.tar.xz"
+  if [ -n "${VARIANTS:-}" ]; then  # the queue's one-line variants against it (about 1.5 min each)
+    rm -f build-kit/variant_*.tar.xz
+    scripts/prebuild_variant.sh --queue "$VARIANTS"
+    job="$job AB_VARIANTS=$VARIANTS"
+  fi
 else
   job="CUTLASS_TARBALL=build-kit/cutlass.tar.xz KERNELS=${KERNELS:-bench}"
 fi
