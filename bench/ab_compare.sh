@@ -5,6 +5,8 @@
 # Usage: bench/ab_compare.sh LIB_A LIB_B [LIB_C ...] [benchmark arguments, e.g. --passes bwd --seqlens 2048]
 # A library may be given as LIB@PYTHONPATH: the Python package it runs under (an older library
 # needs its own checkout's python/; default: this checkout's).
+# AB_SCRIPT: the benchmark (default bench/benchmark_attention.py; word-split, so '-m flashhopper.bench'
+# runs the package's, e.g. with --fp8).
 # AB_PASSES=N takes the libraries in turn N times (a b a b: a host's slow spell shows as a spread
 # within a side, not as a difference between sides); pass 2's output goes to $OUT/a.2, ...
 # AB_GATE=1 times the speed gate's rows instead (`python -m flashhopper.bench --gate`, the
@@ -12,6 +14,7 @@
 # $OUT/gate_<side>.<pass>.csv, and a table of every row's figure per side and pass, with each
 # side's median over a's, is printed last (bench/ab_gate_table.py).
 set -uo pipefail
+set -f  # AB_SCRIPT is split on spaces, never expanded as file names
 root="$(cd "$(dirname "$0")/.." && pwd)"
 libs=()
 while [ $# -gt 0 ] && [ "${1#-}" = "$1" ]; do
@@ -40,7 +43,7 @@ for pass in $(seq "$passes"); do
       folder="$out/$side" && [ "$pass" -gt 1 ] && folder="$out/$side.$pass"
       mkdir -p "$folder"
       PYTHONUNBUFFERED=1 FLASHHOPPER_LIBRARY="$lib" PYTHONPATH="$package" \
-        timeout 280 python3 "$root/bench/benchmark_attention.py" --out "$folder" "$@" 2>&1 | tail -32
+        timeout 280 python3 ${AB_SCRIPT:-"$root/bench/benchmark_attention.py"} --out "$folder" "$@" 2>&1 | tail -32
     fi
   done
 done

@@ -165,7 +165,8 @@ if [ -n "${AB_VARIANTS:-}" ]; then
   # A/Bs of variants prebuilt on the CPU machine (scripts/prebuild_variant.sh: the carried
   # build-kit/variant_NAME.tar.xz), which compile nothing here: AB_VARIANTS is the queue file they
   # were built from (`variant NAME FILE 'FROM' 'TO' 'STEM...' 'BINARY:FILTER ...' GATE_ARGUMENTS...`
-  # lines; prebuild_variant.sh --queue). Each carried one runs its tests on the
+  # lines; prebuild_variant.sh --queue; `--bench ARGUMENTS...` for python -m flashhopper.bench's
+  # instead of the gate's rows, e.g. --bench --fp8 ...). Each carried one runs its tests on the
   # variant (the test binaries load the library from LD_LIBRARY_PATH), then the gate's rows it
   # names on the base and the variant in turn, twice (bench/ab_compare.sh AB_GATE=1 AB_PASSES=2),
   # into $out/ab_NAME/. A variant of another commit than the base's is refused.
@@ -191,7 +192,10 @@ if [ -n "${AB_VARIANTS:-}" ]; then
         tail -2 | tr '\n' ' ')"
     done
     set +f
-    (cd "$src" && OUT="$out/ab_$name" AB_GATE=1 AB_PASSES="${AB_VARIANT_PASSES:-2}" bash bench/ab_compare.sh \
+    local gate=1
+    [ "${1:-}" = --bench ] && { gate=0; shift; }  # the package's benchmark instead of the gate's rows
+    (cd "$src" && OUT="$out/ab_$name" AB_GATE=$gate AB_SCRIPT='-m flashhopper.bench' \
+      AB_PASSES="${AB_VARIANT_PASSES:-2}" bash bench/ab_compare.sh \
       "$BUILD/libflashhopper.so" "$folder/libflashhopper.so.0" "$@") > "$out/ab_$name.txt" 2>&1
     log "ab variant $name rc=$?: $(grep -c '^| ' "$out/ab_$name/ab_gate_table.md" 2>/dev/null) table lines"
   }
