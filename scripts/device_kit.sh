@@ -34,7 +34,7 @@ if [ "${PREBUILD:-0}" = 1 ]; then
   scripts/prebuild.sh "${KERNELS:-bench}" build-prebuilt
   tar cJf build-kit/prebuilt.tar.xz build-prebuilt
   job="CUTLASS_TARBALL=build-kit/cutlass.tar.xz PREBUILT=build-kit/prebuilt.tar.xz"
-  if [ -n "${VARIANTS:-}" ]; then  # the queue's one-line variants against it (about 1.5 min each)
+  if [ -n "${VARIANTS:-}" ]; then  # the queue's variants against it (1.5-5 min each)
     rm -f build-kit/variant_*.tar.xz
     scripts/prebuild_variant.sh --queue "$VARIANTS"
     job="$job AB_VARIANTS=$VARIANTS"
