@@ -45,8 +45,8 @@ variant qdesc256 src/hopper/collective/mainloop_fwd.hpp \
 # by ldmatrix"): unmasked key blocks of 192/224 at head dim 128 and 96/128 at 256 with 240
 # consumer registers (first 192/96 at 232: the producer's 24 registers of the 240 split spill
 # its per-block loads, about 63 more local operations, read off the build), the 240-register
-# split alone, every fourth exponent on the FMA pipe, and head dim 64 in three warpgroups of 64
-# rows. Diffs in bench/variants/ (bench/ab_fp8_tiles.sh's
+# split alone, every fourth exponent on the FMA pipe (on the 192/96 tile at 232), and head dim 64
+# in three warpgroups of 64 rows. Diffs in bench/variants/ (bench/ab_fp8_tiles.sh's
 # rewrites); the dense and general fp8 files and forward_dispatch, which reads the tile's extents.
 fp8_stems='fwd_fp8_hdim64 fwd_fp8_hdim128 fwd_fp8_hdim256 fwd_fp8_hdim64_general fwd_fp8_hdim128_general
   fwd_fp8_hdim256_general launch/forward_dispatch'
