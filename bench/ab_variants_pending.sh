@@ -4,8 +4,8 @@
 # build-kit/variant_NAME.tar.xz) and run on the GPU machine without compiling there
 # (scripts/device_job.sh AB_VARIANTS=bench/ab_variants_pending.sh: the tests named, then the gate's
 # rows named, base and variant in turn twice). In the order to run them, the forward's first (issue
-# 52). The same changes as bench/ab_queue_pending.sh's entries (its comments and bench/RESULTS.md
-# say why each); remove an entry once it has run.
+# 52). bench/RESULTS.md says why each (the section named beside it); remove an entry once it has
+# run, and its diff from bench/variants/ where it has one.
 #   variant NAME FILE 'FROM' 'TO' 'STEM...' 'BINARY:FILTER ...' GATE_ARGUMENTS...
 
 # FlashAttention-4's forward schedule choices: a CTA a tile instead of a persistent grid (dense
@@ -68,8 +68,9 @@ variant bwd_windows_untransposed src/hopper/collective/mainloop_bwd.hpp \
   'bwd_bf16_hdim128 bwd_bf16_hdim128_packed' 'test_backward_gpu:*d128*' \
   --passes bwd --rows window softcap 'dense hdim 128 causal 16384'
 
-# Head dim 64's backward transposed with its 128-row blocks (the gate has no deterministic row:
-# bench/ab_queue_pending.sh's entry times that column).
+# Head dim 64's backward transposed with its 128-row blocks: the package's benchmark, whose
+# backward rows carry the deterministic column (64-row transposed blocks had lost 11-20% there),
+# which the gate has no row for.
 variant bwd64_transposed src/hopper/common/tile_size.hpp \
   'struct BackwardTileSize<64> {' 'struct BackwardTileSize<64> { static constexpr bool kSdPTransposed = true;' \
-  bwd_bf16_hdim64 'test_backward_gpu:*d64*' --passes bwd --rows 'hdim 64'
+  bwd_bf16_hdim64 'test_backward_gpu:*d64*' --bench --passes bwd --hdims 64 --seqlens 4096 8192 16384
