@@ -182,37 +182,44 @@ struct ForwardKernel {
       // fp8's transposing warps read V's TMA stages and write the transposed ones.
       typename Mainloop::PipelineState pipe_v_staged_read;
       auto pipe_vt_write = cutlass::make_producer_start_state<PipelineVt>();
-      const bool transposes = kTransposesV && cutlass::canonical_warp_idx_sync() % 4 != 0;
-      const typename Mainloop::SharedState shared{pipeline_k,
-                                                  pipeline_v,
-                                                  pipe_k_write,
-                                                  transposes ? pipe_v_staged_read : pipe_v_write,
-                                                  storage.barriers.q_full,
-                                                  storage.barriers.q_empty,
-                                                  q_empty_phase,
-                                                  storage.smem_q.data(),
-                                                  storage.kv,
-                                                  pipeline_vt,
-                                                  &pipe_vt_write};
       const bool lane0 = cutlass::canonical_lane_idx() == 0;
-      for (int k = 0;; ++k) {
-        int tile = lane0 ? Scheduler::tile_at(params.scheduler, storage.barriers.tiles, k, false) : 0;
-        if (producer_threads > 1) tile = __shfl_sync(0xffffffff, tile, 0);
-        const WorkTile work = Scheduler::decode(params.scheduler, tile);
-        if (!work.valid) break;
-        const SeqlenInfo seq = Mainloop::seqlen_info(params.mainloop, work);
-        const auto blocks = key_blocks(params, seq, work);
-        if (blocks.count() == 0) continue;  // consumers write zeros; nothing to load
-        if constexpr (kTransposesV) {
-          if (transposes) {
+      // A warp's tiles, with the V state it advances: the loading warp's write state or, with
+      // fp8, the transposing warps' read state. Each role is its own copy of the loop, so that
+      // its states stay in registers (a state picked at run time had to live on the stack: its
+      // every advance a local store, about 60 more local operations in the 240-register split's
+      // producer, bench/RESULTS.md 2026-12-08).
+      auto produce = [&](typename Mainloop::PipelineState& v_state, auto transposes) CUTLASS_LAMBDA_FUNC_INLINE {
+        const typename Mainloop::SharedState shared{pipeline_k,
+                                                    pipeline_v,
+                                                    pipe_k_write,
+                                                    v_state,
+                                                    storage.barriers.q_full,
+                                                    storage.barriers.q_empty,
+                                                    q_empty_phase,
+                                                    storage.smem_q.data(),
+                                                    storage.kv,
+                                                    pipeline_vt,
+                                                    &pipe_vt_write};
+        for (int k = 0;; ++k) {
+          int tile = lane0 ? Scheduler::tile_at(params.scheduler, storage.barriers.tiles, k, false) : 0;
+          if (producer_threads > 1) tile = __shfl_sync(0xffffffff, tile, 0);
+          const WorkTile work = Scheduler::decode(params.scheduler, tile);
+          if (!work.valid) break;
+          const SeqlenInfo seq = Mainloop::seqlen_info(params.mainloop, work);
+          const auto blocks = key_blocks(params, seq, work);
+          if (blocks.count() == 0) continue;  // consumers write zeros; nothing to load
+          if constexpr (decltype(transposes)::value) {
             Mainloop::transpose_v(shared, blocks.count(), int(threadIdx.x) - cutlass::NumThreadsPerWarp,
                                   params.mainloop.v_column_major.enabled);
-          } else if (int(threadIdx.x) < Mainloop::producer_threads(params.mainloop)) {  // a lane, or warp 0 paged
-            Mainloop::load(params.mainloop, shared, work, seq, blocks);
+          } else if (!kTransposesV || int(threadIdx.x) < Mainloop::producer_threads(params.mainloop)) {
+            Mainloop::load(params.mainloop, shared, work, seq, blocks);  // fp8: a lane, or warp 0 paged
           }
-        } else {
-          Mainloop::load(params.mainloop, shared, work, seq, blocks);
         }
+      };
+      if (kTransposesV && cutlass::canonical_warp_idx_sync() % 4 != 0) {
+        if constexpr (kTransposesV) produce(pipe_v_staged_read, cute::true_type{});
+      } else {
+        produce(pipe_v_write, cute::false_type{});
       }
       if constexpr (kClusterM > 1) {
         // The other CTAs' consumers release this one's stages remotely: stay until they all have.
