@@ -11,9 +11,9 @@
 # other work: the GPU may come before the build is done (then carry the kit and build there).
 #   scripts/device_kit.sh               # .gtest and the tarball (seconds)
 #   PREBUILD=1 scripts/device_kit.sh    # and the prebuilt bench set (KERNELS=... for another set)
-#   PREBUILD=1 VARIANTS=bench/ab_variants_pending.sh scripts/device_kit.sh
-#                                       # and the variants that queue lists, for device_job.sh's AB_VARIANTS
-#                                       # (about 5 MB each: the carry holds about ten)
+#   PREBUILD=1 VARIANTS="bench/ab_variants_pending.sh [NAME...]" scripts/device_kit.sh
+#                                       # and the variants that queue lists (all, or those named), for
+#                                       # device_job.sh's AB_VARIANTS (about 5 MB each: the carry holds ten)
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
@@ -36,8 +36,9 @@ if [ "${PREBUILD:-0}" = 1 ]; then
   job="CUTLASS_TARBALL=build-kit/cutlass.tar.xz PREBUILT=build-kit/prebuilt.tar.xz"
   if [ -n "${VARIANTS:-}" ]; then  # the queue's variants against it (1.5-5 min each)
     rm -f build-kit/variant_*.tar.xz
-    scripts/prebuild_variant.sh --queue "$VARIANTS"
-    job="$job AB_VARIANTS=$VARIANTS"
+    # shellcheck disable=SC2086
+    scripts/prebuild_variant.sh --queue $VARIANTS  # QUEUE [NAME...]
+    job="$job AB_VARIANTS=${VARIANTS%% *}"
   fi
 else
   job="CUTLASS_TARBALL=build-kit/cutlass.tar.xz KERNELS=${KERNELS:-bench}"
