@@ -185,9 +185,9 @@ struct ForwardKernel {
       const bool lane0 = cutlass::canonical_lane_idx() == 0;
       // A warp's tiles, with the V state it advances: the loading warp's write state or, with
       // fp8, the transposing warps' read state. Each role is its own copy of the loop, so that
-      // its states stay in registers (a state picked at run time had to live on the stack: its
-      // every advance a local store, about 60 more local operations in the 240-register split's
-      // producer, bench/RESULTS.md 2026-12-08).
+      // its states stay in registers (a state picked at run time had to live on the stack, each
+      // advance a local store: 85 local operations in every dense fp8 kernel, bench/RESULTS.md
+      // 2026-12-08).
       auto produce = [&](typename Mainloop::PipelineState& v_state, auto transposes) CUTLASS_LAMBDA_FUNC_INLINE {
         const typename Mainloop::SharedState shared{pipeline_k,
                                                     pipeline_v,
