@@ -1,6 +1,6 @@
 # shellcheck shell=bash
-# What the one-build A/B scripts (ab_fp8_tiles.sh, ab_source_line.sh) share, sourced by them after
-# they set $build (the job's build folder), $out (their output folder) and log().
+# What the one-build A/B script (ab_source_line.sh) keeps apart, sourced by it after it sets
+# $build (the job's build folder), $out (its output folder) and log().
 
 # Rewrites the first occurrence of FROM in FILE to TO; fails (and says so) where FROM is not there.
 rewrite() {

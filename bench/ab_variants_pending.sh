@@ -44,10 +44,11 @@ variant qdesc256 src/hopper/collective/mainloop_fwd.hpp \
 # fp8's tiles (issue 19; bench/RESULTS.md, "fp8's key blocks and exponents" and "fp8's V transpose
 # by ldmatrix"): unmasked key blocks of 192/224 at head dim 128 and 96/128 at 256 with 240
 # consumer registers (first 192/96 at 232: with the 240 split the producer's 24 registers spill,
-# 48-72 local operations, read off the build), the 240-register
-# split alone, every fourth exponent on the FMA pipe (on the 192/96 tile at 232), and head dim 64
-# in three warpgroups of 64 rows. Diffs in bench/variants/ (bench/ab_fp8_tiles.sh's
-# rewrites); the dense and general fp8 files and forward_dispatch, which reads the tile's extents.
+# 48-72 local operations, read off the build), the 240-register split alone, every fourth
+# exponent on the FMA pipe (on the 192/96 tile at 232), and head dim 64 in three warpgroups of 64
+# rows. Diffs in bench/variants/ (the rewrites bench/ab_fp8_tiles.sh made on a device build before
+# this queue took them over), built against the dense and general fp8 files and forward_dispatch,
+# which reads the tile's extents.
 fp8_stems='fwd_fp8_hdim64 fwd_fp8_hdim128 fwd_fp8_hdim256 fwd_fp8_hdim64_general fwd_fp8_hdim128_general
   fwd_fp8_hdim256_general launch/forward_dispatch'
 fp8_tests='test_forward_gpu:*fp8*'

@@ -9,10 +9,10 @@
 # flashhopper.bench beside the peers for each ';'-separated argument list; with BENCH_MLA=1 (full set), the
 # absorbed-MLA decode rows and split_sweep.py (MLA and GQA); with BENCH_FP8=1 (bench set up), python -m
 # flashhopper.bench --fp8; with PROFILE_THROUGHPUT, bench/profile/profile_throughput.sh; with
-# AB_FP8="variants", bench/ab_fp8_tiles.sh; with AB_FILE (and the other AB_* variables),
+# AB_FILE (and the other AB_* variables),
 # bench/ab_source_line.sh (it leaves its variant linked); with AB_QUEUE=FILE, the one-line A/Bs
 # FILE lists (`ab_run NAME VAR=VALUE ...`), each on the base library; with AB_VARIANTS=FILE, the A/Bs
-# of prebuilt variants it lists (prebuild_variant.sh --queue's, no compile here); AB_FP8's last.
+# of prebuilt variants it lists (prebuild_variant.sh --queue's, no compile here), last.
 # With PREBUILT=<folder> (scripts/prebuild.sh's, carried), or that folder as a .tar.xz (device_kit.sh's
 # build-kit/prebuilt.tar.xz: a tenth of the carry), it builds nothing and runs on that folder (not
 # the A/B steps, which recompile objects of a build).
@@ -203,13 +203,5 @@ if [ -n "${AB_VARIANTS:-}" ]; then
   [ "${variants#/}" = "$variants" ] && variants="$src/$variants"
   # shellcheck disable=SC1090
   source "$variants" || log "ab variants: cannot read $AB_VARIANTS"
-fi
-if [ -n "${AB_FP8:-}" ]; then
-  # The fp8 key-block A/B on this build (bench/ab_fp8_tiles.sh; its variants, space-separated, and
-  # its tables under $out/ab), last: it relinks the library with each variant.
-  log "ab fp8: $AB_FP8"
-  # shellcheck disable=SC2086
-  JOB_DIR="$job" bash "$src/bench/ab_fp8_tiles.sh" $AB_FP8 > "$out/ab_fp8.txt" 2>&1
-  log "ab fp8 rc=$?: $(tail -1 "$out/ab/progress.log" 2>/dev/null)"
 fi
 log "ALL DONE"
